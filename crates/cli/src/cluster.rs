@@ -1,0 +1,138 @@
+//! `tandem run`: a whole cluster on one machine — a prefill worker, a decode worker and a
+//! router, each its own process (this same binary), on loopback. Waits until all three are
+//! ready, prints how to talk to it, and on Ctrl-C (or SIGTERM) stops all three.
+
+use anyhow::{bail, Context, Result};
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::Path;
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+use tokio::process::{Child, Command};
+
+#[derive(clap::Args, Debug)]
+pub struct RunArgs {
+    /// Model directory or known name.
+    #[arg(long, default_value = crate::models::DEFAULT_MODEL, env = "TANDEM_MODEL")]
+    model: String,
+    /// Router HTTP port on 127.0.0.1.
+    #[arg(long, default_value_t = 8000, env = "TANDEM_PORT")]
+    port: u16,
+    /// KV blocks per worker.
+    #[arg(long, default_value_t = 1024)]
+    kv_blocks: usize,
+    /// How long to wait for the processes to become ready.
+    #[arg(long, default_value = "180s", value_parser = humantime::parse_duration)]
+    ready_timeout: Duration,
+}
+
+fn free_port() -> Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+fn http_get_ok(port: u16, path: &str) -> bool {
+    let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) else { return false };
+    let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+    let req = format!("GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n");
+    if s.write_all(req.as_bytes()).is_err() {
+        return false;
+    }
+    let mut buf = [0u8; 12];
+    s.read_exact(&mut buf).is_ok() && buf.starts_with(b"HTTP/1.1 200")
+}
+
+fn spawn(exe: &Path, args: &[String], name: &str) -> Result<Child> {
+    eprintln!("starting {name}: tandem {}", args.join(" "));
+    Command::new(exe)
+        .args(args)
+        .stdin(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .with_context(|| format!("spawning {name}"))
+}
+
+fn terminate(child: &Child) {
+    if let Some(pid) = child.id() {
+        // SIGTERM so each process shuts down cleanly; kill_on_drop is the backstop.
+        let _ = std::process::Command::new("kill").arg("-TERM").arg(pid.to_string()).status();
+    }
+}
+
+pub fn run(args: RunArgs) -> Result<()> {
+    let dir = crate::models::resolve(&args.model)?;
+    let dir_s = dir.display().to_string();
+    let exe = std::env::current_exe().context("locating the tandem binary")?;
+    let (p_port, d_port) = (free_port()?, free_port()?);
+    if TcpListener::bind(("127.0.0.1", args.port)).is_err() {
+        bail!("port {} is busy: pass --port (or TANDEM_PORT) to use another", args.port);
+    }
+    let config = format!(
+        "listen: 127.0.0.1:{port}\nmodel:\n  served_name: {name}\nprefill:\n  - id: prefill-0\n    address: http://127.0.0.1:{p_port}\ndecode:\n  - id: decode-0\n    address: http://127.0.0.1:{d_port}\n",
+        port = args.port,
+        name = dir.file_name().map_or("model".into(), |n| n.to_string_lossy().to_string()),
+    );
+    let config_path = std::env::temp_dir().join(format!("tandem-run-{}.yaml", std::process::id()));
+    std::fs::write(&config_path, &config)?;
+    let kv = args.kv_blocks.to_string();
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let result = rt.block_on(async {
+        let mut children = vec![
+            ("prefill", spawn(&exe, &["worker".into(), "--role".into(), "prefill".into(), "--listen".into(), format!("127.0.0.1:{p_port}"), "--model".into(), dir_s.clone(), "--kv-blocks".into(), kv.clone()], "prefill worker")?),
+            ("decode", spawn(&exe, &["worker".into(), "--role".into(), "decode".into(), "--listen".into(), format!("127.0.0.1:{d_port}"), "--model".into(), dir_s.clone(), "--kv-blocks".into(), kv.clone()], "decode worker")?),
+            ("router", spawn(&exe, &["router".into(), "--config".into(), config_path.display().to_string(), "--model".into(), dir_s.clone()], "router")?),
+        ];
+        // Readiness: the router answers /health only once it can reach both workers.
+        let deadline = Instant::now() + args.ready_timeout;
+        loop {
+            for (name, child) in children.iter_mut() {
+                if let Some(status) = child.try_wait()? {
+                    bail!("{name} exited during start-up ({status})");
+                }
+            }
+            if http_get_ok(args.port, "/health") && http_get_ok(args.port, "/ready") {
+                break;
+            }
+            if Instant::now() > deadline {
+                bail!("cluster not ready after {:?}", args.ready_timeout);
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        println!("\ntandem is ready: http://127.0.0.1:{}/v1 (Ctrl-C stops the cluster)\n", args.port);
+        println!("  curl http://127.0.0.1:{}/v1/chat/completions -H 'Content-Type: application/json' \\", args.port);
+        println!("    -d '{{\"messages\":[{{\"role\":\"user\",\"content\":\"What is the capital of France?\"}}],\"max_tokens\":32,\"temperature\":0}}'\n");
+        let exited = {
+            let waits = children.iter_mut().map(|(name, c)| {
+                let name = *name;
+                Box::pin(async move { (name, c.wait().await) })
+            });
+            tokio::select! {
+                (res, _, _) = futures_select_all(waits) => Some(res),
+                _ = crate::shutdown_signal() => None,
+            }
+        };
+        if let Some((name, status)) = exited {
+            eprintln!("{name} exited ({status:?}); stopping the cluster");
+        } else {
+            eprintln!("stopping the cluster…");
+        }
+        for (_, child) in &children {
+            terminate(child);
+        }
+        for (name, child) in children.iter_mut() {
+            match tokio::time::timeout(Duration::from_secs(10), child.wait()).await {
+                Ok(_) => {}
+                Err(_) => {
+                    eprintln!("{name} did not stop in 10s; killing it");
+                    let _ = child.kill().await;
+                }
+            }
+        }
+        Ok(())
+    });
+    let _ = std::fs::remove_file(&config_path);
+    result
+}
+
+async fn futures_select_all<F: std::future::Future + Unpin>(futs: impl IntoIterator<Item = F>) -> (F::Output, usize, Vec<F>) {
+    futures::future::select_all(futs).await
+}

@@ -1,0 +1,254 @@
+//! `tandem`: one binary, one subcommand per process role. Everything here is argument
+//! parsing and wiring; the work lives in the library crates.
+
+mod bench;
+mod cluster;
+mod models;
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand, ValueEnum};
+use std::path::PathBuf;
+use std::time::Duration;
+use tandem_core::SamplingParams;
+use tandem_engine::{CpuBackend, Engine, EngineConfig, EngineEvent, LlamaModel, SeqKind};
+
+#[derive(Parser, Debug)]
+#[command(name = "tandem", version, about = "Prefill/decode disaggregated LLM serving")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Run the OpenAI-compatible HTTP router.
+    Router(RouterArgs),
+    /// Run a prefill or decode worker.
+    Worker(WorkerArgs),
+    /// Run a local cluster: router + 1 prefill + 1 decode worker as separate processes.
+    Run(cluster::RunArgs),
+    /// Manage models.
+    Model {
+        #[command(subcommand)]
+        command: ModelCommand,
+    },
+    /// Greedy generation in one process; prints token ids and text as JSON.
+    Generate(GenerateArgs),
+    /// Benchmarks.
+    Bench {
+        #[command(subcommand)]
+        command: bench::BenchCommand,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum ModelCommand {
+    /// Download and import a known model into the local cache.
+    Pull {
+        /// Model name (e.g. smollm2-135m-instruct).
+        name: String,
+    },
+    /// List the models `pull` knows.
+    List,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug)]
+enum RoleArg {
+    Prefill,
+    Decode,
+}
+
+#[derive(clap::Args, Debug)]
+struct EngineArgs {
+    /// Model directory (Hugging Face layout) or a known model name.
+    #[arg(long, default_value = models::DEFAULT_MODEL, env = "TANDEM_MODEL")]
+    model: String,
+    /// KV blocks in the pool (16 tokens each).
+    #[arg(long, default_value_t = 1024)]
+    kv_blocks: usize,
+    /// Tokens per step (decodes + prefill chunks).
+    #[arg(long, default_value_t = 512)]
+    max_batch_tokens: usize,
+}
+
+impl EngineArgs {
+    fn start(&self) -> Result<Engine> {
+        let dir = models::resolve(&self.model)?;
+        let model = LlamaModel::load(&dir, CpuBackend::new())
+            .with_context(|| format!("loading {}", dir.display()))?;
+        let config = EngineConfig {
+            num_blocks: self.kv_blocks,
+            max_batch_tokens: self.max_batch_tokens,
+            ..EngineConfig::default()
+        };
+        Ok(Engine::start(model, config))
+    }
+}
+
+#[derive(clap::Args, Debug)]
+struct WorkerArgs {
+    /// Which role this worker serves.
+    #[arg(long, value_enum)]
+    role: RoleArg,
+    /// gRPC listen address.
+    #[arg(long, default_value = "127.0.0.1:50061")]
+    listen: String,
+    /// Decode role: KV transport listen address (port 0 picks one).
+    #[arg(long, default_value = "127.0.0.1:0")]
+    transfer_listen: String,
+    /// Decode role: how long a reservation waits for its KV.
+    #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
+    kv_lease: Duration,
+    /// Prefill role: the longest one KV push may take.
+    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+    transfer_timeout: Duration,
+    #[command(flatten)]
+    engine: EngineArgs,
+}
+
+#[derive(clap::Args, Debug)]
+struct RouterArgs {
+    /// Router YAML config (static worker lists).
+    #[arg(long)]
+    config: PathBuf,
+    /// Model directory or known name; overrides the config's model.dir.
+    #[arg(long, env = "TANDEM_MODEL")]
+    model: Option<String>,
+    /// Listen address; overrides the config's.
+    #[arg(long)]
+    listen: Option<String>,
+}
+
+#[derive(clap::Args, Debug)]
+struct GenerateArgs {
+    /// Model directory or known name.
+    #[arg(long, default_value = models::DEFAULT_MODEL)]
+    model: String,
+    /// Prompt text (tokenized without special tokens added).
+    #[arg(long, conflicts_with = "token_ids")]
+    prompt: Option<String>,
+    /// Prompt as comma-separated token ids.
+    #[arg(long, value_delimiter = ',')]
+    token_ids: Option<Vec<u32>>,
+    /// Tokens to generate.
+    #[arg(long, default_value_t = 32)]
+    max_tokens: u32,
+    /// Print JSON (`{"token_ids": [...], "text": "..."}`).
+    #[arg(long)]
+    json: bool,
+}
+
+fn init_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("TANDEM_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    init_tracing();
+    match cli.command {
+        Command::Model { command: ModelCommand::Pull { name } } => {
+            let dir = models::pull(&name)?;
+            println!("{}", dir.display());
+            Ok(())
+        }
+        Command::Model { command: ModelCommand::List } => {
+            for name in tandem_model::pull::known_models() {
+                println!("{name}");
+            }
+            Ok(())
+        }
+        Command::Generate(args) => generate(args),
+        Command::Worker(args) => runtime()?.block_on(worker(args)),
+        Command::Router(args) => runtime()?.block_on(router(args)),
+        Command::Run(args) => cluster::run(args),
+        Command::Bench { command } => bench::run(command),
+    }
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_multi_thread().enable_all().build()?)
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(s) => s,
+            Err(_) => {
+                let _ = ctrl_c.await;
+                return;
+            }
+        };
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+}
+
+async fn worker(args: WorkerArgs) -> Result<()> {
+    let engine = args.engine.start()?;
+    let role = match args.role {
+        RoleArg::Prefill => tandem_worker::Role::Prefill,
+        RoleArg::Decode => tandem_worker::Role::Decode,
+    };
+    let listener = tokio::net::TcpListener::bind(&args.listen)
+        .await
+        .with_context(|| format!("binding {}", args.listen))?;
+    tracing::info!(role = role.as_str(), listen = %listener.local_addr()?, "worker ready");
+    let opts = tandem_worker::WorkerOptions {
+        role,
+        transfer_bind: args.transfer_listen,
+        kv_lease: args.kv_lease,
+        transfer_timeout: args.transfer_timeout,
+    };
+    tandem_worker::serve(engine, opts, listener, shutdown_signal()).await?;
+    tracing::info!("worker stopped");
+    Ok(())
+}
+
+async fn router(args: RouterArgs) -> Result<()> {
+    let model_dir = match &args.model {
+        Some(m) => Some(models::resolve(m)?),
+        None => None,
+    };
+    tandem_router::run_from_config(&args.config, model_dir, args.listen.as_deref(), shutdown_signal()).await
+}
+
+fn generate(args: GenerateArgs) -> Result<()> {
+    let dir = models::resolve(&args.model)?;
+    let tokenizer = tokenizers::Tokenizer::from_file(dir.join("tokenizer.json"))
+        .map_err(|e| anyhow::anyhow!("loading tokenizer: {e}"))?;
+    let prompt = match (&args.prompt, &args.token_ids) {
+        (Some(text), _) => tokenizer
+            .encode(text.as_str(), false)
+            .map_err(|e| anyhow::anyhow!("tokenizing: {e}"))?
+            .get_ids()
+            .to_vec(),
+        (None, Some(ids)) => ids.clone(),
+        (None, None) => bail!("give --prompt or --token-ids"),
+    };
+    let engine = EngineArgs { model: dir.display().to_string(), kv_blocks: 1024, max_batch_tokens: 512 }.start()?;
+    let mut rx = engine.submit(prompt, SamplingParams::greedy(args.max_tokens), SeqKind::Generate)?;
+    let mut ids = Vec::new();
+    while let Some(ev) = rx.blocking_recv() {
+        if let EngineEvent::Token { token_id, finish } = ev {
+            ids.push(token_id);
+            if finish.is_some() {
+                break;
+            }
+        }
+    }
+    let text = tokenizer.decode(&ids, false).map_err(|e| anyhow::anyhow!("decoding: {e}"))?;
+    if args.json {
+        println!("{}", serde_json::json!({ "token_ids": ids, "text": text }));
+    } else {
+        println!("{text}");
+    }
+    Ok(())
+}

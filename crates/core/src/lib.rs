@@ -1,0 +1,14 @@
+//! The vocabulary every tandem crate shares: identifiers as newtypes (never bare integers or
+//! URL strings), the failure classes a request can end in, and the checked generation request
+//! that travels from the router inward.
+
+/// Newtype identifiers: requests, workers, reservations, epochs, blocks.
+pub mod ids;
+/// `ErrorClass`: how a failure is classified, once, where it happens.
+pub mod error_class;
+/// Validated sampling parameters and generation requests.
+pub mod request;
+
+pub use error_class::ErrorClass;
+pub use ids::{BlockId, Epoch, RequestId, ReservationId, WorkerId};
+pub use request::{FinishReason, SamplingParams};

@@ -1,0 +1,163 @@
+//! The paged KV pool's bookkeeping: a free list of fixed-size blocks shared by the engine
+//! thread and the decode worker's reservation path, and [`BlockAllocation`], which hands its
+//! blocks back when dropped — so a cancelled, failed or finished request can never leak KV.
+//! The storage itself belongs to the backend (it lives in device memory on GPUs).
+
+use parking_lot::Mutex;
+use std::sync::Arc;
+use tandem_core::BlockId;
+
+/// Shape of a paged KV cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvLayout {
+    /// Full-attention layers.
+    pub num_layers: usize,
+    /// KV heads per layer.
+    pub num_kv_heads: usize,
+    /// Width of one head.
+    pub head_dim: usize,
+    /// Tokens per block.
+    pub block_size: usize,
+    /// Blocks in the pool.
+    pub num_blocks: usize,
+}
+
+impl KvLayout {
+    /// Floats of K (or V) for one token in one layer.
+    pub fn kv_dim(&self) -> usize {
+        self.num_kv_heads * self.head_dim
+    }
+
+    /// Blocks needed to hold `tokens` tokens.
+    pub fn blocks_for(&self, tokens: usize) -> usize {
+        tokens.div_ceil(self.block_size)
+    }
+
+    /// Bytes one token's K and V take over all layers (f32).
+    pub fn bytes_per_token(&self) -> usize {
+        self.num_layers * 2 * self.kv_dim() * 4
+    }
+}
+
+#[derive(Debug)]
+struct FreeList {
+    free: Vec<BlockId>,
+    total: usize,
+}
+
+/// Hands out KV blocks. Cheap to clone; all clones share one free list.
+#[derive(Clone, Debug)]
+pub struct BlockAllocator {
+    inner: Arc<Mutex<FreeList>>,
+}
+
+impl BlockAllocator {
+    /// A pool of `total` blocks, all free.
+    pub fn new(total: usize) -> Self {
+        // Pop from the end: hand out low block ids first (nicer to read in logs).
+        let free = (0..total as u32).rev().map(BlockId).collect();
+        Self {
+            inner: Arc::new(Mutex::new(FreeList { free, total })),
+        }
+    }
+
+    /// Takes `n` blocks, or none if fewer than `n` are free.
+    pub fn allocate(&self, n: usize) -> crate::Result<BlockAllocation> {
+        let mut list = self.inner.lock();
+        if list.free.len() < n {
+            return Err(crate::Error::CapacityExhausted {
+                needed: n,
+                free: list.free.len(),
+            });
+        }
+        let at = list.free.len() - n;
+        let blocks = list.free.split_off(at);
+        Ok(BlockAllocation {
+            blocks,
+            pool: self.clone(),
+        })
+    }
+
+    /// Blocks free now.
+    pub fn free_blocks(&self) -> usize {
+        self.inner.lock().free.len()
+    }
+
+    /// Blocks in the pool.
+    pub fn total_blocks(&self) -> usize {
+        self.inner.lock().total
+    }
+
+    fn release(&self, blocks: &mut Vec<BlockId>) {
+        let mut list = self.inner.lock();
+        list.free.append(blocks);
+        debug_assert!(list.free.len() <= list.total, "block returned twice");
+    }
+}
+
+/// Blocks owned by one request; returned to the pool on drop.
+#[derive(Debug)]
+pub struct BlockAllocation {
+    blocks: Vec<BlockId>,
+    pool: BlockAllocator,
+}
+
+impl BlockAllocation {
+    /// The blocks, in sequence order.
+    pub fn blocks(&self) -> &[BlockId] {
+        &self.blocks
+    }
+}
+
+impl Drop for BlockAllocation {
+    fn drop(&mut self) {
+        self.pool.release(&mut self.blocks);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn allocations_return_their_blocks_on_drop() {
+        let pool = BlockAllocator::new(8);
+        let a = pool.allocate(3).expect("3 of 8 free");
+        let b = pool.allocate(5).expect("5 of 5 free");
+        assert_eq!(pool.free_blocks(), 0);
+        let mut all: Vec<u32> = a.blocks().iter().chain(b.blocks()).map(|b| b.0).collect();
+        all.sort_unstable();
+        assert_eq!(all, (0..8).collect::<Vec<_>>(), "no block handed out twice");
+        assert!(matches!(
+            pool.allocate(1),
+            Err(crate::Error::CapacityExhausted { needed: 1, free: 0 })
+        ));
+        drop(a);
+        assert_eq!(pool.free_blocks(), 3);
+        drop(b);
+        assert_eq!(pool.free_blocks(), 8);
+    }
+
+    #[test]
+    fn failed_allocation_takes_nothing() {
+        let pool = BlockAllocator::new(4);
+        let _a = pool.allocate(3).expect("fits");
+        assert!(pool.allocate(2).is_err());
+        assert_eq!(pool.free_blocks(), 1);
+    }
+
+    #[test]
+    fn layout_arithmetic() {
+        let l = KvLayout {
+            num_layers: 30,
+            num_kv_heads: 3,
+            head_dim: 64,
+            block_size: 16,
+            num_blocks: 10,
+        };
+        assert_eq!(l.blocks_for(0), 0);
+        assert_eq!(l.blocks_for(16), 1);
+        assert_eq!(l.blocks_for(17), 2);
+        assert_eq!(l.bytes_per_token(), 30 * 2 * 192 * 4);
+    }
+}

@@ -1,0 +1,74 @@
+//! tandem's engine. Model code is written once over the [`backend::Backend`] operations
+//! (batched over a flattened token dimension, so one step of many requests is one GEMM per
+//! projection); the CPU backend is always built, a CUDA backend implements the same trait.
+//! KV lives in a paged pool whose allocations free themselves on drop, and one thread owns
+//! the model and the cache and runs continuous batching with chunked prefill.
+
+/// The backend boundary and its CPU implementation.
+pub mod backend;
+/// Flattened batch description handed to a forward pass.
+pub mod batch;
+/// Paged KV pool: block allocator with RAII allocations, and the cache storage.
+pub mod kv_pool;
+/// Llama-family model (GQA, RoPE, RMSNorm, SwiGLU, tied embeddings).
+pub mod llama;
+/// Token sampling: greedy, temperature, top-k, top-p, seeded.
+pub mod sampling;
+/// The engine thread: continuous batching with chunked prefill, and its async handle.
+pub mod scheduler;
+
+pub use backend::{Backend, CpuBackend};
+pub use kv_pool::{BlockAllocation, BlockAllocator, KvLayout};
+pub use llama::LlamaModel;
+pub use scheduler::{Engine, EngineConfig, EngineEvent, EngineStats, SeqKind};
+
+/// Errors of the engine.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The checkpoint could not be read.
+    #[error(transparent)]
+    Model(#[from] tandem_model::Error),
+    /// A safetensors file did not parse or lacks a tensor.
+    #[error("{0}")]
+    Weights(String),
+    /// Reading a file failed.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: std::path::PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Not enough free KV blocks.
+    #[error("KV pool exhausted: need {needed} blocks, {free} free")]
+    CapacityExhausted {
+        /// Blocks asked for.
+        needed: usize,
+        /// Blocks free.
+        free: usize,
+    },
+    /// The request cannot be served (too long, empty).
+    #[error("invalid request: {0}")]
+    InvalidRequest(String),
+    /// The engine thread is gone.
+    #[error("engine stopped")]
+    Stopped,
+}
+
+impl Error {
+    /// The class this failure belongs to.
+    pub fn class(&self) -> tandem_core::ErrorClass {
+        use tandem_core::ErrorClass;
+        match self {
+            Error::CapacityExhausted { .. } => ErrorClass::CapacityExhausted,
+            Error::InvalidRequest(_) => ErrorClass::InvalidRequest,
+            Error::Stopped => ErrorClass::Unavailable,
+            Error::Model(_) | Error::Weights(_) | Error::Io { .. } => ErrorClass::Internal,
+        }
+    }
+}
+
+/// Result of the engine.
+pub type Result<T> = std::result::Result<T, Error>;

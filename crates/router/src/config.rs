@@ -1,0 +1,362 @@
+//! The router's YAML configuration: a static list of prefill and decode workers, the served
+//! model, the routing policy and timeouts.
+//!
+//! [`RawConfig`] is what the file says (unknown keys are errors); [`RawConfig::validate`]
+//! turns it into a [`RouterConfig`] whose addresses are parsed, ids unique and lists
+//! non-empty, reporting every problem at once. `model.dir` may be left out of the file and
+//! given on the command line instead ([`RouterConfig::with_model_dir`]).
+
+use crate::error::{Error, Result};
+use axum::http::Uri;
+use serde::{Deserialize, Serialize};
+use std::collections::HashSet;
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+use tandem_core::WorkerId;
+
+/// The configuration file as written.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawConfig {
+    /// `host:port` the HTTP server binds, an IP address (e.g. `127.0.0.1:8000`).
+    pub listen: String,
+    /// The served model.
+    pub model: ModelConfig,
+    /// Prefill workers.
+    pub prefill: Vec<RawWorker>,
+    /// Decode workers.
+    pub decode: Vec<RawWorker>,
+    /// How workers are picked; round-robin when absent.
+    #[serde(default)]
+    pub policy: PolicyConfig,
+    /// Time limits; defaults when absent.
+    #[serde(default)]
+    pub timeouts: Timeouts,
+}
+
+/// The served model.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelConfig {
+    /// Name clients pass as `model`.
+    pub served_name: String,
+    /// Hugging Face model directory (tokenizer, config); may come from the command line.
+    #[serde(default)]
+    pub dir: Option<PathBuf>,
+}
+
+/// A worker as written in the file.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawWorker {
+    /// Unique among all workers.
+    pub id: String,
+    /// gRPC endpoint, `http://host:port`.
+    pub address: String,
+}
+
+/// Worker selection policy.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum PolicyConfig {
+    /// Prefill and decode workers each in turn.
+    #[default]
+    RoundRobin,
+}
+
+/// Time limits, written as humantime strings (`500ms`, `2s`, `10m`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Timeouts {
+    /// Establishing a gRPC connection to a worker.
+    #[serde(with = "humantime_serde")]
+    pub connect: Duration,
+    /// From admission to the first generated token.
+    #[serde(with = "humantime_serde")]
+    pub first_token: Duration,
+    /// Between two generated tokens.
+    #[serde(with = "humantime_serde")]
+    pub inter_token: Duration,
+    /// Whole request, end to end.
+    #[serde(with = "humantime_serde")]
+    pub request: Duration,
+}
+
+impl Default for Timeouts {
+    fn default() -> Self {
+        Self {
+            connect: Duration::from_secs(2),
+            first_token: Duration::from_secs(60),
+            inter_token: Duration::from_secs(30),
+            request: Duration::from_secs(600),
+        }
+    }
+}
+
+/// A checked configuration.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RouterConfig {
+    /// Where the HTTP server binds.
+    pub listen: SocketAddr,
+    /// The served model.
+    pub model: ModelConfig,
+    /// Prefill workers; never empty.
+    pub prefill: Vec<WorkerEndpoint>,
+    /// Decode workers; never empty.
+    pub decode: Vec<WorkerEndpoint>,
+    /// Worker selection policy.
+    pub policy: PolicyConfig,
+    /// Time limits; all non-zero.
+    pub timeouts: Timeouts,
+}
+
+/// A worker the router may send requests to.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WorkerEndpoint {
+    /// Its id.
+    pub id: WorkerId,
+    /// Its gRPC endpoint.
+    pub address: WorkerAddress,
+}
+
+/// A worker's gRPC endpoint: an `http`/`https` URI with a host and no path.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WorkerAddress(Uri);
+
+impl WorkerAddress {
+    /// Parses and checks `text`.
+    pub fn parse(text: &str) -> std::result::Result<Self, String> {
+        let uri: Uri = text
+            .parse()
+            .map_err(|err| format!("`{text}` is not a URI: {err}"))?;
+        match uri.scheme_str() {
+            Some("http" | "https") => {}
+            _ => return Err(format!("`{text}` must start with http:// or https://")),
+        }
+        if uri.host().is_none_or(str::is_empty) {
+            return Err(format!("`{text}` has no host"));
+        }
+        if !matches!(uri.path(), "" | "/") || uri.query().is_some() {
+            return Err(format!("`{text}` must not have a path or query"));
+        }
+        Ok(Self(uri))
+    }
+
+    /// The URI.
+    pub fn uri(&self) -> &Uri {
+        &self.0
+    }
+}
+
+impl fmt::Display for WorkerAddress {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // `Uri` renders an empty path as "/"; show the authority form users wrote.
+        match (self.0.scheme_str(), self.0.authority()) {
+            (Some(scheme), Some(authority)) => write!(f, "{scheme}://{authority}"),
+            _ => write!(f, "{}", self.0),
+        }
+    }
+}
+
+impl RawConfig {
+    /// Parses YAML text.
+    pub fn from_yaml(text: &str) -> Result<Self> {
+        serde_yaml::from_str(text).map_err(Error::ConfigParse)
+    }
+
+    /// Checks everything, reporting all problems in one [`Error::InvalidConfig`].
+    pub fn validate(self) -> Result<RouterConfig> {
+        let mut problems = Vec::new();
+        let listen = self
+            .listen
+            .parse::<SocketAddr>()
+            .map_err(|err| {
+                problems.push(format!(
+                    "listen: `{}` is not an ip:port address ({err})",
+                    self.listen
+                ))
+            })
+            .ok();
+        if self.model.served_name.trim().is_empty() {
+            problems.push("model.served_name must not be empty".to_owned());
+        }
+        let mut ids = HashSet::new();
+        let prefill = check_workers("prefill", self.prefill, &mut ids, &mut problems);
+        let decode = check_workers("decode", self.decode, &mut ids, &mut problems);
+        for (name, value) in [
+            ("connect", self.timeouts.connect),
+            ("first_token", self.timeouts.first_token),
+            ("inter_token", self.timeouts.inter_token),
+            ("request", self.timeouts.request),
+        ] {
+            if value.is_zero() {
+                problems.push(format!("timeouts.{name} must be greater than zero"));
+            }
+        }
+        match listen {
+            Some(listen) if problems.is_empty() => Ok(RouterConfig {
+                listen,
+                model: self.model,
+                prefill,
+                decode,
+                policy: self.policy,
+                timeouts: self.timeouts,
+            }),
+            _ => Err(Error::InvalidConfig(problems.join("; "))),
+        }
+    }
+}
+
+fn check_workers(
+    role: &str,
+    workers: Vec<RawWorker>,
+    ids: &mut HashSet<String>,
+    problems: &mut Vec<String>,
+) -> Vec<WorkerEndpoint> {
+    if workers.is_empty() {
+        problems.push(format!("{role}: at least one worker is required"));
+    }
+    let mut addresses = HashSet::new();
+    let mut checked = Vec::new();
+    for (i, worker) in workers.into_iter().enumerate() {
+        if worker.id.trim().is_empty() {
+            problems.push(format!("{role}[{i}].id must not be empty"));
+        } else if !ids.insert(worker.id.clone()) {
+            problems.push(format!(
+                "{role}[{i}].id `{}` is used by another worker",
+                worker.id
+            ));
+        }
+        match WorkerAddress::parse(&worker.address) {
+            Ok(address) => {
+                if !addresses.insert(address.to_string()) {
+                    problems.push(format!(
+                        "{role}[{i}].address {address} is listed twice"
+                    ));
+                }
+                checked.push(WorkerEndpoint {
+                    id: WorkerId(worker.id),
+                    address,
+                });
+            }
+            Err(problem) => problems.push(format!("{role}[{i}].address: {problem}")),
+        }
+    }
+    checked
+}
+
+impl RouterConfig {
+    /// Parses and validates YAML text.
+    pub fn from_yaml(text: &str) -> Result<Self> {
+        RawConfig::from_yaml(text)?.validate()
+    }
+
+    /// Reads, parses and validates a file.
+    pub fn load(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|source| Error::Io {
+            path: path.to_owned(),
+            source,
+        })?;
+        Self::from_yaml(&text)
+    }
+
+    /// Sets `model.dir` (the command line overrides the file).
+    pub fn with_model_dir(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.model.dir = Some(dir.into());
+        self
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOOD: &str = "
+listen: 127.0.0.1:8000
+model: {served_name: smol}
+prefill: [{id: p0, address: 'http://127.0.0.1:50061'}]
+decode: [{id: d0, address: 'http://127.0.0.1:50062'}]
+policy: {kind: round_robin}
+timeouts: {connect: 500ms, request: 2m}
+";
+
+    fn invalid(yaml: &str) -> String {
+        match RouterConfig::from_yaml(yaml) {
+            Err(Error::InvalidConfig(message)) => message,
+            other => panic!("expected InvalidConfig, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn parses_a_good_file() {
+        let config = RouterConfig::from_yaml(GOOD).expect("valid");
+        assert_eq!(config.listen, "127.0.0.1:8000".parse().expect("addr"));
+        assert_eq!(config.prefill[0].id, WorkerId("p0".into()));
+        assert_eq!(
+            config.decode[0].address.to_string(),
+            "http://127.0.0.1:50062"
+        );
+        assert_eq!(config.timeouts.connect, Duration::from_millis(500));
+        assert_eq!(config.timeouts.request, Duration::from_secs(120));
+        assert_eq!(config.timeouts.first_token, Duration::from_secs(60));
+        assert_eq!(config.model.dir, None);
+        let config = config.with_model_dir("/models/smol");
+        assert_eq!(config.model.dir, Some(PathBuf::from("/models/smol")));
+    }
+
+    #[test]
+    fn unknown_keys_are_rejected() {
+        let yaml = format!("{GOOD}extra: 1\n");
+        assert!(matches!(
+            RouterConfig::from_yaml(&yaml),
+            Err(Error::ConfigParse(_))
+        ));
+        let yaml = GOOD.replace("round_robin", "random");
+        assert!(matches!(
+            RouterConfig::from_yaml(&yaml),
+            Err(Error::ConfigParse(_))
+        ));
+        let yaml = GOOD.replace("500ms", "soon");
+        assert!(matches!(
+            RouterConfig::from_yaml(&yaml),
+            Err(Error::ConfigParse(_))
+        ));
+    }
+
+    #[test]
+    fn every_problem_is_reported() {
+        let message = invalid(
+            "
+listen: localhost
+model: {served_name: ''}
+prefill: []
+decode:
+  - {id: d0, address: '127.0.0.1:50062'}
+  - {id: d0, address: 'http://127.0.0.1:50063/x'}
+  - {id: d2, address: 'http://127.0.0.1:50064'}
+  - {id: d3, address: 'http://127.0.0.1:50064'}
+timeouts: {connect: 0s}
+",
+        );
+        for expected in [
+            "listen",
+            "served_name",
+            "prefill: at least one worker",
+            "must start with http://",
+            "`d0` is used by another worker",
+            "must not have a path",
+            "listed twice",
+            "timeouts.connect",
+        ] {
+            assert!(message.contains(expected), "{expected:?} not in {message:?}");
+        }
+    }
+
+    #[test]
+    fn ids_are_unique_across_roles() {
+        let message = invalid(&GOOD.replace("id: d0", "id: p0"));
+        assert!(message.contains("decode[0].id `p0`"), "{message}");
+    }
+}

@@ -1,0 +1,56 @@
+//! tandem's router: the OpenAI-compatible HTTP front end of a prefill/decode cluster.
+//!
+//! The router owns the tokenizer. It validates a request, renders the chat template,
+//! tokenizes, and hands token ids to a [`Generator`]; tokens come back as a stream, which the
+//! router detokenizes incrementally (UTF-8 safe), checks against stop strings and sends to the
+//! client as one JSON answer or as server-sent events. Keeping text handling here means workers
+//! deal only in token ids, and routing can see token prefixes.
+//!
+//! Where tokens come from is behind the narrow [`Generator`] trait: the P/D implementation
+//! talks gRPC to a prefill and a decode worker; [`testing::MemoryGenerator`] replays a script,
+//! so the whole HTTP surface is tested without workers. Dropping a token stream cancels the
+//! generation, and nothing but the response body holds it, so a client that disconnects
+//! cancels its request.
+//!
+//! Failures are classified (`ErrorClass`) where they happen and rendered to HTTP in one place,
+//! [`ApiError::status`].
+
+/// Compiling and rendering Hugging Face chat templates.
+pub mod chat_template;
+/// The `/v1/chat/completions` and `/v1/completions` handlers and their answer shapes.
+mod completions;
+/// Router YAML configuration: `RawConfig` → validated `RouterConfig`.
+pub mod config;
+/// Token ids → UTF-8-safe text deltas.
+pub mod detokenizer;
+/// Start-up errors and client-facing API errors (the one `ErrorClass` → status mapping).
+pub mod error;
+/// The boundary to whatever produces tokens: the `Generator` trait.
+pub mod generator;
+/// Prometheus metrics in a router-owned registry; per-request recording.
+pub mod metrics;
+/// Tokenizer, chat template, context length and EOS ids loaded from a model directory.
+pub mod model;
+// pub mod pd; (added by the lead)
+/// OpenAI request and response wire types.
+pub mod protocol;
+/// Router state, routes, and `serve`.
+pub mod server;
+/// Stop-string matching across text deltas.
+pub mod stop_strings;
+/// Generator tokens → text events (detokenize, stop strings, limits, metrics).
+mod text_stream;
+/// In-memory test double of `Generator`.
+pub mod testing;
+/// Parsed requests → checked, tokenized requests.
+pub mod validation;
+
+pub use config::{RawConfig, RouterConfig, WorkerAddress, WorkerEndpoint};
+pub use error::{ApiError, Error, Result};
+pub use generator::{
+    GenerateError, GenerateFuture, GeneratedToken, Generator, TokenStream, ValidGenerateRequest,
+};
+pub use metrics::Metrics;
+pub use model::{ModelAssets, ModelInfo};
+pub use server::{app, serve, serve_with_shutdown, RouterState};
+pub use testing::MemoryGenerator;

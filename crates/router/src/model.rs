@@ -1,0 +1,275 @@
+//! What the router needs from a Hugging Face model directory: the tokenizer, the chat template,
+//! special tokens, the context length and the EOS ids. Weights are never read here.
+
+use crate::chat_template::ChatTemplate;
+use crate::error::{Error, Result};
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use tokenizers::Tokenizer;
+
+/// Which model the router serves and where its files are.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ModelInfo {
+    /// The name clients pass as `model` and `/v1/models` lists.
+    pub served_name: String,
+    /// Directory holding `tokenizer.json`, `tokenizer_config.json`, `config.json`.
+    pub dir: PathBuf,
+}
+
+impl ModelInfo {
+    /// A model named `served_name` whose files are in `dir`.
+    pub fn new(served_name: impl Into<String>, dir: impl Into<PathBuf>) -> Self {
+        Self {
+            served_name: served_name.into(),
+            dir: dir.into(),
+        }
+    }
+
+    /// Loads the router-side assets from [`Self::dir`].
+    pub fn load(&self) -> Result<ModelAssets> {
+        ModelAssets::load(&self.dir)
+    }
+}
+
+/// Loaded tokenizer, template and limits of one model.
+#[derive(Debug)]
+pub struct ModelAssets {
+    tokenizer: Arc<Tokenizer>,
+    chat_template: Option<ChatTemplate>,
+    bos_token_id: Option<u32>,
+    add_bos_token: bool,
+    context_length: u32,
+    eos_token_ids: Vec<u32>,
+    vocab_size: u32,
+}
+
+/// Values above this in `model_max_length` are transformers' "no limit" sentinel.
+const MODEL_MAX_LENGTH_SENTINEL: f64 = 1e12;
+
+impl ModelAssets {
+    /// Loads `tokenizer.json` (required), `tokenizer_config.json` and `config.json` (optional,
+    /// but one of them must give a context length) from `dir`.
+    pub fn load(dir: &Path) -> Result<Self> {
+        let tokenizer_path = dir.join("tokenizer.json");
+        let tokenizer = Tokenizer::from_file(&tokenizer_path).map_err(|source| Error::Tokenizer {
+            path: tokenizer_path,
+            source,
+        })?;
+        let tokenizer_config = read_json_if_exists(&dir.join("tokenizer_config.json"))?;
+        let config = read_json_if_exists(&dir.join("config.json"))?;
+        let model_error = |message: String| Error::Model {
+            dir: dir.to_owned(),
+            message,
+        };
+
+        let bos_token = tokenizer_config.as_ref().and_then(|c| token_text(&c["bos_token"]));
+        let eos_token = tokenizer_config.as_ref().and_then(|c| token_text(&c["eos_token"]));
+        let add_bos_token = tokenizer_config
+            .as_ref()
+            .and_then(|c| c["add_bos_token"].as_bool())
+            .unwrap_or(false);
+        let chat_template = match tokenizer_config.as_ref().and_then(|c| template_source(c)) {
+            Some(source) => Some(ChatTemplate::new(
+                source,
+                bos_token.as_deref(),
+                eos_token.as_deref(),
+            )?),
+            None => None,
+        };
+
+        let max_position_embeddings = config
+            .as_ref()
+            .and_then(|c| config_field(c, "max_position_embeddings"))
+            .and_then(Value::as_u64);
+        let model_max_length = tokenizer_config
+            .as_ref()
+            .and_then(|c| c["model_max_length"].as_f64())
+            .filter(|&len| len >= 1.0 && len < MODEL_MAX_LENGTH_SENTINEL)
+            .map(|len| len as u64);
+        let context_length = match (max_position_embeddings, model_max_length) {
+            (Some(a), Some(b)) => a.min(b),
+            (Some(a), None) | (None, Some(a)) => a,
+            (None, None) => {
+                return Err(model_error(
+                    "no context length: config.json has no max_position_embeddings and \
+                     tokenizer_config.json no model_max_length"
+                        .to_owned(),
+                ))
+            }
+        };
+        let context_length = u32::try_from(context_length)
+            .map_err(|_| model_error(format!("context length {context_length} is too large")))?;
+
+        let mut eos_token_ids = Vec::new();
+        if let Some(value) = config.as_ref().and_then(|c| config_field(c, "eos_token_id")) {
+            eos_token_ids = token_ids(value)
+                .ok_or_else(|| model_error(format!("config.json eos_token_id {value} is not an id or a list of ids")))?;
+        }
+        if let Some(id) = eos_token.as_deref().and_then(|t| tokenizer.token_to_id(t)) {
+            if !eos_token_ids.contains(&id) {
+                eos_token_ids.push(id);
+            }
+        }
+        let bos_token_id = bos_token.as_deref().and_then(|t| tokenizer.token_to_id(t));
+        let vocab_size = u32::try_from(tokenizer.get_vocab_size(true))
+            .map_err(|_| model_error("vocabulary too large".to_owned()))?;
+
+        Ok(Self {
+            tokenizer: Arc::new(tokenizer),
+            chat_template,
+            bos_token_id,
+            add_bos_token,
+            context_length,
+            eos_token_ids,
+            vocab_size,
+        })
+    }
+
+    /// The tokenizer.
+    pub fn tokenizer(&self) -> &Arc<Tokenizer> {
+        &self.tokenizer
+    }
+
+    /// The chat template, if the model has one.
+    pub fn chat_template(&self) -> Option<&ChatTemplate> {
+        self.chat_template.as_ref()
+    }
+
+    /// Maximum prompt + completion length in tokens.
+    pub fn context_length(&self) -> u32 {
+        self.context_length
+    }
+
+    /// Token ids that end generation (from `config.json` and the tokenizer's `eos_token`).
+    pub fn eos_token_ids(&self) -> &[u32] {
+        &self.eos_token_ids
+    }
+
+    /// Vocabulary size, added tokens included; every valid token id is below it.
+    pub fn vocab_size(&self) -> u32 {
+        self.vocab_size
+    }
+
+    /// Tokenizes a rendered chat prompt: special tokens in the text are matched as added
+    /// tokens, and nothing is added around it (the template already placed BOS if it wants one).
+    pub fn encode_chat(&self, text: &str) -> std::result::Result<Vec<u32>, tokenizers::Error> {
+        Ok(self.tokenizer.encode(text, false)?.get_ids().to_vec())
+    }
+
+    /// Tokenizes a raw completion prompt with the tokenizer's own post-processing, then
+    /// prepends BOS when `tokenizer_config.json` says `add_bos_token` and it is not there yet.
+    pub fn encode_prompt(&self, text: &str) -> std::result::Result<Vec<u32>, tokenizers::Error> {
+        let mut ids = self.tokenizer.encode(text, true)?.get_ids().to_vec();
+        if let (true, Some(bos)) = (self.add_bos_token, self.bos_token_id) {
+            if ids.first() != Some(&bos) {
+                ids.insert(0, bos);
+            }
+        }
+        Ok(ids)
+    }
+}
+
+fn read_json_if_exists(path: &Path) -> Result<Option<Value>> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(text) => text,
+        Err(err) if err.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(source) => {
+            return Err(Error::Io {
+                path: path.to_owned(),
+                source,
+            })
+        }
+    };
+    serde_json::from_str(&text)
+        .map(Some)
+        .map_err(|source| Error::Json {
+            path: path.to_owned(),
+            source,
+        })
+}
+
+/// A field of `config.json`, looked up at the top level, then in `text_config` (multimodal
+/// checkpoints nest the language model's settings there).
+fn config_field<'a>(config: &'a Value, key: &str) -> Option<&'a Value> {
+    config
+        .get(key)
+        .filter(|v| !v.is_null())
+        .or_else(|| config.get("text_config")?.get(key).filter(|v| !v.is_null()))
+}
+
+/// `"<s>"` or `{"content": "<s>", ...}` (a serialized `AddedToken`).
+fn token_text(value: &Value) -> Option<String> {
+    match value {
+        Value::String(text) => Some(text.clone()),
+        Value::Object(map) => map.get("content")?.as_str().map(str::to_owned),
+        _ => None,
+    }
+}
+
+/// `chat_template` is a string, or a list of `{name, template}` of which `default` is used.
+fn template_source(config: &Value) -> Option<&str> {
+    match &config["chat_template"] {
+        Value::String(source) => Some(source),
+        Value::Array(templates) => {
+            let named = |name: &str| {
+                templates
+                    .iter()
+                    .find(|t| t["name"].as_str() == Some(name))
+                    .and_then(|t| t["template"].as_str())
+            };
+            named("default").or_else(|| templates.first()?["template"].as_str())
+        }
+        _ => None,
+    }
+}
+
+/// An id or a list of ids.
+fn token_ids(value: &Value) -> Option<Vec<u32>> {
+    let one = |v: &Value| v.as_u64().and_then(|id| u32::try_from(id).ok());
+    match value {
+        Value::Array(items) => items.iter().map(one).collect(),
+        other => one(other).map(|id| vec![id]),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn eos_ids_accept_int_or_list() {
+        assert_eq!(token_ids(&json!(2)), Some(vec![2]));
+        assert_eq!(token_ids(&json!([2, 0])), Some(vec![2, 0]));
+        assert_eq!(token_ids(&json!("x")), None);
+        assert_eq!(token_ids(&json!([1, -1])), None);
+    }
+
+    #[test]
+    fn special_tokens_accept_string_or_added_token() {
+        assert_eq!(token_text(&json!("<s>")).as_deref(), Some("<s>"));
+        assert_eq!(
+            token_text(&json!({"content": "</s>", "special": true})).as_deref(),
+            Some("</s>")
+        );
+        assert_eq!(token_text(&Value::Null), None);
+    }
+
+    #[test]
+    fn template_lists_prefer_default() {
+        let config = json!({"chat_template": [
+            {"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]});
+        assert_eq!(template_source(&config), Some("D"));
+    }
+
+    #[test]
+    fn loads_fixture() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-chatml");
+        let assets = ModelAssets::load(&dir).expect("fixture loads");
+        assert_eq!(assets.context_length(), 256);
+        assert_eq!(assets.eos_token_ids(), &[2, 0]);
+        assert!(assets.chat_template().is_some());
+        assert_eq!(assets.encode_chat("<|im_start|>hello").expect("encodes").len(), 2);
+    }
+}

@@ -1,0 +1,235 @@
+//! The P/D generator: each request opens `Decode` on a decode worker (which reserves KV and
+//! answers with a `KvTarget`), then sends `Prefill` with that target to a prefill worker
+//! (which computes the prompt, pushes the KV over the transport and returns the first
+//! token), then streams the decode worker's tokens. Failures before the first token reaches
+//! the caller are retried on another pair, with backoff, within a budget; dropping the
+//! returned stream cancels the decode leg, which frees its KV.
+
+use crate::generator::{GenerateError, GenerateFuture, GeneratedToken, Generator, TokenStream, ValidGenerateRequest};
+use futures::StreamExt;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use tandem_core::{ErrorClass, FinishReason, WorkerId};
+use tandem_proto::v1 as pb;
+use tonic::transport::{Channel, Endpoint};
+
+/// gRPC metadata key in which workers report the [`ErrorClass`] of a failed call.
+const ERROR_CLASS_HEADER: &str = "x-tandem-error-class";
+
+/// One worker the router can call.
+#[derive(Clone, Debug)]
+pub struct WorkerHandle {
+    /// Its id in the configuration.
+    pub id: WorkerId,
+    /// Its gRPC address.
+    pub address: String,
+    client: pb::worker_client::WorkerClient<Channel>,
+}
+
+impl WorkerHandle {
+    /// A lazily connected handle to the worker at `address` (`http://host:port`).
+    pub fn new(id: WorkerId, address: &str) -> Result<Self, GenerateError> {
+        let endpoint = Endpoint::from_shared(address.to_string())
+            .map_err(|e| GenerateError::new(ErrorClass::InvalidRequest, format!("bad worker address {address}: {e}")))?
+            .connect_timeout(Duration::from_secs(5))
+            .tcp_nodelay(true);
+        Ok(Self {
+            id,
+            address: address.to_string(),
+            client: pb::worker_client::WorkerClient::new(endpoint.connect_lazy()),
+        })
+    }
+
+    /// The worker's counters (KV pool, running requests).
+    pub async fn stats(&self) -> Result<pb::StatsResponse, GenerateError> {
+        let mut c = self.client.clone();
+        Ok(c.stats(pb::StatsRequest {}).await.map_err(classify_status)?.into_inner())
+    }
+}
+
+/// Retry policy for failures before the first token.
+#[derive(Clone, Copy, Debug)]
+pub struct RetryPolicy {
+    /// Attempts in total (1 = no retry).
+    pub attempts: u32,
+    /// Backoff before the second attempt; doubles each time.
+    pub backoff: Duration,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        Self { attempts: 3, backoff: Duration::from_millis(50) }
+    }
+}
+
+/// Generator that runs each request on a prefill worker and a decode worker.
+#[derive(Debug)]
+pub struct PdGenerator {
+    prefill: Vec<WorkerHandle>,
+    decode: Vec<WorkerHandle>,
+    next: AtomicUsize,
+    retry: RetryPolicy,
+}
+
+/// Maps a gRPC status to an error class: the worker's own classification when present.
+pub fn classify_status(s: tonic::Status) -> GenerateError {
+    let reported = s
+        .metadata()
+        .get(ERROR_CLASS_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| match v {
+            "invalid_request" => Some(ErrorClass::InvalidRequest),
+            "unavailable" => Some(ErrorClass::Unavailable),
+            "capacity_exhausted" => Some(ErrorClass::CapacityExhausted),
+            "transfer_failed" => Some(ErrorClass::TransferFailed),
+            "cancelled" => Some(ErrorClass::Cancelled),
+            "deadline_exceeded" => Some(ErrorClass::DeadlineExceeded),
+            "internal" => Some(ErrorClass::Internal),
+            _ => None,
+        });
+    let class = reported.unwrap_or(match s.code() {
+        tonic::Code::InvalidArgument => ErrorClass::InvalidRequest,
+        tonic::Code::ResourceExhausted => ErrorClass::CapacityExhausted,
+        tonic::Code::Aborted => ErrorClass::TransferFailed,
+        tonic::Code::Cancelled => ErrorClass::Cancelled,
+        tonic::Code::DeadlineExceeded => ErrorClass::DeadlineExceeded,
+        tonic::Code::Unavailable | tonic::Code::Unknown => ErrorClass::Unavailable,
+        _ => ErrorClass::Internal,
+    });
+    GenerateError::new(class, s.message().to_string())
+}
+
+fn finish_from_pb(v: i32) -> Option<FinishReason> {
+    match pb::FinishReason::try_from(v) {
+        Ok(pb::FinishReason::Stop) => Some(FinishReason::Stop),
+        Ok(pb::FinishReason::Length) => Some(FinishReason::Length),
+        _ => None,
+    }
+}
+
+fn to_pb(req: &ValidGenerateRequest) -> pb::GenerateRequest {
+    let s = &req.sampling;
+    pb::GenerateRequest {
+        request_id: req.id.0.clone(),
+        prompt_token_ids: req.prompt_token_ids.clone(),
+        sampling: Some(pb::SamplingParams {
+            temperature: s.temperature,
+            top_k: s.top_k,
+            top_p: s.top_p,
+            seed: s.seed,
+            max_tokens: s.max_tokens,
+            stop_token_ids: s.stop_token_ids.clone(),
+            ignore_eos: s.ignore_eos,
+        }),
+    }
+}
+
+impl PdGenerator {
+    /// A generator over static worker lists.
+    pub fn new(prefill: Vec<WorkerHandle>, decode: Vec<WorkerHandle>, retry: RetryPolicy) -> Self {
+        Self { prefill, decode, next: AtomicUsize::new(0), retry }
+    }
+
+    /// Every worker, prefill first.
+    pub fn workers(&self) -> impl Iterator<Item = &WorkerHandle> {
+        self.prefill.iter().chain(&self.decode)
+    }
+
+    fn pick(&self, attempt: usize) -> Option<(WorkerHandle, WorkerHandle)> {
+        if self.prefill.is_empty() || self.decode.is_empty() {
+            return None;
+        }
+        let n = self.next.fetch_add(1, Ordering::Relaxed) + attempt;
+        Some((self.prefill[n % self.prefill.len()].clone(), self.decode[n % self.decode.len()].clone()))
+    }
+
+    async fn run(self: Arc<Self>, req: ValidGenerateRequest) -> Result<TokenStream, GenerateError> {
+        let mut last = GenerateError::new(ErrorClass::Unavailable, "no prefill/decode workers configured");
+        for attempt in 0..self.retry.attempts.max(1) {
+            let Some((p, d)) = self.pick(attempt as usize) else { break };
+            match try_pair(&p, &d, &req).await {
+                Ok(stream) => return Ok(stream),
+                Err(e) => {
+                    tracing::warn!(request = %req.id, prefill = %p.id, decode = %d.id, attempt,
+                        class = e.class.as_str(), error = %e.message, "P/D attempt failed");
+                    if !e.class.is_retryable() {
+                        return Err(e);
+                    }
+                    last = e;
+                    tokio::time::sleep(self.retry.backoff * 2u32.pow(attempt)).await;
+                }
+            }
+        }
+        Err(last)
+    }
+}
+
+async fn try_pair(
+    p: &WorkerHandle,
+    d: &WorkerHandle,
+    req: &ValidGenerateRequest,
+) -> Result<TokenStream, GenerateError> {
+    let request = to_pb(req);
+    let mut decode = d
+        .client
+        .clone()
+        .decode(pb::DecodeRequest { request: Some(request.clone()) })
+        .await
+        .map_err(classify_status)?
+        .into_inner();
+    let target = match decode.message().await.map_err(classify_status)? {
+        Some(pb::DecodeEvent { event: Some(pb::decode_event::Event::KvTarget(t)) }) => t,
+        other => {
+            return Err(GenerateError::new(
+                ErrorClass::Internal,
+                format!("decode worker {} answered {other:?} instead of a KV target", d.id),
+            ))
+        }
+    };
+    let first = p
+        .client
+        .clone()
+        .prefill(pb::PrefillRequest { request: Some(request), kv_target: Some(target) })
+        .await
+        .map_err(classify_status)?
+        .into_inner();
+    let first = GeneratedToken { token_id: first.first_token_id, finish_reason: finish_from_pb(first.finish_reason) };
+    let head = futures::stream::once(async move { Ok(first) });
+    if first.finish_reason.is_some() {
+        // Dropping `decode` here cancels the reservation on the decode worker.
+        return Ok(head.boxed());
+    }
+    let decode_id = d.id.clone();
+    let rest = futures::stream::unfold(Some(decode), move |state| {
+        let decode_id = decode_id.clone();
+        async move {
+            let mut decode = state?;
+            let item = match decode.message().await {
+                Ok(Some(pb::DecodeEvent { event: Some(pb::decode_event::Event::Token(t)) })) => {
+                    let tok = GeneratedToken { token_id: t.token_id, finish_reason: finish_from_pb(t.finish_reason) };
+                    let more = tok.finish_reason.is_none();
+                    return Some((Ok(tok), more.then_some(decode)));
+                }
+                Ok(None) => GenerateError::new(
+                    ErrorClass::Unavailable,
+                    format!("decode worker {decode_id} ended the stream before finishing"),
+                ),
+                Ok(Some(other)) => GenerateError::new(ErrorClass::Internal, format!("unexpected decode event {other:?}")),
+                Err(s) => classify_status(s),
+            };
+            Some((Err(item), None))
+        }
+    });
+    Ok(head.chain(rest).boxed())
+}
+
+/// Shared handle implementing [`Generator`].
+#[derive(Clone, Debug)]
+pub struct SharedPd(pub Arc<PdGenerator>);
+
+impl Generator for SharedPd {
+    fn generate(&self, request: ValidGenerateRequest) -> GenerateFuture {
+        Box::pin(self.0.clone().run(request))
+    }
+}

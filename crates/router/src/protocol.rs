@@ -1,0 +1,299 @@
+//! OpenAI wire types: what clients send (parsed, not yet checked — see `validation`) and what
+//! the router answers. Unknown request fields are ignored, as OpenAI SDKs send fields this
+//! server has no use for; fields whose meaning the server cannot honour are rejected in
+//! validation instead.
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use tandem_core::FinishReason;
+
+/// Fields shared by `/v1/chat/completions` and `/v1/completions`. Numbers are parsed wide so
+/// that an out-of-range value gets a range error, not a type error.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(default)]
+pub struct GenerationParams {
+    /// Completion length limit.
+    pub max_tokens: Option<i64>,
+    /// 0..=2; 0 is greedy.
+    pub temperature: Option<f64>,
+    /// (0, 1].
+    pub top_p: Option<f64>,
+    /// Extension: -1 or 0 disables.
+    pub top_k: Option<i64>,
+    /// Only 1 is supported.
+    pub n: Option<i64>,
+    /// Stop strings.
+    pub stop: Option<StopSpec>,
+    /// Sampling seed; random when absent.
+    pub seed: Option<i64>,
+    /// Stream server-sent events.
+    pub stream: Option<bool>,
+    /// Streaming options.
+    pub stream_options: Option<StreamOptions>,
+    /// Extension: token ids that end generation (besides EOS).
+    pub stop_token_ids: Option<Vec<i64>>,
+    /// Extension: keep generating past EOS.
+    pub ignore_eos: Option<bool>,
+    /// Log-probabilities are not supported; only `null`/`false`/`0` is accepted.
+    pub logprobs: Option<Value>,
+}
+
+/// `stop`: one string or a list.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(untagged)]
+pub enum StopSpec {
+    /// `"stop": "x"`
+    One(String),
+    /// `"stop": ["x", "y"]`
+    Many(Vec<String>),
+}
+
+/// `stream_options`.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(default)]
+pub struct StreamOptions {
+    /// Send a final chunk with `usage`.
+    pub include_usage: Option<bool>,
+}
+
+/// `POST /v1/chat/completions` body.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(default)]
+pub struct ChatCompletionRequest {
+    /// The served model name; may be omitted.
+    pub model: Option<String>,
+    /// The conversation.
+    pub messages: Option<Vec<ChatMessage>>,
+    /// Preferred over `max_tokens` when both are set.
+    pub max_completion_tokens: Option<i64>,
+    /// Tool calling is not supported; only an empty list is accepted.
+    pub tools: Option<Vec<Value>>,
+    /// The shared fields.
+    #[serde(flatten)]
+    pub params: GenerationParams,
+}
+
+/// One message of a chat.
+#[derive(Clone, Debug, Deserialize)]
+pub struct ChatMessage {
+    /// `system`, `user`, `assistant`, …
+    pub role: String,
+    /// Text, or a list of parts of which only `text` parts are supported.
+    #[serde(default)]
+    pub content: Option<MessageContent>,
+    /// Optional participant name.
+    #[serde(default)]
+    pub name: Option<String>,
+}
+
+/// A message's `content`.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(untagged)]
+pub enum MessageContent {
+    /// Plain text.
+    Text(String),
+    /// `[{"type": "text", "text": "..."}, ...]`
+    Parts(Vec<ContentPart>),
+}
+
+/// One part of a multi-part `content`.
+#[derive(Clone, Debug, Deserialize)]
+pub struct ContentPart {
+    /// `text` is the only supported type.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// The text of a `text` part.
+    #[serde(default)]
+    pub text: Option<String>,
+}
+
+/// `POST /v1/completions` body.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(default)]
+pub struct CompletionRequest {
+    /// The served model name; may be omitted.
+    pub model: Option<String>,
+    /// The prompt.
+    pub prompt: Option<PromptInput>,
+    /// Echoing the prompt is not supported.
+    pub echo: Option<bool>,
+    /// Insertion suffixes are not supported.
+    pub suffix: Option<String>,
+    /// Only 1 is supported.
+    pub best_of: Option<i64>,
+    /// The shared fields.
+    #[serde(flatten)]
+    pub params: GenerationParams,
+}
+
+/// A completion `prompt`: text or token ids, alone or as a batch of one.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(untagged)]
+pub enum PromptInput {
+    /// `"prompt": "text"`
+    Text(String),
+    /// `"prompt": ["text"]`
+    Texts(Vec<String>),
+    /// `"prompt": [1, 2, 3]`
+    Tokens(Vec<i64>),
+    /// `"prompt": [[1, 2, 3]]`
+    TokenBatches(Vec<Vec<i64>>),
+}
+
+/// Token accounting of a request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Usage {
+    /// Prompt length.
+    pub prompt_tokens: u32,
+    /// Generated tokens, the one that ended generation included.
+    pub completion_tokens: u32,
+    /// Sum of both.
+    pub total_tokens: u32,
+}
+
+impl Usage {
+    /// Usage of `prompt_tokens` in, `completion_tokens` out.
+    pub fn new(prompt_tokens: u32, completion_tokens: u32) -> Self {
+        Self {
+            prompt_tokens,
+            completion_tokens,
+            total_tokens: prompt_tokens.saturating_add(completion_tokens),
+        }
+    }
+}
+
+/// Non-streamed chat answer.
+#[derive(Clone, Debug, Serialize)]
+pub struct ChatCompletion {
+    /// `chatcmpl-…`
+    pub id: String,
+    /// `chat.completion`
+    pub object: &'static str,
+    /// Unix seconds.
+    pub created: u64,
+    /// Served model name.
+    pub model: String,
+    /// Exactly one.
+    pub choices: Vec<ChatChoice>,
+    /// Token accounting.
+    pub usage: Usage,
+}
+
+/// The choice of a [`ChatCompletion`].
+#[derive(Clone, Debug, Serialize)]
+pub struct ChatChoice {
+    /// 0.
+    pub index: u32,
+    /// The assistant's message.
+    pub message: AssistantMessage,
+    /// Always `null`.
+    pub logprobs: Option<()>,
+    /// Why generation ended.
+    pub finish_reason: FinishReason,
+}
+
+/// `{"role": "assistant", "content": ...}`
+#[derive(Clone, Debug, Serialize)]
+pub struct AssistantMessage {
+    /// `assistant`
+    pub role: &'static str,
+    /// The generated text.
+    pub content: String,
+}
+
+/// One SSE chunk of a streamed chat answer.
+#[derive(Clone, Debug, Serialize)]
+pub struct ChatCompletionChunk {
+    /// Same id on every chunk.
+    pub id: String,
+    /// `chat.completion.chunk`
+    pub object: &'static str,
+    /// Unix seconds.
+    pub created: u64,
+    /// Served model name.
+    pub model: String,
+    /// One choice, or none on the usage chunk.
+    pub choices: Vec<ChatChunkChoice>,
+    /// Absent unless `include_usage`; then `null` except on the last chunk.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Option<Usage>>,
+}
+
+/// The choice of a [`ChatCompletionChunk`].
+#[derive(Clone, Debug, Serialize)]
+pub struct ChatChunkChoice {
+    /// 0.
+    pub index: u32,
+    /// What this chunk adds.
+    pub delta: ChatDelta,
+    /// Always `null`.
+    pub logprobs: Option<()>,
+    /// Set on the last content chunk.
+    pub finish_reason: Option<FinishReason>,
+}
+
+/// Incremental message.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct ChatDelta {
+    /// `assistant` on the first chunk.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub role: Option<&'static str>,
+    /// New text.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub content: Option<String>,
+}
+
+/// A text completion: the non-streamed answer, or one SSE chunk (same shape in OpenAI's API).
+#[derive(Clone, Debug, Serialize)]
+pub struct Completion {
+    /// `cmpl-…`
+    pub id: String,
+    /// `text_completion`
+    pub object: &'static str,
+    /// Unix seconds.
+    pub created: u64,
+    /// Served model name.
+    pub model: String,
+    /// One choice, or none on the usage chunk.
+    pub choices: Vec<CompletionChoice>,
+    /// Always present when not streaming; when streaming, as [`ChatCompletionChunk::usage`].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Option<Usage>>,
+}
+
+/// The choice of a [`Completion`].
+#[derive(Clone, Debug, Serialize)]
+pub struct CompletionChoice {
+    /// 0.
+    pub index: u32,
+    /// Generated text (or this chunk's part of it).
+    pub text: String,
+    /// Always `null`.
+    pub logprobs: Option<()>,
+    /// Why generation ended; `null` on intermediate chunks.
+    pub finish_reason: Option<FinishReason>,
+}
+
+/// `GET /v1/models`.
+#[derive(Clone, Debug, Serialize)]
+pub struct ModelList {
+    /// `list`
+    pub object: &'static str,
+    /// The served model.
+    pub data: Vec<ModelCard>,
+}
+
+/// One model of [`ModelList`].
+#[derive(Clone, Debug, Serialize)]
+pub struct ModelCard {
+    /// Served name.
+    pub id: String,
+    /// `model`
+    pub object: &'static str,
+    /// Unix seconds (router start).
+    pub created: u64,
+    /// `tandem`
+    pub owned_by: &'static str,
+    /// Context length (vLLM's extension).
+    pub max_model_len: u32,
+}

@@ -1,0 +1,154 @@
+//! From the generator's token stream to text events: detokenize, match stop strings, enforce
+//! `max_tokens`, record metrics. Both the streamed and the non-streamed answers are built from
+//! these events, so they carry the same text by construction.
+//!
+//! When a stop string matches (or the generation otherwise ends), the token stream is dropped
+//! at once, which cancels the generation on every leg. The [`TextStream`] is the only owner of
+//! the token stream: dropping it (the client went away) cancels too.
+
+use crate::detokenizer::Detokenizer;
+use crate::error::ApiError;
+use crate::generator::TokenStream;
+use crate::metrics::RequestRecord;
+use crate::stop_strings::StopMatcher;
+use futures::StreamExt;
+use std::collections::VecDeque;
+use tandem_core::FinishReason;
+
+/// What a client sees of a generation.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum TextEvent {
+    /// New text (never empty, never a broken character, never part of a stop string).
+    Delta(String),
+    /// The end; no event follows.
+    Finished {
+        /// Why.
+        reason: FinishReason,
+        /// Tokens generated, the last one included.
+        completion_tokens: u32,
+    },
+}
+
+/// A generation in progress, as text. See the module docs.
+pub(crate) struct TextStream {
+    tokens: Option<TokenStream>,
+    detokenizer: Detokenizer,
+    stop: StopMatcher,
+    max_tokens: u32,
+    completion_tokens: u32,
+    queued: VecDeque<TextEvent>,
+    record: RequestRecord,
+}
+
+impl TextStream {
+    /// Wraps the generator's `tokens`, decoded by `detokenizer` (set up with the prompt);
+    /// `record` receives per-token timings and the outcome.
+    pub(crate) fn new(
+        tokens: TokenStream,
+        detokenizer: Detokenizer,
+        stop: Vec<String>,
+        max_tokens: u32,
+        record: RequestRecord,
+    ) -> Self {
+        Self {
+            tokens: Some(tokens),
+            detokenizer,
+            stop: StopMatcher::new(stop),
+            max_tokens,
+            completion_tokens: 0,
+            queued: VecDeque::new(),
+            record,
+        }
+    }
+
+    /// The next event; `None` after `Finished` or an error.
+    pub(crate) async fn next(&mut self) -> Option<Result<TextEvent, ApiError>> {
+        loop {
+            if let Some(event) = self.queued.pop_front() {
+                return Some(Ok(event));
+            }
+            let tokens = self.tokens.as_mut()?;
+            let token = match tokens.next().await {
+                Some(Ok(token)) => token,
+                Some(Err(err)) => return Some(Err(self.fail(err.into()))),
+                None if self.completion_tokens >= self.max_tokens => {
+                    // Tolerate a generator that ends at the limit without saying so.
+                    match self.end(FinishReason::Length, String::new()) {
+                        Ok(()) => continue,
+                        Err(err) => return Some(Err(err)),
+                    }
+                }
+                None => {
+                    return Some(Err(self.fail(ApiError::internal(
+                        "the generator's stream ended without a finish reason",
+                    ))))
+                }
+            };
+            self.completion_tokens += 1;
+            self.record.token();
+            let delta = match self.detokenizer.push(token.token_id) {
+                Ok(delta) => delta,
+                Err(err) => {
+                    return Some(Err(self.fail(ApiError::internal(format!(
+                        "cannot decode token {}: {err}",
+                        token.token_id
+                    )))))
+                }
+            };
+            let pushed = self.stop.push(&delta);
+            let reason = if pushed.stopped {
+                Some(FinishReason::Stop)
+            } else if token.finish_reason.is_some() {
+                token.finish_reason
+            } else if self.completion_tokens >= self.max_tokens {
+                Some(FinishReason::Length)
+            } else {
+                None
+            };
+            match reason {
+                Some(reason) => {
+                    if let Err(err) = self.end(reason, pushed.text) {
+                        return Some(Err(err));
+                    }
+                }
+                None if pushed.text.is_empty() => {}
+                None => return Some(Ok(TextEvent::Delta(pushed.text))),
+            }
+        }
+    }
+
+    /// Ends the generation: drops the token stream (cancelling it), flushes held-back text,
+    /// queues the final events and records success.
+    fn end(&mut self, mut reason: FinishReason, mut text: String) -> Result<(), ApiError> {
+        self.tokens = None;
+        if !self.stop.is_stopped() {
+            let tail = self.detokenizer.finish().map_err(|err| {
+                self.fail(ApiError::internal(format!("cannot decode the tail: {err}")))
+            })?;
+            let pushed = self.stop.push(&tail);
+            text.push_str(&pushed.text);
+            if pushed.stopped {
+                reason = FinishReason::Stop;
+            } else {
+                text.push_str(&self.stop.finish());
+            }
+        }
+        if !text.is_empty() {
+            self.queued.push_back(TextEvent::Delta(text));
+        }
+        self.queued.push_back(TextEvent::Finished {
+            reason,
+            completion_tokens: self.completion_tokens,
+        });
+        self.record.succeeded();
+        Ok(())
+    }
+
+    /// Records `err` as the outcome and stops.
+    fn fail(&mut self, err: ApiError) -> ApiError {
+        self.tokens = None;
+        self.queued.clear();
+        self.record.failed(&err);
+        err
+    }
+}

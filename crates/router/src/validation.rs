@@ -1,0 +1,433 @@
+//! Parsed OpenAI requests → [`Prepared`] requests: checked sampling parameters, the prompt
+//! templated and tokenized, lengths checked against the context. Every rejection is an
+//! `InvalidRequest` [`ApiError`] naming the offending field.
+
+use crate::chat_template::TemplateMessage;
+use crate::error::ApiError;
+use crate::generator::ValidGenerateRequest;
+use crate::model::ModelAssets;
+use crate::protocol::{
+    ChatCompletionRequest, ChatMessage, CompletionRequest, GenerationParams, MessageContent,
+    PromptInput, StopSpec,
+};
+use serde_json::Value;
+use tandem_core::{RequestId, SamplingParams};
+
+/// Most stop strings a request may carry.
+pub const MAX_STOP_STRINGS: usize = 16;
+/// Most `stop_token_ids` a request may carry.
+pub const MAX_STOP_TOKEN_IDS: usize = 64;
+/// Completion length used when the request sets none (capped by the room left in the context).
+pub const DEFAULT_MAX_TOKENS: u32 = 256;
+
+/// A request ready for the generator, plus what the HTTP layer needs to shape the answer.
+#[derive(Clone, Debug)]
+pub struct Prepared {
+    /// What the generator gets.
+    pub request: ValidGenerateRequest,
+    /// Stop strings, matched on the text by the router.
+    pub stop: Vec<String>,
+    /// Answer with server-sent events.
+    pub stream: bool,
+    /// Streaming: send a final `usage` chunk.
+    pub include_usage: bool,
+}
+
+impl Prepared {
+    /// Prompt length in tokens.
+    pub fn prompt_tokens(&self) -> u32 {
+        u32::try_from(self.request.prompt_token_ids.len()).unwrap_or(u32::MAX)
+    }
+}
+
+/// Checks and tokenizes a chat request.
+pub fn prepare_chat(
+    model: &ModelAssets,
+    served_name: &str,
+    id: RequestId,
+    request: ChatCompletionRequest,
+) -> Result<Prepared, ApiError> {
+    check_model(request.model.as_deref(), served_name)?;
+    let params = &request.params;
+    let common = check_params(params, model)?;
+    if request.tools.as_ref().is_some_and(|tools| !tools.is_empty()) {
+        return Err(ApiError::invalid(
+            "tool calling is not supported",
+            Some("tools"),
+        ));
+    }
+    let messages = request
+        .messages
+        .as_deref()
+        .ok_or_else(|| ApiError::invalid("`messages` is required", Some("messages")))?;
+    if messages.is_empty() {
+        return Err(ApiError::invalid(
+            "`messages` must not be empty",
+            Some("messages"),
+        ));
+    }
+    let messages = template_messages(messages)?;
+    let template = model.chat_template().ok_or_else(|| {
+        ApiError::invalid(
+            "this model has no chat template; use /v1/completions",
+            Some("messages"),
+        )
+    })?;
+    let text = template
+        .render(&messages)
+        .map_err(|err| ApiError::invalid(err.message, Some("messages")))?;
+    let prompt = model
+        .encode_chat(&text)
+        .map_err(|err| ApiError::internal(format!("tokenization failed: {err}")))?;
+    let max_tokens = match (request.max_completion_tokens, params.max_tokens) {
+        (Some(n), _) => Some((n, "max_completion_tokens")),
+        (None, Some(n)) => Some((n, "max_tokens")),
+        (None, None) => None,
+    };
+    finish(model, id, prompt, max_tokens, common, "messages")
+}
+
+/// Checks and tokenizes a completion request.
+pub fn prepare_completion(
+    model: &ModelAssets,
+    served_name: &str,
+    id: RequestId,
+    request: CompletionRequest,
+) -> Result<Prepared, ApiError> {
+    check_model(request.model.as_deref(), served_name)?;
+    let params = &request.params;
+    let common = check_params(params, model)?;
+    if request.echo == Some(true) {
+        return Err(ApiError::invalid("`echo` is not supported", Some("echo")));
+    }
+    if request.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
+        return Err(ApiError::invalid("`suffix` is not supported", Some("suffix")));
+    }
+    if request.best_of.is_some_and(|n| n != 1) {
+        return Err(ApiError::invalid(
+            "only `best_of` = 1 is supported",
+            Some("best_of"),
+        ));
+    }
+    let prompt = match request.prompt {
+        None => return Err(ApiError::invalid("`prompt` is required", Some("prompt"))),
+        Some(PromptInput::Text(text)) => encode_prompt(model, &text)?,
+        Some(PromptInput::Texts(texts)) => match texts.as_slice() {
+            [text] => encode_prompt(model, text)?,
+            _ => return Err(batch_error(texts.len())),
+        },
+        Some(PromptInput::Tokens(ids)) => token_ids(&ids, model, "prompt")?,
+        Some(PromptInput::TokenBatches(batches)) => match batches.as_slice() {
+            [ids] => token_ids(ids, model, "prompt")?,
+            _ => return Err(batch_error(batches.len())),
+        },
+    };
+    let max_tokens = params.max_tokens.map(|n| (n, "max_tokens"));
+    finish(model, id, prompt, max_tokens, common, "prompt")
+}
+
+/// Checked fields shared by both endpoints, before the prompt length is known.
+struct Common {
+    sampling: SamplingParams,
+    stop: Vec<String>,
+    stream: bool,
+    include_usage: bool,
+}
+
+fn check_model(requested: Option<&str>, served_name: &str) -> Result<(), ApiError> {
+    match requested {
+        Some(name) if name != served_name => Err(ApiError::model_not_found(name)),
+        _ => Ok(()),
+    }
+}
+
+fn check_params(params: &GenerationParams, model: &ModelAssets) -> Result<Common, ApiError> {
+    if let Some(n) = params.n {
+        if n != 1 {
+            return Err(ApiError::invalid(
+                format!("only `n` = 1 is supported, got {n}"),
+                Some("n"),
+            ));
+        }
+    }
+    let temperature = params.temperature.unwrap_or(1.0);
+    if !(0.0..=2.0).contains(&temperature) {
+        return Err(ApiError::invalid(
+            format!("`temperature` must be in [0, 2], got {temperature}"),
+            Some("temperature"),
+        ));
+    }
+    let top_p = params.top_p.unwrap_or(1.0);
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        return Err(ApiError::invalid(
+            format!("`top_p` must be in (0, 1], got {top_p}"),
+            Some("top_p"),
+        ));
+    }
+    let top_k = match params.top_k {
+        None | Some(-1) | Some(0) => 0,
+        Some(k) => u32::try_from(k).map_err(|_| {
+            ApiError::invalid(
+                format!("`top_k` must be -1 (disabled) or a positive integer, got {k}"),
+                Some("top_k"),
+            )
+        })?,
+    };
+    if !matches!(
+        params.logprobs,
+        None | Some(Value::Null) | Some(Value::Bool(false))
+    ) && params.logprobs.as_ref().and_then(Value::as_i64) != Some(0)
+    {
+        return Err(ApiError::invalid(
+            "`logprobs` is not supported",
+            Some("logprobs"),
+        ));
+    }
+    let stop = match &params.stop {
+        None => Vec::new(),
+        Some(StopSpec::One(stop)) => vec![stop.clone()],
+        Some(StopSpec::Many(stops)) => stops.clone(),
+    };
+    if stop.len() > MAX_STOP_STRINGS {
+        return Err(ApiError::invalid(
+            format!(
+                "at most {MAX_STOP_STRINGS} stop strings are allowed, got {}",
+                stop.len()
+            ),
+            Some("stop"),
+        ));
+    }
+    if stop.iter().any(String::is_empty) {
+        return Err(ApiError::invalid(
+            "stop strings must not be empty",
+            Some("stop"),
+        ));
+    }
+    let stop_token_ids = params.stop_token_ids.as_deref().unwrap_or_default();
+    if stop_token_ids.len() > MAX_STOP_TOKEN_IDS {
+        return Err(ApiError::invalid(
+            format!("at most {MAX_STOP_TOKEN_IDS} stop token ids are allowed"),
+            Some("stop_token_ids"),
+        ));
+    }
+    let stop_token_ids = token_ids(stop_token_ids, model, "stop_token_ids")?;
+    let stream = params.stream.unwrap_or(false);
+    let include_usage = params
+        .stream_options
+        .as_ref()
+        .and_then(|o| o.include_usage)
+        .unwrap_or(false);
+    let seed = params
+        .seed
+        .map_or_else(rand::random::<u64>, |seed| seed as u64);
+    Ok(Common {
+        sampling: SamplingParams {
+            temperature: temperature as f32,
+            top_k,
+            top_p: top_p as f32,
+            seed,
+            max_tokens: 0, // set once the prompt length is known
+            stop_token_ids,
+            ignore_eos: params.ignore_eos.unwrap_or(false),
+        },
+        stop,
+        stream,
+        include_usage,
+    })
+}
+
+/// Checks lengths, settles `max_tokens`, builds the [`Prepared`] request.
+fn finish(
+    model: &ModelAssets,
+    id: RequestId,
+    prompt: Vec<u32>,
+    max_tokens: Option<(i64, &'static str)>,
+    mut common: Common,
+    prompt_param: &str,
+) -> Result<Prepared, ApiError> {
+    let context = u64::from(model.context_length());
+    let prompt_len = prompt.len() as u64;
+    if prompt.is_empty() {
+        return Err(ApiError::invalid(
+            "the prompt is empty after tokenization",
+            Some(prompt_param),
+        ));
+    }
+    if let Some((n, param)) = max_tokens {
+        if n < 1 {
+            return Err(ApiError::invalid(
+                format!("`{param}` must be at least 1, got {n}"),
+                Some(param),
+            ));
+        }
+    }
+    if prompt_len >= context {
+        return Err(ApiError::invalid(
+            format!(
+                "This model's maximum context length is {context} tokens, and the prompt is \
+                 {prompt_len} tokens, which leaves no room for a completion."
+            ),
+            Some(prompt_param),
+        ));
+    }
+    let room = context - prompt_len;
+    let max_tokens = match max_tokens {
+        None => room.min(u64::from(DEFAULT_MAX_TOKENS)),
+        Some((n, param)) => {
+            let n = n as u64; // n >= 1 checked above
+            if n > room {
+                return Err(ApiError::invalid(
+                    format!(
+                        "This model's maximum context length is {context} tokens. However, you \
+                         requested {} tokens ({prompt_len} in the prompt, {n} for the \
+                         completion). Reduce the prompt or `{param}`.",
+                        prompt_len + n
+                    ),
+                    Some(param),
+                ));
+            }
+            n
+        }
+    };
+    // room < context <= u32::MAX
+    common.sampling.max_tokens = u32::try_from(max_tokens).unwrap_or(u32::MAX);
+    Ok(Prepared {
+        request: ValidGenerateRequest {
+            id,
+            prompt_token_ids: prompt,
+            sampling: common.sampling,
+        },
+        stop: common.stop,
+        stream: common.stream,
+        include_usage: common.include_usage,
+    })
+}
+
+fn template_messages(messages: &[ChatMessage]) -> Result<Vec<TemplateMessage>, ApiError> {
+    messages
+        .iter()
+        .enumerate()
+        .map(|(i, message)| {
+            let content = match &message.content {
+                None => String::new(),
+                Some(MessageContent::Text(text)) => text.clone(),
+                Some(MessageContent::Parts(parts)) => {
+                    let mut text = String::new();
+                    for part in parts {
+                        match (part.kind.as_str(), &part.text) {
+                            ("text", Some(part_text)) => text.push_str(part_text),
+                            ("text", None) => {
+                                return Err(ApiError::invalid(
+                                    format!("messages[{i}]: a text part needs `text`"),
+                                    Some("messages"),
+                                ))
+                            }
+                            (kind, _) => {
+                                return Err(ApiError::invalid(
+                                    format!(
+                                        "messages[{i}]: content parts of type `{kind}` are not \
+                                         supported (only `text`)"
+                                    ),
+                                    Some("messages"),
+                                ))
+                            }
+                        }
+                    }
+                    text
+                }
+            };
+            Ok(TemplateMessage {
+                role: message.role.clone(),
+                content,
+                name: message.name.clone(),
+            })
+        })
+        .collect()
+}
+
+fn encode_prompt(model: &ModelAssets, text: &str) -> Result<Vec<u32>, ApiError> {
+    model
+        .encode_prompt(text)
+        .map_err(|err| ApiError::internal(format!("tokenization failed: {err}")))
+}
+
+fn token_ids(ids: &[i64], model: &ModelAssets, param: &str) -> Result<Vec<u32>, ApiError> {
+    let vocab = model.vocab_size();
+    ids.iter()
+        .map(|&id| {
+            u32::try_from(id)
+                .ok()
+                .filter(|&id| id < vocab)
+                .ok_or_else(|| {
+                    ApiError::invalid(
+                        format!("token id {id} is outside the vocabulary (0..{vocab})"),
+                        Some(param),
+                    )
+                })
+        })
+        .collect()
+}
+
+fn batch_error(len: usize) -> ApiError {
+    ApiError::invalid(
+        format!("batched prompts are not supported: send one prompt, got {len}"),
+        Some("prompt"),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::Path;
+
+    fn model() -> ModelAssets {
+        ModelAssets::load(&Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-chatml"))
+            .expect("fixture loads")
+    }
+
+    fn completion(body: serde_json::Value) -> Result<Prepared, ApiError> {
+        let request = serde_json::from_value(body).expect("parses");
+        prepare_completion(&model(), "tiny", RequestId("cmpl-1".into()), request)
+    }
+
+    #[test]
+    fn defaults_fill_in() {
+        let prepared = completion(serde_json::json!({"prompt": "hello", "seed": 7})).expect("valid");
+        let sampling = &prepared.request.sampling;
+        assert_eq!(prepared.request.prompt_token_ids.len(), 1);
+        assert_eq!(sampling.max_tokens, 255, "min(256, context - prompt)");
+        assert_eq!((sampling.temperature, sampling.top_p, sampling.top_k), (1.0, 1.0, 0));
+        assert_eq!(sampling.seed, 7);
+        assert!(sampling.stop_token_ids.is_empty());
+        assert!(!prepared.stream);
+    }
+
+    #[test]
+    fn ranges_are_checked() {
+        for (body, param) in [
+            (serde_json::json!({"prompt": "x", "temperature": 2.5}), "temperature"),
+            (serde_json::json!({"prompt": "x", "top_p": 0}), "top_p"),
+            (serde_json::json!({"prompt": "x", "top_k": -2}), "top_k"),
+            (serde_json::json!({"prompt": "x", "max_tokens": 0}), "max_tokens"),
+            (serde_json::json!({"prompt": "x", "max_tokens": 256}), "max_tokens"),
+            (serde_json::json!({"prompt": "x", "n": 2}), "n"),
+            (serde_json::json!({"prompt": "x", "stop_token_ids": [999]}), "stop_token_ids"),
+            (serde_json::json!({"prompt": [1, 100000]}), "prompt"),
+            (serde_json::json!({"prompt": ["a", "b"]}), "prompt"),
+            (serde_json::json!({}), "prompt"),
+        ] {
+            let err = completion(body.clone()).expect_err("invalid");
+            assert_eq!(err.body().error.param.as_deref(), Some(param), "{body}");
+            assert_eq!(err.status().as_u16(), 400);
+        }
+    }
+
+    #[test]
+    fn top_k_minus_one_disables() {
+        let prepared =
+            completion(serde_json::json!({"prompt": [5, 6], "top_k": -1, "max_tokens": 254}))
+                .expect("valid");
+        assert_eq!(prepared.request.sampling.top_k, 0);
+        assert_eq!(prepared.request.sampling.max_tokens, 254);
+    }
+}

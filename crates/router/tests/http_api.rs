@@ -1,0 +1,295 @@
+//! The OpenAI HTTP surface over the fixture model and a scripted generator: answers, streams,
+//! usage, finish reasons, stop strings, sampling parameters, models, health, metrics.
+
+mod common;
+
+use common::*;
+use serde_json::{json, Value};
+use std::sync::Arc;
+use tandem_core::FinishReason;
+use tandem_router::MemoryGenerator;
+
+const CHAT: &str = "/v1/chat/completions";
+const COMPLETIONS: &str = "/v1/completions";
+const ANSWER: &str = "hello world, héllo wörld € 🦀!";
+
+fn chat_body(extra: Value) -> Value {
+    let mut body = json!({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]});
+    merge(&mut body, extra);
+    body
+}
+
+fn merge(body: &mut Value, extra: Value) {
+    if let (Some(body), Value::Object(extra)) = (body.as_object_mut(), extra) {
+        body.extend(extra);
+    }
+}
+
+#[tokio::test]
+async fn chat_answers_with_templated_prompt_and_usage() {
+    let (router, state, generator) = app_answering(ANSWER);
+    let (status, answer) = post_json(&router, CHAT, chat_body(json!({}))).await;
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(answer["object"], "chat.completion");
+    assert_eq!(answer["model"], MODEL);
+    assert!(answer["id"].as_str().is_some_and(|id| id.starts_with("chatcmpl-")));
+    let choice = &answer["choices"][0];
+    assert_eq!(choice["message"]["role"], "assistant");
+    assert_eq!(choice["message"]["content"], ANSWER, "<|im_end|> must not leak");
+    assert_eq!(choice["finish_reason"], "stop");
+
+    let expected_prompt = encode(
+        &state,
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n",
+    );
+    let sent = generator.requests();
+    assert_eq!(sent.len(), 1);
+    assert_eq!(sent[0].prompt_token_ids, expected_prompt);
+    let completion_tokens = encode(&state, ANSWER).len() + 1; // + <|im_end|>
+    assert_eq!(
+        answer["usage"],
+        json!({"prompt_tokens": expected_prompt.len(), "completion_tokens": completion_tokens,
+               "total_tokens": expected_prompt.len() + completion_tokens})
+    );
+}
+
+#[tokio::test]
+async fn chat_stream_concatenates_to_the_whole_answer() {
+    let (router, _, generator) = app_answering(ANSWER);
+    let (_, whole) = post_json(&router, CHAT, chat_body(json!({}))).await;
+    let (status, content_type, data) =
+        post_sse(&router, CHAT, chat_body(json!({"stream": true}))).await;
+    assert_eq!(status, 200);
+    assert!(content_type.starts_with("text/event-stream"), "{content_type}");
+    assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
+    let chunks = chunks(&data);
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    for chunk in &chunks {
+        assert_eq!(chunk["object"], "chat.completion.chunk");
+        assert_eq!(chunk["id"], chunks[0]["id"]);
+        assert!(chunk.get("usage").is_none(), "usage only with include_usage");
+    }
+    assert!(chunks.len() > 3, "the text arrives in several chunks");
+    assert_eq!(
+        streamed_text(&chunks),
+        whole["choices"][0]["message"]["content"].as_str().expect("text")
+    );
+    let last = chunks.last().expect("chunks");
+    assert_eq!(last["choices"][0]["finish_reason"], "stop");
+    assert_eq!(last["choices"][0]["delta"], json!({}));
+    for chunk in &chunks[..chunks.len() - 1] {
+        assert_eq!(chunk["choices"][0]["finish_reason"], Value::Null);
+    }
+    assert_eq!(generator.live_streams(), 0);
+}
+
+#[tokio::test]
+async fn stream_usage_is_sent_last_when_asked() {
+    let (router, _, _) = app_answering(ANSWER);
+    let (_, whole) = post_json(&router, CHAT, chat_body(json!({}))).await;
+    let body = chat_body(json!({"stream": true, "stream_options": {"include_usage": true}}));
+    let (_, _, data) = post_sse(&router, CHAT, body).await;
+    let chunks = chunks(&data);
+    let (usage_chunk, rest) = chunks.split_last().expect("chunks");
+    assert_eq!(usage_chunk["choices"], json!([]));
+    assert_eq!(usage_chunk["usage"], whole["usage"]);
+    for chunk in rest {
+        assert_eq!(chunk["usage"], Value::Null);
+        assert!(chunk.get("usage").is_some(), "usage: null on other chunks");
+    }
+}
+
+#[tokio::test]
+async fn completion_accepts_text_and_token_prompts() {
+    let (router, state, generator) = app_answering(ANSWER);
+    let (status, answer) = post_json(&router, COMPLETIONS, json!({"prompt": "hello"})).await;
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(answer["object"], "text_completion");
+    assert_eq!(answer["choices"][0]["text"], ANSWER);
+    assert_eq!(answer["choices"][0]["finish_reason"], "stop");
+    assert_eq!(answer["usage"]["prompt_tokens"], 1);
+
+    let ids = encode(&state, "hello world");
+    for prompt in [json!(ids), json!([ids])] {
+        let (status, answer) =
+            post_json(&router, COMPLETIONS, json!({"model": MODEL, "prompt": prompt})).await;
+        assert_eq!(status, 200, "{answer}");
+        assert_eq!(answer["usage"]["prompt_tokens"], ids.len());
+    }
+    assert_eq!(generator.requests()[1].prompt_token_ids, ids);
+
+    let body = json!({"prompt": "hello", "stream": true, "stream_options": {"include_usage": true}});
+    let (status, _, data) = post_sse(&router, COMPLETIONS, body).await;
+    assert_eq!(status, 200);
+    assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
+    let chunks = chunks(&data);
+    assert_eq!(streamed_text(&chunks), ANSWER);
+    assert!(chunks.iter().all(|c| c["object"] == "text_completion"));
+    let finish = &chunks[chunks.len() - 2];
+    assert_eq!(finish["choices"][0]["finish_reason"], "stop");
+    assert_eq!(chunks[chunks.len() - 1]["usage"]["prompt_tokens"], 1);
+}
+
+#[tokio::test]
+async fn max_tokens_ends_with_length() {
+    let (router, state, _) = app_answering(ANSWER);
+    for (path, mut body) in [
+        (CHAT, chat_body(json!({"max_tokens": 3}))),
+        (CHAT, chat_body(json!({"max_completion_tokens": 3, "max_tokens": 50}))),
+        (COMPLETIONS, json!({"prompt": "hello", "max_tokens": 3})),
+    ] {
+        let (status, answer) = post_json(&router, path, body.clone()).await;
+        assert_eq!(status, 200, "{answer}");
+        let choice = &answer["choices"][0];
+        assert_eq!(choice["finish_reason"], "length");
+        assert_eq!(answer["usage"]["completion_tokens"], 3);
+        let ids = encode(&state, ANSWER);
+        let text = state.model().tokenizer().decode(&ids[..3], true).expect("decodes");
+        let got = choice["message"]["content"].as_str().or(choice["text"].as_str());
+        assert_eq!(got, Some(text.as_str()));
+
+        merge(&mut body, json!({"stream": true}));
+        let (_, _, data) = post_sse(&router, path, body).await;
+        let chunks = chunks(&data);
+        assert_eq!(streamed_text(&chunks), text);
+        let last = chunks.last().expect("chunks");
+        assert_eq!(last["choices"][0]["finish_reason"], "length");
+    }
+}
+
+#[tokio::test]
+async fn stop_strings_truncate_and_cancel_generation() {
+    // The generator stalls right after the stop string's tokens: the request only finishes
+    // because the router drops the stream when it sees the stop string.
+    let (_, state, _) = app_answering("");
+    let stop_at = encode(&state, "hello world, h").len();
+    let (router, _, generator) = app_with(ANSWER, |g| g.stalling_after(stop_at));
+    for (path, body) in [
+        (CHAT, chat_body(json!({"stop": ["nothing", "d, h"]}))),
+        (COMPLETIONS, json!({"prompt": "x", "stop": "d, h"})),
+    ] {
+        let (status, answer) = post_json(&router, path, body.clone()).await;
+        assert_eq!(status, 200, "{answer}");
+        let choice = &answer["choices"][0];
+        let text = choice["message"]["content"].as_str().or(choice["text"].as_str());
+        assert_eq!(text, Some("hello worl"));
+        assert_eq!(choice["finish_reason"], "stop");
+        assert_eq!(answer["usage"]["completion_tokens"], stop_at);
+
+        let mut body = body;
+        merge(&mut body, json!({"stream": true}));
+        let (_, _, data) = post_sse(&router, path, body).await;
+        let chunks = chunks(&data);
+        assert_eq!(streamed_text(&chunks), "hello worl");
+        assert_eq!(
+            chunks.last().expect("chunks")["choices"][0]["finish_reason"],
+            "stop"
+        );
+        generator.wait_for_live_streams(0).await;
+    }
+    // Without the stop string the same generator stalls: a stop string is what ended it.
+    assert!(generator.requests().iter().all(|r| r.sampling.stop_token_ids.is_empty()));
+}
+
+#[tokio::test]
+async fn stop_string_split_across_multibyte_tokens() {
+    let (router, _, _) = app_answering(ANSWER);
+    let (status, answer) = post_json(&router, CHAT, chat_body(json!({"stop": "€ 🦀"}))).await;
+    assert_eq!(status, 200);
+    assert_eq!(
+        answer["choices"][0]["message"]["content"],
+        "hello world, héllo wörld "
+    );
+    assert_eq!(answer["choices"][0]["finish_reason"], "stop");
+}
+
+#[tokio::test]
+async fn sampling_parameters_reach_the_generator() {
+    let (router, state, generator) = app_answering(ANSWER);
+    let body = chat_body(json!({
+        "temperature": 0.5, "top_p": 0.9, "top_k": 40, "seed": 42, "max_tokens": 10,
+        "stop_token_ids": [7], "ignore_eos": true, "user": "ignored", "n": 1}));
+    let (status, _) = post_json(&router, CHAT, body).await;
+    assert_eq!(status, 200);
+    let body = json!({"prompt": "hi", "temperature": 0, "top_k": -1, "max_tokens": 4});
+    let (status, _) = post_json(&router, COMPLETIONS, body).await;
+    assert_eq!(status, 200);
+    let (status, _) = post_json(&router, COMPLETIONS, json!({"prompt": "hi"})).await;
+    assert_eq!(status, 200);
+
+    let sent = generator.requests();
+    let s = &sent[0].sampling;
+    assert_eq!((s.temperature, s.top_p, s.top_k, s.seed), (0.5, 0.9, 40, 42));
+    assert_eq!((s.max_tokens, s.ignore_eos), (10, true));
+    assert_eq!(s.stop_token_ids, vec![7]);
+    let s = &sent[1].sampling;
+    assert_eq!((s.temperature, s.top_k, s.max_tokens), (0.0, 0, 4));
+    let s = &sent[2].sampling;
+    let context = state.model().context_length() as usize;
+    let prompt = sent[2].prompt_token_ids.len();
+    assert_eq!(s.max_tokens as usize, (context - prompt).min(256));
+    assert_eq!((s.temperature, s.top_p, s.top_k), (1.0, 1.0, 0));
+    assert!(!s.ignore_eos && s.stop_token_ids.is_empty());
+    assert_ne!(sent[0].id, sent[1].id);
+}
+
+#[tokio::test]
+async fn models_health_and_metrics() {
+    let (router, state, _) = app_answering(ANSWER);
+    let (status, text) = get_text(&router, "/v1/models").await;
+    assert_eq!(status, 200);
+    let models: Value = serde_json::from_str(&text).expect("json");
+    assert_eq!(models["object"], "list");
+    assert_eq!(models["data"][0]["id"], MODEL);
+    assert_eq!(models["data"][0]["object"], "model");
+    assert_eq!(models["data"][0]["max_model_len"], 256);
+
+    let (status, text) = get_text(&router, "/health").await;
+    assert_eq!((status.as_u16(), text.as_str()), (200, "ok"));
+    state.set_ready(false);
+    assert_eq!(get_text(&router, "/health").await.0, 503);
+    state.set_ready(true);
+
+    let (status, _) = post_json(&router, CHAT, chat_body(json!({}))).await;
+    assert_eq!(status, 200);
+    let (status, _) = post_json(&router, CHAT, chat_body(json!({"n": 3}))).await;
+    assert_eq!(status, 400);
+    let (status, text) = get_text(&router, "/metrics").await;
+    assert_eq!(status, 200);
+    let tokens = (encode(&state, ANSWER).len() + 1) as f64;
+    for (series, expected) in [
+        (r#"tandem_requests_total{endpoint="chat_completions",status="200"}"#, 1.0),
+        (r#"tandem_requests_total{endpoint="chat_completions",status="400"}"#, 1.0),
+        (r#"tandem_request_failures_total{class="invalid_request"}"#, 1.0),
+        ("tandem_time_to_first_token_seconds_count", 1.0),
+        ("tandem_inter_token_latency_seconds_count", tokens - 1.0),
+        ("tandem_e2e_request_latency_seconds_count", 1.0),
+        ("tandem_requests_running", 0.0),
+        ("tandem_generation_tokens_total", tokens),
+    ] {
+        assert_eq!(metric(&text, series), Some(expected), "{series} in\n{text}");
+    }
+    assert!(text.contains(r#"tandem_time_to_first_token_seconds_bucket{le="+Inf"} 1"#));
+}
+
+#[tokio::test]
+async fn unknown_path_is_a_json_404() {
+    let (router, _, _) = app_answering(ANSWER);
+    let (status, text) = get_text(&router, "/v2/nothing").await;
+    assert_eq!(status, 404);
+    let body: Value = serde_json::from_str(&text).expect("json");
+    assert!(body["error"]["message"].as_str().is_some());
+}
+
+#[tokio::test]
+async fn finish_reason_comes_from_the_generator() {
+    let generator = Arc::new(MemoryGenerator::new(vec![5, 6, 7]));
+    let (router, _) = fixture_app(&generator);
+    let (_, answer) = post_json(&router, COMPLETIONS, json!({"prompt": "x"})).await;
+    // The script's last token carries Stop (as EOS would).
+    assert_eq!(answer["choices"][0]["finish_reason"], "stop");
+    assert_eq!(
+        serde_json::to_value(FinishReason::Length).expect("serializes"),
+        "length"
+    );
+}

@@ -1,0 +1,50 @@
+//! Helpers shared by tandem's tests: where the reference model and the `shared/` reference
+//! data are. Tests use the same model cache as `make run`, so the model is imported once per
+//! machine.
+
+#![allow(clippy::unwrap_used)]
+
+use std::path::PathBuf;
+use std::sync::OnceLock;
+
+/// The model cache (`$TANDEM_HOME/models`, default `~/.cache/tandem/models`).
+pub fn cache_dir() -> PathBuf {
+    if let Some(home) = std::env::var_os("TANDEM_HOME") {
+        return PathBuf::from(home).join("models");
+    }
+    let base = std::env::var_os("HOME").map_or_else(|| PathBuf::from("."), PathBuf::from);
+    base.join(".cache/tandem/models")
+}
+
+/// SmolLM2-135M-Instruct in Hugging Face layout, pulled and imported on first use.
+pub fn smollm2_dir() -> PathBuf {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        if let Some(dir) = std::env::var_os("TANDEM_TEST_MODEL_DIR") {
+            return PathBuf::from(dir);
+        }
+        tandem_model::pull::pull("smollm2-135m-instruct", &cache_dir())
+            .expect("pulling smollm2-135m-instruct for tests")
+    })
+    .clone()
+}
+
+/// The `shared/` folder next to the repository (reference outputs, specs).
+pub fn shared_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("TANDEM_SHARED_DIR") {
+        return PathBuf::from(dir);
+    }
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
+    for candidate in [root.join("shared"), root.join("../shared")] {
+        if candidate.join("reference").exists() {
+            return candidate;
+        }
+    }
+    panic!("shared/ reference folder not found next to the repository; set TANDEM_SHARED_DIR")
+}
+
+/// `shared/reference/smollm2/greedy.json`, parsed.
+pub fn smollm2_greedy_reference() -> serde_json::Value {
+    let path = shared_dir().join("reference/smollm2/greedy.json");
+    serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap()
+}

@@ -1,0 +1,94 @@
+//! Two workers in one thread talking over loopback through the real UCX library.
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use tandem_ucx::{CloseMode, Config, Context, Endpoint, Listener, RecvOp, Worker};
+
+fn context() -> Context {
+    let mut config = Config::read().expect("read UCX config");
+    if std::env::var_os("UCX_TLS").is_none() {
+        config.set("TLS", "tcp,sm,self").expect("set TLS");
+    }
+    if std::env::var_os("UCX_NET_DEVICES").is_none() {
+        config.set("NET_DEVICES", "lo").expect("set NET_DEVICES");
+    }
+    Context::new(&config).expect("ucp_init")
+}
+
+/// Progresses both workers until `done` or the deadline.
+fn drive(a: &Worker, b: &Worker, timeout: Duration, mut done: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        a.progress_all();
+        b.progress_all();
+        if done() {
+            return true;
+        }
+    }
+    false
+}
+
+#[test]
+fn tagged_messages_of_unknown_size_round_trip() {
+    let server_ctx = context();
+    let server = Worker::new(&server_ctx).expect("server worker");
+    let any: SocketAddr = "127.0.0.1:0".parse().expect("literal");
+    let listener = Listener::bind(&server, any).expect("listen");
+    let addr = listener.local_addr().expect("local addr");
+    assert_ne!(addr.port(), 0);
+
+    let client_ctx = context();
+    let client = Worker::new(&client_ctx).expect("client worker");
+    let ep = Endpoint::connect(&client, addr).expect("connect");
+
+    let big: Vec<u8> = (0..4 << 20).map(|i: u32| (i.wrapping_mul(31) >> 3) as u8).collect();
+    let big_send = ep.tag_send(7, big.clone()).expect("send big");
+    let small_send = ep.tag_send(8, b"hello".to_vec()).expect("send small");
+
+    let mut server_eps = Vec::new();
+    let mut recvs: Vec<RecvOp> = Vec::new();
+    let ok = drive(&client, &server, Duration::from_secs(20), || {
+        while let Some(req) = listener.next_conn_request() {
+            server_eps.push(Endpoint::accept(req).expect("accept"));
+        }
+        while let Some(op) = server.tag_probe_recv(0, 0).expect("probe") {
+            recvs.push(op);
+        }
+        recvs.len() == 2 && recvs.iter().all(|r| r.result().is_some())
+    });
+    assert!(ok, "messages did not arrive");
+    assert!(matches!(big_send.result(), Some(Ok(()))));
+    assert!(matches!(small_send.result(), Some(Ok(()))));
+    let mut got: Vec<(u64, Vec<u8>)> = recvs
+        .into_iter()
+        .map(|r| (r.tag(), r.into_data().ok().expect("receive succeeded")))
+        .collect();
+    got.sort_by_key(|(t, _)| *t);
+    assert_eq!(got[0].0, 7);
+    assert!(got[0].1 == big, "4 MiB payload corrupted");
+    assert_eq!(got[1], (8, b"hello".to_vec()));
+
+    let closing = ep.close(CloseMode::Flush);
+    assert!(drive(&client, &server, Duration::from_secs(5), || closing.is_done()));
+    drop(server_eps);
+}
+
+#[test]
+fn connecting_to_a_closed_port_fails_instead_of_hanging() {
+    // Bind and drop a listener to find a port nobody listens on.
+    let ctx = context();
+    let worker = Worker::new(&ctx).expect("worker");
+    let addr = {
+        let l = Listener::bind(&worker, "127.0.0.1:0".parse().expect("literal")).expect("bind");
+        l.local_addr().expect("addr")
+    };
+    let ep = Endpoint::connect(&worker, addr).expect("connect starts");
+    let send = ep.tag_send(1, vec![1, 2, 3]).expect("send queued");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let failed = worker.progress_until(deadline, || send.result().is_some() && ep.is_failed());
+    assert!(failed, "no failure reported");
+    let err = send.result().and_then(Result::err).expect("send failed");
+    assert!(err.status().is_some(), "{err}");
+    eprintln!("closed port: send error = {err}; endpoint = {:?}", ep.failure());
+}

@@ -1,0 +1,342 @@
+use crate::handoff;
+use crate::reservations::Reservations;
+use crate::{Error, Result};
+use parking_lot::Mutex;
+use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use tandem_core::{FinishReason, SamplingParams};
+use tandem_engine::{Engine, EngineEvent, SeqKind};
+use tandem_kv::{UcxReceiver, UcxSender};
+use tandem_proto::v1 as pb;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+use tonic::{Request, Response, Status};
+
+/// What a worker process serves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    /// Computes prompts and pushes their KV.
+    Prefill,
+    /// Receives KV and generates the rest.
+    Decode,
+}
+
+impl Role {
+    /// `prefill` or `decode`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+        }
+    }
+}
+
+/// How a worker runs.
+#[derive(Clone, Debug)]
+pub struct WorkerOptions {
+    /// Its role.
+    pub role: Role,
+    /// Decode role: where the KV transport listens ("127.0.0.1:0" picks a port).
+    pub transfer_bind: String,
+    /// Decode role: how long a reservation waits for its KV before it is released.
+    pub kv_lease: Duration,
+    /// Prefill role: how long one KV push may take.
+    pub transfer_timeout: Duration,
+}
+
+struct Shared {
+    opts: WorkerOptions,
+    engine: Engine,
+    reservations: Arc<Reservations>,
+    transfer_address: String,
+    receiver: Option<Mutex<UcxReceiver>>,
+    sender: Option<UcxSender>,
+    kv_bytes_sent: AtomicU64,
+}
+
+/// The gRPC `Worker` service over an engine.
+#[derive(Clone)]
+struct WorkerService {
+    shared: Arc<Shared>,
+}
+
+/// Serves `engine` in `opts.role` on `listener` until `shutdown` resolves.
+pub async fn serve(
+    engine: Engine,
+    opts: WorkerOptions,
+    listener: tokio::net::TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<()> {
+    let reservations = Arc::new(Reservations::default());
+    let (receiver, sender, transfer_address) = match opts.role {
+        Role::Decode => {
+            let mut receiver = UcxReceiver::listen(&opts.transfer_bind)?;
+            let address = receiver.address();
+            let incoming = receiver
+                .take_incoming()
+                .ok_or_else(|| Error::InvalidRequest("transport receiver already taken".into()))?;
+            tokio::spawn(dispatch_incoming(incoming, reservations.clone()));
+            tracing::info!(%address, "KV transport listening");
+            (Some(Mutex::new(receiver)), None, address)
+        }
+        Role::Prefill => (None, Some(UcxSender::new()?), String::new()),
+    };
+    let service = WorkerService {
+        shared: Arc::new(Shared {
+            opts,
+            engine,
+            reservations,
+            transfer_address,
+            receiver,
+            sender,
+            kv_bytes_sent: AtomicU64::new(0),
+        }),
+    };
+    tonic::transport::Server::builder()
+        .add_service(pb::worker_server::WorkerServer::new(service))
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
+        .await?;
+    Ok(())
+}
+
+/// Routes each received handoff message to the reservation waiting for it.
+async fn dispatch_incoming(
+    mut incoming: mpsc::UnboundedReceiver<tandem_kv::KvMessage>,
+    reservations: Arc<Reservations>,
+) {
+    while let Some(msg) = incoming.recv().await {
+        match handoff::decode_header(&msg.payload) {
+            Ok(h) if h.reservation.0 == msg.tag => {
+                if !reservations.deliver(h.reservation, h.epoch, msg.payload) {
+                    tracing::warn!(reservation = %h.reservation, epoch = %h.epoch,
+                        "KV for an unknown or stale reservation dropped");
+                }
+            }
+            Ok(h) => tracing::warn!(tag = msg.tag, reservation = %h.reservation, "KV tag/header mismatch dropped"),
+            Err(e) => tracing::warn!(tag = msg.tag, error = %e, "malformed KV message dropped"),
+        }
+    }
+}
+
+fn sampling_from(p: Option<pb::SamplingParams>) -> SamplingParams {
+    let p = p.unwrap_or_default();
+    SamplingParams {
+        temperature: p.temperature,
+        top_k: p.top_k,
+        top_p: if p.top_p <= 0.0 { 1.0 } else { p.top_p },
+        seed: p.seed,
+        max_tokens: p.max_tokens,
+        stop_token_ids: p.stop_token_ids,
+        ignore_eos: p.ignore_eos,
+    }
+}
+
+fn finish_to_pb(f: Option<FinishReason>) -> i32 {
+    match f {
+        None => pb::FinishReason::Unspecified as i32,
+        Some(FinishReason::Stop) => pb::FinishReason::Stop as i32,
+        Some(FinishReason::Length) => pb::FinishReason::Length as i32,
+    }
+}
+
+impl Shared {
+    fn check_role(&self, want: Role) -> Result<()> {
+        if self.opts.role == want {
+            Ok(())
+        } else {
+            Err(Error::InvalidRequest(format!(
+                "this worker serves the {} role, not {}",
+                self.opts.role.as_str(),
+                want.as_str()
+            )))
+        }
+    }
+
+    fn checked_request(&self, req: Option<pb::GenerateRequest>) -> Result<(Vec<u32>, SamplingParams)> {
+        let req = req.ok_or_else(|| Error::InvalidRequest("missing request".into()))?;
+        let params = sampling_from(req.sampling);
+        if req.prompt_token_ids.is_empty() {
+            return Err(Error::InvalidRequest("empty prompt".into()));
+        }
+        if params.max_tokens == 0 {
+            return Err(Error::InvalidRequest("max_tokens must be at least 1".into()));
+        }
+        let total = req.prompt_token_ids.len() + params.max_tokens as usize;
+        if total > self.engine.max_context() {
+            return Err(Error::InvalidRequest(format!(
+                "{total} tokens exceed the context length {}",
+                self.engine.max_context()
+            )));
+        }
+        Ok((req.prompt_token_ids, params))
+    }
+
+    fn kv_layout(&self, num_tokens: usize) -> pb::KvLayout {
+        let l = self.engine.layout();
+        pb::KvLayout {
+            num_layers: l.num_layers as u32,
+            num_kv_heads: l.num_kv_heads as u32,
+            head_dim: l.head_dim as u32,
+            block_size: l.block_size as u32,
+            num_tokens: num_tokens as u32,
+            dtype: "f32".into(),
+        }
+    }
+
+    async fn prefill(&self, req: pb::PrefillRequest) -> Result<pb::PrefillResponse> {
+        self.check_role(Role::Prefill)?;
+        let (prompt, params) = self.checked_request(req.request)?;
+        let target = req
+            .kv_target
+            .ok_or_else(|| Error::InvalidRequest("missing kv_target".into()))?;
+        let mine = self.kv_layout(prompt.len());
+        let theirs = target.layout.clone().unwrap_or_default();
+        if (theirs.num_layers, theirs.num_kv_heads, theirs.head_dim, theirs.num_tokens)
+            != (mine.num_layers, mine.num_kv_heads, mine.head_dim, mine.num_tokens)
+        {
+            return Err(Error::InvalidRequest(format!(
+                "decode KV layout {theirs:?} does not match this prefill worker's {mine:?}"
+            )));
+        }
+        let prompt_len = prompt.len();
+        let mut events = self.engine.submit(prompt, params, SeqKind::Prefill)?;
+        let Some(EngineEvent::Prefilled { first_token, finish, kv }) = events.recv().await else {
+            return Err(Error::Engine(tandem_engine::Error::Stopped));
+        };
+        let mut sent = 0;
+        if finish.is_none() {
+            let reservation = tandem_core::ReservationId(target.reservation_id);
+            let epoch = tandem_core::Epoch(target.epoch);
+            let payload = tokio::task::spawn_blocking(move || {
+                handoff::encode(reservation, epoch, first_token, prompt_len as u32, &kv)
+            })
+            .await
+            .map_err(|e| Error::InvalidRequest(format!("encoding task failed: {e}")))?;
+            sent = payload.len() as u64;
+            let sender = self.sender.as_ref().ok_or_else(|| Error::InvalidRequest("no transport".into()))?;
+            sender
+                .send(&target.transfer_address, target.reservation_id, payload, self.opts.transfer_timeout)
+                .await?;
+            self.kv_bytes_sent.fetch_add(sent, Ordering::Relaxed);
+        }
+        Ok(pb::PrefillResponse {
+            first_token_id: first_token,
+            prompt_tokens: prompt_len as u32,
+            kv_bytes_sent: sent,
+            finish_reason: finish_to_pb(finish),
+        })
+    }
+
+    /// The decode leg after the KV target was sent: wait for KV, then stream tokens.
+    async fn decode_rest(
+        self: Arc<Self>,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+        allocation: tandem_engine::BlockAllocation,
+        pending: crate::reservations::Pending,
+        tx: &mpsc::Sender<std::result::Result<pb::DecodeEvent, Status>>,
+    ) -> Result<()> {
+        let lease = self.opts.kv_lease;
+        let message = tokio::select! {
+            m = pending.kv => m.map_err(|_| Error::Deadline("reservation dropped".into()))?,
+            _ = tokio::time::sleep(lease) => {
+                return Err(Error::Deadline(format!("no KV arrived within the {lease:?} lease")));
+            }
+            _ = tx.closed() => return Ok(()),
+        };
+        drop(pending);
+        let (header, kv) = tokio::task::spawn_blocking(move || handoff::decode(&message))
+            .await
+            .map_err(|e| Error::InvalidRequest(format!("decoding task failed: {e}")))??;
+        if header.num_tokens as usize != prompt.len() {
+            return Err(Error::InvalidRequest(format!(
+                "KV covers {} tokens, the prompt has {}",
+                header.num_tokens,
+                prompt.len()
+            )));
+        }
+        let kind = SeqKind::Decode { allocation, kv, first_token: header.first_token };
+        let mut events = self.engine.submit(prompt, params, kind)?;
+        loop {
+            let event = tokio::select! {
+                e = events.recv() => e,
+                _ = tx.closed() => return Ok(()),
+            };
+            match event {
+                Some(EngineEvent::Token { token_id, finish }) => {
+                    let ev = pb::DecodeEvent {
+                        event: Some(pb::decode_event::Event::Token(pb::TokenEvent {
+                            token_id,
+                            finish_reason: finish_to_pb(finish),
+                        })),
+                    };
+                    if tx.send(Ok(ev)).await.is_err() || finish.is_some() {
+                        return Ok(());
+                    }
+                }
+                Some(EngineEvent::Prefilled { .. }) | None => {
+                    return Err(Error::Engine(tandem_engine::Error::Stopped));
+                }
+            }
+        }
+    }
+}
+
+type DecodeStream = ReceiverStream<std::result::Result<pb::DecodeEvent, Status>>;
+
+#[tonic::async_trait]
+impl pb::worker_server::Worker for WorkerService {
+    type DecodeStream = DecodeStream;
+
+    async fn decode(&self, request: Request<pb::DecodeRequest>) -> std::result::Result<Response<DecodeStream>, Status> {
+        let shared = self.shared.clone();
+        shared.check_role(Role::Decode)?;
+        let (prompt, params) = shared.checked_request(request.into_inner().request)?;
+        let allocation = shared
+            .engine
+            .reserve(prompt.len() + params.max_tokens as usize)
+            .map_err(Error::from)?;
+        let pending = shared.reservations.register();
+        let target = pb::KvTarget {
+            transfer_address: shared.transfer_address.clone(),
+            reservation_id: pending.id.0,
+            epoch: pending.epoch.0,
+            layout: Some(shared.kv_layout(prompt.len())),
+        };
+        let (tx, rx) = mpsc::channel(64);
+        let first = pb::DecodeEvent { event: Some(pb::decode_event::Event::KvTarget(target)) };
+        tx.send(Ok(first)).await.map_err(|_| Status::cancelled("client went away"))?;
+        tokio::spawn(async move {
+            if let Err(e) = shared.clone().decode_rest(prompt, params, allocation, pending, &tx).await {
+                tracing::warn!(error = %e, "decode failed");
+                let _ = tx.send(Err(Status::from(e))).await;
+            }
+        });
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+
+    async fn prefill(&self, request: Request<pb::PrefillRequest>) -> std::result::Result<Response<pb::PrefillResponse>, Status> {
+        let res = self.shared.prefill(request.into_inner()).await;
+        if let Err(e) = &res {
+            tracing::warn!(error = %e, "prefill failed");
+        }
+        Ok(Response::new(res?))
+    }
+
+    async fn stats(&self, _request: Request<pb::StatsRequest>) -> std::result::Result<Response<pb::StatsResponse>, Status> {
+        let s = &self.shared;
+        let alloc = s.engine.allocator();
+        let engine = s.engine.stats();
+        let received = s.receiver.as_ref().map_or(0, |r| r.lock().bytes_received());
+        Ok(Response::new(pb::StatsResponse {
+            role: s.opts.role.as_str().into(),
+            kv_blocks_total: alloc.total_blocks() as u32,
+            kv_blocks_free: alloc.free_blocks() as u32,
+            running_requests: (engine.running + engine.waiting) as u32,
+            pending_reservations: s.reservations.len() as u32,
+            kv_bytes_transferred: s.kv_bytes_sent.load(Ordering::Relaxed) + received,
+        }))
+    }
+}
