@@ -36,9 +36,14 @@ pub enum BenchCommand {
 
 pub fn run(cmd: BenchCommand) -> Result<()> {
     match cmd {
-        BenchCommand::Engine { model, prompt_tokens, decode_tokens, batch, repeat, json } => {
-            engine_bench(&model, prompt_tokens, decode_tokens, batch, repeat, json)
-        }
+        BenchCommand::Engine {
+            model,
+            prompt_tokens,
+            decode_tokens,
+            batch,
+            repeat,
+            json,
+        } => engine_bench(&model, prompt_tokens, decode_tokens, batch, repeat, json),
     }
 }
 
@@ -48,7 +53,10 @@ fn read_bandwidth() -> f64 {
     let mut best = 0.0f64;
     for _ in 0..5 {
         let t = Instant::now();
-        let s: f32 = data.par_chunks(1 << 16).map(|c| c.iter().sum::<f32>()).sum();
+        let s: f32 = data
+            .par_chunks(1 << 16)
+            .map(|c| c.iter().sum::<f32>())
+            .sum();
         let dt = t.elapsed().as_secs_f64();
         std::hint::black_box(s);
         best = best.max((data.len() * 4) as f64 / dt);
@@ -62,17 +70,33 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 fn prompt(len: usize, salt: u32) -> Vec<u32> {
-    (0..len as u32).map(|i| 100 + (i * 7919 + salt * 104_729) % 40_000).collect()
+    (0..len as u32)
+        .map(|i| 100 + (i * 7919 + salt * 104_729) % 40_000)
+        .collect()
 }
 
 /// Runs `n` sequences concurrently; returns (time to all first tokens, decode tokens/s after
 /// every sequence has its first token).
-fn run_batch(engine: &Engine, n: usize, prompt_len: usize, max_tokens: u32, salt: u32) -> Result<(Duration, f64)> {
-    let params = SamplingParams { max_tokens, ignore_eos: true, ..SamplingParams::greedy(max_tokens) };
+fn run_batch(
+    engine: &Engine,
+    n: usize,
+    prompt_len: usize,
+    max_tokens: u32,
+    salt: u32,
+) -> Result<(Duration, f64)> {
+    let params = SamplingParams {
+        max_tokens,
+        ignore_eos: true,
+        ..SamplingParams::greedy(max_tokens)
+    };
     let start = Instant::now();
     let mut rxs = Vec::new();
     for i in 0..n {
-        rxs.push(engine.submit(prompt(prompt_len, salt + i as u32), params.clone(), SeqKind::Generate)?);
+        rxs.push(engine.submit(
+            prompt(prompt_len, salt + i as u32),
+            params.clone(),
+            SeqKind::Generate,
+        )?);
     }
     // First tokens.
     for rx in &mut rxs {
@@ -105,7 +129,11 @@ fn engine_bench(
     repeat: usize,
     json: Option<std::path::PathBuf>,
 ) -> Result<()> {
-    let args = crate::EngineArgs { model: model.to_string(), kv_blocks: 2048, max_batch_tokens: 512 };
+    let args = crate::EngineArgs {
+        model: model.to_string(),
+        kv_blocks: 2048,
+        max_batch_tokens: 512,
+    };
     let engine = args.start()?;
     eprintln!("warming up…");
     run_batch(&engine, 1, 32, 4, 0)?;
@@ -137,13 +165,30 @@ fn engine_bench(
         "decode_batch_tok_s": dn,
         "batch_vs_b1": dn / d1,
     });
-    println!("engine benchmark ({} threads)", rayon::current_num_threads());
+    println!(
+        "engine benchmark ({} threads)",
+        rayon::current_num_threads()
+    );
     println!("  memory read bandwidth      {:>8.1} GB/s", bw / 1e9);
-    println!("  weights read per token     {:>8.1} MB", weight_bytes / 1e6);
+    println!(
+        "  weights read per token     {:>8.1} MB",
+        weight_bytes / 1e6
+    );
     println!("  batch-1 decode floor       {:>8.1} tok/s", floor);
-    println!("  prefill ({prompt_tokens} tokens)       {:>8.1} tok/s", prefill);
-    println!("  decode batch 1             {:>8.1} tok/s  ({:.0}% of floor)", d1, 100.0 * d1 / floor);
-    println!("  decode batch {batch:<2}            {:>8.1} tok/s  ({:.1}x batch 1)", dn, dn / d1);
+    println!(
+        "  prefill ({prompt_tokens} tokens)       {:>8.1} tok/s",
+        prefill
+    );
+    println!(
+        "  decode batch 1             {:>8.1} tok/s  ({:.0}% of floor)",
+        d1,
+        100.0 * d1 / floor
+    );
+    println!(
+        "  decode batch {batch:<2}            {:>8.1} tok/s  ({:.1}x batch 1)",
+        dn,
+        dn / d1
+    );
     if let Some(path) = json {
         std::fs::write(&path, serde_json::to_string_pretty(&report)?)?;
     }

@@ -31,7 +31,9 @@ fn free_port() -> Result<u16> {
 }
 
 fn http_get_ok(port: u16, path: &str) -> bool {
-    let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) else { return false };
+    let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) else {
+        return false;
+    };
     let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
     let req = format!("GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n");
     if s.write_all(req.as_bytes()).is_err() {
@@ -54,7 +56,10 @@ fn spawn(exe: &Path, args: &[String], name: &str) -> Result<Child> {
 fn terminate(child: &Child) {
     if let Some(pid) = child.id() {
         // SIGTERM so each process shuts down cleanly; kill_on_drop is the backstop.
-        let _ = std::process::Command::new("kill").arg("-TERM").arg(pid.to_string()).status();
+        let _ = std::process::Command::new("kill")
+            .arg("-TERM")
+            .arg(pid.to_string())
+            .status();
     }
 }
 
@@ -64,7 +69,10 @@ pub fn run(args: RunArgs) -> Result<()> {
     let exe = std::env::current_exe().context("locating the tandem binary")?;
     let (p_port, d_port) = (free_port()?, free_port()?);
     if TcpListener::bind(("127.0.0.1", args.port)).is_err() {
-        bail!("port {} is busy: pass --port (or TANDEM_PORT) to use another", args.port);
+        bail!(
+            "port {} is busy: pass --port (or TANDEM_PORT) to use another",
+            args.port
+        );
     }
     let config = format!(
         "listen: 127.0.0.1:{port}\nmodel:\n  served_name: {name}\nprefill:\n  - id: prefill-0\n    address: http://127.0.0.1:{p_port}\ndecode:\n  - id: decode-0\n    address: http://127.0.0.1:{d_port}\n",
@@ -74,7 +82,9 @@ pub fn run(args: RunArgs) -> Result<()> {
     let config_path = std::env::temp_dir().join(format!("tandem-run-{}.yaml", std::process::id()));
     std::fs::write(&config_path, &config)?;
     let kv = args.kv_blocks.to_string();
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
     let result = rt.block_on(async {
         let mut children = vec![
             ("prefill", spawn(&exe, &["worker".into(), "--role".into(), "prefill".into(), "--listen".into(), format!("127.0.0.1:{p_port}"), "--model".into(), dir_s.clone(), "--kv-blocks".into(), kv.clone()], "prefill worker")?),
@@ -133,6 +143,8 @@ pub fn run(args: RunArgs) -> Result<()> {
     result
 }
 
-async fn futures_select_all<F: std::future::Future + Unpin>(futs: impl IntoIterator<Item = F>) -> (F::Output, usize, Vec<F>) {
+async fn futures_select_all<F: std::future::Future + Unpin>(
+    futs: impl IntoIterator<Item = F>,
+) -> (F::Output, usize, Vec<F>) {
     futures::future::select_all(futs).await
 }

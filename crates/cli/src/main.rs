@@ -13,7 +13,11 @@ use tandem_core::SamplingParams;
 use tandem_engine::{CpuBackend, Engine, EngineConfig, EngineEvent, LlamaModel, SeqKind};
 
 #[derive(Parser, Debug)]
-#[command(name = "tandem", version, about = "Prefill/decode disaggregated LLM serving")]
+#[command(
+    name = "tandem",
+    version,
+    about = "Prefill/decode disaggregated LLM serving"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -141,19 +145,26 @@ struct GenerateArgs {
 fn init_tracing() {
     let filter = tracing_subscriber::EnvFilter::try_from_env("TANDEM_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
 }
 
 fn main() -> Result<()> {
     let cli = Cli::parse();
     init_tracing();
     match cli.command {
-        Command::Model { command: ModelCommand::Pull { name } } => {
+        Command::Model {
+            command: ModelCommand::Pull { name },
+        } => {
             let dir = models::pull(&name)?;
             println!("{}", dir.display());
             Ok(())
         }
-        Command::Model { command: ModelCommand::List } => {
+        Command::Model {
+            command: ModelCommand::List,
+        } => {
             for name in tandem_model::pull::known_models() {
                 println!("{name}");
             }
@@ -168,20 +179,23 @@ fn main() -> Result<()> {
 }
 
 fn runtime() -> Result<tokio::runtime::Runtime> {
-    Ok(tokio::runtime::Builder::new_multi_thread().enable_all().build()?)
+    Ok(tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?)
 }
 
 async fn shutdown_signal() {
     let ctrl_c = tokio::signal::ctrl_c();
     #[cfg(unix)]
     {
-        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(s) => s,
-            Err(_) => {
-                let _ = ctrl_c.await;
-                return;
-            }
-        };
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(s) => s,
+                Err(_) => {
+                    let _ = ctrl_c.await;
+                    return;
+                }
+            };
         tokio::select! {
             _ = ctrl_c => {}
             _ = term.recv() => {}
@@ -217,7 +231,14 @@ async fn router(args: RouterArgs) -> Result<()> {
         Some(m) => Some(models::resolve(m)?),
         None => None,
     };
-    tandem_router::run_from_config(&args.config, model_dir, args.listen.as_deref(), shutdown_signal()).await
+    tandem_router::run_from_config(
+        &args.config,
+        model_dir,
+        args.listen.as_deref(),
+        shutdown_signal(),
+    )
+    .await
+    .map_err(|e| anyhow::anyhow!(e))
 }
 
 fn generate(args: GenerateArgs) -> Result<()> {
@@ -233,8 +254,17 @@ fn generate(args: GenerateArgs) -> Result<()> {
         (None, Some(ids)) => ids.clone(),
         (None, None) => bail!("give --prompt or --token-ids"),
     };
-    let engine = EngineArgs { model: dir.display().to_string(), kv_blocks: 1024, max_batch_tokens: 512 }.start()?;
-    let mut rx = engine.submit(prompt, SamplingParams::greedy(args.max_tokens), SeqKind::Generate)?;
+    let engine = EngineArgs {
+        model: dir.display().to_string(),
+        kv_blocks: 1024,
+        max_batch_tokens: 512,
+    }
+    .start()?;
+    let mut rx = engine.submit(
+        prompt,
+        SamplingParams::greedy(args.max_tokens),
+        SeqKind::Generate,
+    )?;
     let mut ids = Vec::new();
     while let Some(ev) = rx.blocking_recv() {
         if let EngineEvent::Token { token_id, finish } = ev {
@@ -244,7 +274,9 @@ fn generate(args: GenerateArgs) -> Result<()> {
             }
         }
     }
-    let text = tokenizer.decode(&ids, false).map_err(|e| anyhow::anyhow!("decoding: {e}"))?;
+    let text = tokenizer
+        .decode(&ids, false)
+        .map_err(|e| anyhow::anyhow!("decoding: {e}"))?;
     if args.json {
         println!("{}", serde_json::json!({ "token_ids": ids, "text": text }));
     } else {

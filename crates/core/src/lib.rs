@@ -2,10 +2,10 @@
 //! URL strings), the failure classes a request can end in, and the checked generation request
 //! that travels from the router inward.
 
-/// Newtype identifiers: requests, workers, reservations, epochs, blocks.
-pub mod ids;
 /// `ErrorClass`: how a failure is classified, once, where it happens.
 pub mod error_class;
+/// Newtype identifiers: requests, workers, reservations, epochs, blocks.
+pub mod ids;
 /// Validated sampling parameters and generation requests.
 pub mod request;
 

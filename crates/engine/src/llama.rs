@@ -37,22 +37,32 @@ struct HostTensors(HashMap<String, (Vec<usize>, Vec<f32>)>);
 impl HostTensors {
     fn load_dir(dir: &Path) -> Result<Self> {
         let mut files: Vec<_> = std::fs::read_dir(dir)
-            .map_err(|source| Error::Io { path: dir.to_path_buf(), source })?
+            .map_err(|source| Error::Io {
+                path: dir.to_path_buf(),
+                source,
+            })?
             .filter_map(|e| e.ok().map(|e| e.path()))
             .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
             .collect();
         files.sort();
         if files.is_empty() {
-            return Err(Error::Weights(format!("no *.safetensors in {}", dir.display())));
+            return Err(Error::Weights(format!(
+                "no *.safetensors in {}",
+                dir.display()
+            )));
         }
         let mut map = HashMap::new();
         for path in files {
-            let bytes = std::fs::read(&path).map_err(|source| Error::Io { path: path.clone(), source })?;
+            let bytes = std::fs::read(&path).map_err(|source| Error::Io {
+                path: path.clone(),
+                source,
+            })?;
             let st = SafeTensors::deserialize(&bytes)
                 .map_err(|e| Error::Weights(format!("{}: {e}", path.display())))?;
             for (name, view) in st.tensors() {
-                let data = to_f32(view.dtype(), view.data())
-                    .ok_or_else(|| Error::Weights(format!("{name}: unsupported dtype {:?}", view.dtype())))?;
+                let data = to_f32(view.dtype(), view.data()).ok_or_else(|| {
+                    Error::Weights(format!("{name}: unsupported dtype {:?}", view.dtype()))
+                })?;
                 map.insert(name, (view.shape().to_vec(), data));
             }
         }
@@ -65,7 +75,9 @@ impl HostTensors {
             .remove(name)
             .ok_or_else(|| Error::Weights(format!("missing tensor {name}")))?;
         if s != shape {
-            return Err(Error::Weights(format!("{name}: shape {s:?}, expected {shape:?}")));
+            return Err(Error::Weights(format!(
+                "{name}: shape {s:?}, expected {shape:?}"
+            )));
         }
         Ok(data)
     }
@@ -74,7 +86,9 @@ impl HostTensors {
 fn to_f32(dtype: Dtype, bytes: &[u8]) -> Option<Vec<f32>> {
     let words = |n: usize| bytes.chunks_exact(n);
     Some(match dtype {
-        Dtype::F32 => words(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
+        Dtype::F32 => words(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect(),
         Dtype::BF16 => words(2)
             .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
             .collect(),
@@ -90,7 +104,11 @@ impl<B: Backend> LlamaModel<B> {
     pub fn load(dir: &Path, backend: B) -> Result<Self> {
         let config = LlamaConfig::from_dir(dir)?;
         let mut host = HostTensors::load_dir(dir)?;
-        let (d, i, v) = (config.hidden_size, config.intermediate_size, config.vocab_size);
+        let (d, i, v) = (
+            config.hidden_size,
+            config.intermediate_size,
+            config.vocab_size,
+        );
         let hd = config.head_dim();
         let (nh, nkv) = (config.num_attention_heads, config.num_key_value_heads);
         let linear = |backend: &B, parts: Vec<Vec<f32>>, out: usize, inp: usize| Linear {
@@ -109,7 +127,8 @@ impl<B: Backend> LlamaModel<B> {
             let u = host.take(&format!("{p}.mlp.up_proj.weight"), &[i, d])?;
             let dn = host.take(&format!("{p}.mlp.down_proj.weight"), &[d, i])?;
             layers.push(Layer {
-                input_norm: backend.upload(host.take(&format!("{p}.input_layernorm.weight"), &[d])?),
+                input_norm: backend
+                    .upload(host.take(&format!("{p}.input_layernorm.weight"), &[d])?),
                 qkv: linear(&backend, vec![q, k, vv], (nh + 2 * nkv) * hd, d),
                 o_proj: linear(&backend, vec![o], d, nh * hd),
                 post_norm: backend
@@ -122,12 +141,29 @@ impl<B: Backend> LlamaModel<B> {
         let lm_head = if config.tie_word_embeddings {
             None
         } else {
-            Some(linear(&backend, vec![host.take("lm_head.weight", &[v, d])?], v, d))
+            Some(linear(
+                &backend,
+                vec![host.take("lm_head.weight", &[v, d])?],
+                v,
+                d,
+            ))
         };
         let norm = backend.upload(host.take("model.norm.weight", &[d])?);
         let embed = backend.upload(embed_host);
-        let qkv_layout = QkvLayout { num_heads: nh, num_kv_heads: nkv, head_dim: hd };
-        Ok(Self { backend, config, embed, lm_head, layers, norm, qkv_layout })
+        let qkv_layout = QkvLayout {
+            num_heads: nh,
+            num_kv_heads: nkv,
+            head_dim: hd,
+        };
+        Ok(Self {
+            backend,
+            config,
+            embed,
+            lm_head,
+            layers,
+            norm,
+            qkv_layout,
+        })
     }
 
     /// The model's configuration.
@@ -199,9 +235,7 @@ impl<B: Backend> LlamaModel<B> {
         let mut logits = b.zeros(rows * c.vocab_size);
         match &self.lm_head {
             Some(head) => b.matmul(&h, rows, head, &mut logits, false),
-            None => {
-                b.matmul_raw(&h, rows, &self.embed, c.vocab_size, d, &mut logits, false)
-            }
+            None => b.matmul_raw(&h, rows, &self.embed, c.vocab_size, d, &mut logits, false),
         }
         b.download(&logits)
     }

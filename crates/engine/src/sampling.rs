@@ -71,7 +71,13 @@ mod tests {
     use super::*;
 
     fn params(temperature: f32, top_k: u32, top_p: f32, seed: u64) -> SamplingParams {
-        SamplingParams { temperature, top_k, top_p, seed, ..SamplingParams::default() }
+        SamplingParams {
+            temperature,
+            top_k,
+            top_p,
+            seed,
+            ..SamplingParams::default()
+        }
     }
 
     #[test]
@@ -87,7 +93,9 @@ mod tests {
         let a: Vec<u32> = (0..20).map(|s| sample(&logits, &p, s)).collect();
         let b: Vec<u32> = (0..20).map(|s| sample(&logits, &p, s)).collect();
         assert_eq!(a, b);
-        let c: Vec<u32> = (0..20).map(|s| sample(&logits, &params(1.0, 0, 1.0, 43), s)).collect();
+        let c: Vec<u32> = (0..20)
+            .map(|s| sample(&logits, &params(1.0, 0, 1.0, 43), s))
+            .collect();
         assert_ne!(a, c, "a different seed should change some token");
     }
 

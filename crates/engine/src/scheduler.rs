@@ -32,7 +32,12 @@ pub struct EngineConfig {
 
 impl Default for EngineConfig {
     fn default() -> Self {
-        Self { block_size: 16, num_blocks: 1024, max_batch_tokens: 512, max_running: 64 }
+        Self {
+            block_size: 16,
+            num_blocks: 1024,
+            max_batch_tokens: 512,
+            max_running: 64,
+        }
     }
 }
 
@@ -153,7 +158,9 @@ impl Drop for ThreadGuard {
 
 impl std::fmt::Debug for Engine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Engine").field("layout", &self.layout).finish_non_exhaustive()
+        f.debug_struct("Engine")
+            .field("layout", &self.layout)
+            .finish_non_exhaustive()
     }
 }
 
@@ -174,7 +181,16 @@ impl Engine {
             .name("tandem-engine".into())
             .spawn(move || {
                 let cache = model.backend().kv_cache(layout);
-                let mut worker = Worker { model, cache, config, rx, allocator: thread_alloc, stats: thread_stats, waiting: VecDeque::new(), running: Vec::new() };
+                let mut worker = Worker {
+                    model,
+                    cache,
+                    config,
+                    rx,
+                    allocator: thread_alloc,
+                    stats: thread_stats,
+                    waiting: VecDeque::new(),
+                    running: Vec::new(),
+                };
                 worker.run();
             })
             .expect("spawning the engine thread");
@@ -187,7 +203,10 @@ impl Engine {
             max_context,
             vocab_size,
             weight_bytes,
-            _thread: Arc::new(ThreadGuard { tx, handle: Mutex::new(Some(handle)) }),
+            _thread: Arc::new(ThreadGuard {
+                tx,
+                handle: Mutex::new(Some(handle)),
+            }),
         }
     }
 
@@ -203,10 +222,14 @@ impl Engine {
             return Err(Error::InvalidRequest("empty prompt".into()));
         }
         if params.max_tokens == 0 {
-            return Err(Error::InvalidRequest("max_tokens must be at least 1".into()));
+            return Err(Error::InvalidRequest(
+                "max_tokens must be at least 1".into(),
+            ));
         }
         if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= self.vocab_size) {
-            return Err(Error::InvalidRequest(format!("token id {bad} is outside the vocabulary")));
+            return Err(Error::InvalidRequest(format!(
+                "token id {bad} is outside the vocabulary"
+            )));
         }
         let total = prompt.len() + params.max_tokens as usize;
         if total > self.max_context {
@@ -234,7 +257,12 @@ impl Engine {
             import: None,
             tx,
         };
-        if let SeqKind::Decode { allocation, kv, first_token } = kind {
+        if let SeqKind::Decode {
+            allocation,
+            kv,
+            first_token,
+        } = kind
+        {
             let expected = prompt_len * self.layout.bytes_per_token() / 4;
             if kv.len() != expected {
                 return Err(Error::InvalidRequest(format!(
@@ -243,13 +271,17 @@ impl Engine {
                 )));
             }
             if allocation.blocks().len() < self.layout.blocks_for(total) {
-                return Err(Error::InvalidRequest("reservation too small for the request".into()));
+                return Err(Error::InvalidRequest(
+                    "reservation too small for the request".into(),
+                ));
             }
             seq.allocation = Some(allocation);
             seq.import = Some(kv);
             seq.tokens.push(first_token);
         }
-        self.tx.send(Command::Submit(Box::new(seq))).map_err(|_| Error::Stopped)?;
+        self.tx
+            .send(Command::Submit(Box::new(seq)))
+            .map_err(|_| Error::Stopped)?;
         Ok(rx)
     }
 
@@ -308,7 +340,10 @@ impl<B: Backend> Worker<B> {
             } else {
                 None
             };
-            for cmd in first.into_iter().chain(std::iter::from_fn(|| self.rx.try_recv().ok())) {
+            for cmd in first
+                .into_iter()
+                .chain(std::iter::from_fn(|| self.rx.try_recv().ok()))
+            {
                 match cmd {
                     Command::Submit(seq) => self.waiting.push_back(seq),
                     Command::Shutdown => return,
@@ -325,7 +360,9 @@ impl<B: Backend> Worker<B> {
     fn admit(&mut self) {
         self.waiting.retain(|s| !s.tx.is_closed());
         while self.running.len() < self.config.max_running {
-            let Some(mut seq) = self.waiting.pop_front() else { break };
+            let Some(mut seq) = self.waiting.pop_front() else {
+                break;
+            };
             if seq.allocation.is_none() {
                 let want = seq.prompt_len + seq.params.max_tokens as usize;
                 let blocks = want.div_ceil(self.config.block_size);
@@ -344,7 +381,12 @@ impl<B: Backend> Worker<B> {
                 }
             }
             if let (Some(kv), Some(alloc)) = (seq.import.take(), seq.allocation.as_ref()) {
-                self.model.backend().import_kv(&mut self.cache, alloc.blocks(), seq.prompt_len, &kv);
+                self.model.backend().import_kv(
+                    &mut self.cache,
+                    alloc.blocks(),
+                    seq.prompt_len,
+                    &kv,
+                );
                 seq.cached = seq.prompt_len;
             }
             self.running.push(seq);
@@ -363,7 +405,11 @@ impl<B: Backend> Worker<B> {
         // Decodes first: one token each.
         for (i, seq) in self.running.iter().enumerate() {
             if seq.cached + 1 == seq.tokens.len() && seq.cached >= seq.prompt_len {
-                let blocks = seq.allocation.as_ref().map(|a| a.blocks()).unwrap_or_default();
+                let blocks = seq
+                    .allocation
+                    .as_ref()
+                    .map(|a| a.blocks())
+                    .unwrap_or_default();
                 batch.push(&seq.tokens[seq.cached..], seq.cached, blocks, bs, true);
                 in_batch.push((i, 1));
                 budget = budget.saturating_sub(1);
@@ -378,9 +424,19 @@ impl<B: Backend> Worker<B> {
                     break;
                 }
                 let n = remaining.min(budget.max(1));
-                let blocks = seq.allocation.as_ref().map(|a| a.blocks()).unwrap_or_default();
+                let blocks = seq
+                    .allocation
+                    .as_ref()
+                    .map(|a| a.blocks())
+                    .unwrap_or_default();
                 let done = seq.cached + n == seq.tokens.len();
-                batch.push(&seq.tokens[seq.cached..seq.cached + n], seq.cached, blocks, bs, done);
+                batch.push(
+                    &seq.tokens[seq.cached..seq.cached + n],
+                    seq.cached,
+                    blocks,
+                    bs,
+                    done,
+                );
                 in_batch.push((i, n));
                 budget = budget.saturating_sub(n);
             }
@@ -410,15 +466,29 @@ impl<B: Backend> Worker<B> {
             generated += 1;
             let finish = seq.finish_reason(token);
             let sent = if seq.prefill_only {
-                let blocks = seq.allocation.as_ref().map(|a| a.blocks()).unwrap_or_default();
-                let kv = self.model.backend().export_kv(&self.cache, blocks, seq.prompt_len);
+                let blocks = seq
+                    .allocation
+                    .as_ref()
+                    .map(|a| a.blocks())
+                    .unwrap_or_default();
+                let kv = self
+                    .model
+                    .backend()
+                    .export_kv(&self.cache, blocks, seq.prompt_len);
                 finished.push(i);
-                seq.tx.send(EngineEvent::Prefilled { first_token: token, finish, kv })
+                seq.tx.send(EngineEvent::Prefilled {
+                    first_token: token,
+                    finish,
+                    kv,
+                })
             } else {
                 if finish.is_some() {
                     finished.push(i);
                 }
-                seq.tx.send(EngineEvent::Token { token_id: token, finish })
+                seq.tx.send(EngineEvent::Token {
+                    token_id: token,
+                    finish,
+                })
             };
             if sent.is_err() {
                 finished.push(i);

@@ -72,12 +72,16 @@ impl LlamaConfig {
     fn check(&self) -> Result<()> {
         if let Some(t) = &self.model_type {
             if t != "llama" {
-                return Err(Error::Unsupported(format!("model_type {t:?} (expected \"llama\")")));
+                return Err(Error::Unsupported(format!(
+                    "model_type {t:?} (expected \"llama\")"
+                )));
             }
         }
         if self.num_attention_heads == 0
             || self.num_key_value_heads == 0
-            || self.num_attention_heads % self.num_key_value_heads != 0
+            || !self
+                .num_attention_heads
+                .is_multiple_of(self.num_key_value_heads)
         {
             return Err(Error::Unsupported(format!(
                 "{} attention heads are not a multiple of {} KV heads",

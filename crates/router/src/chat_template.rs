@@ -100,7 +100,8 @@ mod tests {
         }
     }
 
-    const CHATML: &str = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + \
+    const CHATML: &str =
+        "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + \
         message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}\
         {{ '<|im_start|>assistant\n' }}{% endif %}";
 
@@ -119,7 +120,8 @@ mod tests {
 
     #[test]
     fn raise_exception_reaches_the_caller() {
-        let source = "{% if messages[0].role != 'user' %}{{ raise_exception('first must be user') }}\
+        let source =
+            "{% if messages[0].role != 'user' %}{{ raise_exception('first must be user') }}\
                       {% endif %}{{ bos_token }}{{ messages[0].content.strip() }}{{ eos_token }}";
         let template = ChatTemplate::new(source, Some("<s>"), Some("</s>")).expect("compiles");
         let err = template

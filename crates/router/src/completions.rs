@@ -10,8 +10,8 @@ use crate::detokenizer::Detokenizer;
 use crate::error::ApiError;
 use crate::metrics::Endpoint;
 use crate::protocol::{
-    AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk,
-    ChatDelta, Completion, CompletionChoice, Usage,
+    AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatDelta,
+    Completion, CompletionChoice, Usage,
 };
 use crate::server::{unix_now, RouterState};
 use crate::text_stream::{TextEvent, TextStream};
@@ -72,10 +72,8 @@ async fn handle(
         include_usage,
         prompt_tokens: u32::try_from(request.prompt_token_ids.len()).unwrap_or(u32::MAX),
     };
-    let detokenizer = Detokenizer::new(
-        state.model().tokenizer().clone(),
-        &request.prompt_token_ids,
-    );
+    let detokenizer =
+        Detokenizer::new(state.model().tokenizer().clone(), &request.prompt_token_ids);
     let max_tokens = request.sampling.max_tokens;
     let tokens = match state.generator().generate(request).await {
         Ok(tokens) => tokens,
@@ -151,9 +149,7 @@ async fn respond_whole(mut text: TextStream, shape: Shape) -> Response {
                 completion_tokens,
             })) => return shape.whole(content, reason, completion_tokens),
             Some(Err(err)) => return err.into_response(),
-            None => {
-                return ApiError::internal("generation ended without a result").into_response()
-            }
+            None => return ApiError::internal("generation ended without a result").into_response(),
         }
     }
 }

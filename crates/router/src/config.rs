@@ -232,9 +232,7 @@ fn check_workers(
         match WorkerAddress::parse(&worker.address) {
             Ok(address) => {
                 if !addresses.insert(address.to_string()) {
-                    problems.push(format!(
-                        "{role}[{i}].address {address} is listed twice"
-                    ));
+                    problems.push(format!("{role}[{i}].address {address} is listed twice"));
                 }
                 checked.push(WorkerEndpoint {
                     id: WorkerId(worker.id),
@@ -350,7 +348,10 @@ timeouts: {connect: 0s}
             "listed twice",
             "timeouts.connect",
         ] {
-            assert!(message.contains(expected), "{expected:?} not in {message:?}");
+            assert!(
+                message.contains(expected),
+                "{expected:?} not in {message:?}"
+            );
         }
     }
 

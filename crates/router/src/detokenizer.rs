@@ -64,7 +64,10 @@ impl Detokenizer {
         }
         let prefix_text = self.decode(self.prefix_offset, self.read_offset)?;
         let new_text = self.decode(self.prefix_offset, self.ids.len())?;
-        let delta = new_text.get(prefix_text.len()..).unwrap_or_default().to_owned();
+        let delta = new_text
+            .get(prefix_text.len()..)
+            .unwrap_or_default()
+            .to_owned();
         self.ids.drain(..self.read_offset);
         self.prefix_offset = 0;
         self.read_offset = self.ids.len();
@@ -82,8 +85,8 @@ mod tests {
     use std::path::Path;
 
     fn fixture() -> Arc<Tokenizer> {
-        let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("tests/fixtures/tiny-chatml/tokenizer.json");
+        let path =
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-chatml/tokenizer.json");
         Arc::new(Tokenizer::from_file(path).expect("fixture tokenizer loads"))
     }
 

@@ -27,21 +27,24 @@ pub mod detokenizer;
 pub mod error;
 /// The boundary to whatever produces tokens: the `Generator` trait.
 pub mod generator;
+/// Process wiring: config → workers → app; `/ready` and `/admin/workers`.
+pub mod launch;
 /// Prometheus metrics in a router-owned registry; per-request recording.
 pub mod metrics;
 /// Tokenizer, chat template, context length and EOS ids loaded from a model directory.
 pub mod model;
-// pub mod pd; (added by the lead)
+/// The P/D generator: gRPC to a prefill and a decode worker per request, with retries.
+pub mod pd;
 /// OpenAI request and response wire types.
 pub mod protocol;
 /// Router state, routes, and `serve`.
 pub mod server;
 /// Stop-string matching across text deltas.
 pub mod stop_strings;
-/// Generator tokens → text events (detokenize, stop strings, limits, metrics).
-mod text_stream;
 /// In-memory test double of `Generator`.
 pub mod testing;
+/// Generator tokens → text events (detokenize, stop strings, limits, metrics).
+mod text_stream;
 /// Parsed requests → checked, tokenized requests.
 pub mod validation;
 
@@ -50,6 +53,7 @@ pub use error::{ApiError, Error, Result};
 pub use generator::{
     GenerateError, GenerateFuture, GeneratedToken, Generator, TokenStream, ValidGenerateRequest,
 };
+pub use launch::run_from_config;
 pub use metrics::Metrics;
 pub use model::{ModelAssets, ModelInfo};
 pub use server::{app, serve, serve_with_shutdown, RouterState};

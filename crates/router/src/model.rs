@@ -52,10 +52,11 @@ impl ModelAssets {
     /// but one of them must give a context length) from `dir`.
     pub fn load(dir: &Path) -> Result<Self> {
         let tokenizer_path = dir.join("tokenizer.json");
-        let tokenizer = Tokenizer::from_file(&tokenizer_path).map_err(|source| Error::Tokenizer {
-            path: tokenizer_path,
-            source,
-        })?;
+        let tokenizer =
+            Tokenizer::from_file(&tokenizer_path).map_err(|source| Error::Tokenizer {
+                path: tokenizer_path,
+                source,
+            })?;
         let tokenizer_config = read_json_if_exists(&dir.join("tokenizer_config.json"))?;
         let config = read_json_if_exists(&dir.join("config.json"))?;
         let model_error = |message: String| Error::Model {
@@ -63,8 +64,12 @@ impl ModelAssets {
             message,
         };
 
-        let bos_token = tokenizer_config.as_ref().and_then(|c| token_text(&c["bos_token"]));
-        let eos_token = tokenizer_config.as_ref().and_then(|c| token_text(&c["eos_token"]));
+        let bos_token = tokenizer_config
+            .as_ref()
+            .and_then(|c| token_text(&c["bos_token"]));
+        let eos_token = tokenizer_config
+            .as_ref()
+            .and_then(|c| token_text(&c["eos_token"]));
         let add_bos_token = tokenizer_config
             .as_ref()
             .and_then(|c| c["add_bos_token"].as_bool())
@@ -85,7 +90,7 @@ impl ModelAssets {
         let model_max_length = tokenizer_config
             .as_ref()
             .and_then(|c| c["model_max_length"].as_f64())
-            .filter(|&len| len >= 1.0 && len < MODEL_MAX_LENGTH_SENTINEL)
+            .filter(|len| (1.0..MODEL_MAX_LENGTH_SENTINEL).contains(len))
             .map(|len| len as u64);
         let context_length = match (max_position_embeddings, model_max_length) {
             (Some(a), Some(b)) => a.min(b),
@@ -102,9 +107,15 @@ impl ModelAssets {
             .map_err(|_| model_error(format!("context length {context_length} is too large")))?;
 
         let mut eos_token_ids = Vec::new();
-        if let Some(value) = config.as_ref().and_then(|c| config_field(c, "eos_token_id")) {
-            eos_token_ids = token_ids(value)
-                .ok_or_else(|| model_error(format!("config.json eos_token_id {value} is not an id or a list of ids")))?;
+        if let Some(value) = config
+            .as_ref()
+            .and_then(|c| config_field(c, "eos_token_id"))
+        {
+            eos_token_ids = token_ids(value).ok_or_else(|| {
+                model_error(format!(
+                    "config.json eos_token_id {value} is not an id or a list of ids"
+                ))
+            })?;
         }
         if let Some(id) = eos_token.as_deref().and_then(|t| tokenizer.token_to_id(t)) {
             if !eos_token_ids.contains(&id) {
@@ -270,6 +281,12 @@ mod tests {
         assert_eq!(assets.context_length(), 256);
         assert_eq!(assets.eos_token_ids(), &[2, 0]);
         assert!(assets.chat_template().is_some());
-        assert_eq!(assets.encode_chat("<|im_start|>hello").expect("encodes").len(), 2);
+        assert_eq!(
+            assets
+                .encode_chat("<|im_start|>hello")
+                .expect("encodes")
+                .len(),
+            2
+        );
     }
 }

@@ -5,7 +5,9 @@
 //! the caller are retried on another pair, with backoff, within a budget; dropping the
 //! returned stream cancels the decode leg, which frees its KV.
 
-use crate::generator::{GenerateError, GenerateFuture, GeneratedToken, Generator, TokenStream, ValidGenerateRequest};
+use crate::generator::{
+    GenerateError, GenerateFuture, GeneratedToken, Generator, TokenStream, ValidGenerateRequest,
+};
 use futures::StreamExt;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -31,7 +33,12 @@ impl WorkerHandle {
     /// A lazily connected handle to the worker at `address` (`http://host:port`).
     pub fn new(id: WorkerId, address: &str) -> Result<Self, GenerateError> {
         let endpoint = Endpoint::from_shared(address.to_string())
-            .map_err(|e| GenerateError::new(ErrorClass::InvalidRequest, format!("bad worker address {address}: {e}")))?
+            .map_err(|e| {
+                GenerateError::new(
+                    ErrorClass::InvalidRequest,
+                    format!("bad worker address {address}: {e}"),
+                )
+            })?
             .connect_timeout(Duration::from_secs(5))
             .tcp_nodelay(true);
         Ok(Self {
@@ -44,7 +51,10 @@ impl WorkerHandle {
     /// The worker's counters (KV pool, running requests).
     pub async fn stats(&self) -> Result<pb::StatsResponse, GenerateError> {
         let mut c = self.client.clone();
-        Ok(c.stats(pb::StatsRequest {}).await.map_err(classify_status)?.into_inner())
+        Ok(c.stats(pb::StatsRequest {})
+            .await
+            .map_err(classify_status)?
+            .into_inner())
     }
 }
 
@@ -59,7 +69,10 @@ pub struct RetryPolicy {
 
 impl Default for RetryPolicy {
     fn default() -> Self {
-        Self { attempts: 3, backoff: Duration::from_millis(50) }
+        Self {
+            attempts: 3,
+            backoff: Duration::from_millis(50),
+        }
     }
 }
 
@@ -128,7 +141,12 @@ fn to_pb(req: &ValidGenerateRequest) -> pb::GenerateRequest {
 impl PdGenerator {
     /// A generator over static worker lists.
     pub fn new(prefill: Vec<WorkerHandle>, decode: Vec<WorkerHandle>, retry: RetryPolicy) -> Self {
-        Self { prefill, decode, next: AtomicUsize::new(0), retry }
+        Self {
+            prefill,
+            decode,
+            next: AtomicUsize::new(0),
+            retry,
+        }
     }
 
     /// Every worker, prefill first.
@@ -141,13 +159,21 @@ impl PdGenerator {
             return None;
         }
         let n = self.next.fetch_add(1, Ordering::Relaxed) + attempt;
-        Some((self.prefill[n % self.prefill.len()].clone(), self.decode[n % self.decode.len()].clone()))
+        Some((
+            self.prefill[n % self.prefill.len()].clone(),
+            self.decode[n % self.decode.len()].clone(),
+        ))
     }
 
     async fn run(self: Arc<Self>, req: ValidGenerateRequest) -> Result<TokenStream, GenerateError> {
-        let mut last = GenerateError::new(ErrorClass::Unavailable, "no prefill/decode workers configured");
+        let mut last = GenerateError::new(
+            ErrorClass::Unavailable,
+            "no prefill/decode workers configured",
+        );
         for attempt in 0..self.retry.attempts.max(1) {
-            let Some((p, d)) = self.pick(attempt as usize) else { break };
+            let Some((p, d)) = self.pick(attempt as usize) else {
+                break;
+            };
             match try_pair(&p, &d, &req).await {
                 Ok(stream) => return Ok(stream),
                 Err(e) => {
@@ -174,27 +200,40 @@ async fn try_pair(
     let mut decode = d
         .client
         .clone()
-        .decode(pb::DecodeRequest { request: Some(request.clone()) })
+        .decode(pb::DecodeRequest {
+            request: Some(request.clone()),
+        })
         .await
         .map_err(classify_status)?
         .into_inner();
     let target = match decode.message().await.map_err(classify_status)? {
-        Some(pb::DecodeEvent { event: Some(pb::decode_event::Event::KvTarget(t)) }) => t,
+        Some(pb::DecodeEvent {
+            event: Some(pb::decode_event::Event::KvTarget(t)),
+        }) => t,
         other => {
             return Err(GenerateError::new(
                 ErrorClass::Internal,
-                format!("decode worker {} answered {other:?} instead of a KV target", d.id),
+                format!(
+                    "decode worker {} answered {other:?} instead of a KV target",
+                    d.id
+                ),
             ))
         }
     };
     let first = p
         .client
         .clone()
-        .prefill(pb::PrefillRequest { request: Some(request), kv_target: Some(target) })
+        .prefill(pb::PrefillRequest {
+            request: Some(request),
+            kv_target: Some(target),
+        })
         .await
         .map_err(classify_status)?
         .into_inner();
-    let first = GeneratedToken { token_id: first.first_token_id, finish_reason: finish_from_pb(first.finish_reason) };
+    let first = GeneratedToken {
+        token_id: first.first_token_id,
+        finish_reason: finish_from_pb(first.finish_reason),
+    };
     let head = futures::stream::once(async move { Ok(first) });
     if first.finish_reason.is_some() {
         // Dropping `decode` here cancels the reservation on the decode worker.
@@ -206,8 +245,13 @@ async fn try_pair(
         async move {
             let mut decode = state?;
             let item = match decode.message().await {
-                Ok(Some(pb::DecodeEvent { event: Some(pb::decode_event::Event::Token(t)) })) => {
-                    let tok = GeneratedToken { token_id: t.token_id, finish_reason: finish_from_pb(t.finish_reason) };
+                Ok(Some(pb::DecodeEvent {
+                    event: Some(pb::decode_event::Event::Token(t)),
+                })) => {
+                    let tok = GeneratedToken {
+                        token_id: t.token_id,
+                        finish_reason: finish_from_pb(t.finish_reason),
+                    };
                     let more = tok.finish_reason.is_none();
                     return Some((Ok(tok), more.then_some(decode)));
                 }
@@ -215,7 +259,10 @@ async fn try_pair(
                     ErrorClass::Unavailable,
                     format!("decode worker {decode_id} ended the stream before finishing"),
                 ),
-                Ok(Some(other)) => GenerateError::new(ErrorClass::Internal, format!("unexpected decode event {other:?}")),
+                Ok(Some(other)) => GenerateError::new(
+                    ErrorClass::Internal,
+                    format!("unexpected decode event {other:?}"),
+                ),
                 Err(s) => classify_status(s),
             };
             Some((Err(item), None))

@@ -40,7 +40,7 @@ pub struct GenerationParams {
 
 /// `stop`: one string or a list.
 #[derive(Clone, Debug, Deserialize)]
-#[serde(untagged)]
+#[serde(untagged, expecting = "`stop` to be a string or a list of strings")]
 pub enum StopSpec {
     /// `"stop": "x"`
     One(String),
@@ -88,7 +88,10 @@ pub struct ChatMessage {
 
 /// A message's `content`.
 #[derive(Clone, Debug, Deserialize)]
-#[serde(untagged)]
+#[serde(
+    untagged,
+    expecting = "message `content` to be a string or a list of {\"type\": \"text\", \"text\": ...} parts"
+)]
 pub enum MessageContent {
     /// Plain text.
     Text(String),
@@ -128,7 +131,10 @@ pub struct CompletionRequest {
 
 /// A completion `prompt`: text or token ids, alone or as a batch of one.
 #[derive(Clone, Debug, Deserialize)]
-#[serde(untagged)]
+#[serde(
+    untagged,
+    expecting = "`prompt` to be a string, a list of token ids, or a one-element list of either"
+)]
 pub enum PromptInput {
     /// `"prompt": "text"`
     Text(String),

@@ -190,7 +190,10 @@ mod tests {
         }
     }
 
-    async fn collect(generator: &MemoryGenerator, req: ValidGenerateRequest) -> Vec<GeneratedToken> {
+    async fn collect(
+        generator: &MemoryGenerator,
+        req: ValidGenerateRequest,
+    ) -> Vec<GeneratedToken> {
         let stream = generator.generate(req).await.expect("admitted");
         stream.map(|t| t.expect("no error")).collect().await
     }

@@ -50,7 +50,11 @@ pub fn prepare_chat(
     check_model(request.model.as_deref(), served_name)?;
     let params = &request.params;
     let common = check_params(params, model)?;
-    if request.tools.as_ref().is_some_and(|tools| !tools.is_empty()) {
+    if request
+        .tools
+        .as_ref()
+        .is_some_and(|tools| !tools.is_empty())
+    {
         return Err(ApiError::invalid(
             "tool calling is not supported",
             Some("tools"),
@@ -101,7 +105,10 @@ pub fn prepare_completion(
         return Err(ApiError::invalid("`echo` is not supported", Some("echo")));
     }
     if request.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
-        return Err(ApiError::invalid("`suffix` is not supported", Some("suffix")));
+        return Err(ApiError::invalid(
+            "`suffix` is not supported",
+            Some("suffix"),
+        ));
     }
     if request.best_of.is_some_and(|n| n != 1) {
         return Err(ApiError::invalid(
@@ -392,11 +399,15 @@ mod tests {
 
     #[test]
     fn defaults_fill_in() {
-        let prepared = completion(serde_json::json!({"prompt": "hello", "seed": 7})).expect("valid");
+        let prepared =
+            completion(serde_json::json!({"prompt": "hello", "seed": 7})).expect("valid");
         let sampling = &prepared.request.sampling;
         assert_eq!(prepared.request.prompt_token_ids.len(), 1);
         assert_eq!(sampling.max_tokens, 255, "min(256, context - prompt)");
-        assert_eq!((sampling.temperature, sampling.top_p, sampling.top_k), (1.0, 1.0, 0));
+        assert_eq!(
+            (sampling.temperature, sampling.top_p, sampling.top_k),
+            (1.0, 1.0, 0)
+        );
         assert_eq!(sampling.seed, 7);
         assert!(sampling.stop_token_ids.is_empty());
         assert!(!prepared.stream);
@@ -405,13 +416,25 @@ mod tests {
     #[test]
     fn ranges_are_checked() {
         for (body, param) in [
-            (serde_json::json!({"prompt": "x", "temperature": 2.5}), "temperature"),
+            (
+                serde_json::json!({"prompt": "x", "temperature": 2.5}),
+                "temperature",
+            ),
             (serde_json::json!({"prompt": "x", "top_p": 0}), "top_p"),
             (serde_json::json!({"prompt": "x", "top_k": -2}), "top_k"),
-            (serde_json::json!({"prompt": "x", "max_tokens": 0}), "max_tokens"),
-            (serde_json::json!({"prompt": "x", "max_tokens": 256}), "max_tokens"),
+            (
+                serde_json::json!({"prompt": "x", "max_tokens": 0}),
+                "max_tokens",
+            ),
+            (
+                serde_json::json!({"prompt": "x", "max_tokens": 256}),
+                "max_tokens",
+            ),
             (serde_json::json!({"prompt": "x", "n": 2}), "n"),
-            (serde_json::json!({"prompt": "x", "stop_token_ids": [999]}), "stop_token_ids"),
+            (
+                serde_json::json!({"prompt": "x", "stop_token_ids": [999]}),
+                "stop_token_ids",
+            ),
             (serde_json::json!({"prompt": [1, 100000]}), "prompt"),
             (serde_json::json!({"prompt": ["a", "b"]}), "prompt"),
             (serde_json::json!({}), "prompt"),

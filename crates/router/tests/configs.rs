@@ -15,8 +15,8 @@ fn every_shipped_config_is_valid() {
         ) {
             continue;
         }
-        let config = RouterConfig::load(&path)
-            .unwrap_or_else(|err| panic!("{}: {err:#?}", path.display()));
+        let config =
+            RouterConfig::load(&path).unwrap_or_else(|err| panic!("{}: {err:#?}", path.display()));
         assert!(!config.prefill.is_empty() && !config.decode.is_empty());
         checked += 1;
     }
@@ -28,7 +28,16 @@ fn local_cpu_matches_make_run() {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs/local-cpu.yaml");
     let config = RouterConfig::load(&path).expect("valid");
     assert_eq!(config.listen.to_string(), "127.0.0.1:8000");
-    assert_eq!(config.prefill[0].address.to_string(), "http://127.0.0.1:50061");
-    assert_eq!(config.decode[0].address.to_string(), "http://127.0.0.1:50062");
-    assert_eq!(config.model.dir, None, "the model dir comes from the command line");
+    assert_eq!(
+        config.prefill[0].address.to_string(),
+        "http://127.0.0.1:50061"
+    );
+    assert_eq!(
+        config.decode[0].address.to_string(),
+        "http://127.0.0.1:50062"
+    );
+    assert_eq!(
+        config.model.dir, None,
+        "the model dir comes from the command line"
+    );
 }

@@ -13,9 +13,15 @@ const COMPLETIONS: &str = "/v1/completions";
 
 fn assert_error_shape(body: &Value) {
     let error = &body["error"];
-    assert!(error["message"].as_str().is_some_and(|m| !m.is_empty()), "{body}");
+    assert!(
+        error["message"].as_str().is_some_and(|m| !m.is_empty()),
+        "{body}"
+    );
     assert!(error["type"].as_str().is_some(), "{body}");
-    assert!(error.get("param").is_some() && error.get("code").is_some(), "{body}");
+    assert!(
+        error.get("param").is_some() && error.get("code").is_some(),
+        "{body}"
+    );
 }
 
 #[tokio::test]
@@ -27,31 +33,106 @@ async fn bad_requests_get_json_errors_then_a_good_one_succeeds() {
         (CHAT, json!({}), 400, Some("messages")),
         (CHAT, json!({"messages": []}), 400, Some("messages")),
         (CHAT, json!({"messages": "Hi"}), 400, None),
-        (CHAT, json!({"messages": [{"content": "no role"}]}), 400, None),
-        (CHAT, json!({"model": "gpt-4", "messages": msgs}), 404, Some("model")),
-        (CHAT, json!({"messages": msgs, "max_tokens": 0}), 400, Some("max_tokens")),
-        (CHAT, json!({"messages": msgs, "max_tokens": -5}), 400, Some("max_tokens")),
+        (
+            CHAT,
+            json!({"messages": [{"content": "no role"}]}),
+            400,
+            None,
+        ),
+        (
+            CHAT,
+            json!({"model": "gpt-4", "messages": msgs}),
+            404,
+            Some("model"),
+        ),
+        (
+            CHAT,
+            json!({"messages": msgs, "max_tokens": 0}),
+            400,
+            Some("max_tokens"),
+        ),
+        (
+            CHAT,
+            json!({"messages": msgs, "max_tokens": -5}),
+            400,
+            Some("max_tokens"),
+        ),
         (
             CHAT,
             json!({"messages": msgs, "max_completion_tokens": 0}),
             400,
             Some("max_completion_tokens"),
         ),
-        (CHAT, json!({"messages": msgs, "max_tokens": 250}), 400, Some("max_tokens")),
-        (CHAT, json!({"messages": msgs, "temperature": 2.5}), 400, Some("temperature")),
-        (CHAT, json!({"messages": msgs, "temperature": -0.1}), 400, Some("temperature")),
-        (CHAT, json!({"messages": msgs, "temperature": "hot"}), 400, None),
-        (CHAT, json!({"messages": msgs, "top_p": 0}), 400, Some("top_p")),
-        (CHAT, json!({"messages": msgs, "top_p": 1.5}), 400, Some("top_p")),
-        (CHAT, json!({"messages": msgs, "top_k": -2}), 400, Some("top_k")),
+        (
+            CHAT,
+            json!({"messages": msgs, "max_tokens": 250}),
+            400,
+            Some("max_tokens"),
+        ),
+        (
+            CHAT,
+            json!({"messages": msgs, "temperature": 2.5}),
+            400,
+            Some("temperature"),
+        ),
+        (
+            CHAT,
+            json!({"messages": msgs, "temperature": -0.1}),
+            400,
+            Some("temperature"),
+        ),
+        (
+            CHAT,
+            json!({"messages": msgs, "temperature": "hot"}),
+            400,
+            None,
+        ),
+        (
+            CHAT,
+            json!({"messages": msgs, "top_p": 0}),
+            400,
+            Some("top_p"),
+        ),
+        (
+            CHAT,
+            json!({"messages": msgs, "top_p": 1.5}),
+            400,
+            Some("top_p"),
+        ),
+        (
+            CHAT,
+            json!({"messages": msgs, "top_k": -2}),
+            400,
+            Some("top_k"),
+        ),
         (CHAT, json!({"messages": msgs, "n": 2}), 400, Some("n")),
         (CHAT, json!({"messages": msgs, "n": 0}), 400, Some("n")),
-        (CHAT, json!({"messages": msgs, "stop": vec!["x"; 17]}), 400, Some("stop")),
-        (CHAT, json!({"messages": msgs, "stop": [""]}), 400, Some("stop")),
+        (
+            CHAT,
+            json!({"messages": msgs, "stop": vec!["x"; 17]}),
+            400,
+            Some("stop"),
+        ),
+        (
+            CHAT,
+            json!({"messages": msgs, "stop": [""]}),
+            400,
+            Some("stop"),
+        ),
         (CHAT, json!({"messages": msgs, "stop": 5}), 400, None),
         (CHAT, json!({"messages": msgs, "stream": "yes"}), 400, None),
-        (CHAT, json!({"messages": msgs, "logprobs": true}), 400, Some("logprobs")),
-        (CHAT, json!({"messages": msgs, "tools": [{"type": "function"}]}), 400, Some("tools")),
+        (
+            CHAT,
+            json!({"messages": msgs, "logprobs": true}),
+            400,
+            Some("logprobs"),
+        ),
+        (
+            CHAT,
+            json!({"messages": msgs, "tools": [{"type": "function"}]}),
+            400,
+            Some("tools"),
+        ),
         (
             CHAT,
             json!({"messages": [{"role": "robot", "content": "beep"}]}),
@@ -65,22 +146,61 @@ async fn bad_requests_get_json_errors_then_a_good_one_succeeds() {
             400,
             Some("messages"),
         ),
-        (CHAT, json!({"messages": [{"role": "user", "content": long_prompt}]}), 400, Some("messages")),
+        (
+            CHAT,
+            json!({"messages": [{"role": "user", "content": long_prompt}]}),
+            400,
+            Some("messages"),
+        ),
         (COMPLETIONS, json!({}), 400, Some("prompt")),
         (COMPLETIONS, json!({"prompt": ""}), 400, Some("prompt")),
-        (COMPLETIONS, json!({"prompt": ["a", "b"]}), 400, Some("prompt")),
-        (COMPLETIONS, json!({"prompt": [1, 99999]}), 400, Some("prompt")),
+        (
+            COMPLETIONS,
+            json!({"prompt": ["a", "b"]}),
+            400,
+            Some("prompt"),
+        ),
+        (
+            COMPLETIONS,
+            json!({"prompt": [1, 99999]}),
+            400,
+            Some("prompt"),
+        ),
         (COMPLETIONS, json!({"prompt": [1, -1]}), 400, Some("prompt")),
-        (COMPLETIONS, json!({"prompt": "x", "model": "other"}), 404, Some("model")),
-        (COMPLETIONS, json!({"prompt": "x", "echo": true}), 400, Some("echo")),
-        (COMPLETIONS, json!({"prompt": "x", "stop_token_ids": [4096]}), 400, Some("stop_token_ids")),
-        (COMPLETIONS, json!({"prompt": "x", "max_tokens": 1.5}), 400, None),
+        (
+            COMPLETIONS,
+            json!({"prompt": "x", "model": "other"}),
+            404,
+            Some("model"),
+        ),
+        (
+            COMPLETIONS,
+            json!({"prompt": "x", "echo": true}),
+            400,
+            Some("echo"),
+        ),
+        (
+            COMPLETIONS,
+            json!({"prompt": "x", "stop_token_ids": [4096]}),
+            400,
+            Some("stop_token_ids"),
+        ),
+        (
+            COMPLETIONS,
+            json!({"prompt": "x", "max_tokens": 1.5}),
+            400,
+            None,
+        ),
     ];
     for (path, body, status, param) in cases {
         let (got, answer) = post_json(&router, path, body.clone()).await;
         assert_eq!(got.as_u16(), status, "{path} {body} -> {answer}");
         assert_error_shape(&answer);
-        assert_eq!(answer["error"]["param"].as_str(), param, "{path} {body} -> {answer}");
+        assert_eq!(
+            answer["error"]["param"].as_str(),
+            param,
+            "{path} {body} -> {answer}"
+        );
         if status == 404 {
             assert_eq!(answer["error"]["code"], "model_not_found");
         } else {
@@ -115,7 +235,10 @@ async fn malformed_bodies_get_json_400() {
     let raise = json!({"messages": [{"role": "robot", "content": "beep"}]});
     let (_, answer) = post_json(&router, CHAT, raise).await;
     let message = answer["error"]["message"].as_str().unwrap_or_default();
-    assert!(message.contains("roles must be"), "raise_exception text: {message}");
+    assert!(
+        message.contains("roles must be"),
+        "raise_exception text: {message}"
+    );
 }
 
 #[tokio::test]
@@ -160,8 +283,9 @@ fn chat_body_stream(stream: bool) -> Value {
 
 #[tokio::test]
 async fn failure_mid_stream_is_an_sse_error_without_done() {
-    let (router, _, generator) =
-        app_with("hello world", |g| g.failing_after(2, ErrorClass::TransferFailed));
+    let (router, _, generator) = app_with("hello world", |g| {
+        g.failing_after(2, ErrorClass::TransferFailed)
+    });
     let (status, _, data) = post_sse(&router, CHAT, chat_body_stream(true)).await;
     assert_eq!(status, 200);
     assert!(!data.iter().any(|d| d == "[DONE]"), "{data:?}");
@@ -170,7 +294,9 @@ async fn failure_mid_stream_is_an_sse_error_without_done() {
     assert_eq!(last["error"]["type"], "server_error");
     let chunks = chunks(&data[..data.len() - 1]);
     assert_eq!(streamed_text(&chunks), "hello world");
-    assert!(chunks.iter().all(|c| c["choices"][0]["finish_reason"].is_null()));
+    assert!(chunks
+        .iter()
+        .all(|c| c["choices"][0]["finish_reason"].is_null()));
 
     // Not streaming, the same failure is a plain JSON error: no partial text with a 200.
     let (status, answer) = post_json(&router, CHAT, chat_body_stream(false)).await;
@@ -179,12 +305,31 @@ async fn failure_mid_stream_is_an_sse_error_without_done() {
 
     let (_, metrics) = get_text(&router, "/metrics").await;
     assert_eq!(
-        metric(&metrics, r#"tandem_request_failures_total{class="transfer_failed"}"#),
+        metric(
+            &metrics,
+            r#"tandem_request_failures_total{class="transfer_failed"}"#
+        ),
         Some(2.0)
     );
     assert_eq!(
-        metric(&metrics, r#"tandem_requests_total{endpoint="chat_completions",status="502"}"#),
+        metric(
+            &metrics,
+            r#"tandem_requests_total{endpoint="chat_completions",status="502"}"#
+        ),
         Some(2.0)
     );
     assert_eq!(metric(&metrics, "tandem_requests_running"), Some(0.0));
+}
+
+#[tokio::test]
+async fn oversized_bodies_get_json_413() {
+    let (router, _, _) = app_answering("hello");
+    let body = format!(
+        "{{\"prompt\": \"{}\"}}",
+        "a".repeat(tandem_router::server::MAX_BODY_BYTES)
+    );
+    let (status, text) = post_raw(&router, COMPLETIONS, body).await;
+    assert_eq!(status, 413);
+    let answer: Value = serde_json::from_str(&text).expect("JSON error body");
+    assert_error_shape(&answer);
 }

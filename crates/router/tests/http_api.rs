@@ -32,10 +32,15 @@ async fn chat_answers_with_templated_prompt_and_usage() {
     assert_eq!(status, 200, "{answer}");
     assert_eq!(answer["object"], "chat.completion");
     assert_eq!(answer["model"], MODEL);
-    assert!(answer["id"].as_str().is_some_and(|id| id.starts_with("chatcmpl-")));
+    assert!(answer["id"]
+        .as_str()
+        .is_some_and(|id| id.starts_with("chatcmpl-")));
     let choice = &answer["choices"][0];
     assert_eq!(choice["message"]["role"], "assistant");
-    assert_eq!(choice["message"]["content"], ANSWER, "<|im_end|> must not leak");
+    assert_eq!(
+        choice["message"]["content"], ANSWER,
+        "<|im_end|> must not leak"
+    );
     assert_eq!(choice["finish_reason"], "stop");
 
     let expected_prompt = encode(
@@ -60,19 +65,27 @@ async fn chat_stream_concatenates_to_the_whole_answer() {
     let (status, content_type, data) =
         post_sse(&router, CHAT, chat_body(json!({"stream": true}))).await;
     assert_eq!(status, 200);
-    assert!(content_type.starts_with("text/event-stream"), "{content_type}");
+    assert!(
+        content_type.starts_with("text/event-stream"),
+        "{content_type}"
+    );
     assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
     let chunks = chunks(&data);
     assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
     for chunk in &chunks {
         assert_eq!(chunk["object"], "chat.completion.chunk");
         assert_eq!(chunk["id"], chunks[0]["id"]);
-        assert!(chunk.get("usage").is_none(), "usage only with include_usage");
+        assert!(
+            chunk.get("usage").is_none(),
+            "usage only with include_usage"
+        );
     }
     assert!(chunks.len() > 3, "the text arrives in several chunks");
     assert_eq!(
         streamed_text(&chunks),
-        whole["choices"][0]["message"]["content"].as_str().expect("text")
+        whole["choices"][0]["message"]["content"]
+            .as_str()
+            .expect("text")
     );
     let last = chunks.last().expect("chunks");
     assert_eq!(last["choices"][0]["finish_reason"], "stop");
@@ -111,14 +124,19 @@ async fn completion_accepts_text_and_token_prompts() {
 
     let ids = encode(&state, "hello world");
     for prompt in [json!(ids), json!([ids])] {
-        let (status, answer) =
-            post_json(&router, COMPLETIONS, json!({"model": MODEL, "prompt": prompt})).await;
+        let (status, answer) = post_json(
+            &router,
+            COMPLETIONS,
+            json!({"model": MODEL, "prompt": prompt}),
+        )
+        .await;
         assert_eq!(status, 200, "{answer}");
         assert_eq!(answer["usage"]["prompt_tokens"], ids.len());
     }
     assert_eq!(generator.requests()[1].prompt_token_ids, ids);
 
-    let body = json!({"prompt": "hello", "stream": true, "stream_options": {"include_usage": true}});
+    let body =
+        json!({"prompt": "hello", "stream": true, "stream_options": {"include_usage": true}});
     let (status, _, data) = post_sse(&router, COMPLETIONS, body).await;
     assert_eq!(status, 200);
     assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
@@ -135,7 +153,10 @@ async fn max_tokens_ends_with_length() {
     let (router, state, _) = app_answering(ANSWER);
     for (path, mut body) in [
         (CHAT, chat_body(json!({"max_tokens": 3}))),
-        (CHAT, chat_body(json!({"max_completion_tokens": 3, "max_tokens": 50}))),
+        (
+            CHAT,
+            chat_body(json!({"max_completion_tokens": 3, "max_tokens": 50})),
+        ),
         (COMPLETIONS, json!({"prompt": "hello", "max_tokens": 3})),
     ] {
         let (status, answer) = post_json(&router, path, body.clone()).await;
@@ -144,8 +165,14 @@ async fn max_tokens_ends_with_length() {
         assert_eq!(choice["finish_reason"], "length");
         assert_eq!(answer["usage"]["completion_tokens"], 3);
         let ids = encode(&state, ANSWER);
-        let text = state.model().tokenizer().decode(&ids[..3], true).expect("decodes");
-        let got = choice["message"]["content"].as_str().or(choice["text"].as_str());
+        let text = state
+            .model()
+            .tokenizer()
+            .decode(&ids[..3], true)
+            .expect("decodes");
+        let got = choice["message"]["content"]
+            .as_str()
+            .or(choice["text"].as_str());
         assert_eq!(got, Some(text.as_str()));
 
         merge(&mut body, json!({"stream": true}));
@@ -168,17 +195,20 @@ async fn stop_strings_truncate_and_cancel_generation() {
         (CHAT, chat_body(json!({"stop": ["nothing", "d, h"]}))),
         (COMPLETIONS, json!({"prompt": "x", "stop": "d, h"})),
     ] {
-        let (status, answer) = post_json(&router, path, body.clone()).await;
+        // Were the stream not dropped, the stalled generator would never finish the request.
+        let (status, answer) = within_10s(post_json(&router, path, body.clone())).await;
         assert_eq!(status, 200, "{answer}");
         let choice = &answer["choices"][0];
-        let text = choice["message"]["content"].as_str().or(choice["text"].as_str());
+        let text = choice["message"]["content"]
+            .as_str()
+            .or(choice["text"].as_str());
         assert_eq!(text, Some("hello worl"));
         assert_eq!(choice["finish_reason"], "stop");
         assert_eq!(answer["usage"]["completion_tokens"], stop_at);
 
         let mut body = body;
         merge(&mut body, json!({"stream": true}));
-        let (_, _, data) = post_sse(&router, path, body).await;
+        let (_, _, data) = within_10s(post_sse(&router, path, body)).await;
         let chunks = chunks(&data);
         assert_eq!(streamed_text(&chunks), "hello worl");
         assert_eq!(
@@ -187,8 +217,17 @@ async fn stop_strings_truncate_and_cancel_generation() {
         );
         generator.wait_for_live_streams(0).await;
     }
-    // Without the stop string the same generator stalls: a stop string is what ended it.
-    assert!(generator.requests().iter().all(|r| r.sampling.stop_token_ids.is_empty()));
+    // Stop strings stay in the router: the generator never sees them.
+    assert!(generator
+        .requests()
+        .iter()
+        .all(|r| r.sampling.stop_token_ids.is_empty()));
+}
+
+async fn within_10s<T>(future: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(std::time::Duration::from_secs(10), future)
+        .await
+        .expect("finished in time")
 }
 
 #[tokio::test]
@@ -219,7 +258,10 @@ async fn sampling_parameters_reach_the_generator() {
 
     let sent = generator.requests();
     let s = &sent[0].sampling;
-    assert_eq!((s.temperature, s.top_p, s.top_k, s.seed), (0.5, 0.9, 40, 42));
+    assert_eq!(
+        (s.temperature, s.top_p, s.top_k, s.seed),
+        (0.5, 0.9, 40, 42)
+    );
     assert_eq!((s.max_tokens, s.ignore_eos), (10, true));
     assert_eq!(s.stop_token_ids, vec![7]);
     let s = &sent[1].sampling;
@@ -258,9 +300,18 @@ async fn models_health_and_metrics() {
     assert_eq!(status, 200);
     let tokens = (encode(&state, ANSWER).len() + 1) as f64;
     for (series, expected) in [
-        (r#"tandem_requests_total{endpoint="chat_completions",status="200"}"#, 1.0),
-        (r#"tandem_requests_total{endpoint="chat_completions",status="400"}"#, 1.0),
-        (r#"tandem_request_failures_total{class="invalid_request"}"#, 1.0),
+        (
+            r#"tandem_requests_total{endpoint="chat_completions",status="200"}"#,
+            1.0,
+        ),
+        (
+            r#"tandem_requests_total{endpoint="chat_completions",status="400"}"#,
+            1.0,
+        ),
+        (
+            r#"tandem_request_failures_total{class="invalid_request"}"#,
+            1.0,
+        ),
         ("tandem_time_to_first_token_seconds_count", 1.0),
         ("tandem_inter_token_latency_seconds_count", tokens - 1.0),
         ("tandem_e2e_request_latency_seconds_count", 1.0),

@@ -23,7 +23,9 @@ struct Server {
 
 impl Server {
     async fn start(state: RouterState) -> Self {
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind loopback");
+        let listener = TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind loopback");
         let base = format!("http://{}", listener.local_addr().expect("bound"));
         let (stop, stopped) = oneshot::channel::<()>();
         let task = tokio::spawn(serve_with_shutdown(listener, state, async move {
@@ -90,7 +92,11 @@ async fn disconnect_over_a_socket_cancels_generation() {
         .expect("request sent");
     assert_eq!(response.status(), 200);
     let mut stream = response.bytes_stream();
-    let first = stream.next().await.expect("a first chunk").expect("readable");
+    let first = stream
+        .next()
+        .await
+        .expect("a first chunk")
+        .expect("readable");
     assert!(!first.is_empty());
     assert_eq!(generator.live_streams(), 1);
     drop(stream);
@@ -101,7 +107,10 @@ async fn disconnect_over_a_socket_cancels_generation() {
         .expect("the server drops the generation when the client goes away");
     let text = state.metrics().render();
     assert_eq!(
-        metric(&text, r#"tandem_requests_total{endpoint="completions",status="499"}"#),
+        metric(
+            &text,
+            r#"tandem_requests_total{endpoint="completions",status="499"}"#
+        ),
         Some(1.0)
     );
     server.shut_down().await;
@@ -117,17 +126,28 @@ async fn dropping_the_response_body_cancels_generation() {
     let (router, state) = fixture_app(&generator);
     let request = Request::post("/v1/completions")
         .header("content-type", "application/json")
-        .body(Body::from(json!({"prompt": "x", "stream": true}).to_string()))
+        .body(Body::from(
+            json!({"prompt": "x", "stream": true}).to_string(),
+        ))
         .expect("valid request");
     let response = router.oneshot(request).await.expect("infallible");
     assert_eq!(response.status(), 200);
     let mut body = response.into_body().into_data_stream();
     let first = body.next().await.expect("a frame").expect("readable");
-    assert!(std::str::from_utf8(&first).expect("utf-8").starts_with("data: "));
+    assert!(std::str::from_utf8(&first)
+        .expect("utf-8")
+        .starts_with("data: "));
     assert_eq!(generator.live_streams(), 1);
-    assert_eq!(metric(&state.metrics().render(), "tandem_requests_running"), Some(1.0));
+    assert_eq!(
+        metric(&state.metrics().render(), "tandem_requests_running"),
+        Some(1.0)
+    );
     drop(body);
-    assert_eq!(generator.live_streams(), 0, "dropping the body drops the stream at once");
+    assert_eq!(
+        generator.live_streams(),
+        0,
+        "dropping the body drops the stream at once"
+    );
     let text = state.metrics().render();
     assert_eq!(metric(&text, "tandem_requests_running"), Some(0.0));
     assert_eq!(

@@ -52,7 +52,8 @@ impl Listener {
         let queue = Rc::into_raw(Rc::new(ConnQueue::default()));
         let params = sys::ucp_listener_params_t {
             field_mask: u64::from(
-                sys::UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | sys::UCP_LISTENER_PARAM_FIELD_CONN_HANDLER,
+                sys::UCP_LISTENER_PARAM_FIELD_SOCK_ADDR
+                    | sys::UCP_LISTENER_PARAM_FIELD_CONN_HANDLER,
             ),
             sockaddr: c_addr.as_ucs(),
             accept_handler: Default::default(),
@@ -64,8 +65,7 @@ impl Listener {
         let mut handle = ptr::null_mut();
         // SAFETY: worker alive; `params` and the sockaddr it points to outlive the call (UCX
         // copies the address); `queue` stays alive until after ucp_listener_destroy.
-        let status =
-            unsafe { sys::ucp_listener_create(worker.inner.handle, &params, &mut handle) };
+        let status = unsafe { sys::ucp_listener_create(worker.inner.handle, &params, &mut handle) };
         if let Err(err) = check("ucp_listener_create", status) {
             // SAFETY: the listener was not created, so UCX holds no reference to `queue`.
             drop(unsafe { Rc::from_raw(queue) });

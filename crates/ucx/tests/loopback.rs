@@ -42,7 +42,9 @@ fn tagged_messages_of_unknown_size_round_trip() {
     let client = Worker::new(&client_ctx).expect("client worker");
     let ep = Endpoint::connect(&client, addr).expect("connect");
 
-    let big: Vec<u8> = (0..4 << 20).map(|i: u32| (i.wrapping_mul(31) >> 3) as u8).collect();
+    let big: Vec<u8> = (0..4 << 20)
+        .map(|i: u32| (i.wrapping_mul(31) >> 3) as u8)
+        .collect();
     let big_send = ep.tag_send(7, big.clone()).expect("send big");
     let small_send = ep.tag_send(8, b"hello".to_vec()).expect("send small");
 
@@ -70,7 +72,8 @@ fn tagged_messages_of_unknown_size_round_trip() {
     assert_eq!(got[1], (8, b"hello".to_vec()));
 
     let closing = ep.close(CloseMode::Flush);
-    assert!(drive(&client, &server, Duration::from_secs(5), || closing.is_done()));
+    assert!(drive(&client, &server, Duration::from_secs(5), || closing
+        .is_done()));
     drop(server_eps);
 }
 
@@ -90,5 +93,8 @@ fn connecting_to_a_closed_port_fails_instead_of_hanging() {
     assert!(failed, "no failure reported");
     let err = send.result().and_then(Result::err).expect("send failed");
     assert!(err.status().is_some(), "{err}");
-    eprintln!("closed port: send error = {err}; endpoint = {:?}", ep.failure());
+    eprintln!(
+        "closed port: send error = {err}; endpoint = {:?}",
+        ep.failure()
+    );
 }

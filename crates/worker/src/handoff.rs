@@ -59,7 +59,13 @@ pub fn checksum(bytes: &[u8]) -> u64 {
 }
 
 /// Serialises a handoff message.
-pub fn encode(reservation: ReservationId, epoch: Epoch, first_token: u32, num_tokens: u32, kv: &[f32]) -> Vec<u8> {
+pub fn encode(
+    reservation: ReservationId,
+    epoch: Epoch,
+    first_token: u32,
+    num_tokens: u32,
+    kv: &[f32],
+) -> Vec<u8> {
     let body: &[u8] = bytemuck::cast_slice(kv);
     let mut out = Vec::with_capacity(HEADER_LEN + body.len());
     out.extend_from_slice(&MAGIC.to_le_bytes());
@@ -104,7 +110,10 @@ pub fn decode(msg: &[u8]) -> Result<(HandoffHeader, Vec<f32>), HandoffError> {
     let body = &msg[HEADER_LEN..];
     let expected = header.num_floats.saturating_mul(4);
     if body.len() as u64 != expected {
-        return Err(HandoffError::Truncated { expected, got: body.len() as u64 });
+        return Err(HandoffError::Truncated {
+            expected,
+            got: body.len() as u64,
+        });
     }
     if checksum(body) != header.checksum {
         return Err(HandoffError::Checksum);

@@ -3,8 +3,8 @@
 
 use parking_lot::Mutex;
 use std::collections::HashMap;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use tandem_core::{Epoch, ReservationId};
 use tokio::sync::oneshot;
 
@@ -43,7 +43,12 @@ impl Reservations {
         let epoch = Epoch(n);
         let (tx, rx) = oneshot::channel();
         self.pending.lock().insert(id, (epoch, tx));
-        Pending { owner: self.clone(), id, epoch, kv: rx }
+        Pending {
+            owner: self.clone(),
+            id,
+            epoch,
+            kv: rx,
+        }
     }
 
     /// Hands a received message to its reservation. Returns false (and counts a rejection)

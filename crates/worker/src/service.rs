@@ -114,7 +114,9 @@ async fn dispatch_incoming(
                         "KV for an unknown or stale reservation dropped");
                 }
             }
-            Ok(h) => tracing::warn!(tag = msg.tag, reservation = %h.reservation, "KV tag/header mismatch dropped"),
+            Ok(h) => {
+                tracing::warn!(tag = msg.tag, reservation = %h.reservation, "KV tag/header mismatch dropped")
+            }
             Err(e) => tracing::warn!(tag = msg.tag, error = %e, "malformed KV message dropped"),
         }
     }
@@ -154,14 +156,19 @@ impl Shared {
         }
     }
 
-    fn checked_request(&self, req: Option<pb::GenerateRequest>) -> Result<(Vec<u32>, SamplingParams)> {
+    fn checked_request(
+        &self,
+        req: Option<pb::GenerateRequest>,
+    ) -> Result<(Vec<u32>, SamplingParams)> {
         let req = req.ok_or_else(|| Error::InvalidRequest("missing request".into()))?;
         let params = sampling_from(req.sampling);
         if req.prompt_token_ids.is_empty() {
             return Err(Error::InvalidRequest("empty prompt".into()));
         }
         if params.max_tokens == 0 {
-            return Err(Error::InvalidRequest("max_tokens must be at least 1".into()));
+            return Err(Error::InvalidRequest(
+                "max_tokens must be at least 1".into(),
+            ));
         }
         let total = req.prompt_token_ids.len() + params.max_tokens as usize;
         if total > self.engine.max_context() {
@@ -193,16 +200,29 @@ impl Shared {
             .ok_or_else(|| Error::InvalidRequest("missing kv_target".into()))?;
         let mine = self.kv_layout(prompt.len());
         let theirs = target.layout.clone().unwrap_or_default();
-        if (theirs.num_layers, theirs.num_kv_heads, theirs.head_dim, theirs.num_tokens)
-            != (mine.num_layers, mine.num_kv_heads, mine.head_dim, mine.num_tokens)
-        {
+        if (
+            theirs.num_layers,
+            theirs.num_kv_heads,
+            theirs.head_dim,
+            theirs.num_tokens,
+        ) != (
+            mine.num_layers,
+            mine.num_kv_heads,
+            mine.head_dim,
+            mine.num_tokens,
+        ) {
             return Err(Error::InvalidRequest(format!(
                 "decode KV layout {theirs:?} does not match this prefill worker's {mine:?}"
             )));
         }
         let prompt_len = prompt.len();
         let mut events = self.engine.submit(prompt, params, SeqKind::Prefill)?;
-        let Some(EngineEvent::Prefilled { first_token, finish, kv }) = events.recv().await else {
+        let Some(EngineEvent::Prefilled {
+            first_token,
+            finish,
+            kv,
+        }) = events.recv().await
+        else {
             return Err(Error::Engine(tandem_engine::Error::Stopped));
         };
         let mut sent = 0;
@@ -215,9 +235,17 @@ impl Shared {
             .await
             .map_err(|e| Error::InvalidRequest(format!("encoding task failed: {e}")))?;
             sent = payload.len() as u64;
-            let sender = self.sender.as_ref().ok_or_else(|| Error::InvalidRequest("no transport".into()))?;
+            let sender = self
+                .sender
+                .as_ref()
+                .ok_or_else(|| Error::InvalidRequest("no transport".into()))?;
             sender
-                .send(&target.transfer_address, target.reservation_id, payload, self.opts.transfer_timeout)
+                .send(
+                    &target.transfer_address,
+                    target.reservation_id,
+                    payload,
+                    self.opts.transfer_timeout,
+                )
                 .await?;
             self.kv_bytes_sent.fetch_add(sent, Ordering::Relaxed);
         }
@@ -235,12 +263,12 @@ impl Shared {
         prompt: Vec<u32>,
         params: SamplingParams,
         allocation: tandem_engine::BlockAllocation,
-        pending: crate::reservations::Pending,
+        mut pending: crate::reservations::Pending,
         tx: &mpsc::Sender<std::result::Result<pb::DecodeEvent, Status>>,
     ) -> Result<()> {
         let lease = self.opts.kv_lease;
         let message = tokio::select! {
-            m = pending.kv => m.map_err(|_| Error::Deadline("reservation dropped".into()))?,
+            m = &mut pending.kv => m.map_err(|_| Error::Deadline("reservation dropped".into()))?,
             _ = tokio::time::sleep(lease) => {
                 return Err(Error::Deadline(format!("no KV arrived within the {lease:?} lease")));
             }
@@ -257,7 +285,11 @@ impl Shared {
                 prompt.len()
             )));
         }
-        let kind = SeqKind::Decode { allocation, kv, first_token: header.first_token };
+        let kind = SeqKind::Decode {
+            allocation,
+            kv,
+            first_token: header.first_token,
+        };
         let mut events = self.engine.submit(prompt, params, kind)?;
         loop {
             let event = tokio::select! {
@@ -290,7 +322,10 @@ type DecodeStream = ReceiverStream<std::result::Result<pb::DecodeEvent, Status>>
 impl pb::worker_server::Worker for WorkerService {
     type DecodeStream = DecodeStream;
 
-    async fn decode(&self, request: Request<pb::DecodeRequest>) -> std::result::Result<Response<DecodeStream>, Status> {
+    async fn decode(
+        &self,
+        request: Request<pb::DecodeRequest>,
+    ) -> std::result::Result<Response<DecodeStream>, Status> {
         let shared = self.shared.clone();
         shared.check_role(Role::Decode)?;
         let (prompt, params) = shared.checked_request(request.into_inner().request)?;
@@ -306,10 +341,18 @@ impl pb::worker_server::Worker for WorkerService {
             layout: Some(shared.kv_layout(prompt.len())),
         };
         let (tx, rx) = mpsc::channel(64);
-        let first = pb::DecodeEvent { event: Some(pb::decode_event::Event::KvTarget(target)) };
-        tx.send(Ok(first)).await.map_err(|_| Status::cancelled("client went away"))?;
+        let first = pb::DecodeEvent {
+            event: Some(pb::decode_event::Event::KvTarget(target)),
+        };
+        tx.send(Ok(first))
+            .await
+            .map_err(|_| Status::cancelled("client went away"))?;
         tokio::spawn(async move {
-            if let Err(e) = shared.clone().decode_rest(prompt, params, allocation, pending, &tx).await {
+            if let Err(e) = shared
+                .clone()
+                .decode_rest(prompt, params, allocation, pending, &tx)
+                .await
+            {
                 tracing::warn!(error = %e, "decode failed");
                 let _ = tx.send(Err(Status::from(e))).await;
             }
@@ -317,7 +360,10 @@ impl pb::worker_server::Worker for WorkerService {
         Ok(Response::new(ReceiverStream::new(rx)))
     }
 
-    async fn prefill(&self, request: Request<pb::PrefillRequest>) -> std::result::Result<Response<pb::PrefillResponse>, Status> {
+    async fn prefill(
+        &self,
+        request: Request<pb::PrefillRequest>,
+    ) -> std::result::Result<Response<pb::PrefillResponse>, Status> {
         let res = self.shared.prefill(request.into_inner()).await;
         if let Err(e) = &res {
             tracing::warn!(error = %e, "prefill failed");
@@ -325,7 +371,10 @@ impl pb::worker_server::Worker for WorkerService {
         Ok(Response::new(res?))
     }
 
-    async fn stats(&self, _request: Request<pb::StatsRequest>) -> std::result::Result<Response<pb::StatsResponse>, Status> {
+    async fn stats(
+        &self,
+        _request: Request<pb::StatsRequest>,
+    ) -> std::result::Result<Response<pb::StatsResponse>, Status> {
         let s = &self.shared;
         let alloc = s.engine.allocator();
         let engine = s.engine.stats();

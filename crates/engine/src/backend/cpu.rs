@@ -30,7 +30,15 @@ impl CpuBackend {
 mod gemm_call {
     /// `out (m×n) = x (m×k) · wᵀ` where `w` is `(n, k)` row-major; adds into `out` when
     /// `accumulate`.
-    pub fn x_wt(out: &mut [f32], x: &[f32], w: &[f32], m: usize, n: usize, k: usize, accumulate: bool) {
+    pub fn x_wt(
+        out: &mut [f32],
+        x: &[f32],
+        w: &[f32],
+        m: usize,
+        n: usize,
+        k: usize,
+        accumulate: bool,
+    ) {
         assert!(x.len() >= m * k, "x too short");
         assert!(w.len() >= n * k, "w too short");
         assert!(out.len() >= m * n, "out too short");
@@ -167,7 +175,14 @@ impl Backend for CpuBackend {
             });
     }
 
-    fn write_kv(&self, qkv: &Vec<f32>, layout: QkvLayout, cache: &mut CpuKvCache, layer: usize, slot_mapping: &[u32]) {
+    fn write_kv(
+        &self,
+        qkv: &Vec<f32>,
+        layout: QkvLayout,
+        cache: &mut CpuKvCache,
+        layer: usize,
+        slot_mapping: &[u32],
+    ) {
         let width = layout.row_width();
         let kv_dim = layout.num_kv_heads * layout.head_dim;
         let (ko, vo) = (layout.k_offset(), layout.v_offset());
@@ -264,7 +279,9 @@ impl Backend for CpuBackend {
         for layer in 0..l.num_layers {
             for part in [&cache.k[layer], &cache.v[layer]] {
                 for t in 0..tokens {
-                    let at = (blocks[t / l.block_size].0 as usize * l.block_size + t % l.block_size) * kv_dim;
+                    let at = (blocks[t / l.block_size].0 as usize * l.block_size
+                        + t % l.block_size)
+                        * kv_dim;
                     data.extend_from_slice(&part[at..at + kv_dim]);
                 }
             }
@@ -279,7 +296,9 @@ impl Backend for CpuBackend {
         for layer in 0..l.num_layers {
             for part in [&mut cache.k[layer], &mut cache.v[layer]] {
                 for t in 0..tokens {
-                    let at = (blocks[t / l.block_size].0 as usize * l.block_size + t % l.block_size) * kv_dim;
+                    let at = (blocks[t / l.block_size].0 as usize * l.block_size
+                        + t % l.block_size)
+                        * kv_dim;
                     if let Some(row) = src.next() {
                         part[at..at + kv_dim].copy_from_slice(row);
                     }

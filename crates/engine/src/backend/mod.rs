@@ -98,7 +98,15 @@ pub trait Backend: Send + 'static {
         out: &mut Self::Tensor,
         accumulate: bool,
     ) {
-        self.matmul_raw(x, rows, &w.weight, w.out_features, w.in_features, out, accumulate);
+        self.matmul_raw(
+            x,
+            rows,
+            &w.weight,
+            w.out_features,
+            w.in_features,
+            out,
+            accumulate,
+        );
     }
     /// Rotary embedding (rotate-half convention) applied in place to Q and K of a fused
     /// QKV activation.
@@ -130,8 +138,12 @@ pub trait Backend: Send + 'static {
 
     /// Reads the K/V of the first `tokens` positions of a block table into the transfer
     /// layout `[layer][k, v][token][kv_dim]`.
-    fn export_kv(&self, cache: &Self::KvCache, blocks: &[tandem_core::BlockId], tokens: usize)
-        -> Vec<f32>;
+    fn export_kv(
+        &self,
+        cache: &Self::KvCache,
+        blocks: &[tandem_core::BlockId],
+        tokens: usize,
+    ) -> Vec<f32>;
     /// The inverse of [`Backend::export_kv`].
     fn import_kv(
         &self,

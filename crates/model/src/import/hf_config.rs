@@ -36,7 +36,7 @@ impl Hparams {
             Some(n) => n as usize,
             None => query,
         };
-        if query == 0 || key_value == 0 || query % key_value != 0 {
+        if query == 0 || key_value == 0 || !query.is_multiple_of(key_value) {
             return Err(Error::Unsupported(format!(
                 "{query} query heads over {key_value} KV heads"
             )));
@@ -51,10 +51,7 @@ impl Hparams {
                 "partial rotary embedding ({rope_dim:?} of {head_dim} dims)"
             )));
         }
-        if let Some(scaling) = gguf
-            .get(&key("rope.scaling.type"))
-            .and_then(|v| v.as_str())
-        {
+        if let Some(scaling) = gguf.get(&key("rope.scaling.type")).and_then(|v| v.as_str()) {
             if scaling != "none" {
                 return Err(Error::Unsupported(format!("rope scaling {scaling:?}")));
             }

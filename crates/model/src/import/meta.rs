@@ -28,7 +28,10 @@ pub(crate) fn uint(gguf: &Gguf, key: &str) -> Result<usize> {
 /// An optional non-negative integer (present with another type is an error).
 pub(crate) fn opt_u64(gguf: &Gguf, key: &str) -> Result<Option<u64>> {
     gguf.get(key)
-        .map(|v| v.as_u64().ok_or_else(|| missing(key, "a non-negative integer")))
+        .map(|v| {
+            v.as_u64()
+                .ok_or_else(|| missing(key, "a non-negative integer"))
+        })
         .transpose()
 }
 

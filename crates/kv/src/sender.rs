@@ -1,0 +1,420 @@
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{mpsc as std_mpsc, Arc, Mutex, PoisonError};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use tandem_ucx::{CloseMode, Closing, Context, Endpoint, SendOp, Waker, Worker};
+use tokio::sync::oneshot;
+
+use crate::error::{Error, Result};
+use crate::peer_address::resolve;
+use crate::transport_config::ucx_config;
+
+/// Longest the thread sleeps without re-checking deadlines (a safety net; wake-ups are
+/// normally event-driven).
+const IDLE_WAIT: Duration = Duration::from_millis(100);
+/// How long shutdown lets in-flight sends and endpoint closes finish.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(1);
+
+/// Sending side (prefill worker). Owns a background thread with a UCX worker; caches one
+/// endpoint per peer address. Clones share the thread; the last one dropped stops it.
+#[derive(Clone)]
+pub struct UcxSender {
+    shared: Arc<SenderShared>,
+}
+
+struct SenderShared {
+    commands: std_mpsc::Sender<Command>,
+    waker: Waker,
+    bytes_sent: Arc<AtomicU64>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+enum Command {
+    Send {
+        address: String,
+        tag: u64,
+        payload: Vec<u8>,
+        timeout: Duration,
+        reply: oneshot::Sender<Result<()>>,
+    },
+    Shutdown,
+}
+
+impl UcxSender {
+    /// Starts the sending thread and its UCX worker.
+    pub fn new() -> Result<UcxSender> {
+        let (commands, command_rx) = std_mpsc::channel();
+        let bytes_sent = Arc::new(AtomicU64::new(0));
+        let (ready_tx, ready_rx) = std_mpsc::sync_channel(1);
+        let thread_bytes = Arc::clone(&bytes_sent);
+        let thread = std::thread::Builder::new()
+            .name("kv-ucx-send".into())
+            .spawn(move || {
+                let setup = || -> tandem_ucx::Result<Worker> {
+                    let context = Context::new(&ucx_config()?)?;
+                    Worker::new(&context)
+                };
+                let worker = match setup() {
+                    Ok(worker) => {
+                        if ready_tx.send(Ok(worker.waker())).is_err() {
+                            return;
+                        }
+                        worker
+                    }
+                    Err(err) => {
+                        // If the caller is gone there is no one left to tell.
+                        let _ = ready_tx.send(Err(err));
+                        return;
+                    }
+                };
+                SenderLoop {
+                    worker,
+                    commands: command_rx,
+                    peers: HashMap::new(),
+                    next_peer_id: 0,
+                    pending: Vec::new(),
+                    closing: Vec::new(),
+                    bytes_sent: thread_bytes,
+                }
+                .run();
+            })
+            .map_err(Error::Spawn)?;
+        let waker = match ready_rx.recv() {
+            Ok(Ok(waker)) => waker,
+            Ok(Err(err)) => {
+                let _ = thread.join();
+                return Err(Error::Setup(err));
+            }
+            Err(_) => {
+                let _ = thread.join();
+                return Err(Error::Stopped);
+            }
+        };
+        Ok(UcxSender {
+            shared: Arc::new(SenderShared {
+                commands,
+                waker,
+                bytes_sent,
+                thread: Mutex::new(Some(thread)),
+            }),
+        })
+    }
+
+    /// Sends `payload` with `tag` to the receiver at `address`; resolves when UCX reports the
+    /// send complete, or with an error: receiver unreachable, peer gone, or no completion
+    /// within `timeout` (connection set-up included). Never hangs forever.
+    ///
+    /// A failed or timed-out endpoint is evicted (force-closed, which also fails other sends
+    /// in flight to that peer); the next send reconnects.
+    pub async fn send(
+        &self,
+        address: &str,
+        tag: u64,
+        payload: Vec<u8>,
+        timeout: Duration,
+    ) -> Result<()> {
+        let (reply, outcome) = oneshot::channel();
+        self.shared
+            .commands
+            .send(Command::Send {
+                address: address.to_owned(),
+                tag,
+                payload,
+                timeout,
+                reply,
+            })
+            .map_err(|_| Error::Stopped)?;
+        self.shared.waker.wake();
+        outcome.await.unwrap_or(Err(Error::Stopped))
+    }
+
+    /// Total payload bytes whose send UCX reported complete.
+    pub fn bytes_sent(&self) -> u64 {
+        self.shared.bytes_sent.load(Ordering::Relaxed)
+    }
+}
+
+impl Drop for SenderShared {
+    fn drop(&mut self) {
+        // The thread may already be gone; then there is nothing to stop.
+        let _ = self.commands.send(Command::Shutdown);
+        self.waker.wake();
+        let thread = self
+            .thread
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(thread) = thread {
+            if thread.join().is_err() {
+                tracing::error!("KV sender thread panicked");
+            }
+        }
+    }
+}
+
+/// One cached connection. `id` tells a replacement apart from the endpoint an old send used.
+struct Peer {
+    id: u64,
+    ep: Endpoint,
+    /// Whether any send on this endpoint completed: failures before that mean "could not
+    /// reach", after it "broke mid-stream".
+    delivered: bool,
+}
+
+struct PendingSend {
+    op: SendOp,
+    address: String,
+    peer_id: u64,
+    deadline: Instant,
+    timeout: Duration,
+    reply: oneshot::Sender<Result<()>>,
+}
+
+/// The sender thread's state; everything UCX lives here, on one thread.
+struct SenderLoop {
+    worker: Worker,
+    commands: std_mpsc::Receiver<Command>,
+    peers: HashMap<String, Peer>,
+    next_peer_id: u64,
+    pending: Vec<PendingSend>,
+    closing: Vec<Closing>,
+    bytes_sent: Arc<AtomicU64>,
+}
+
+impl SenderLoop {
+    fn run(mut self) {
+        loop {
+            self.worker.progress_all();
+            let (busy, stop) = self.take_commands();
+            self.complete_sends();
+            self.expire_sends();
+            self.evict_failed_peers();
+            if stop {
+                break;
+            }
+            if busy {
+                continue;
+            }
+            let wait = self
+                .pending
+                .iter()
+                .map(|p| p.deadline.saturating_duration_since(Instant::now()))
+                .min()
+                .map_or(IDLE_WAIT, |d| d.min(IDLE_WAIT));
+            if let Err(err) = self.worker.wait(wait) {
+                tracing::warn!(%err, "KV sender: waiting for UCX events failed");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+        self.shutdown();
+    }
+
+    /// Handles queued commands; returns (whether any were handled, whether to stop).
+    fn take_commands(&mut self) -> (bool, bool) {
+        let mut busy = false;
+        loop {
+            match self.commands.try_recv() {
+                Ok(Command::Send {
+                    address,
+                    tag,
+                    payload,
+                    timeout,
+                    reply,
+                }) => {
+                    busy = true;
+                    self.start_send(address, tag, payload, timeout, reply);
+                }
+                Ok(Command::Shutdown) | Err(std_mpsc::TryRecvError::Disconnected) => {
+                    return (busy, true)
+                }
+                Err(std_mpsc::TryRecvError::Empty) => return (busy, false),
+            }
+        }
+    }
+
+    fn start_send(
+        &mut self,
+        address: String,
+        tag: u64,
+        payload: Vec<u8>,
+        timeout: Duration,
+        reply: oneshot::Sender<Result<()>>,
+    ) {
+        if reply.is_closed() {
+            return; // the caller gave up before we started
+        }
+        let deadline = Instant::now() + timeout;
+        let peer = match self.peer(&address) {
+            Ok(peer) => peer,
+            Err(err) => {
+                let _ = reply.send(Err(err));
+                return;
+            }
+        };
+        let peer_id = peer.id;
+        match peer.ep.tag_send(tag, payload) {
+            Ok(op) => self.pending.push(PendingSend {
+                op,
+                address,
+                peer_id,
+                deadline,
+                timeout,
+                reply,
+            }),
+            Err(err) => {
+                let err = self.send_failed(&address, peer_id, err);
+                let _ = reply.send(Err(err));
+            }
+        }
+    }
+
+    /// The cached endpoint for `address`, connecting if there is none (or it failed).
+    fn peer(&mut self, address: &str) -> Result<&mut Peer> {
+        if self.peers.get(address).is_some_and(|p| p.ep.is_failed()) {
+            self.evict(address, None);
+        }
+        if !self.peers.contains_key(address) {
+            let addr = resolve(address)?;
+            let ep =
+                Endpoint::connect(&self.worker, addr).map_err(|source| Error::Unreachable {
+                    address: address.to_owned(),
+                    source,
+                })?;
+            tracing::debug!(%address, "KV sender connecting");
+            self.next_peer_id += 1;
+            let peer = Peer {
+                id: self.next_peer_id,
+                ep,
+                delivered: false,
+            };
+            self.peers.insert(address.to_owned(), peer);
+        }
+        self.peers.get_mut(address).ok_or(Error::Stopped)
+    }
+
+    /// Classifies a failed send on `peer_id` and evicts that endpoint.
+    fn send_failed(&mut self, address: &str, peer_id: u64, op_err: tandem_ucx::Error) -> Error {
+        let (delivered, reason) = match self.peers.get(address) {
+            Some(p) if p.id == peer_id => (p.delivered, p.ep.failure()),
+            // Already evicted (and maybe replaced): the transfer broke on that endpoint.
+            _ => (true, None),
+        };
+        self.evict(address, Some(peer_id));
+        // Prefer the endpoint's failure (why the peer is gone) over the generic op status.
+        let source = reason.unwrap_or(op_err);
+        let address = address.to_owned();
+        if delivered {
+            Error::Transfer { address, source }
+        } else {
+            Error::Unreachable { address, source }
+        }
+    }
+
+    /// Force-closes the cached endpoint for `address` (only if it is `peer_id`, when given).
+    fn evict(&mut self, address: &str, peer_id: Option<u64>) {
+        let matches = self
+            .peers
+            .get(address)
+            .is_some_and(|p| peer_id.is_none_or(|id| p.id == id));
+        if !matches {
+            return;
+        }
+        if let Some(peer) = self.peers.remove(address) {
+            tracing::debug!(%address, reason = ?peer.ep.failure(), "KV sender evicting endpoint");
+            self.closing.push(peer.ep.close(CloseMode::Force));
+        }
+    }
+
+    fn complete_sends(&mut self) {
+        let mut i = 0;
+        while i < self.pending.len() {
+            let Some(result) = self.pending[i].op.result() else {
+                i += 1;
+                continue;
+            };
+            let send = self.pending.swap_remove(i);
+            let outcome = match result {
+                Ok(()) => {
+                    self.bytes_sent
+                        .fetch_add(send.op.len() as u64, Ordering::Relaxed);
+                    if let Some(peer) = self.peers.get_mut(&send.address) {
+                        if peer.id == send.peer_id {
+                            peer.delivered = true;
+                        }
+                    }
+                    Ok(())
+                }
+                Err(err) => Err(self.send_failed(&send.address, send.peer_id, err)),
+            };
+            // The caller may have stopped waiting; that is fine.
+            let _ = send.reply.send(outcome);
+        }
+    }
+
+    /// Fails sends whose deadline passed and evicts their endpoints (a stalled peer).
+    fn expire_sends(&mut self) {
+        let now = Instant::now();
+        let mut i = 0;
+        while i < self.pending.len() {
+            if self.pending[i].deadline > now {
+                i += 1;
+                continue;
+            }
+            // Dropping the SendOp is safe: UCX keeps the payload until it is done with it.
+            let send = self.pending.swap_remove(i);
+            tracing::warn!(address = %send.address, timeout = ?send.timeout, "KV send timed out");
+            self.evict(&send.address, Some(send.peer_id));
+            let _ = send.reply.send(Err(Error::Timeout {
+                address: send.address,
+                timeout: send.timeout,
+            }));
+        }
+    }
+
+    fn evict_failed_peers(&mut self) {
+        let failed: Vec<String> = self
+            .peers
+            .iter()
+            .filter(|(_, p)| p.ep.is_failed())
+            .map(|(address, _)| address.clone())
+            .collect();
+        for address in failed {
+            self.evict(&address, None);
+        }
+        self.closing.retain(|c| !c.is_done());
+    }
+
+    fn shutdown(mut self) {
+        // Let in-flight sends finish (bounded), then close every endpoint.
+        let deadline = Instant::now() + SHUTDOWN_GRACE;
+        let pending = &self.pending;
+        self.worker
+            .progress_until(deadline, || pending.iter().all(|p| p.op.result().is_some()));
+        self.complete_sends();
+        for send in self.pending.drain(..) {
+            let _ = send.reply.send(Err(Error::Stopped));
+        }
+        for (_, peer) in self.peers.drain() {
+            let mode = if peer.ep.is_failed() {
+                CloseMode::Force
+            } else {
+                CloseMode::Flush
+            };
+            self.closing.push(peer.ep.close(mode));
+        }
+        let closing = &self.closing;
+        let deadline = Instant::now() + SHUTDOWN_GRACE;
+        if !self
+            .worker
+            .progress_until(deadline, || closing.iter().all(Closing::is_done))
+        {
+            tracing::warn!("KV sender: some endpoints did not close in time");
+        }
+        tracing::debug!("KV sender stopped");
+        // Closes first, then the worker (and with it the context).
+        drop(self.closing);
+        drop(self.worker);
+    }
+}

@@ -1,0 +1,115 @@
+//! Wiring for the `tandem router` process: config file → worker handles → P/D generator →
+//! HTTP app, plus the operator endpoints that need the worker list (`/ready`,
+//! `/admin/workers`).
+
+use crate::config::RouterConfig;
+use crate::model::ModelInfo;
+use crate::pd::{PdGenerator, RetryPolicy, SharedPd, WorkerHandle};
+use crate::server::{app, RouterState};
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::routing::get;
+use axum::{Json, Router};
+use serde_json::{json, Value};
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Boxed error of process start-up.
+pub type LaunchError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Routes that report on the workers behind this router.
+pub fn worker_routes(pd: Arc<PdGenerator>) -> Router {
+    Router::new()
+        .route("/ready", get(ready))
+        .route("/admin/workers", get(workers))
+        .with_state(pd)
+}
+
+async fn worker_report(pd: &PdGenerator) -> (bool, Vec<Value>) {
+    let mut all_ok = true;
+    let mut out = Vec::new();
+    for w in pd.workers() {
+        let stats = tokio::time::timeout(Duration::from_secs(2), w.stats()).await;
+        match stats {
+            Ok(Ok(s)) => out.push(json!({
+                "id": w.id.0, "address": w.address, "role": s.role,
+                "kv_blocks_total": s.kv_blocks_total, "kv_blocks_free": s.kv_blocks_free,
+                "running_requests": s.running_requests, "pending_reservations": s.pending_reservations,
+                "kv_bytes_transferred": s.kv_bytes_transferred,
+            })),
+            Ok(Err(e)) => {
+                all_ok = false;
+                out.push(json!({"id": w.id.0, "address": w.address, "error": e.message}));
+            }
+            Err(_) => {
+                all_ok = false;
+                out.push(json!({"id": w.id.0, "address": w.address, "error": "stats timed out"}));
+            }
+        }
+    }
+    (all_ok, out)
+}
+
+async fn ready(State(pd): State<Arc<PdGenerator>>) -> (StatusCode, Json<Value>) {
+    let (ok, workers) = worker_report(&pd).await;
+    let status = if ok {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (status, Json(json!({"ready": ok, "workers": workers})))
+}
+
+async fn workers(State(pd): State<Arc<PdGenerator>>) -> Json<Value> {
+    let (_, workers) = worker_report(&pd).await;
+    Json(json!({"workers": workers}))
+}
+
+/// Runs a router from a config file until `shutdown` resolves. `model_dir` and `listen`
+/// override the file.
+pub async fn run_from_config(
+    path: &Path,
+    model_dir: Option<PathBuf>,
+    listen: Option<&str>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), LaunchError> {
+    let mut config = RouterConfig::load(path)?;
+    if let Some(dir) = model_dir {
+        config = config.with_model_dir(dir);
+    }
+    let dir = config
+        .model
+        .dir
+        .clone()
+        .ok_or("no model directory: set model.dir in the config or pass --model")?;
+    let handle =
+        |e: &crate::config::WorkerEndpoint| WorkerHandle::new(e.id.clone(), &e.address.to_string());
+    let prefill = config
+        .prefill
+        .iter()
+        .map(handle)
+        .collect::<Result<Vec<_>, _>>()?;
+    let decode = config
+        .decode
+        .iter()
+        .map(handle)
+        .collect::<Result<Vec<_>, _>>()?;
+    let pd = Arc::new(PdGenerator::new(prefill, decode, RetryPolicy::default()));
+    let state = RouterState::new(
+        Arc::new(SharedPd(pd.clone())),
+        &ModelInfo::new(config.model.served_name.clone(), dir),
+    )?;
+    let addr = match listen {
+        Some(l) => l.parse()?,
+        None => config.listen,
+    };
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    tracing::info!(listen = %listener.local_addr()?, model = %config.model.served_name, "router ready");
+    let app = app(state).merge(worker_routes(pd));
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown)
+        .await?;
+    Ok(())
+}

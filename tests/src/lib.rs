@@ -1,0 +1,220 @@
+//! The end-to-end harness: starts a real prefill worker, decode worker and router as separate
+//! `tandem` processes on loopback (the debug binary `make test` builds), waits until the
+//! router reports every worker reachable, and stops them all on drop.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// The `tandem` binary under test.
+pub fn tandem_bin() -> PathBuf {
+    if let Some(p) = std::env::var_os("TANDEM_BIN") {
+        return PathBuf::from(p);
+    }
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let target =
+        std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root.join("target"), PathBuf::from);
+    let bin = target.join("debug/tandem");
+    assert!(
+        bin.exists(),
+        "{} missing: run `cargo build --bin tandem` first (make test does)",
+        bin.display()
+    );
+    bin
+}
+
+/// A free TCP port on loopback.
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Options of a test cluster.
+#[derive(Clone, Debug)]
+pub struct ClusterOptions {
+    /// KV blocks per worker.
+    pub kv_blocks: usize,
+    /// Extra environment for the workers (e.g. `UCX_TLS`).
+    pub worker_env: Vec<(String, String)>,
+}
+
+impl Default for ClusterOptions {
+    fn default() -> Self {
+        Self {
+            kv_blocks: 512,
+            worker_env: vec![("UCX_TLS".into(), "tcp".into())],
+        }
+    }
+}
+
+/// A running router + prefill + decode.
+pub struct Cluster {
+    children: Vec<(String, Child)>,
+    /// Router base URL, `http://127.0.0.1:PORT`.
+    pub url: String,
+    _dir: tempfile::TempDir,
+}
+
+impl Cluster {
+    /// Starts the cluster on the reference model and waits until it is ready.
+    pub fn start(opts: ClusterOptions) -> Self {
+        let model = tandem_testkit::smollm2_dir();
+        let bin = tandem_bin();
+        let dir = tempfile::tempdir().unwrap();
+        let (p, d, r) = (free_port(), free_port(), free_port());
+        let config = format!(
+            "listen: 127.0.0.1:{r}\nmodel:\n  served_name: smollm2-135m-instruct\nprefill:\n  - id: prefill-0\n    address: http://127.0.0.1:{p}\ndecode:\n  - id: decode-0\n    address: http://127.0.0.1:{d}\n"
+        );
+        let config_path = dir.path().join("router.yaml");
+        std::fs::write(&config_path, config).unwrap();
+        let model_s = model.display().to_string();
+        let kv = opts.kv_blocks.to_string();
+        let mut children = Vec::new();
+        for (role, port) in [("prefill", p), ("decode", d)] {
+            let log = std::fs::File::create(dir.path().join(format!("{role}.log"))).unwrap();
+            let child = Command::new(&bin)
+                .args([
+                    "worker",
+                    "--role",
+                    role,
+                    "--listen",
+                    &format!("127.0.0.1:{port}"),
+                    "--model",
+                    &model_s,
+                    "--kv-blocks",
+                    &kv,
+                ])
+                .envs(
+                    opts.worker_env
+                        .iter()
+                        .map(|(k, v)| (k.as_str(), v.as_str())),
+                )
+                .env("UCX_NET_DEVICES", "lo")
+                .stdout(Stdio::null())
+                .stderr(log)
+                .spawn()
+                .unwrap();
+            children.push((role.to_string(), child));
+        }
+        let log = std::fs::File::create(dir.path().join("router.log")).unwrap();
+        let router = Command::new(&bin)
+            .args([
+                "router",
+                "--config",
+                &config_path.display().to_string(),
+                "--model",
+                &model_s,
+            ])
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        children.push(("router".into(), router));
+        let mut cluster = Self {
+            children,
+            url: format!("http://127.0.0.1:{r}"),
+            _dir: dir,
+        };
+        cluster.wait_ready(Duration::from_secs(120));
+        cluster
+    }
+
+    fn logs(&self) -> String {
+        let mut out = String::new();
+        for name in ["prefill", "decode", "router"] {
+            let text = std::fs::read_to_string(self._dir.path().join(format!("{name}.log")))
+                .unwrap_or_default();
+            let tail: Vec<&str> = text.lines().rev().take(30).collect();
+            out.push_str(&format!("--- {name} log (last lines) ---\n"));
+            for l in tail.into_iter().rev() {
+                out.push_str(l);
+                out.push('\n');
+            }
+        }
+        out
+    }
+
+    fn wait_ready(&mut self, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        let client = probe::blocking_free_client();
+        loop {
+            for (name, child) in &mut self.children {
+                if let Ok(Some(status)) = child.try_wait() {
+                    let name = name.clone();
+                    panic!("{name} exited during start-up ({status})\n{}", self.logs());
+                }
+            }
+            if client(&format!("{}/ready", self.url)) {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "cluster not ready in {timeout:?}\n{}",
+                self.logs()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Prints the processes' logs (for failing tests).
+    pub fn dump_logs(&self) {
+        eprintln!("{}", self.logs());
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        for (_, child) in &self.children {
+            let _ = Command::new("kill")
+                .arg("-TERM")
+                .arg(child.id().to_string())
+                .status();
+        }
+        for (_, child) in &mut self.children {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            loop {
+                match child.try_wait() {
+                    Ok(Some(_)) => break,
+                    _ if Instant::now() > deadline => {
+                        let _ = child.kill();
+                        let _ = child.wait();
+                        break;
+                    }
+                    _ => std::thread::sleep(Duration::from_millis(20)),
+                }
+            }
+        }
+    }
+}
+
+mod probe {
+    /// A tiny blocking GET that says whether the answer was 200 (readiness polling without
+    /// needing an async runtime).
+    pub fn blocking_free_client() -> impl Fn(&str) -> bool {
+        |url: &str| {
+            use std::io::{Read, Write};
+            let Some(rest) = url.strip_prefix("http://") else {
+                return false;
+            };
+            let (host, path) = rest
+                .split_once('/')
+                .map_or((rest, "/".to_string()), |(h, p)| (h, format!("/{p}")));
+            let Ok(mut s) = std::net::TcpStream::connect(host) else {
+                return false;
+            };
+            let _ = s.set_read_timeout(Some(std::time::Duration::from_secs(5)));
+            let req = format!("GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n");
+            if s.write_all(req.as_bytes()).is_err() {
+                return false;
+            }
+            let mut buf = [0u8; 12];
+            s.read_exact(&mut buf).is_ok() && buf.starts_with(b"HTTP/1.1 200")
+        }
+    }
+}

@@ -1,0 +1,283 @@
+//! A real cluster (router, prefill worker, decode worker as separate processes, KV over UCX
+//! on tcp) answering real HTTP clients. One cluster per test function keeps start-up cost
+//! low; each function covers one area.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use futures::StreamExt;
+use serde_json::{json, Value};
+use std::time::{Duration, Instant};
+use tandem_e2e::{Cluster, ClusterOptions};
+
+const FRANCE: &str = "What is the capital of France?";
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+async fn post(client: &reqwest::Client, url: &str, body: Value) -> (u16, Value) {
+    let resp = client.post(url).json(&body).send().await.unwrap();
+    let status = resp.status().as_u16();
+    (status, resp.json().await.unwrap())
+}
+
+/// Sends a streaming request; returns every `data:` payload before `[DONE]` and whether
+/// `[DONE]` arrived.
+async fn post_stream(client: &reqwest::Client, url: &str, body: Value) -> (Vec<Value>, bool) {
+    let resp = client.post(url).json(&body).send().await.unwrap();
+    assert_eq!(resp.status().as_u16(), 200);
+    let mut raw = Vec::new();
+    let mut stream = resp.bytes_stream();
+    while let Some(chunk) = stream.next().await {
+        raw.extend_from_slice(&chunk.unwrap());
+    }
+    let text = String::from_utf8(raw).expect("SSE body is valid UTF-8");
+    let mut events = Vec::new();
+    let mut done = false;
+    for line in text.lines() {
+        if let Some(data) = line.strip_prefix("data: ") {
+            if data == "[DONE]" {
+                done = true;
+            } else {
+                events.push(serde_json::from_str(data).unwrap());
+            }
+        }
+    }
+    (events, done)
+}
+
+fn chat(content: &str, max_tokens: u32, stream: bool) -> Value {
+    json!({"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": content}],
+           "max_tokens": max_tokens, "temperature": 0, "stream": stream})
+}
+
+fn chat_deltas(events: &[Value]) -> (String, Option<String>) {
+    let mut text = String::new();
+    let mut finish = None;
+    for e in events {
+        if let Some(choice) = e["choices"].get(0) {
+            if let Some(c) = choice["delta"]["content"].as_str() {
+                assert!(
+                    !c.contains('\u{FFFD}'),
+                    "a chunk carries a broken character: {c:?}"
+                );
+                text.push_str(c);
+            }
+            if let Some(f) = choice["finish_reason"].as_str() {
+                finish = Some(f.to_string());
+            }
+        }
+    }
+    (text, finish)
+}
+
+/// Waits until both workers report every KV block free again.
+async fn assert_pools_full(client: &reqwest::Client, url: &str) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let workers: Value = client
+            .get(format!("{url}/admin/workers"))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let list = workers["workers"].as_array().expect("workers list");
+        assert_eq!(list.len(), 2, "{workers}");
+        let full = list.iter().all(|w| {
+            w["kv_blocks_free"] == w["kv_blocks_total"]
+                && w["pending_reservations"] == 0
+                && w["running_requests"] == 0
+        });
+        if full {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "KV pools not back to full: {workers}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[test]
+fn answers_chat_and_completions_streamed_and_not() {
+    let cluster = Cluster::start(ClusterOptions::default());
+    let url = cluster.url.clone();
+    rt().block_on(async move {
+        let c = reqwest::Client::new();
+        let chat_url = format!("{url}/v1/chat/completions");
+        let (status, body) = post(&c, &chat_url, chat(FRANCE, 32, false)).await;
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(body["choices"][0]["message"]["content"], "The capital of France is Paris.");
+        assert_eq!(body["choices"][0]["finish_reason"], "stop");
+        assert_eq!(body["usage"]["prompt_tokens"], 37);
+        assert_eq!(body["usage"]["completion_tokens"], 8);
+
+        let (events, done) = post_stream(&c, &chat_url, chat(FRANCE, 32, true)).await;
+        assert!(done, "stream ends with [DONE]");
+        let (text, finish) = chat_deltas(&events);
+        assert_eq!(text, "The capital of France is Paris.");
+        assert_eq!(finish.as_deref(), Some("stop"));
+        assert!(events.len() > 3, "streamed in several chunks");
+
+        // Plain completion, no chat template: the reference continuation.
+        let comp_url = format!("{url}/v1/completions");
+        let req = json!({"prompt": "The capital of France is", "max_tokens": 32, "temperature": 0});
+        let (status, body) = post(&c, &comp_url, req.clone()).await;
+        assert_eq!(status, 200, "{body}");
+        let expected = " Paris.\n\nThe answer is: 2018-01-22 12:12:53.";
+        assert_eq!(body["choices"][0]["text"], expected);
+        assert_eq!(body["choices"][0]["finish_reason"], "stop");
+        let mut sreq = req.clone();
+        sreq["stream"] = json!(true);
+        let (events, done) = post_stream(&c, &comp_url, sreq).await;
+        assert!(done);
+        let streamed: String = events.iter().filter_map(|e| e["choices"][0]["text"].as_str()).collect();
+        assert_eq!(streamed, expected);
+
+        // Length limit.
+        let (_, body) = post(&c, &comp_url, json!({"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0})).await;
+        assert_eq!(body["choices"][0]["finish_reason"], "length");
+        assert_eq!(body["usage"]["completion_tokens"], 3);
+        assert_eq!(body["choices"][0]["text"], " Paris.\n");
+
+        // max_tokens = 1: the prefill worker's token alone ends the request.
+        let (_, body) = post(&c, &comp_url, json!({"prompt": "The capital of France is", "max_tokens": 1})).await;
+        assert_eq!(body["choices"][0]["text"], " Paris");
+        assert_eq!(body["choices"][0]["finish_reason"], "length");
+
+        // Stop string: cut before it, finish_reason stop.
+        let (_, body) = post(&c, &comp_url, json!({"prompt": "The capital of France is", "max_tokens": 32, "temperature": 0, "stop": ["answer"]})).await;
+        assert_eq!(body["choices"][0]["text"], " Paris.\n\nThe ");
+        assert_eq!(body["choices"][0]["finish_reason"], "stop");
+
+        // Seeded sampling is reproducible across the P/D split.
+        let sampled = json!({"prompt": "Once upon a time", "max_tokens": 16, "temperature": 0.9, "top_p": 0.95, "seed": 1234});
+        let (_, a) = post(&c, &comp_url, sampled.clone()).await;
+        let (_, b) = post(&c, &comp_url, sampled).await;
+        assert_eq!(a["choices"][0]["text"], b["choices"][0]["text"]);
+
+        let models: Value = c.get(format!("{url}/v1/models")).send().await.unwrap().json().await.unwrap();
+        assert_eq!(models["data"][0]["id"], "smollm2-135m-instruct");
+        let metrics = c.get(format!("{url}/metrics")).send().await.unwrap().text().await.unwrap();
+        assert!(metrics.contains("tandem_time_to_first_token_seconds_bucket"), "{metrics}");
+        assert!(metrics.contains("tandem_inter_token_latency_seconds_bucket"));
+        assert_pools_full(&c, &url).await;
+    });
+}
+
+#[test]
+fn multibyte_characters_arrive_whole() {
+    let cluster = Cluster::start(ClusterOptions::default());
+    let url = cluster.url.clone();
+    rt().block_on(async move {
+        let c = reqwest::Client::new();
+        let chat_url = format!("{url}/v1/chat/completions");
+        let prompt = "Write the word 'thank you' in Japanese characters.";
+        let (_, body) = post(&c, &chat_url, chat(prompt, 24, false)).await;
+        let full = body["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        assert!(
+            full.chars().any(|ch| ch.len_utf8() >= 3),
+            "expected non-ASCII output, got {full:?}"
+        );
+        assert!(!full.contains('\u{FFFD}'), "{full:?}");
+        let (events, _) = post_stream(&c, &chat_url, chat(prompt, 24, true)).await;
+        let (text, _) = chat_deltas(&events);
+        assert_eq!(text, full);
+        assert_pools_full(&c, &url).await;
+    });
+}
+
+#[test]
+fn concurrent_requests_and_bad_inputs() {
+    let cluster = Cluster::start(ClusterOptions::default());
+    let url = cluster.url.clone();
+    rt().block_on(async move {
+        let c = reqwest::Client::new();
+        let chat_url = format!("{url}/v1/chat/completions");
+        let comp_url = format!("{url}/v1/completions");
+        let mut tasks = Vec::new();
+        for i in 0..20 {
+            let c = c.clone();
+            let (chat_url, comp_url) = (chat_url.clone(), comp_url.clone());
+            tasks.push(tokio::spawn(async move {
+                if i % 2 == 0 {
+                    let (events, _) = post_stream(&c, &chat_url, chat(FRANCE, 32, true)).await;
+                    chat_deltas(&events).0 == "The capital of France is Paris."
+                } else {
+                    let (_, b) = post(&c, &comp_url, json!({"prompt": "The capital of France is", "max_tokens": 32, "temperature": 0})).await;
+                    b["choices"][0]["text"] == " Paris.\n\nThe answer is: 2018-01-22 12:12:53."
+                }
+            }));
+        }
+        for (i, t) in tasks.into_iter().enumerate() {
+            assert!(t.await.unwrap(), "concurrent request {i} returned the wrong text");
+        }
+
+        let bad: Vec<(Value, u16)> = vec![
+            (json!({"messages": [{"role": "user", "content": "hi"}], "model": "no-such-model"}), 404),
+            (json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}), 400),
+            (json!({"messages": [{"role": "user", "content": "hi"}], "temperature": 7}), 400),
+            (json!({"messages": [{"role": "user", "content": "hi"}], "top_p": 0}), 400),
+            (json!({"messages": []}), 400),
+            (json!({"messages": [{"role": "user", "content": "word ".repeat(9000)}]}), 400),
+            (json!({"messages": [{"role": "user", "content": "hi"}], "n": 3}), 400),
+        ];
+        for (body, want) in bad {
+            let resp = c.post(&chat_url).json(&body).send().await.unwrap();
+            let status = resp.status().as_u16();
+            let err: Value = resp.json().await.unwrap();
+            assert_eq!(status, want, "{body} -> {err}");
+            assert!(err["error"]["message"].is_string(), "OpenAI-style error body: {err}");
+        }
+        let resp = c.post(&chat_url).header("content-type", "application/json").body("{not json").send().await.unwrap();
+        assert_eq!(resp.status().as_u16(), 400);
+        let err: Value = resp.json().await.unwrap();
+        assert!(err["error"]["message"].is_string());
+        // The server still serves.
+        let (status, body) = post(&c, &chat_url, chat(FRANCE, 32, false)).await;
+        assert_eq!(status, 200);
+        assert_eq!(body["choices"][0]["message"]["content"], "The capital of France is Paris.");
+        assert_pools_full(&c, &url).await;
+    });
+}
+
+#[test]
+fn official_openai_python_client_streams_a_chat() {
+    let cluster = Cluster::start(ClusterOptions::default());
+    let script = format!(
+        r#"
+import openai
+client = openai.OpenAI(base_url="{url}/v1", api_key="unused")
+stream = client.chat.completions.create(model="smollm2-135m-instruct",
+    messages=[{{"role": "user", "content": "What is the capital of France?"}}],
+    max_tokens=32, temperature=0, stream=True)
+text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+print(text)
+assert text == "The capital of France is Paris.", text
+"#,
+        url = cluster.url
+    );
+    let out = std::process::Command::new("python3")
+        .arg("-c")
+        .arg(&script)
+        .output()
+        .expect("python3");
+    if !out.status.success() {
+        cluster.dump_logs();
+    }
+    assert!(
+        out.status.success(),
+        "openai client failed:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
