@@ -151,7 +151,11 @@ impl ReceiverLoop {
             if busy {
                 continue;
             }
-            if let Err(err) = self.worker.wait(IDLE_WAIT) {
+            let tw = Instant::now();
+            let r = self.worker.wait(IDLE_WAIT);
+            let n = self.worker.progress();
+            if tw.elapsed() >= Duration::from_millis(90) && (n > 0 || self.listener.as_ref().is_some_and(|_| false)) { eprintln!("RECV missed wakeup? progressed {n} after {:?}", tw.elapsed()); }
+            if let Err(err) = r {
                 tracing::warn!(%err, "KV receiver: waiting for UCX events failed");
                 std::thread::sleep(Duration::from_millis(1));
             }

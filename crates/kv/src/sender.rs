@@ -203,7 +203,11 @@ impl SenderLoop {
                 .map(|p| p.deadline.saturating_duration_since(Instant::now()))
                 .min()
                 .map_or(IDLE_WAIT, |d| d.min(IDLE_WAIT));
-            if let Err(err) = self.worker.wait(wait) {
+            let tw = Instant::now();
+            let r = self.worker.wait(wait);
+            let n = self.worker.progress();
+            if tw.elapsed() >= Duration::from_millis(90) && n > 0 { eprintln!("SEND missed wakeup? progressed {n} after {:?} pending {}", tw.elapsed(), self.pending.len()); }
+            if let Err(err) = r {
                 tracing::warn!(%err, "KV sender: waiting for UCX events failed");
                 std::thread::sleep(Duration::from_millis(1));
             }
