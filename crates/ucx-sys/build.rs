@@ -41,11 +41,18 @@ fn main() {
         builder = builder.clang_arg(format!("-I{}", dir.display()));
     }
 
-    let bindings = match builder.generate() {
-        Ok(b) => b,
-        Err(err) => {
+    // bindgen panics (rather than erroring) when libclang itself cannot be loaded; either way
+    // point at the packages to install.
+    let generated = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| builder.generate()));
+    let bindings = match generated {
+        Ok(Ok(b)) => b,
+        Ok(Err(err)) => {
             println!("cargo:warning={INSTALL_HINT}");
             panic!("bindgen failed on the UCX headers: {err}\n{INSTALL_HINT}");
+        }
+        Err(_) => {
+            println!("cargo:warning={INSTALL_HINT}");
+            panic!("bindgen could not run (is libclang installed?)\n{INSTALL_HINT}");
         }
     };
     let out = PathBuf::from(env::var("OUT_DIR").expect("cargo always sets OUT_DIR"));

@@ -242,6 +242,23 @@ fn concurrent_requests_and_bad_inputs() {
         assert_eq!(resp.status().as_u16(), 400);
         let err: Value = resp.json().await.unwrap();
         assert!(err["error"]["message"].is_string());
+        // A client that disconnects mid-stream frees the KV on both workers.
+        for _ in 0..3 {
+            let mut body = chat("Tell me a very long story about a dragon.", 400, true);
+            body["ignore_eos"] = json!(true);
+            let resp = c.post(&chat_url).json(&body).send().await.unwrap();
+            assert_eq!(resp.status().as_u16(), 200);
+            let mut stream = resp.bytes_stream();
+            let mut seen = 0;
+            while let Some(chunk) = stream.next().await {
+                seen += chunk.unwrap().len();
+                if seen > 400 {
+                    break;
+                }
+            }
+            drop(stream);
+        }
+        assert_pools_full(&c, &url).await;
         // The server still serves.
         let (status, body) = post(&c, &chat_url, chat(FRANCE, 32, false)).await;
         assert_eq!(status, 200);

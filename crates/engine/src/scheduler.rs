@@ -324,7 +324,7 @@ struct Worker<B: Backend> {
     allocator: BlockAllocator,
     stats: Arc<Mutex<EngineStats>>,
     waiting: VecDeque<Box<Seq>>,
-    running: Vec<Box<Seq>>,
+    running: Vec<Seq>,
 }
 
 impl<B: Backend> Worker<B> {
@@ -389,7 +389,7 @@ impl<B: Backend> Worker<B> {
                 );
                 seq.cached = seq.prompt_len;
             }
-            self.running.push(seq);
+            self.running.push(*seq);
         }
     }
 

@@ -28,7 +28,9 @@
 //! - `UCX_TLS=tcp,sm,self`: TCP plus shared memory (sysv/posix/cma) on one host. Connection
 //!   establishment goes through UCX's sockaddr connection manager, which needs `tcp`, so a
 //!   `UCX_TLS` without `tcp` (e.g. `sm`) cannot connect; a warning is logged. `UCX_TLS=tcp`
-//!   and `UCX_TLS=sm,tcp` both work.
+//!   and `UCX_TLS=sm,tcp` both work. Note that UCX 1.13 only puts the transports it can reach
+//!   through the connection manager on a client-server endpoint: on one host that is
+//!   `tcp/lo`, so shared memory is not used for the payload even when listed.
 //! - `UCX_NET_DEVICES=lo`: keeps TCP traffic on loopback. **Set `UCX_NET_DEVICES` (and
 //!   `UCX_TLS`) explicitly for multi-host deployments**, e.g. `UCX_NET_DEVICES=eth0` or an
 //!   RDMA device such as `mlx5_0:1`.

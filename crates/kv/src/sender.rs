@@ -1,3 +1,4 @@
+use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc as std_mpsc, Arc, Mutex, PoisonError};
@@ -16,9 +17,13 @@ use crate::transport_config::ucx_config;
 const IDLE_WAIT: Duration = Duration::from_millis(100);
 /// How long shutdown lets in-flight sends and endpoint closes finish.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(1);
+/// Stand-in deadline for timeouts too large for `Instant` (about 30 years).
+const FAR_FUTURE: Duration = Duration::from_secs(1 << 30);
 
 /// Sending side (prefill worker). Owns a background thread with a UCX worker; caches one
-/// endpoint per peer address. Clones share the thread; the last one dropped stops it.
+/// endpoint per peer address. Clones share the thread; dropping the last one stops it, which
+/// blocks briefly (at most a couple of seconds) while in-flight sends finish and endpoints
+/// close.
 #[derive(Clone)]
 pub struct UcxSender {
     shared: Arc<SenderShared>,
@@ -203,11 +208,7 @@ impl SenderLoop {
                 .map(|p| p.deadline.saturating_duration_since(Instant::now()))
                 .min()
                 .map_or(IDLE_WAIT, |d| d.min(IDLE_WAIT));
-            let tw = Instant::now();
-            let r = self.worker.wait(wait);
-            let n = self.worker.progress();
-            if tw.elapsed() >= Duration::from_millis(90) && n > 0 { eprintln!("SEND missed wakeup? progressed {n} after {:?} pending {}", tw.elapsed(), self.pending.len()); }
-            if let Err(err) = r {
+            if let Err(err) = self.worker.wait(wait) {
                 tracing::warn!(%err, "KV sender: waiting for UCX events failed");
                 std::thread::sleep(Duration::from_millis(1));
             }
@@ -249,7 +250,10 @@ impl SenderLoop {
         if reply.is_closed() {
             return; // the caller gave up before we started
         }
-        let deadline = Instant::now() + timeout;
+        // A timeout too large to represent means "no practical deadline".
+        let deadline = Instant::now()
+            .checked_add(timeout)
+            .unwrap_or_else(|| Instant::now() + FAR_FUTURE);
         let peer = match self.peer(&address) {
             Ok(peer) => peer,
             Err(err) => {
@@ -279,23 +283,24 @@ impl SenderLoop {
         if self.peers.get(address).is_some_and(|p| p.ep.is_failed()) {
             self.evict(address, None);
         }
-        if !self.peers.contains_key(address) {
-            let addr = resolve(address)?;
-            let ep =
-                Endpoint::connect(&self.worker, addr).map_err(|source| Error::Unreachable {
-                    address: address.to_owned(),
-                    source,
-                })?;
-            tracing::debug!(%address, "KV sender connecting");
-            self.next_peer_id += 1;
-            let peer = Peer {
-                id: self.next_peer_id,
-                ep,
-                delivered: false,
-            };
-            self.peers.insert(address.to_owned(), peer);
+        match self.peers.entry(address.to_owned()) {
+            Entry::Occupied(cached) => Ok(cached.into_mut()),
+            Entry::Vacant(slot) => {
+                let addr = resolve(address)?;
+                let ep =
+                    Endpoint::connect(&self.worker, addr).map_err(|source| Error::Unreachable {
+                        address: address.to_owned(),
+                        source,
+                    })?;
+                tracing::debug!(%address, "KV sender connecting");
+                self.next_peer_id += 1;
+                Ok(slot.insert(Peer {
+                    id: self.next_peer_id,
+                    ep,
+                    delivered: false,
+                }))
+            }
         }
-        self.peers.get_mut(address).ok_or(Error::Stopped)
     }
 
     /// Classifies a failed send on `peer_id` and evicts that endpoint.
@@ -420,5 +425,16 @@ impl SenderLoop {
         // Closes first, then the worker (and with it the context).
         drop(self.closing);
         drop(self.worker);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn handles_can_move_between_tasks() {
+        fn send_sync<T: Send + Sync + Clone>() {}
+        send_sync::<UcxSender>();
     }
 }

@@ -8,11 +8,14 @@ use std::sync::Arc;
 use tandem_core::{Epoch, ReservationId};
 use tokio::sync::oneshot;
 
+/// A reservation's epoch and where its KV message goes.
+type Waiting = (Epoch, oneshot::Sender<Vec<u8>>);
+
 /// Pending reservations of a decode worker.
 #[derive(Debug, Default)]
 pub struct Reservations {
     next: AtomicU64,
-    pending: Mutex<HashMap<ReservationId, (Epoch, oneshot::Sender<Vec<u8>>)>>,
+    pending: Mutex<HashMap<ReservationId, Waiting>>,
     rejected: AtomicU64,
 }
 
