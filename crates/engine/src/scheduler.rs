@@ -475,6 +475,8 @@ impl<B: Backend> Worker<B> {
                     .model
                     .backend()
                     .export_kv(&self.cache, blocks, seq.prompt_len);
+                // Free the blocks before the caller hears of it, so accounting is exact.
+                seq.allocation = None;
                 finished.push(i);
                 seq.tx.send(EngineEvent::Prefilled {
                     first_token: token,
@@ -483,6 +485,7 @@ impl<B: Backend> Worker<B> {
                 })
             } else {
                 if finish.is_some() {
+                    seq.allocation = None;
                     finished.push(i);
                 }
                 seq.tx.send(EngineEvent::Token {
