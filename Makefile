@@ -37,6 +37,7 @@ test: deps
 	@command -v cargo-nextest >/dev/null 2>&1 || $(CARGO) install cargo-nextest --locked
 	@python3 -c 'import openai' 2>/dev/null || python3 -m pip install -q openai
 	$(CARGO) build --bin tandem
+	target/debug/tandem model pull smollm2-135m-instruct
 	$(CARGO) nextest run --workspace --no-tests=pass --no-fail-fast
 
 lint: deps
@@ -48,6 +49,9 @@ fmt:
 
 bench-engine: build
 	$(BIN) bench engine
+
+bench-kv: deps
+	scripts/bench-kv.sh tcp
 
 clean:
 	$(CARGO) clean
