@@ -54,6 +54,24 @@ enum ModelCommand {
     },
     /// List the models `pull` knows.
     List,
+    /// Write a random checkpoint (tests, benchmarks).
+    Synth {
+        /// Model family.
+        #[arg(long, value_parser = ["kda-hybrid"], default_value = "kda-hybrid")]
+        arch: String,
+        /// Size preset (tiny, medium, 1b).
+        #[arg(long, default_value = "tiny")]
+        preset: String,
+        /// Output directory.
+        #[arg(long)]
+        out: PathBuf,
+        /// Block-FP8 weights (KDA projections stay BF16 and are listed as ignored).
+        #[arg(long)]
+        fp8: bool,
+        /// Seed of the values.
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+    },
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug)]
@@ -160,6 +178,21 @@ fn main() -> Result<()> {
         } => {
             let dir = models::pull(&name)?;
             println!("{}", dir.display());
+            Ok(())
+        }
+        Command::Model {
+            command:
+                ModelCommand::Synth {
+                    arch: _,
+                    preset,
+                    out,
+                    fp8,
+                    seed,
+                },
+        } => {
+            tandem_model::synth::synth_kda_hybrid(&preset, &out, fp8, seed)
+                .with_context(|| format!("writing {}", out.display()))?;
+            println!("{}", out.display());
             Ok(())
         }
         Command::Model {

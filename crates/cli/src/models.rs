@@ -9,11 +9,7 @@ pub const DEFAULT_MODEL: &str = "smollm2-135m-instruct";
 
 /// The model cache directory.
 pub fn cache_dir() -> PathBuf {
-    if let Some(home) = std::env::var_os("TANDEM_HOME") {
-        return PathBuf::from(home).join("models");
-    }
-    let base = std::env::var_os("HOME").map_or_else(|| PathBuf::from("."), PathBuf::from);
-    base.join(".cache/tandem/models")
+    tandem_model::pull::default_cache_dir()
 }
 
 /// Pulls a known model into the cache (fast when already there).

