@@ -8,6 +8,8 @@
 pub mod backend;
 /// Flattened batch description handed to a forward pass.
 pub mod batch;
+/// KDA hybrid models (Kimi-Linear, GLM-5.3-Flash style): KDA + MLA layers, MoE FFN.
+pub mod kda_hybrid;
 /// Paged KV pool: block allocator with RAII allocations, and the cache storage.
 pub mod kv_pool;
 /// Llama-family model (GQA, RoPE, RMSNorm, SwiGLU, tied embeddings).

@@ -13,6 +13,8 @@ pub mod config;
 pub mod dequant;
 /// Block-scaled FP8 (E4M3) encode/decode, as FP8 checkpoints store weights.
 pub mod fp8;
+/// KDA projection fusion eligibility (quantization ignore lists, LoRA targets, dtypes).
+pub mod fusion;
 /// GGUF v3 reader: header, metadata key/values, tensor infos, tensor data.
 pub mod gguf;
 /// GGUF → Hugging Face layout conversion (safetensors, config, tokenizer), written atomically.

@@ -213,6 +213,16 @@ fn extract(archive: &Path, member: &str, dest: &Path) -> Result<()> {
     Ok(())
 }
 
+/// The model cache: `$TANDEM_HOME/models`, else `~/.cache/tandem/models`. The one place that
+/// reads these variables (the CLI and the tests share it).
+pub fn default_cache_dir() -> PathBuf {
+    if let Some(home) = std::env::var_os("TANDEM_HOME") {
+        return PathBuf::from(home).join("models");
+    }
+    let base = std::env::var_os("HOME").map_or_else(|| PathBuf::from("."), PathBuf::from);
+    base.join(".cache/tandem/models")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -276,14 +286,4 @@ mod tests {
             "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
         );
     }
-}
-
-/// The model cache: `$TANDEM_HOME/models`, else `~/.cache/tandem/models`. The one place that
-/// reads these variables (the CLI and the tests share it).
-pub fn default_cache_dir() -> PathBuf {
-    if let Some(home) = std::env::var_os("TANDEM_HOME") {
-        return PathBuf::from(home).join("models");
-    }
-    let base = std::env::var_os("HOME").map_or_else(|| PathBuf::from("."), PathBuf::from);
-    base.join(".cache/tandem/models")
 }

@@ -58,10 +58,10 @@ impl RawLayout {
                 return Err(Error::ZeroSize { what });
             }
         }
-        if tp % dp != 0 {
+        if !tp.is_multiple_of(dp) {
             return Err(Error::TpNotDivisibleByDp { tp, dp });
         }
-        if tp % ep != 0 {
+        if !tp.is_multiple_of(ep) {
             return Err(Error::EpNotDividingTp { tp, ep });
         }
         Ok(Layout { tp, dp, ep })
@@ -199,7 +199,7 @@ impl Layout {
             if count == 0 {
                 return Err(Error::ZeroSize { what });
             }
-            if count % self.attn_tp() != 0 {
+            if !count.is_multiple_of(self.attn_tp()) {
                 return Err(Error::HeadsNotDivisible {
                     what,
                     count,
@@ -219,7 +219,7 @@ impl Layout {
         };
         let split = |what: &'static str, size: usize, parts: usize, rule: &'static str| {
             nonzero(what, size)?;
-            if size % parts != 0 {
+            if !size.is_multiple_of(parts) {
                 return Err(Error::IntermediateNotDivisible {
                     what,
                     size,
@@ -233,7 +233,7 @@ impl Layout {
         if let Some(g) = &shape.gqa {
             heads("num_attention_heads", g.num_attention_heads)?;
             heads("num_kv_heads", g.num_kv_heads)?;
-            if g.num_attention_heads % g.num_kv_heads != 0 {
+            if !g.num_attention_heads.is_multiple_of(g.num_kv_heads) {
                 return Err(Error::GqaGroupNotWhole {
                     num_attention_heads: g.num_attention_heads,
                     num_kv_heads: g.num_kv_heads,
@@ -252,7 +252,7 @@ impl Layout {
         match &shape.moe {
             Some(moe) => {
                 nonzero("moe.num_experts", moe.num_experts)?;
-                if moe.num_experts % self.ep != 0 {
+                if !moe.num_experts.is_multiple_of(self.ep) {
                     return Err(Error::ExpertsNotDivisible {
                         num_experts: moe.num_experts,
                         ep: self.ep,
@@ -322,7 +322,11 @@ mod tests {
         assert_eq!((p.ep_rank, p.moe_tp_rank), (1, 1));
         assert!(matches!(
             l.position(Rank(8)),
-            Err(Error::OutOfRange { index: 8, size: 8, .. })
+            Err(Error::OutOfRange {
+                index: 8,
+                size: 8,
+                ..
+            })
         ));
     }
 
@@ -412,7 +416,8 @@ mod tests {
         let l1 = Layout::new(1, 1, 1).expect("valid");
         l1.validate_for(&gqa).expect("tp1 serves anything");
         let l3 = Layout::new(3, 1, 1).expect("valid");
-        l3.validate_for(&gqa).expect("9 and 3 heads, 1536 channels over 3");
+        l3.validate_for(&gqa)
+            .expect("9 and 3 heads, 1536 channels over 3");
         let e = l3
             .validate_for(&ModelShape {
                 dense_intermediate_size: Some(1000),
@@ -493,18 +498,20 @@ mod tests {
         ));
 
         assert_eq!(
-            Layout::new(2, 1, 2).expect("valid").validate_for(&gqa),
-            Err(Error::EpWithoutExperts { ep: 2 })
+            Layout::new(3, 1, 3).expect("valid").validate_for(&gqa),
+            Err(Error::EpWithoutExperts { ep: 3 })
         );
         assert!(matches!(
-            Layout::new(1, 1, 1).expect("valid").validate_for(&ModelShape {
-                kda: Some(KdaShape {
-                    num_heads: 4,
-                    head_dim: 0,
-                    conv_kernel: 4
+            Layout::new(1, 1, 1)
+                .expect("valid")
+                .validate_for(&ModelShape {
+                    kda: Some(KdaShape {
+                        num_heads: 4,
+                        head_dim: 0,
+                        conv_kernel: 4
+                    }),
+                    ..ModelShape::default()
                 }),
-                ..ModelShape::default()
-            }),
             Err(Error::ZeroSize {
                 what: "kda.head_dim"
             })

@@ -31,7 +31,7 @@ use std::ops::Range;
 
 use serde::{Deserialize, Serialize};
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::layout::{Layout, Rank};
 use crate::shape::ModelShape;
 use crate::shard::Shard;
@@ -125,7 +125,16 @@ impl TransferPlan {
         for j in 0..a_d {
             let to = Rank(decode_ranks.start + j);
             let mut split = |len: usize, kind: &dyn Fn(Range<usize>) -> TransferKind| {
-                split_by_heads(len, prefill_ranks.start, a_p, to, j, a_d, kind, &mut transfers)
+                split_by_heads(
+                    len,
+                    prefill_ranks.start,
+                    a_p,
+                    to,
+                    j,
+                    a_d,
+                    kind,
+                    &mut transfers,
+                )
             };
             if let Some(kda) = &shape.kda {
                 split(kda.num_heads, &|heads| TransferKind::KdaState { heads })?;
@@ -137,7 +146,9 @@ impl TransferPlan {
                 }
             }
             if let Some(gqa) = &shape.gqa {
-                split(gqa.num_kv_heads, &|kv_heads| TransferKind::GqaKv { kv_heads })?;
+                split(gqa.num_kv_heads, &|kv_heads| TransferKind::GqaKv {
+                    kv_heads,
+                })?;
             }
             if let Some(mla) = &shape.mla {
                 let latent = 0..mla.latent_dim();
@@ -222,6 +233,7 @@ fn split_by_heads(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::Error;
     use crate::shape::{GqaShape, KdaShape, MlaShape};
 
     fn shape() -> ModelShape {
@@ -290,8 +302,14 @@ mod tests {
         }
 
         for t in plan.transfers() {
-            assert!(plan.prefill_ranks().contains(&t.from_prefill_rank.0), "{ctx}: {t:?}");
-            assert!(plan.decode_ranks().contains(&t.to_decode_rank.0), "{ctx}: {t:?}");
+            assert!(
+                plan.prefill_ranks().contains(&t.from_prefill_rank.0),
+                "{ctx}: {t:?}"
+            );
+            assert!(
+                plan.decode_ranks().contains(&t.to_decode_rank.0),
+                "{ctx}: {t:?}"
+            );
             assert_eq!(t.src_range.len(), t.dst_range.len(), "{ctx}: {t:?}");
             assert!(!t.src_range.is_empty(), "{ctx}: {t:?}");
         }
@@ -306,7 +324,10 @@ mod tests {
                     .filter(|t| stream(&t.kind).0 == s)
                     .map(|t| {
                         let global = stream(&t.kind).1.expect("head-sharded");
-                        let i = p.position(t.from_prefill_rank).expect("in range").attn_tp_rank;
+                        let i = p
+                            .position(t.from_prefill_rank)
+                            .expect("in range")
+                            .attn_tp_rank;
                         // Source in bounds of what the sender holds, and consistent with it.
                         assert!(t.src_range.end <= len / a_p, "{ctx}: {t:?}");
                         assert_eq!(global.start, i * (len / a_p) + t.src_range.start);
@@ -476,24 +497,36 @@ mod tests {
     fn p_tp4_to_d_tp4_dp4() {
         let s = shape();
         for ddp in 0..4 {
-            let plan =
-                TransferPlan::new(&layout(4, 1), &layout(4, 4), &s, 0, ddp).expect("valid");
+            let plan = TransferPlan::new(&layout(4, 1), &layout(4, 4), &s, 0, ddp).expect("valid");
             let to = Rank(ddp);
             assert_eq!(plan.decode_ranks(), ddp..ddp + 1);
             // A_d = 1: the decode rank holds everything, assembled from all four prefill ranks.
             let state: Vec<_> = plan
                 .received_by(to)
                 .filter(|t| matches!(t.kind, TransferKind::KdaState { .. }))
-                .map(|t| (t.from_prefill_rank.0, t.src_range.clone(), t.dst_range.clone()))
+                .map(|t| {
+                    (
+                        t.from_prefill_rank.0,
+                        t.src_range.clone(),
+                        t.dst_range.clone(),
+                    )
+                })
                 .collect();
             assert_eq!(
                 state,
-                vec![(0, 0..2, 0..2), (1, 0..2, 2..4), (2, 0..2, 4..6), (3, 0..2, 6..8)]
+                vec![
+                    (0, 0..2, 0..2),
+                    (1, 0..2, 2..4),
+                    (2, 0..2, 4..6),
+                    (3, 0..2, 6..8)
+                ]
             );
             for block in ConvBlock::ALL {
                 let conv: Vec<_> = plan
                     .received_by(to)
-                    .filter(|t| matches!(t.kind, TransferKind::KdaConv { block: b, .. } if b == block))
+                    .filter(
+                        |t| matches!(t.kind, TransferKind::KdaConv { block: b, .. } if b == block),
+                    )
                     .map(|t| (t.src_range.clone(), t.dst_range.clone()))
                     .collect();
                 assert_eq!(

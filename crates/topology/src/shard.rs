@@ -54,7 +54,7 @@ impl Shard {
 
     /// This part of `0..len`; fails unless `count` divides `len`.
     pub fn range(&self, len: usize) -> Result<Range<usize>> {
-        if len % self.count != 0 {
+        if !len.is_multiple_of(self.count) {
             return Err(Error::NotDivisible {
                 len,
                 count: self.count,
@@ -482,7 +482,7 @@ mod tests {
     /// conv and state no longer match, and the replica silently lacks 7/8 of its heads.
     #[test]
     fn global_tp_sharding_picks_wrong_heads_under_dp_attention() {
-        let layout = Layout::new(8, 8, 8).expect("valid");
+        let layout = Layout::new(8, 8, 1).expect("valid");
         layout
             .validate_for(&ModelShape {
                 kda: Some(KDA),
@@ -490,9 +490,7 @@ mod tests {
             })
             .expect("valid");
         for rank in layout.ranks() {
-            let right = ShardBy::AttentionTp
-                .shard(&layout, rank)
-                .expect("in range");
+            let right = ShardBy::AttentionTp.shard(&layout, rank).expect("in range");
             let wrong = ShardBy::GlobalTp.shard(&layout, rank).expect("in range");
             let right = KdaShard::new(KDA, right).expect("valid");
             let wrong = KdaShard::new(KDA, wrong).expect("valid");

@@ -357,13 +357,17 @@ impl RawConfig {
         let from_lists = match lac.and_then(|c| c.kda_layers.as_ref()) {
             None => None,
             Some(kda) => {
-                let full = lac.and_then(|c| c.full_attn_layers.clone()).unwrap_or_default();
+                let full = lac
+                    .and_then(|c| c.full_attn_layers.clone())
+                    .unwrap_or_default();
                 let mut kinds = Vec::with_capacity(n);
                 for layer in 1..=n {
                     kinds.push(match (kda.contains(&layer), full.contains(&layer)) {
                         (true, false) => AttentionKind::Kda,
                         (false, true) => AttentionKind::Mla,
-                        (false, false) if lac.and_then(|c| c.full_attn_layers.as_ref()).is_none() => {
+                        (false, false)
+                            if lac.and_then(|c| c.full_attn_layers.as_ref()).is_none() =>
+                        {
                             AttentionKind::Mla
                         }
                         _ => {

@@ -173,7 +173,10 @@ fn chunk_step(x: &Head, start: usize, n: usize, d: usize, s: &mut [f32], o: &mut
         let gr = &gam[r * d..(r + 1) * d];
         for c in 0..=r {
             let gc = &gam[c * d..(c + 1) * d];
-            for ((kd, &kc), (&a, &b)) in kd.iter_mut().zip(&k[c * d..(c + 1) * d]).zip(gr.iter().zip(gc))
+            for ((kd, &kc), (&a, &b)) in kd
+                .iter_mut()
+                .zip(&k[c * d..(c + 1) * d])
+                .zip(gr.iter().zip(gc))
             {
                 *kd = kc * ((a - b) as f32).exp();
             }

@@ -285,7 +285,11 @@ pub fn short_conv(pre: &[f32], window: &mut [f32], weight: &[f32], p: usize, w: 
     for (t, out_row) in out.chunks_exact_mut(p).enumerate() {
         for (c, y) in out_row.iter_mut().enumerate() {
             let wc = &weight[c * w..(c + 1) * w];
-            let acc: f32 = wc.iter().enumerate().map(|(j, &wj)| wj * ext(t + j, c)).sum();
+            let acc: f32 = wc
+                .iter()
+                .enumerate()
+                .map(|(j, &wj)| wj * ext(t + j, c))
+                .sum();
             *y = silu(acc);
         }
     }
@@ -311,7 +315,13 @@ mod tests {
         let mut win = vec![0.0; p * (w - 1)];
         let mut pieces = short_conv(&pre[..2 * p], &mut win, &weight, p, w);
         for i in 2..t {
-            pieces.extend(short_conv(&pre[i * p..(i + 1) * p], &mut win, &weight, p, w));
+            pieces.extend(short_conv(
+                &pre[i * p..(i + 1) * p],
+                &mut win,
+                &weight,
+                p,
+                w,
+            ));
         }
         assert_eq!(win, win_all);
         for (a, b) in all.iter().zip(&pieces) {

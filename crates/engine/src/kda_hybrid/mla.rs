@@ -103,9 +103,17 @@ impl MlaLayer {
         };
         let indexer = if ck.has(&name("indexer.wk.weight")) {
             let ic = cfg.indexer.ok_or_else(|| {
-                crate::Error::Weights(format!("{attn} has indexer weights but config has no index_topk"))
+                crate::Error::Weights(format!(
+                    "{attn} has indexer weights but config has no index_topk"
+                ))
             })?;
-            Some(load_indexer(ck, &name("indexer"), ic, cfg.q_lora_rank, hidden)?)
+            Some(load_indexer(
+                ck,
+                &name("indexer"),
+                ic,
+                cfg.q_lora_rank,
+                hidden,
+            )?)
         } else {
             None
         };

@@ -12,7 +12,7 @@ use super::moe::{Moe, SwiGlu};
 use super::ops::{linear, rms_norm};
 use super::residual::{HyperConnection, Residual};
 use super::weights::Checkpoint;
-use crate::backend::Linear;
+use crate::backend::{Backend, CpuBackend, Linear};
 use crate::{Error, Result};
 use std::path::Path;
 
@@ -107,14 +107,17 @@ impl KdaHybridModel {
                 AttentionKind::Kda => {
                     Attention::Kda(KdaLayer::load(&mut ck, &attn, c.kda, hidden, eps)?)
                 }
-                AttentionKind::Mla => Attention::Mla(MlaLayer::load(&mut ck, &attn, c.mla, hidden)?),
+                AttentionKind::Mla => {
+                    Attention::Mla(MlaLayer::load(&mut ck, &attn, c.mla, hidden)?)
+                }
             };
             let ffn = match spec.ffn {
                 FfnKind::Dense => {
                     // Original Kimi checkpoints say `mlp.*`; transformers 5.24 writes
                     // `block_sparse_moe.*` for dense layers too.
                     let names = ["mlp", "block_sparse_moe"].map(|b| {
-                        ["gate_proj", "up_proj", "down_proj"].map(|p| format!("{lp}.{b}.{p}.weight"))
+                        ["gate_proj", "up_proj", "down_proj"]
+                            .map(|p| format!("{lp}.{b}.{p}.weight"))
                     });
                     Ffn::Dense(SwiGlu::load(
                         &mut ck,
@@ -142,7 +145,10 @@ impl KdaHybridModel {
                 hc_ffn: HyperConnection::load(&mut ck, &lp, "ffn", c.residual, hidden, eps)?,
             });
         }
-        let embed = ck.take(&format!("{prefix}embed_tokens.weight"), &[c.vocab_size, hidden])?;
+        let embed = ck.take(
+            &format!("{prefix}embed_tokens.weight"),
+            &[c.vocab_size, hidden],
+        )?;
         let norm = ck.take(&format!("{prefix}norm.weight"), &[hidden])?;
         let lm_head = if c.tie_word_embeddings {
             None
@@ -205,7 +211,10 @@ impl KdaHybridModel {
         if ids.is_empty() {
             return Err(Error::InvalidRequest("no tokens".into()));
         }
-        match ids.iter().find(|&&id| id as usize >= self.config.vocab_size) {
+        match ids
+            .iter()
+            .find(|&&id| id as usize >= self.config.vocab_size)
+        {
             Some(id) => Err(Error::InvalidRequest(format!(
                 "token id {id} outside the vocabulary of {}",
                 self.config.vocab_size
@@ -319,15 +328,19 @@ impl KdaHybridModel {
         let normed = rms_norm(&out, hidden, &self.norm, eps);
         match &self.lm_head {
             Some(head) => linear(&normed, n, head),
-            None => linear(
-                &normed,
-                n,
-                &Linear {
-                    weight: self.embed.clone(),
-                    out_features: c.vocab_size,
-                    in_features: hidden,
-                },
-            ),
+            None => {
+                let mut logits = Vec::new();
+                CpuBackend.matmul_raw(
+                    &normed,
+                    n,
+                    &self.embed,
+                    c.vocab_size,
+                    hidden,
+                    &mut logits,
+                    false,
+                );
+                logits
+            }
         }
     }
 }

@@ -209,9 +209,8 @@ impl Residual {
             Self::Streams { streams, n } => streams
                 .chunks_exact(n * hidden)
                 .flat_map(|tok| {
-                    (0..hidden).map(move |i| {
-                        (0..*n).map(|m| tok[m * hidden + i]).sum::<f32>() / *n as f32
-                    })
+                    (0..hidden)
+                        .map(move |i| (0..*n).map(|m| tok[m * hidden + i]).sum::<f32>() / *n as f32)
                 })
                 .collect(),
         }

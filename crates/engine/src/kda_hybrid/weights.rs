@@ -123,7 +123,12 @@ impl Checkpoint {
     }
 
     /// A weight matrix `[out, in]` as a [`Linear`].
-    pub fn linear_any(&mut self, names: &[&str], out: usize, inp: usize) -> Result<Linear<Vec<f32>>> {
+    pub fn linear_any(
+        &mut self,
+        names: &[&str],
+        out: usize,
+        inp: usize,
+    ) -> Result<Linear<Vec<f32>>> {
         Ok(Linear {
             weight: self.take_any(names, &[out, inp])?,
             out_features: out,

@@ -146,7 +146,10 @@ impl InProcessCommunicator {
             let all = st
                 .slots
                 .iter_mut()
-                .map(|s| s.take().expect("every rank deposited before the last arrival"))
+                .map(|s| {
+                    s.take()
+                        .expect("every rank deposited before the last arrival")
+                })
                 .collect();
             st.published = Some(Arc::new(all));
             st.arrived = 0;
@@ -285,7 +288,7 @@ impl Communicator for InProcessCommunicator {
             _ => None,
         })?;
         let len = same_len(OP, &bufs)?;
-        if len % self.group.size != 0 {
+        if !len.is_multiple_of(self.group.size) {
             return Err(Error::CollectiveMismatch {
                 op: OP,
                 detail: format!(

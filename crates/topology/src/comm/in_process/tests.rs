@@ -245,7 +245,7 @@ fn mismatched_calls_are_errors_on_every_rank() {
     let out = run(InProcessCommunicator::group(2, None), |rank, c| {
         if rank == 0 {
             let mut buf = [1.0];
-            c.all_reduce_sum(&mut buf).map(|()| ())
+            c.all_reduce_sum(&mut buf)
         } else {
             c.all_gather(&[1.0]).map(|_| ())
         }
@@ -262,7 +262,13 @@ fn mismatched_calls_are_errors_on_every_rank() {
         c.all_reduce_sum(&mut buf)
     });
     for r in out {
-        assert!(matches!(r, Err(Error::CollectiveMismatch { op: "all_reduce_sum", .. })));
+        assert!(matches!(
+            r,
+            Err(Error::CollectiveMismatch {
+                op: "all_reduce_sum",
+                ..
+            })
+        ));
     }
 
     let out = run(InProcessCommunicator::group(2, None), |rank, c| {
@@ -270,7 +276,13 @@ fn mismatched_calls_are_errors_on_every_rank() {
         c.all_to_all(send)
     });
     for r in out {
-        assert!(matches!(r, Err(Error::CollectiveMismatch { op: "all_to_all", .. })));
+        assert!(matches!(
+            r,
+            Err(Error::CollectiveMismatch {
+                op: "all_to_all",
+                ..
+            })
+        ));
     }
 
     let out = run(InProcessCommunicator::group(2, None), |_, c| {

@@ -1,0 +1,31 @@
+//! KDA hybrid models: Kimi-Linear (`KimiLinearForCausalLM`) and the GLM-5.3-Flash style
+//! `glm5_next` text model. Both interleave KDA linear-attention layers (fixed-size recurrent
+//! state) with MLA full-attention layers (a per-token latent cache) and use a MoE FFN with a
+//! shared expert; GLM adds a lower-bound KDA gate, q-LoRA MLA with a DSA indexer, clamped
+//! SwiGLU and multi-stream (mHC) residuals. Formulas: shared/specs/kda.md.
+//!
+//! This first version is single-rank (tp1), f32 on the CPU, one request at a time, and keeps
+//! KDA's projections as the checkpoint stores them. The per-request state is plain public data
+//! ([`KdaHybridState`]) so a prefill worker can hand it to a decode worker.
+//!
+//! Layout: [`config`] parses both config spellings into one checked type; [`delta_rule`] is
+//! the pure recurrent / chunked kernel; [`kda`], [`mla`], [`moe`] and [`residual`] are the
+//! layer parts; [`model`] assembles them and owns the prefill / decode entry points.
+
+pub mod config;
+pub mod delta_rule;
+pub mod kda;
+pub mod mla;
+pub mod model;
+pub mod moe;
+mod ops;
+pub mod residual;
+mod weights;
+
+pub use config::{
+    AttentionKind, FfnKind, IndexerConfig, KdaConfig, KdaGate, KdaHybridConfig, LayerSpec,
+    MlaConfig, ModelFamily, MoeConfig, ResidualKind,
+};
+pub use kda::{ConvWindow, KdaForm, KdaLayer, KdaState};
+pub use mla::{IndexerCache, MlaState};
+pub use model::{KdaHybridModel, KdaHybridState, LayerState};
