@@ -5,13 +5,14 @@ BIN := target/release/tandem
 APT_PACKAGES := protobuf-compiler libprotobuf-dev libucx-dev libclang-dev pkg-config ucx-utils
 export UCX_NET_DEVICES ?= lo
 
-.PHONY: run test deps build build-debug lint fmt bench-engine bench-kv model clean help
+.PHONY: run test deps build build-debug lint fmt bench-engine bench-kda bench-kv model clean help
 
 help:
 	@echo "make run           local cluster (router + prefill + decode, CPU, SmolLM2)"
 	@echo "make test          the whole test suite (what CI runs)"
 	@echo "make lint          cargo fmt --check and clippy -D warnings"
 	@echo "make bench-engine  engine prefill/decode throughput vs the memory-bandwidth floor"
+	@echo "make bench-kda     KDA projections fused/unfused, decode step, chunked/recurrent"
 	@echo "make bench-kv      KV transfer bandwidth vs ucx_perftest"
 
 # Installs the system packages the build needs (Debian/Ubuntu), only when something is missing.
@@ -49,6 +50,9 @@ fmt:
 
 bench-engine: build
 	$(BIN) bench engine
+
+bench-kda: build
+	$(BIN) bench kda
 
 bench-kv: deps
 	scripts/bench-kv.sh tcp

@@ -32,6 +32,8 @@ pub enum BenchCommand {
         #[arg(long)]
         json: Option<std::path::PathBuf>,
     },
+    /// KDA projections fused vs unfused, KDA-hybrid decode step, chunked vs recurrent.
+    Kda,
 }
 
 pub fn run(cmd: BenchCommand) -> Result<()> {
@@ -44,6 +46,7 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
             repeat,
             json,
         } => engine_bench(&model, prompt_tokens, decode_tokens, batch, repeat, json),
+        BenchCommand::Kda => crate::bench_kda::run(),
     }
 }
 

@@ -2,7 +2,9 @@
 //! parsing and wiring; the work lives in the library crates.
 
 mod bench;
+mod bench_kda;
 mod cluster;
+mod eval;
 mod models;
 
 use anyhow::{bail, Context, Result};
@@ -38,10 +40,33 @@ enum Command {
     },
     /// Greedy generation in one process; prints token ids and text as JSON.
     Generate(GenerateArgs),
+    /// Evaluate a model (logits of a full forward).
+    Eval {
+        #[command(subcommand)]
+        command: EvalCommand,
+    },
     /// Benchmarks.
     Bench {
         #[command(subcommand)]
         command: bench::BenchCommand,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum EvalCommand {
+    /// Raw f32 logits of every position of a full forward.
+    Logits {
+        /// Model directory or known name.
+        #[arg(long, default_value = models::DEFAULT_MODEL)]
+        model: String,
+        /// Input as comma-separated token ids.
+        #[arg(long, value_delimiter = ',', required = true)]
+        token_ids: Vec<u32>,
+        /// Print JSON (`{"logits": [[...], ...]}`); the only output format.
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        layout: eval::LayoutArgs,
     },
 }
 
@@ -158,6 +183,8 @@ struct GenerateArgs {
     /// Print JSON (`{"token_ids": [...], "text": "..."}`).
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    layout: eval::LayoutArgs,
 }
 
 fn init_tracing() {
@@ -204,6 +231,20 @@ fn main() -> Result<()> {
             Ok(())
         }
         Command::Generate(args) => generate(args),
+        Command::Eval {
+            command:
+                EvalCommand::Logits {
+                    model,
+                    token_ids,
+                    json: _,
+                    layout,
+                },
+        } => {
+            let dir = models::resolve(&model)?;
+            let logits = eval::logits(&dir, &token_ids, layout)?;
+            println!("{}", serde_json::json!({ "logits": logits }));
+            Ok(())
+        }
         Command::Worker(args) => runtime()?.block_on(worker(args)),
         Command::Router(args) => runtime()?.block_on(router(args)),
         Command::Run(args) => cluster::run(args),
@@ -276,17 +317,46 @@ async fn router(args: RouterArgs) -> Result<()> {
 
 fn generate(args: GenerateArgs) -> Result<()> {
     let dir = models::resolve(&args.model)?;
-    let tokenizer = tokenizers::Tokenizer::from_file(dir.join("tokenizer.json"))
-        .map_err(|e| anyhow::anyhow!("loading tokenizer: {e}"))?;
-    let prompt = match (&args.prompt, &args.token_ids) {
-        (Some(text), _) => tokenizer
+    let tokenizer_path = dir.join("tokenizer.json");
+    let tokenizer = if tokenizer_path.exists() {
+        Some(
+            tokenizers::Tokenizer::from_file(&tokenizer_path)
+                .map_err(|e| anyhow::anyhow!("loading tokenizer: {e}"))?,
+        )
+    } else {
+        None
+    };
+    let prompt = match (&args.prompt, &args.token_ids, &tokenizer) {
+        (Some(text), _, Some(tok)) => tok
             .encode(text.as_str(), false)
             .map_err(|e| anyhow::anyhow!("tokenizing: {e}"))?
             .get_ids()
             .to_vec(),
-        (None, Some(ids)) => ids.clone(),
-        (None, None) => bail!("give --prompt or --token-ids"),
+        (Some(_), _, None) => bail!("{} has no tokenizer.json: pass --token-ids", dir.display()),
+        (None, Some(ids), _) => ids.clone(),
+        (None, None, _) => bail!("give --prompt or --token-ids"),
     };
+    let decode = |ids: &[u32]| -> Result<String> {
+        match &tokenizer {
+            Some(t) => t
+                .decode(ids, false)
+                .map_err(|e| anyhow::anyhow!("decoding: {e}")),
+            None => Ok(String::new()),
+        }
+    };
+    if eval::family(&dir)? == eval::Family::KdaHybrid {
+        let ids = eval::generate_kda(&dir, &prompt, args.max_tokens, args.layout)?;
+        let text = decode(&ids)?;
+        if args.json {
+            println!("{}", serde_json::json!({ "token_ids": ids, "text": text }));
+        } else {
+            println!("{text}");
+        }
+        return Ok(());
+    }
+    if args.layout.tp * args.layout.dp * args.layout.ep != 1 {
+        bail!("llama models run with tp=1 only so far");
+    }
     let engine = EngineArgs {
         model: dir.display().to_string(),
         kv_blocks: 1024,
@@ -307,9 +377,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
             }
         }
     }
-    let text = tokenizer
-        .decode(&ids, false)
-        .map_err(|e| anyhow::anyhow!("decoding: {e}"))?;
+    let text = decode(&ids)?;
     if args.json {
         println!("{}", serde_json::json!({ "token_ids": ids, "text": text }));
     } else {

@@ -3,19 +3,32 @@
 //! The two families store the same weights under different names (`block_sparse_moe.experts.N.w1`
 //! vs `mlp.experts.N.gate_proj`, `model.` vs `model.language_model.`), so lookups here take a
 //! list of candidate names and the model code stays family-agnostic. Every tensor of a decoder
-//! layer must be consumed: a leftover one (an unexpected bias, say) means the loader does not
+//! layer must be used: a leftover one (an unexpected bias, say) means the loader does not
 //! understand the checkpoint, which is an error rather than silently wrong numbers. Tensors
 //! outside the decoder (a vision tower, MTP layers past `num_hidden_layers`) are skipped.
+//!
+//! Reads do not consume: one [`Checkpoint`] feeds every rank of a tensor-parallel layout, each
+//! taking its own rows or columns ([`Checkpoint::slice`]); "used" is tracked by name, so the
+//! leftover check runs once after the last rank. Block-FP8 weights (`F8_E4M3` plus
+//! `weight_scale_inv`) are dequantised here, and a PEFT LoRA adapter is merged here
+//! (`W + (alpha/r)·B·A`), both before any sharding: the rest of the model only sees f32, and the
+//! stored dtype of every tensor stays queryable ([`Checkpoint::dtype_of`]) because fusion is
+//! decided from the ORIGINAL tensors.
 
 use crate::backend::Linear;
 use crate::{Error, Result};
 use safetensors::{Dtype, SafeTensors};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
+use std::ops::Range;
 use std::path::Path;
+use tandem_model::fusion::LoraTargets;
 
 /// Host tensors of a checkpoint directory, f32, by name.
 pub(crate) struct Checkpoint {
     tensors: BTreeMap<String, (Vec<usize>, Vec<f32>)>,
+    /// Stored dtype (`BF16`, `F8_E4M3`, …) of every tensor, as written in the file.
+    dtypes: BTreeMap<String, String>,
+    used: BTreeSet<String>,
     /// `model.` or `model.language_model.`: where the decoder lives.
     pub prefix: String,
 }
@@ -43,15 +56,41 @@ fn skipped(name: &str) -> bool {
     name.starts_with("model.visual.") || name.starts_with("visual.") || name.contains("shared_head")
 }
 
+fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> Error {
+    let path = path.to_path_buf();
+    move |source| Error::Io { path, source }
+}
+
+fn read_json(path: &Path) -> Result<serde_json::Value> {
+    let text = std::fs::read_to_string(path).map_err(io_err(path))?;
+    serde_json::from_str(&text).map_err(|e| Error::Weights(format!("{}: {e}", path.display())))
+}
+
+/// The FP8 tile size from `quantization_config.weight_block_size` (128 when absent).
+fn fp8_block(config: &serde_json::Value) -> Result<usize> {
+    let Some(bs) = config
+        .get("quantization_config")
+        .and_then(|q| q.get("weight_block_size"))
+        .and_then(|b| b.as_array())
+    else {
+        return Ok(128);
+    };
+    let sizes: Vec<u64> = bs.iter().filter_map(|v| v.as_u64()).collect();
+    match sizes.as_slice() {
+        [r, c] if r == c && *r > 0 => Ok(*r as usize),
+        _ => Err(Error::Weights(format!(
+            "weight_block_size {bs:?}: only square tiles are supported"
+        ))),
+    }
+}
+
 impl Checkpoint {
-    /// Reads every `*.safetensors` in `dir`.
+    /// Reads every `model*.safetensors` in `dir`, dequantising block-FP8 weights.
     pub fn load_dir(dir: &Path) -> Result<Self> {
-        let io = |path: &Path| {
-            let path = path.to_path_buf();
-            move |source| Error::Io { path, source }
-        };
+        let config = read_json(&dir.join("config.json"))?;
+        let block = fp8_block(&config)?;
         let mut files: Vec<_> = std::fs::read_dir(dir)
-            .map_err(io(dir))?
+            .map_err(io_err(dir))?
             .filter_map(|e| e.ok().map(|e| e.path()))
             .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
             // Reference outputs may sit next to the weights; they are not weights.
@@ -69,12 +108,19 @@ impl Checkpoint {
             )));
         }
         let mut tensors = BTreeMap::new();
+        let mut dtypes = BTreeMap::new();
+        let mut fp8: BTreeMap<String, (Vec<usize>, Vec<u8>)> = BTreeMap::new();
         for path in files {
-            let bytes = std::fs::read(&path).map_err(io(&path))?;
+            let bytes = std::fs::read(&path).map_err(io_err(&path))?;
             let st = SafeTensors::deserialize(&bytes)
                 .map_err(|e| Error::Weights(format!("{}: {e}", path.display())))?;
             for (name, view) in st.tensors() {
                 if skipped(&name) {
+                    continue;
+                }
+                dtypes.insert(name.clone(), format!("{:?}", view.dtype()));
+                if view.dtype() == Dtype::F8_E4M3 {
+                    fp8.insert(name, (view.shape().to_vec(), view.data().to_vec()));
                     continue;
                 }
                 let data = to_f32(view.dtype(), view.data()).ok_or_else(|| {
@@ -83,12 +129,105 @@ impl Checkpoint {
                 tensors.insert(name, (view.shape().to_vec(), data));
             }
         }
+        for (name, (shape, codes)) in fp8 {
+            let module = name.strip_suffix(".weight").ok_or_else(|| {
+                Error::Weights(format!("{name}: FP8 tensor that is not a .weight"))
+            })?;
+            let scale_name = format!("{module}.weight_scale_inv");
+            let (_, scales) = tensors
+                .remove(&scale_name)
+                .ok_or_else(|| Error::Weights(format!("{name} is FP8 but has no {scale_name}")))?;
+            let [rows, cols] = shape[..] else {
+                return Err(Error::Weights(format!(
+                    "{name}: FP8 weight of shape {shape:?}"
+                )));
+            };
+            let tiles = rows.div_ceil(block) * cols.div_ceil(block);
+            if scales.len() != tiles {
+                return Err(Error::Weights(format!(
+                    "{scale_name}: {} scales, expected {tiles} for {block}×{block} tiles",
+                    scales.len()
+                )));
+            }
+            let data = tandem_model::fp8::dequantize_blocks(&codes, &scales, rows, cols, block);
+            tensors.insert(name, (shape, data));
+        }
         let prefix = ["model.language_model.", "model."]
             .into_iter()
             .find(|p| tensors.contains_key(&format!("{p}embed_tokens.weight")))
             .ok_or_else(|| Error::Weights("no embed_tokens.weight".into()))?
             .to_owned();
-        Ok(Self { tensors, prefix })
+        Ok(Self {
+            tensors,
+            dtypes,
+            used: BTreeSet::new(),
+            prefix,
+        })
+    }
+
+    /// Merges the PEFT adapter in `lora_dir` (`adapter_config.json`: `r`, `lora_alpha`,
+    /// `target_modules`; `adapter_model.safetensors`: `base_model.model.<module>.lora_A.weight`
+    /// `[r, in]` and `.lora_B.weight` `[out, r]`) into the base weights: `W += (alpha/r)·B·A`.
+    /// Returns the adapter's targets, which keep the touched projections unfused.
+    pub fn merge_lora(&mut self, lora_dir: &Path) -> Result<LoraTargets> {
+        let cfg = read_json(&lora_dir.join("adapter_config.json"))?;
+        let targets = LoraTargets::from_adapter_config(&cfg).ok_or_else(|| {
+            Error::Weights(format!(
+                "{}: adapter_config.json has no target_modules",
+                lora_dir.display()
+            ))
+        })?;
+        let r = cfg.get("r").and_then(|v| v.as_f64()).unwrap_or(8.0);
+        let alpha = cfg.get("lora_alpha").and_then(|v| v.as_f64()).unwrap_or(r);
+        let scale = (alpha / r) as f32;
+        let path = lora_dir.join("adapter_model.safetensors");
+        let bytes = std::fs::read(&path).map_err(io_err(&path))?;
+        let st = SafeTensors::deserialize(&bytes)
+            .map_err(|e| Error::Weights(format!("{}: {e}", path.display())))?;
+        let read = |name: &str| -> Result<(Vec<usize>, Vec<f32>)> {
+            let v = st
+                .tensor(name)
+                .map_err(|e| Error::Weights(format!("{}: {name}: {e}", path.display())))?;
+            let data = to_f32(v.dtype(), v.data())
+                .ok_or_else(|| Error::Weights(format!("{name}: unsupported dtype")))?;
+            Ok((v.shape().to_vec(), data))
+        };
+        for name in st.names() {
+            let Some(module) = name
+                .strip_suffix(".lora_A.weight")
+                .map(|m| m.strip_prefix("base_model.model.").unwrap_or(m))
+            else {
+                continue;
+            };
+            let (sa, a) = read(name)?;
+            let (sb, b) = read(&name.replace(".lora_A.", ".lora_B."))?;
+            let target = format!("{module}.weight");
+            let (sw, w) = self
+                .tensors
+                .get_mut(&target)
+                .ok_or_else(|| Error::Weights(format!("LoRA for missing weight {target}")))?;
+            let (rank, inp, out) = (sa[0], sa[1], sb[0]);
+            if sa.len() != 2 || sb != [out, rank] || sw[..] != [out, inp] {
+                return Err(Error::Weights(format!(
+                    "LoRA {module}: A {sa:?}, B {sb:?} do not fit the weight {sw:?}"
+                )));
+            }
+            for o in 0..out {
+                let row = &mut w[o * inp..(o + 1) * inp];
+                for k in 0..rank {
+                    let bk = scale * b[o * rank + k];
+                    row.iter_mut()
+                        .zip(&a[k * inp..(k + 1) * inp])
+                        .for_each(|(w, &a)| *w += bk * a);
+                }
+            }
+        }
+        Ok(targets)
+    }
+
+    /// The stored dtype name of `name` (`BF16`, `F8_E4M3`, …), `None` when absent.
+    pub fn dtype_of(&self, name: &str) -> Option<String> {
+        self.dtypes.get(name).cloned()
     }
 
     /// Whether a tensor of this name is present.
@@ -96,30 +235,91 @@ impl Checkpoint {
         self.tensors.contains_key(name)
     }
 
-    /// Removes the first present of `names`, checking its element count against `shape`
-    /// (checkpoints disagree on singleton dims, e.g. `A_log` `[H]` vs `[1,1,H,1]`, and on
-    /// `[P,1,W]` vs `[P,W]` conv weights; the element count still pins the layout down).
-    pub fn take_any(&mut self, names: &[&str], shape: &[usize]) -> Result<Vec<f32>> {
+    /// Rows `range` along `axis` (0 or 1) of the first present of `names`, viewed as
+    /// `shape` (whose element count must match the stored one: checkpoints disagree on
+    /// singleton dims, e.g. `A_log` `[H]` vs `[1,1,H,1]`, and `[P,1,W]` vs `[P,W]` conv
+    /// weights). Axis 0 keeps whole trailing blocks; axis 1 needs a 2-D `shape`.
+    pub fn slice(
+        &mut self,
+        names: &[&str],
+        shape: &[usize],
+        axis: usize,
+        range: Range<usize>,
+    ) -> Result<Vec<f32>> {
         let name = names
             .iter()
             .find(|n| self.tensors.contains_key(**n))
             .ok_or_else(|| Error::Weights(format!("missing tensor {}", names.join(" or "))))?;
-        let (s, data) = self
-            .tensors
-            .remove(*name)
-            .expect("presence checked just above");
+        let (s, data) = &self.tensors[*name];
         let squeeze = |v: &[usize]| v.iter().copied().filter(|&d| d != 1).collect::<Vec<_>>();
-        if squeeze(&s) != squeeze(shape) {
+        if squeeze(s) != squeeze(shape) {
             return Err(Error::Weights(format!(
                 "{name}: shape {s:?}, expected {shape:?}"
             )));
         }
-        Ok(data)
+        let bad = || {
+            Error::Weights(format!(
+                "{name}: slice {range:?} on axis {axis} of {shape:?}"
+            ))
+        };
+        let out = match (axis, shape) {
+            (0, [rows, ..]) if range.end <= *rows => {
+                let inner = data.len() / rows.max(&1);
+                data[range.start * inner..range.end * inner].to_vec()
+            }
+            (1, [rows, cols]) if range.end <= *cols => (0..*rows)
+                .flat_map(|r| &data[r * cols + range.start..r * cols + range.end])
+                .copied()
+                .collect(),
+            _ => return Err(bad()),
+        };
+        self.used.insert((*name).to_owned());
+        Ok(out)
+    }
+
+    /// The whole first present of `names`, checked against `shape` (see [`Checkpoint::slice`]).
+    pub fn take_any(&mut self, names: &[&str], shape: &[usize]) -> Result<Vec<f32>> {
+        let n = shape.first().copied().unwrap_or(1);
+        let shape = if shape.is_empty() { &[1][..] } else { shape };
+        self.slice(names, shape, 0, 0..n)
     }
 
     /// [`Checkpoint::take_any`] of one name.
     pub fn take(&mut self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
         self.take_any(&[name], shape)
+    }
+
+    /// Rows `rows` (output features) of a weight matrix `[out, in]` as a [`Linear`].
+    pub fn linear_rows(
+        &mut self,
+        name: &str,
+        out: usize,
+        inp: usize,
+        rows: Range<usize>,
+    ) -> Result<Linear<Vec<f32>>> {
+        let n = rows.len();
+        Ok(Linear {
+            weight: self.slice(&[name], &[out, inp], 0, rows)?,
+            out_features: n,
+            in_features: inp,
+        })
+    }
+
+    /// Columns `cols` (input features) of a weight matrix `[out, in]` as a [`Linear`]: the
+    /// row-parallel half of a TP pair, whose outputs are partial sums.
+    pub fn linear_cols(
+        &mut self,
+        names: &[&str],
+        out: usize,
+        inp: usize,
+        cols: Range<usize>,
+    ) -> Result<Linear<Vec<f32>>> {
+        let n = cols.len();
+        Ok(Linear {
+            weight: self.slice(names, &[out, inp], 1, cols)?,
+            out_features: out,
+            in_features: n,
+        })
     }
 
     /// A weight matrix `[out, in]` as a [`Linear`].
@@ -141,12 +341,13 @@ impl Checkpoint {
         self.linear_any(&[name], out, inp)
     }
 
-    /// Fails if a tensor of decoder layers `0..num_layers` was not consumed; drops the rest.
-    pub fn finish(self, num_layers: usize) -> Result<()> {
+    /// Fails if a tensor of decoder layers `0..num_layers` was never read.
+    pub fn finish(&self, num_layers: usize) -> Result<()> {
         let layers = format!("{}layers.", self.prefix);
         let leftover: Vec<&String> = self
             .tensors
             .keys()
+            .filter(|name| !self.used.contains(*name))
             .filter(|name| {
                 name.strip_prefix(&layers)
                     .and_then(|rest| rest.split('.').next())

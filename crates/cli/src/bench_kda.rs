@@ -1,0 +1,183 @@
+//! `tandem bench kda`: the KDA projections fused vs unfused, KDA-hybrid decode step time, and
+//! the chunked vs recurrent delta rule at prefill length — each figure as a ratio against a
+//! baseline measured in the same run.
+
+use anyhow::Result;
+use std::time::Instant;
+use tandem_engine::kda_hybrid::delta_rule::{chunked, recurrent, DeltaRuleInputs};
+use tandem_engine::kda_hybrid::KdaHybridModel;
+use tandem_engine::{Backend, CpuBackend};
+
+/// Median seconds of `reps` runs of `f`.
+fn time(reps: usize, mut f: impl FnMut()) -> f64 {
+    f();
+    let mut t: Vec<f64> = (0..reps)
+        .map(|_| {
+            let s = Instant::now();
+            f();
+            s.elapsed().as_secs_f64()
+        })
+        .collect();
+    t.sort_by(f64::total_cmp);
+    t[t.len() / 2]
+}
+
+fn pseudo(n: usize, salt: u32) -> Vec<f32> {
+    (0..n as u32)
+        .map(|i| {
+            ((i.wrapping_mul(2_654_435_761) ^ salt.wrapping_mul(40_503)) % 2000) as f32 / 1000.0
+                - 1.0
+        })
+        .collect()
+}
+
+/// Fused `[q|k|v|b|f_a|g_a]` GEMM + paired `[f_b|g_b]` vs the eight original projections,
+/// for a layer of `hidden` width with `heads` × `head_dim`.
+fn projections(m: usize, hidden: usize, heads: usize, head_dim: usize) -> (f64, f64) {
+    let be = CpuBackend::new();
+    let p = heads * head_dim;
+    let x = pseudo(m * hidden, 1);
+    let shapes = [
+        (p, hidden),
+        (p, hidden),
+        (p, hidden),
+        (heads, hidden),
+        (head_dim, hidden),
+        (head_dim, hidden),
+    ];
+    let ws: Vec<Vec<f32>> = shapes
+        .iter()
+        .enumerate()
+        .map(|(i, &(o, k))| pseudo(o * k, i as u32 + 2))
+        .collect();
+    let (fb, gb) = (pseudo(p * head_dim, 20), pseudo(p * head_dim, 21));
+    let fused_w: Vec<f32> = ws.concat();
+    let fused_rows: usize = shapes.iter().map(|s| s.0).sum();
+    let reps = if m >= 1024 { 3 } else { 30 };
+    let unfused = time(reps, || {
+        let mut outs = Vec::new();
+        for (w, &(o, k)) in ws.iter().zip(&shapes) {
+            let mut y = Vec::new();
+            be.matmul_raw(&x, m, w, o, k, &mut y, false);
+            outs.push(y);
+        }
+        let (mut f, mut g) = (Vec::new(), Vec::new());
+        be.matmul_raw(&outs[4], m, &fb, p, head_dim, &mut f, false);
+        be.matmul_raw(&outs[5], m, &gb, p, head_dim, &mut g, false);
+        std::hint::black_box((f, g));
+    });
+    let fused = time(reps, || {
+        let mut y = Vec::new();
+        be.matmul_raw(&x, m, &fused_w, fused_rows, hidden, &mut y, false);
+        // The paired matmul: f_a and g_a are the last 2·D columns of each row.
+        let fa_ga: Vec<f32> = y
+            .chunks_exact(fused_rows)
+            .flat_map(|r| r[fused_rows - 2 * head_dim..].to_vec())
+            .collect();
+        let (fa, ga): (Vec<f32>, Vec<f32>) = {
+            let mut fa = Vec::with_capacity(m * head_dim);
+            let mut ga = Vec::with_capacity(m * head_dim);
+            for r in fa_ga.chunks_exact(2 * head_dim) {
+                fa.extend_from_slice(&r[..head_dim]);
+                ga.extend_from_slice(&r[head_dim..]);
+            }
+            (fa, ga)
+        };
+        let (mut f, mut g) = (Vec::new(), Vec::new());
+        be.matmul_raw(&fa, m, &fb, p, head_dim, &mut f, false);
+        be.matmul_raw(&ga, m, &gb, p, head_dim, &mut g, false);
+        std::hint::black_box((f, g));
+    });
+    (unfused, fused)
+}
+
+fn decode_step_time(preset: &str) -> Result<f64> {
+    let dir = tempfile::tempdir()?;
+    tandem_model::synth::synth_kda_hybrid(preset, dir.path(), false, 1)?;
+    let model = KdaHybridModel::load(dir.path())?;
+    let mut state = model.new_state();
+    let prompt: Vec<u32> = (0..16).map(|i| 3 + i * 7).collect();
+    model.prefill(&prompt, &mut state);
+    let mut id = 5u32;
+    Ok(time(16, || {
+        let logits = model.decode_step(id, &mut state);
+        id = tandem_engine::sampling::argmax(&logits);
+    }))
+}
+
+fn delta_rule(tokens: usize, heads: usize, d: usize) -> (f64, f64) {
+    let n = tokens * heads * d;
+    let unit = |v: Vec<f32>| -> Vec<f32> {
+        v.chunks_exact(d)
+            .flat_map(|c| {
+                let s = c.iter().map(|x| x * x).sum::<f32>().sqrt().max(1e-6);
+                c.iter().map(move |x| x / s).collect::<Vec<_>>()
+            })
+            .collect()
+    };
+    let scale = 1.0 / (d as f32).sqrt();
+    let q: Vec<f32> = unit(pseudo(n, 1)).iter().map(|x| x * scale).collect();
+    let k = unit(pseudo(n, 2));
+    let v = pseudo(n, 3);
+    let g: Vec<f32> = pseudo(n, 4)
+        .iter()
+        .map(|x| -0.05 * (x + 1.0) - 0.001)
+        .collect();
+    let beta: Vec<f32> = pseudo(tokens * heads, 5)
+        .iter()
+        .map(|x| 0.25 + 0.25 * x)
+        .collect();
+    let inp = DeltaRuleInputs {
+        q: &q,
+        k: &k,
+        v: &v,
+        g: &g,
+        beta: &beta,
+        heads,
+        head_dim: d,
+    };
+    let c = time(3, || {
+        let mut s = vec![0.0; heads * d * d];
+        std::hint::black_box(chunked(&inp, &mut s));
+    });
+    let r = time(3, || {
+        let mut s = vec![0.0; heads * d * d];
+        std::hint::black_box(recurrent(&inp, &mut s));
+    });
+    (c, r)
+}
+
+/// Runs the KDA benchmark and prints its figures.
+pub fn run() -> Result<()> {
+    println!("KDA benchmark ({} threads)", rayon::current_num_threads());
+    println!("fused vs unfused KDA projections (hidden 1024, 16 heads x 64):");
+    for m in [1usize, 32, 2048] {
+        let (u, f) = projections(m, 1024, 16, 64);
+        println!(
+            "  M = {m:<5} unfused {:>9.1} us   fused {:>9.1} us   unfused/fused {:.2}x",
+            u * 1e6,
+            f * 1e6,
+            u / f
+        );
+    }
+    println!("KDA-hybrid decode step (one request, 16-token context):");
+    for preset in ["tiny", "medium"] {
+        eprintln!("  synthesising and loading preset {preset}…");
+        let t = decode_step_time(preset)?;
+        println!(
+            "  preset {preset:<7} {:>9.2} ms/step  ({:.1} tok/s)",
+            t * 1e3,
+            1.0 / t
+        );
+    }
+    let (tokens, heads, d) = (2048, 16, 64);
+    let (c, r) = delta_rule(tokens, heads, d);
+    println!("delta rule at {tokens} tokens ({heads} heads x {d}):");
+    println!("  chunked   {:>9.1} tok/s", tokens as f64 / c);
+    println!(
+        "  recurrent {:>9.1} tok/s   chunked/recurrent {:.2}x",
+        tokens as f64 / r,
+        r / c
+    );
+    Ok(())
+}
