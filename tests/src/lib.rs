@@ -42,6 +42,8 @@ pub struct ClusterOptions {
     pub kv_blocks: usize,
     /// Extra environment for the workers (e.g. `UCX_TLS`).
     pub worker_env: Vec<(String, String)>,
+    /// Model directory; SmolLM2 when `None`. Served under the name `test-model`.
+    pub model: Option<PathBuf>,
 }
 
 impl Default for ClusterOptions {
@@ -49,6 +51,7 @@ impl Default for ClusterOptions {
         Self {
             kv_blocks: 512,
             worker_env: vec![("UCX_TLS".into(), "tcp".into())],
+            model: None,
         }
     }
 }
@@ -64,12 +67,15 @@ pub struct Cluster {
 impl Cluster {
     /// Starts the cluster on the reference model and waits until it is ready.
     pub fn start(opts: ClusterOptions) -> Self {
-        let model = tandem_testkit::smollm2_dir();
+        let (model, served) = match &opts.model {
+            Some(dir) => (dir.clone(), "test-model"),
+            None => (tandem_testkit::smollm2_dir(), "smollm2-135m-instruct"),
+        };
         let bin = tandem_bin();
         let dir = tempfile::tempdir().unwrap();
         let (p, d, r) = (free_port(), free_port(), free_port());
         let config = format!(
-            "listen: 127.0.0.1:{r}\nmodel:\n  served_name: smollm2-135m-instruct\nprefill:\n  - id: prefill-0\n    address: http://127.0.0.1:{p}\ndecode:\n  - id: decode-0\n    address: http://127.0.0.1:{d}\n"
+            "listen: 127.0.0.1:{r}\nmodel:\n  served_name: {served}\nprefill:\n  - id: prefill-0\n    address: http://127.0.0.1:{p}\ndecode:\n  - id: decode-0\n    address: http://127.0.0.1:{d}\n"
         );
         let config_path = dir.path().join("router.yaml");
         std::fs::write(&config_path, config).unwrap();

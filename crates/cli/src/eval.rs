@@ -50,7 +50,8 @@ pub fn family(dir: &Path) -> Result<Family> {
     }
 }
 
-fn eos_ids(dir: &Path) -> Result<Vec<u32>> {
+/// EOS ids from `config.json` (int or list; GLM nests them under `text_config`).
+pub fn eos_ids(dir: &Path) -> Result<Vec<u32>> {
     let cfg = config_json(dir)?;
     let eos = cfg
         .get("eos_token_id")
@@ -65,6 +66,24 @@ fn eos_ids(dir: &Path) -> Result<Vec<u32>> {
             .collect(),
         _ => Vec::new(),
     })
+}
+
+/// Context a KDA-hybrid checkpoint is served at: its configured length, capped where the
+/// model is exact only up to a limit (GLM's sparse indexer).
+pub fn context_length(dir: &Path, model: &KdaHybridModel) -> Result<usize> {
+    let cfg = config_json(dir)?;
+    let text = cfg.get("text_config").unwrap_or(&cfg);
+    let configured = ["max_position_embeddings", "model_max_length"]
+        .iter()
+        .find_map(|k| {
+            text.get(*k)
+                .or_else(|| cfg.get(*k))
+                .and_then(serde_json::Value::as_u64)
+        })
+        .unwrap_or(4096) as usize;
+    Ok(model
+        .exact_context_limit()
+        .map_or(configured, |l| l.min(configured)))
 }
 
 fn check_layout(layout: LayoutArgs) -> Result<()> {

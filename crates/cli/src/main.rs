@@ -121,7 +121,11 @@ struct EngineArgs {
 impl EngineArgs {
     fn start(&self) -> Result<Engine> {
         let dir = models::resolve(&self.model)?;
-        let model = LlamaModel::load(&dir, CpuBackend::new())
+        self.start_llama(&dir)
+    }
+
+    fn start_llama(&self, dir: &std::path::Path) -> Result<Engine> {
+        let model = LlamaModel::load(dir, CpuBackend::new())
             .with_context(|| format!("loading {}", dir.display()))?;
         let config = EngineConfig {
             num_blocks: self.kv_blocks,
@@ -129,6 +133,26 @@ impl EngineArgs {
             ..EngineConfig::default()
         };
         Ok(Engine::start(model, config))
+    }
+
+    /// The engine for a worker: Llama or KDA hybrid, from the checkpoint's `model_type`.
+    fn start_worker_engine(&self) -> Result<tandem_worker::WorkerEngine> {
+        let dir = models::resolve(&self.model)?;
+        Ok(match eval::family(&dir)? {
+            eval::Family::Llama => tandem_worker::WorkerEngine::Llama(self.start_llama(&dir)?),
+            eval::Family::KdaHybrid => {
+                let model = tandem_engine::kda_hybrid::KdaHybridModel::load(&dir)
+                    .with_context(|| format!("loading {}", dir.display()))?;
+                let context = eval::context_length(&dir, &model)?;
+                let eos = eval::eos_ids(&dir)?;
+                tandem_worker::WorkerEngine::Kda(tandem_engine::kda_runner::KdaEngine::start(
+                    model,
+                    self.kv_blocks,
+                    eos,
+                    context,
+                ))
+            }
+        })
     }
 }
 
@@ -280,7 +304,7 @@ async fn shutdown_signal() {
 }
 
 async fn worker(args: WorkerArgs) -> Result<()> {
-    let engine = args.engine.start()?;
+    let engine = args.engine.start_worker_engine()?;
     let role = match args.role {
         RoleArg::Prefill => tandem_worker::Role::Prefill,
         RoleArg::Decode => tandem_worker::Role::Decode,

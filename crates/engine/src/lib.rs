@@ -10,6 +10,8 @@ pub mod backend;
 pub mod batch;
 /// KDA hybrid models (Kimi-Linear, GLM-5.3-Flash style): KDA + MLA layers, MoE FFN.
 pub mod kda_hybrid;
+/// Serving KDA-hybrid models: engine thread, state slots, state (de)serialisation.
+pub mod kda_runner;
 /// Paged KV pool: block allocator with RAII allocations, and the cache storage.
 pub mod kv_pool;
 /// Llama-family model (GQA, RoPE, RMSNorm, SwiGLU, tied embeddings).

@@ -58,7 +58,7 @@ pub fn checksum(bytes: &[u8]) -> u64 {
     h
 }
 
-/// Serialises a handoff message.
+/// Serialises a handoff message whose body is K/V floats.
 pub fn encode(
     reservation: ReservationId,
     epoch: Epoch,
@@ -66,14 +66,32 @@ pub fn encode(
     num_tokens: u32,
     kv: &[f32],
 ) -> Vec<u8> {
-    let body: &[u8] = bytemuck::cast_slice(kv);
+    encode_bytes(
+        reservation,
+        epoch,
+        first_token,
+        num_tokens,
+        bytemuck::cast_slice(kv),
+    )
+}
+
+/// Serialises a handoff message with an opaque body (a whole number of 4-byte words).
+pub fn encode_bytes(
+    reservation: ReservationId,
+    epoch: Epoch,
+    first_token: u32,
+    num_tokens: u32,
+    body: &[u8],
+) -> Vec<u8> {
+    debug_assert_eq!(body.len() % 4, 0, "handoff bodies are whole 4-byte words");
+    let kv_len = body.len() / 4;
     let mut out = Vec::with_capacity(HEADER_LEN + body.len());
     out.extend_from_slice(&MAGIC.to_le_bytes());
     out.extend_from_slice(&reservation.0.to_le_bytes());
     out.extend_from_slice(&epoch.0.to_le_bytes());
     out.extend_from_slice(&first_token.to_le_bytes());
     out.extend_from_slice(&num_tokens.to_le_bytes());
-    out.extend_from_slice(&(kv.len() as u64).to_le_bytes());
+    out.extend_from_slice(&(kv_len as u64).to_le_bytes());
     out.extend_from_slice(&checksum(body).to_le_bytes());
     out.extend_from_slice(body);
     out
@@ -104,8 +122,8 @@ pub fn decode_header(msg: &[u8]) -> Result<HandoffHeader, HandoffError> {
     })
 }
 
-/// Checks a whole message and returns its header and K/V floats.
-pub fn decode(msg: &[u8]) -> Result<(HandoffHeader, Vec<f32>), HandoffError> {
+/// Checks a whole message and returns its header and body bytes.
+pub fn decode_bytes(msg: &[u8]) -> Result<(HandoffHeader, &[u8]), HandoffError> {
     let header = decode_header(msg)?;
     let body = &msg[HEADER_LEN..];
     let expected = header.num_floats.saturating_mul(4);
@@ -118,6 +136,12 @@ pub fn decode(msg: &[u8]) -> Result<(HandoffHeader, Vec<f32>), HandoffError> {
     if checksum(body) != header.checksum {
         return Err(HandoffError::Checksum);
     }
+    Ok((header, body))
+}
+
+/// Checks a whole message and returns its header and K/V floats.
+pub fn decode(msg: &[u8]) -> Result<(HandoffHeader, Vec<f32>), HandoffError> {
+    let (header, body) = decode_bytes(msg)?;
     let kv = body
         .chunks_exact(4)
         .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))

@@ -4,6 +4,8 @@
 //! over the transport, and streams the remaining tokens. Reservations are leases: one that is
 //! not fed in time is released, and every allocation frees itself when its request ends.
 
+/// The engines a worker serves (Llama, KDA hybrid) behind one surface.
+pub mod engines;
 /// The KV handoff message format (header, checksum, body).
 pub mod handoff;
 /// Decode-side reservations awaiting their KV.
@@ -11,6 +13,7 @@ pub mod reservations;
 /// The gRPC service.
 pub mod service;
 
+pub use engines::WorkerEngine;
 pub use service::{serve, Role, WorkerOptions};
 
 use tandem_core::ErrorClass;

@@ -1,3 +1,4 @@
+use crate::engines::WorkerEngine;
 use crate::handoff;
 use crate::reservations::Reservations;
 use crate::{Error, Result};
@@ -7,7 +8,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tandem_core::{FinishReason, SamplingParams};
-use tandem_engine::{Engine, EngineEvent, SeqKind};
 use tandem_kv::{UcxReceiver, UcxSender};
 use tandem_proto::v1 as pb;
 use tokio::sync::mpsc;
@@ -48,7 +48,7 @@ pub struct WorkerOptions {
 
 struct Shared {
     opts: WorkerOptions,
-    engine: Engine,
+    engine: WorkerEngine,
     reservations: Arc<Reservations>,
     transfer_address: String,
     receiver: Option<Mutex<UcxReceiver>>,
@@ -64,7 +64,7 @@ struct WorkerService {
 
 /// Serves `engine` in `opts.role` on `listener` until `shutdown` resolves.
 pub async fn serve(
-    engine: Engine,
+    engine: WorkerEngine,
     opts: WorkerOptions,
     listener: tokio::net::TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
@@ -181,15 +181,7 @@ impl Shared {
     }
 
     fn kv_layout(&self, num_tokens: usize) -> pb::KvLayout {
-        let l = self.engine.layout();
-        pb::KvLayout {
-            num_layers: l.num_layers as u32,
-            num_kv_heads: l.num_kv_heads as u32,
-            head_dim: l.head_dim as u32,
-            block_size: l.block_size as u32,
-            num_tokens: num_tokens as u32,
-            dtype: "f32".into(),
-        }
+        self.engine.kv_layout(num_tokens)
     }
 
     async fn prefill(&self, req: pb::PrefillRequest) -> Result<pb::PrefillResponse> {
@@ -205,32 +197,30 @@ impl Shared {
             theirs.num_kv_heads,
             theirs.head_dim,
             theirs.num_tokens,
+            &theirs.dtype,
         ) != (
             mine.num_layers,
             mine.num_kv_heads,
             mine.head_dim,
             mine.num_tokens,
+            &mine.dtype,
         ) {
             return Err(Error::InvalidRequest(format!(
                 "decode KV layout {theirs:?} does not match this prefill worker's {mine:?}"
             )));
         }
         let prompt_len = prompt.len();
-        let mut events = self.engine.submit(prompt, params, SeqKind::Prefill)?;
-        let Some(EngineEvent::Prefilled {
+        let crate::engines::Prefilled {
             first_token,
             finish,
-            kv,
-        }) = events.recv().await
-        else {
-            return Err(Error::Engine(tandem_engine::Error::Stopped));
-        };
+            body,
+        } = self.engine.prefill(prompt, params).await?;
         let mut sent = 0;
         if finish.is_none() {
             let reservation = tandem_core::ReservationId(target.reservation_id);
             let epoch = tandem_core::Epoch(target.epoch);
             let payload = tokio::task::spawn_blocking(move || {
-                handoff::encode(reservation, epoch, first_token, prompt_len as u32, &kv)
+                handoff::encode_bytes(reservation, epoch, first_token, prompt_len as u32, &body)
             })
             .await
             .map_err(|e| Error::InvalidRequest(format!("encoding task failed: {e}")))?;
@@ -275,42 +265,36 @@ impl Shared {
             _ = tx.closed() => return Ok(()),
         };
         drop(pending);
-        let (header, kv) = tokio::task::spawn_blocking(move || handoff::decode(&message))
-            .await
-            .map_err(|e| Error::InvalidRequest(format!("decoding task failed: {e}")))??;
-        if header.num_tokens as usize != prompt.len() {
-            return Err(Error::InvalidRequest(format!(
-                "KV covers {} tokens, the prompt has {}",
-                header.num_tokens,
-                prompt.len()
-            )));
-        }
-        let kind = SeqKind::Decode {
-            allocation,
-            kv,
-            first_token: header.first_token,
-        };
-        let mut events = self.engine.submit(prompt, params, kind)?;
+        let engine = self.engine.clone();
+        let mut events = tokio::task::spawn_blocking(move || -> Result<_> {
+            let (header, body) = handoff::decode_bytes(&message)?;
+            if header.num_tokens as usize != prompt.len() {
+                return Err(Error::InvalidRequest(format!(
+                    "KV covers {} tokens, the prompt has {}",
+                    header.num_tokens,
+                    prompt.len()
+                )));
+            }
+            engine.decode(prompt, params, allocation, body, header.first_token)
+        })
+        .await
+        .map_err(|e| Error::InvalidRequest(format!("decoding task failed: {e}")))??;
         loop {
             let event = tokio::select! {
                 e = events.recv() => e,
                 _ = tx.closed() => return Ok(()),
             };
-            match event {
-                Some(EngineEvent::Token { token_id, finish }) => {
-                    let ev = pb::DecodeEvent {
-                        event: Some(pb::decode_event::Event::Token(pb::TokenEvent {
-                            token_id,
-                            finish_reason: finish_to_pb(finish),
-                        })),
-                    };
-                    if tx.send(Ok(ev)).await.is_err() || finish.is_some() {
-                        return Ok(());
-                    }
-                }
-                Some(EngineEvent::Prefilled { .. }) | None => {
-                    return Err(Error::Engine(tandem_engine::Error::Stopped));
-                }
+            let Some((token_id, finish)) = event else {
+                return Err(Error::Engine(tandem_engine::Error::Stopped));
+            };
+            let ev = pb::DecodeEvent {
+                event: Some(pb::decode_event::Event::Token(pb::TokenEvent {
+                    token_id,
+                    finish_reason: finish_to_pb(finish),
+                })),
+            };
+            if tx.send(Ok(ev)).await.is_err() || finish.is_some() {
+                return Ok(());
             }
         }
     }
@@ -377,13 +361,12 @@ impl pb::worker_server::Worker for WorkerService {
     ) -> std::result::Result<Response<pb::StatsResponse>, Status> {
         let s = &self.shared;
         let alloc = s.engine.allocator();
-        let engine = s.engine.stats();
         let received = s.receiver.as_ref().map_or(0, |r| r.lock().bytes_received());
         Ok(Response::new(pb::StatsResponse {
             role: s.opts.role.as_str().into(),
             kv_blocks_total: alloc.total_blocks() as u32,
             kv_blocks_free: alloc.free_blocks() as u32,
-            running_requests: (engine.running + engine.waiting) as u32,
+            running_requests: s.engine.running() as u32,
             pending_reservations: s.reservations.len() as u32,
             kv_bytes_transferred: s.kv_bytes_sent.load(Ordering::Relaxed) + received,
         }))

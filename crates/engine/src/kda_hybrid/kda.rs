@@ -8,15 +8,23 @@
 //! re-shard between attention-TP layouts splits each block by heads separately.
 //!
 //! The six projections that read the layer input (q, k, v, b, f_a, g_a) sit behind
-//! [`KdaInputProjection`], which returns them already split ([`KdaProjected`]); a fused
-//! `[q|k|v|b|f_a|g_a]` GEMM becomes another variant there without touching the rest.
+//! [`KdaInputProjection`], which returns them already split ([`KdaProjected`]), and the two
+//! gate up-projections behind [`KdaGateProjection`]; separate or fused
+//! ([`super::projection`]) is decided per layer at load, the rest of the layer is the same.
+//!
+//! Under attention TP a layer holds heads `(ra, A)` only: its config's `num_heads` is the
+//! local `H/A`, its state covers those heads, and `forward` returns `o_proj` partial sums the
+//! caller reduces over the attention-TP group.
 
 use super::config::{KdaConfig, KdaGate};
 use super::delta_rule::{self, DeltaRuleInputs};
+use super::loading::{FusionInputs, FusionPolicy, RankShard};
 use super::ops::{l2norm_rows, linear, rms_norm_rows, sigmoid, silu, softplus};
 use super::weights::Checkpoint;
 use crate::backend::Linear;
 use crate::Result;
+use tandem_model::fusion::{decide, FusionDecision};
+use tandem_topology::{KdaParam, KdaShape, KdaShard};
 
 /// Which form of the delta rule a forward pass uses. Both give the same result (to f32
 /// rounding); chunked is the fast one for many tokens, recurrent for one.
@@ -28,65 +36,7 @@ pub enum KdaForm {
     Recurrent,
 }
 
-/// The projections of a KDA layer's input.
-#[derive(Debug)]
-pub enum KdaInputProjection {
-    /// The checkpoint's six separate matrices, one GEMM each.
-    Separate {
-        /// `q_proj` `[P, hidden]`.
-        q: Linear<Vec<f32>>,
-        /// `k_proj` `[P, hidden]`.
-        k: Linear<Vec<f32>>,
-        /// `v_proj` `[P, hidden]`.
-        v: Linear<Vec<f32>>,
-        /// `b_proj` `[H, hidden]`.
-        b: Linear<Vec<f32>>,
-        /// `f_a_proj` `[D, hidden]`.
-        f_a: Linear<Vec<f32>>,
-        /// `g_a_proj` `[D, hidden]`.
-        g_a: Linear<Vec<f32>>,
-    },
-}
-
-/// The input projections of `T` tokens, split, token-major.
-#[derive(Clone, Debug)]
-pub struct KdaProjected {
-    /// Pre-conv q `[T, P]`.
-    pub q: Vec<f32>,
-    /// Pre-conv k `[T, P]`.
-    pub k: Vec<f32>,
-    /// Pre-conv v `[T, P]`.
-    pub v: Vec<f32>,
-    /// β logits `[T, H]`.
-    pub beta_logits: Vec<f32>,
-    /// Decay-gate low-rank activations `[T, D]`.
-    pub f_a: Vec<f32>,
-    /// Output-gate low-rank activations `[T, D]`.
-    pub g_a: Vec<f32>,
-}
-
-impl KdaInputProjection {
-    /// Projects `rows` rows of `x`.
-    pub fn project(&self, x: &Vec<f32>, rows: usize) -> KdaProjected {
-        match self {
-            Self::Separate {
-                q,
-                k,
-                v,
-                b,
-                f_a,
-                g_a,
-            } => KdaProjected {
-                q: linear(x, rows, q),
-                k: linear(x, rows, k),
-                v: linear(x, rows, v),
-                beta_logits: linear(x, rows, b),
-                f_a: linear(x, rows, f_a),
-                g_a: linear(x, rows, g_a),
-            },
-        }
-    }
-}
+pub use super::projection::{KdaGateProjection, KdaInputProjection, KdaProjected};
 
 /// The last `W-1` pre-conv inputs of each of q, k, v: each `[P, W-1]`, channel-major, oldest
 /// column first (zeros before the first token) — the layout of causal-conv1d's state.
@@ -126,62 +76,161 @@ pub struct KdaState {
     pub conv: ConvWindow,
 }
 
-/// One loaded KDA layer.
+/// One loaded KDA layer (the heads of one attention-TP rank; all of them at tp1).
 #[derive(Debug)]
 pub struct KdaLayer {
     cfg: KdaConfig,
     norm_eps: f32,
     /// The input projections.
     pub input: KdaInputProjection,
-    /// Depthwise conv weights `[P, W]` of q, k, v.
+    /// The gate up-projections `f_b`, `g_b`.
+    pub gate: KdaGateProjection,
+    /// Depthwise conv weights `[P/A, W]` of q, k, v.
     conv: [Vec<f32>; 3],
-    f_b: Linear<Vec<f32>>,
-    g_b: Linear<Vec<f32>>,
     /// `exp(A_log)` per head.
     a: Vec<f32>,
     dt_bias: Vec<f32>,
     o_norm: Vec<f32>,
     o_proj: Linear<Vec<f32>>,
+    fusion: FusionDecision,
 }
 
 impl KdaLayer {
     /// Loads `{attn}.{q,k,v}_proj`, `…_conv1d`, `f_a/f_b/b/g_a/g_b_proj`, `A_log`, `dt_bias`,
-    /// `o_norm`, `o_proj` where `attn` is the layer's `self_attn` prefix.
+    /// `o_norm`, `o_proj` where `attn` is the layer's `self_attn` prefix; heads `rs.kda` only
+    /// (f_a, g_a, o_norm replicated). Fusion per [`tandem_model::fusion::decide`] on the
+    /// original tensors.
     pub(crate) fn load(
         ck: &mut Checkpoint,
         attn: &str,
         cfg: KdaConfig,
         hidden: usize,
         norm_eps: f32,
+        rs: &RankShard,
+        fusion: &FusionInputs,
     ) -> Result<Self> {
+        let (shard, log) = (rs.kda, rs.log);
+        let shape = KdaShape {
+            num_heads: cfg.num_heads,
+            head_dim: cfg.head_dim,
+            conv_kernel: cfg.conv_kernel,
+        };
+        let ks = KdaShard::new(shape, shard)
+            .map_err(|e| crate::Error::Weights(format!("{attn}: {e}")))?;
         let (h, d, w, p) = (cfg.num_heads, cfg.head_dim, cfg.conv_kernel, cfg.proj_dim());
         let name = |n: &str| format!("{attn}.{n}");
-        let input = KdaInputProjection::Separate {
-            q: ck.linear(&name("q_proj.weight"), p, hidden)?,
-            k: ck.linear(&name("k_proj.weight"), p, hidden)?,
-            v: ck.linear(&name("v_proj.weight"), p, hidden)?,
-            b: ck.linear(&name("b_proj.weight"), h, hidden)?,
-            f_a: ck.linear(&name("f_a_proj.weight"), d, hidden)?,
-            g_a: ck.linear(&name("g_a_proj.weight"), d, hidden)?,
+        let rows = |param: KdaParam| ks.param(param).range;
+        let decision = {
+            let dtype_of = |t: &str| ck.dtype_of(t);
+            let mut d = decide(attn, fusion.quant.as_ref(), fusion.lora.as_ref(), &dtype_of);
+            if fusion.policy == FusionPolicy::Never {
+                for g in [&mut d.input, &mut d.fg_b] {
+                    g.fused = false;
+                    g.reason = "fusion disabled by the load options".into();
+                }
+            }
+            d
         };
+        if log {
+            tracing::info!(
+                layer = attn,
+                input_fused = decision.input.fused,
+                input_reason = %decision.input.reason,
+                fg_b_fused = decision.fg_b.fused,
+                fg_b_reason = %decision.fg_b.reason,
+                "KDA projection fusion"
+            );
+        }
+        let q = ck.linear_rows(&name("q_proj.weight"), p, hidden, rows(KdaParam::QProj))?;
+        let k = ck.linear_rows(&name("k_proj.weight"), p, hidden, rows(KdaParam::KProj))?;
+        let v = ck.linear_rows(&name("v_proj.weight"), p, hidden, rows(KdaParam::VProj))?;
+        let b = ck.linear_rows(&name("b_proj.weight"), h, hidden, rows(KdaParam::BProj))?;
+        let f_a = ck.linear_rows(&name("f_a_proj.weight"), d, hidden, rows(KdaParam::FAProj))?;
+        let g_a = ck.linear_rows(&name("g_a_proj.weight"), d, hidden, rows(KdaParam::GAProj))?;
+        let input = if decision.input.fused {
+            KdaInputProjection::fuse([q, k, v, b, f_a, g_a])
+        } else {
+            KdaInputProjection::Separate {
+                q,
+                k,
+                v,
+                b,
+                f_a,
+                g_a,
+            }
+        };
+        let f_b = ck.linear_rows(&name("f_b_proj.weight"), p, d, rows(KdaParam::FBProj))?;
+        let g_b = ck.linear_rows(&name("g_b_proj.weight"), p, d, rows(KdaParam::GBProj))?;
+        let gate = if decision.fg_b.fused {
+            KdaGateProjection::pair(f_b, g_b)
+        } else {
+            KdaGateProjection::Separate { f_b, g_b }
+        };
+        let mut conv_w =
+            |n: &str, param: KdaParam| ck.slice(&[&name(n)], &[p, 1, w], 0, rows(param));
         let conv = [
-            ck.take(&name("q_conv1d.weight"), &[p, 1, w])?,
-            ck.take(&name("k_conv1d.weight"), &[p, 1, w])?,
-            ck.take(&name("v_conv1d.weight"), &[p, 1, w])?,
+            conv_w("q_conv1d.weight", KdaParam::QConv)?,
+            conv_w("k_conv1d.weight", KdaParam::KConv)?,
+            conv_w("v_conv1d.weight", KdaParam::VConv)?,
         ];
-        let a_log = ck.take(&name("A_log"), &[h])?;
+        let a_log = ck.slice(&[&name("A_log")], &[h], 0, rows(KdaParam::ALog))?;
+        let heads = ks.heads().len();
         Ok(Self {
-            cfg,
+            cfg: KdaConfig {
+                num_heads: heads,
+                ..cfg
+            },
             norm_eps,
             input,
+            gate,
             conv,
-            f_b: ck.linear(&name("f_b_proj.weight"), p, d)?,
-            g_b: ck.linear(&name("g_b_proj.weight"), p, d)?,
             a: a_log.iter().map(|x| x.exp()).collect(),
-            dt_bias: ck.take(&name("dt_bias"), &[p])?,
+            dt_bias: ck.slice(&[&name("dt_bias")], &[p], 0, rows(KdaParam::DtBias))?,
             o_norm: ck.take(&name("o_norm.weight"), &[d])?,
-            o_proj: ck.linear(&name("o_proj.weight"), hidden, p)?,
+            o_proj: ck.linear_cols(&[&name("o_proj.weight")], hidden, p, rows(KdaParam::OProj))?,
+            fusion: decision,
         })
+    }
+
+    /// Takes over `old`'s fused buffers, overwriting them with this layer's values, where the
+    /// form and size match (their addresses survive a weight refresh); otherwise keeps its own
+    /// new buffers and logs the reallocation.
+    pub(crate) fn adopt_buffers(&mut self, old: &mut KdaLayer, layer: usize) {
+        match (&mut self.input, &mut old.input) {
+            (
+                KdaInputProjection::Fused { weight: new, .. },
+                KdaInputProjection::Fused { weight: old, .. },
+            ) if new.weight.len() == old.weight.len() => {
+                old.weight.copy_from_slice(&new.weight);
+                std::mem::swap(&mut new.weight, &mut old.weight);
+            }
+            (new, _) if new.is_fused() => tracing::info!(
+                layer,
+                "fused KDA input weight reallocated on refresh (shape or form changed): \
+                 recapture graphs"
+            ),
+            _ => {}
+        }
+        match (&mut self.gate, &mut old.gate) {
+            (
+                KdaGateProjection::Paired { weight: new, .. },
+                KdaGateProjection::Paired { weight: old, .. },
+            ) if new.len() == old.len() => {
+                old.copy_from_slice(new);
+                std::mem::swap(new, old);
+            }
+            (new, _) if new.is_paired() => tracing::info!(
+                layer,
+                "paired KDA f_b/g_b weight reallocated on refresh (shape or form changed): \
+                 recapture graphs"
+            ),
+            _ => {}
+        }
+    }
+
+    /// The fusion decision taken at load (from the original tensors and options).
+    pub fn fusion(&self) -> &FusionDecision {
+        &self.fusion
     }
 
     /// The layer's sizes.
@@ -223,7 +272,8 @@ impl KdaLayer {
         let v = short_conv(&proj.v, &mut state.conv.v, &self.conv[2], p, w);
         l2norm_rows(&mut q, d, 1.0 / (d as f32).sqrt());
         l2norm_rows(&mut k, d, 1.0);
-        let g = self.log_decay(linear(&proj.f_a, rows, &self.f_b));
+        let (f_raw, gate) = self.gate.apply(&proj.f_a, &proj.g_a, rows);
+        let g = self.log_decay(f_raw);
         let beta: Vec<f32> = proj.beta_logits.iter().map(|&b| sigmoid(b)).collect();
         let inp = DeltaRuleInputs {
             q: &q,
@@ -239,7 +289,6 @@ impl KdaLayer {
             KdaForm::Recurrent => delta_rule::recurrent(&inp, &mut state.recurrent),
         };
         // Gated RMSNorm per head: RMSNorm_D(o; o_norm) * sigmoid(g_b(g_a x)).
-        let gate = linear(&proj.g_a, rows, &self.g_b);
         rms_norm_rows(&mut o, d, Some(&self.o_norm), self.norm_eps);
         o.iter_mut()
             .zip(&gate)

@@ -9,17 +9,22 @@
 //! reads only the cache, never re-expands it, and the cost per cached token is
 //! `heads × kv_lora_rank`.
 //!
+//! Under attention TP a rank holds heads `(ra, A)` (query rows, `kv_b` rows, `o_proj`
+//! columns; `forward` then returns partial sums) and the whole latent path.
+//!
 //! GLM's DSA indexer: only its per-token key cache is computed (so a prefill → decode hand-off
 //! carries everything a sparse implementation would need). Token selection is not implemented;
 //! attention is dense, which is what the indexer selects while the context holds at most
 //! `index_topk` tokens.
 
 use super::config::{IndexerConfig, MlaConfig};
+use super::loading::part;
 use super::ops::{axpy, dot, linear, rms_norm, rms_norm_rows};
 use super::weights::Checkpoint;
 use crate::backend::Linear;
 use crate::Result;
 use rayon::prelude::*;
+use tandem_topology::Shard;
 
 /// The per-token caches of the DSA indexer, `[T, index_head_dim]` each.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -83,22 +88,33 @@ pub struct MlaLayer {
 }
 
 impl MlaLayer {
-    /// Loads the layer under its `self_attn` prefix `attn`.
+    /// Loads the layer under its `self_attn` prefix `attn`: the heads of `shard` (query and
+    /// `kv_b` rows, `o_proj` columns); the latent path (`kv_a`, its norm, the indexer) is
+    /// replicated, so every attention-TP rank keeps the whole latent cache.
     pub(crate) fn load(
         ck: &mut Checkpoint,
         attn: &str,
         cfg: MlaConfig,
         hidden: usize,
+        shard: Shard,
     ) -> Result<Self> {
         let name = |n: &str| format!("{attn}.{n}");
         let (h, r, dr) = (cfg.num_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim);
+        let heads = part(shard, h, attn)?;
+        let per = |width: usize| heads.start * width..heads.end * width;
         let q_out = h * cfg.qk_head_dim();
+        let q_rows = per(cfg.qk_head_dim());
         let q = match cfg.q_lora_rank {
-            None => QueryProjection::Direct(ck.linear(&name("q_proj.weight"), q_out, hidden)?),
+            None => QueryProjection::Direct(ck.linear_rows(
+                &name("q_proj.weight"),
+                q_out,
+                hidden,
+                q_rows,
+            )?),
             Some(rank) => QueryProjection::LowRank {
                 a: ck.linear(&name("q_a_proj.weight"), rank, hidden)?,
                 norm: ck.take(&name("q_a_layernorm.weight"), &[rank])?,
-                b: ck.linear(&name("q_b_proj.weight"), q_out, rank)?,
+                b: ck.linear_rows(&name("q_b_proj.weight"), q_out, rank, q_rows)?,
             },
         };
         let indexer = if ck.has(&name("indexer.wk.weight")) {
@@ -117,17 +133,28 @@ impl MlaLayer {
         } else {
             None
         };
+        let kv_b_width = cfg.qk_nope_head_dim + cfg.v_head_dim;
         Ok(Self {
             q,
             kv_a: ck.linear(&name("kv_a_proj_with_mqa.weight"), r + dr, hidden)?,
             kv_norm: ck.take(&name("kv_a_layernorm.weight"), &[r])?,
-            kv_b: ck.take(
-                &name("kv_b_proj.weight"),
-                &[h * (cfg.qk_nope_head_dim + cfg.v_head_dim), r],
+            kv_b: ck.slice(
+                &[&name("kv_b_proj.weight")],
+                &[h * kv_b_width, r],
+                0,
+                per(kv_b_width),
             )?,
-            o_proj: ck.linear(&name("o_proj.weight"), hidden, h * cfg.v_head_dim)?,
+            o_proj: ck.linear_cols(
+                &[&name("o_proj.weight")],
+                hidden,
+                h * cfg.v_head_dim,
+                per(cfg.v_head_dim),
+            )?,
             indexer,
-            cfg,
+            cfg: MlaConfig {
+                num_heads: heads.len(),
+                ..cfg
+            },
         })
     }
 

@@ -4,22 +4,29 @@
 //! shared expert; GLM adds a lower-bound KDA gate, q-LoRA MLA with a DSA indexer, clamped
 //! SwiGLU and multi-stream (mHC) residuals. Formulas: shared/specs/kda.md.
 //!
-//! This first version is single-rank (tp1), f32 on the CPU, one request at a time, and keeps
-//! KDA's projections as the checkpoint stores them. The per-request state is plain public data
+//! f32 on the CPU, one request per attention-DP group at a time. [`KdaHybridModel`] is one
+//! rank (tp1); [`ShardedKdaHybrid`] runs a `tp × dp` (+ `ep`) layout as threads, each a
+//! [`KdaHybridModel`] built from its shard of the same checkpoint, joined by collectives.
+//! Eligible KDA projection groups are fused at load ([`projection`]); block-FP8 weights are
+//! dequantised and a PEFT LoRA merged at load. The per-request state is plain public data
 //! ([`KdaHybridState`]) so a prefill worker can hand it to a decode worker.
 //!
 //! Layout: [`config`] parses both config spellings into one checked type; [`delta_rule`] is
 //! the pure recurrent / chunked kernel; [`kda`], [`mla`], [`moe`] and [`residual`] are the
-//! layer parts; [`model`] assembles them and owns the prefill / decode entry points.
+//! layer parts; [`model`] assembles them and owns the prefill / decode entry points;
+//! [`loading`] holds load options and rank shards; [`sharded`] runs layouts.
 
 pub mod config;
 pub mod delta_rule;
 pub mod kda;
+pub mod loading;
 pub mod mla;
 pub mod model;
 pub mod moe;
 mod ops;
+pub mod projection;
 pub mod residual;
+pub mod sharded;
 mod weights;
 
 pub use config::{
@@ -27,5 +34,8 @@ pub use config::{
     MlaConfig, ModelFamily, MoeConfig, ResidualKind,
 };
 pub use kda::{ConvWindow, KdaForm, KdaLayer, KdaState};
+pub use loading::{FusionPolicy, LoadOptions};
 pub use mla::{IndexerCache, MlaState};
 pub use model::{KdaHybridModel, KdaHybridState, LayerState};
+pub use projection::{KdaGateProjection, KdaInputProjection, KdaProjected};
+pub use sharded::{ShardError, ShardedKdaHybrid};

@@ -7,6 +7,7 @@
 
 use super::config::{AttentionKind, FfnKind, KdaHybridConfig};
 use super::kda::{KdaForm, KdaLayer, KdaState};
+use super::loading::{FusionInputs, LoadOptions, RankShard};
 use super::mla::{MlaLayer, MlaState};
 use super::moe::{Moe, SwiGlu};
 use super::ops::{linear, rms_norm};
@@ -15,6 +16,8 @@ use super::weights::Checkpoint;
 use crate::backend::{Backend, CpuBackend, Linear};
 use crate::{Error, Result};
 use std::path::Path;
+use tandem_model::fusion::QuantizationConfig;
+use tandem_topology::Result as TopologyResult;
 
 /// A layer's token mixer.
 #[derive(Debug)]
@@ -89,13 +92,105 @@ pub struct KdaHybridModel {
     layers: Vec<DecoderLayer>,
     norm: Vec<f32>,
     lm_head: Option<Linear<Vec<f32>>>,
+    /// How it was loaded (reused by [`KdaHybridModel::refresh_weights`]).
+    options: LoadOptions,
+}
+
+/// Opens `dir` for loading: the checked config, the tensors (FP8 dequantised, the LoRA of
+/// `options` merged) and the inputs of the per-layer fusion decision.
+pub(crate) fn open_checkpoint(
+    dir: &Path,
+    options: &LoadOptions,
+) -> Result<(KdaHybridConfig, Checkpoint, FusionInputs)> {
+    let config = KdaHybridConfig::from_dir(dir)?;
+    let path = dir.join("config.json");
+    let raw: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).map_err(|source| Error::Io {
+            path: path.clone(),
+            source,
+        })?)
+        .map_err(|e| Error::Weights(format!("{}: {e}", path.display())))?;
+    let mut ck = Checkpoint::load_dir(dir)?;
+    let lora = match &options.lora {
+        Some(l) => Some(ck.merge_lora(l)?),
+        None => None,
+    };
+    let fusion = FusionInputs {
+        quant: QuantizationConfig::from_config(&raw),
+        lora,
+        policy: options.fusion,
+    };
+    Ok((config, ck, fusion))
+}
+
+/// The collectives one rank of a sharded layout runs inside a forward pass (none at tp1).
+pub(crate) trait RankCollectives {
+    /// Sums attention partial outputs over the attention-TP group.
+    fn attn_all_reduce(&self, buf: &mut [f32]) -> TopologyResult<()>;
+    /// Runs the (sharded) FFN `f` on the tokens of every attention-DP group and returns the
+    /// summed result for this rank's own `rows` tokens.
+    fn ffn(
+        &self,
+        x: &[f32],
+        rows: usize,
+        hidden: usize,
+        f: &dyn Fn(&Vec<f32>, usize) -> Vec<f32>,
+    ) -> TopologyResult<Vec<f32>>;
 }
 
 impl KdaHybridModel {
-    /// Loads `dir/config.json` and `dir/model*.safetensors` (F32 / BF16 / F16, kept as f32).
+    /// Loads `dir/config.json` and `dir/model*.safetensors` (F32 / BF16 / F16 / block-FP8,
+    /// kept as f32), fusing eligible KDA projections.
     pub fn load(dir: &Path) -> Result<Self> {
-        let config = KdaHybridConfig::from_dir(dir)?;
-        let mut ck = Checkpoint::load_dir(dir)?;
+        Self::load_with(dir, &LoadOptions::default())
+    }
+
+    /// [`KdaHybridModel::load`] with a PEFT LoRA adapter merged in (`None`: none). Projection
+    /// groups the adapter targets stay unfused.
+    pub fn load_with_lora(dir: &Path, lora: Option<&Path>) -> Result<Self> {
+        Self::load_with(
+            dir,
+            &LoadOptions {
+                lora: lora.map(Path::to_path_buf),
+                ..LoadOptions::default()
+            },
+        )
+    }
+
+    /// Loads with explicit [`LoadOptions`].
+    pub fn load_with(dir: &Path, options: &LoadOptions) -> Result<Self> {
+        let (config, mut ck, fusion) = open_checkpoint(dir, options)?;
+        let rs = RankShard::whole(config.moe.num_experts);
+        let model = Self::build(config, &mut ck, &rs, &fusion, options.clone())?;
+        ck.finish(model.config.num_layers())?;
+        Ok(model)
+    }
+
+    /// Re-reads the weights from `dir` (same options). Fused KDA buffers are rewritten in place
+    /// when their size is unchanged, so their addresses stay valid (captured CUDA graphs); a
+    /// size or form change allocates new ones, logged, and callers must recapture.
+    pub fn refresh_weights(&mut self, dir: &Path) -> Result<()> {
+        let mut fresh = Self::load_with(dir, &self.options)?;
+        for (i, (old, new)) in self.layers.iter_mut().zip(&mut fresh.layers).enumerate() {
+            if let (Attention::Kda(old), Attention::Kda(new)) =
+                (&mut old.attention, &mut new.attention)
+            {
+                new.adopt_buffers(old, i);
+            }
+        }
+        *self = fresh;
+        Ok(())
+    }
+
+    /// Builds one rank's model (`rs`) from an opened checkpoint; does not run the leftover
+    /// check (the caller does, after its last rank).
+    pub(crate) fn build(
+        config: KdaHybridConfig,
+        ck: &mut Checkpoint,
+        rs: &RankShard,
+        fusion: &FusionInputs,
+        options: LoadOptions,
+    ) -> Result<Self> {
         let c = &config;
         let (hidden, eps) = (c.hidden_size, c.rms_norm_eps);
         let prefix = ck.prefix.clone();
@@ -105,10 +200,10 @@ impl KdaHybridModel {
             let attn = format!("{lp}.self_attn");
             let attention = match spec.attention {
                 AttentionKind::Kda => {
-                    Attention::Kda(KdaLayer::load(&mut ck, &attn, c.kda, hidden, eps)?)
+                    Attention::Kda(KdaLayer::load(ck, &attn, c.kda, hidden, eps, rs, fusion)?)
                 }
                 AttentionKind::Mla => {
-                    Attention::Mla(MlaLayer::load(&mut ck, &attn, c.mla, hidden)?)
+                    Attention::Mla(MlaLayer::load(ck, &attn, c.mla, hidden, rs.mla)?)
                 }
             };
             let ffn = match spec.ffn {
@@ -120,11 +215,12 @@ impl KdaHybridModel {
                             .map(|p| format!("{lp}.{b}.{p}.weight"))
                     });
                     Ffn::Dense(SwiGlu::load(
-                        &mut ck,
+                        ck,
                         &names,
                         hidden,
                         c.intermediate_size,
                         c.swiglu_limit,
+                        rs.dense,
                     )?)
                 }
                 FfnKind::Moe => {
@@ -133,7 +229,7 @@ impl KdaHybridModel {
                     } else {
                         format!("{lp}.mlp")
                     };
-                    Ffn::Moe(Moe::load(&mut ck, &block, c.moe, hidden, c.swiglu_limit)?)
+                    Ffn::Moe(Moe::load(ck, &block, c.moe, hidden, c.swiglu_limit, rs)?)
                 }
             };
             layers.push(DecoderLayer {
@@ -141,8 +237,8 @@ impl KdaHybridModel {
                 attention,
                 post_norm: ck.take(&format!("{lp}.post_attention_layernorm.weight"), &[hidden])?,
                 ffn,
-                hc_attn: HyperConnection::load(&mut ck, &lp, "attn", c.residual, hidden, eps)?,
-                hc_ffn: HyperConnection::load(&mut ck, &lp, "ffn", c.residual, hidden, eps)?,
+                hc_attn: HyperConnection::load(ck, &lp, "attn", c.residual, hidden, eps)?,
+                hc_ffn: HyperConnection::load(ck, &lp, "ffn", c.residual, hidden, eps)?,
             });
         }
         let embed = ck.take(
@@ -155,13 +251,13 @@ impl KdaHybridModel {
         } else {
             Some(ck.linear("lm_head.weight", c.vocab_size, hidden)?)
         };
-        ck.finish(c.num_layers())?;
         Ok(Self {
             config,
             embed,
             layers,
             norm,
             lm_head,
+            options,
         })
     }
 
@@ -255,7 +351,8 @@ impl KdaHybridModel {
         all_logits: bool,
     ) -> Vec<f32> {
         let mut trace = None;
-        self.run(ids, state, form, all_logits, &mut trace)
+        self.run(ids, state, form, all_logits, &mut trace, None)
+            .expect("a single rank runs no collectives, so nothing can fail")
     }
 
     /// The residual after every layer for a pass over `ids` from an empty state (`[T, hidden]`,
@@ -263,22 +360,27 @@ impl KdaHybridModel {
     pub fn residual_trace(&self, ids: &[u32]) -> Vec<Vec<f32>> {
         let mut trace = Some(Vec::new());
         let mut state = self.new_state();
-        self.run(ids, &mut state, KdaForm::Chunked, false, &mut trace);
+        self.run(ids, &mut state, KdaForm::Chunked, false, &mut trace, None)
+            .expect("a single rank runs no collectives, so nothing can fail");
         trace.unwrap_or_default()
     }
 
-    fn run(
+    /// The forward pass; `comm` is `Some` on a rank of a sharded layout. With `comm`, `ids`
+    /// may be empty (an attention-DP group with nothing to do still joins the FFN
+    /// collectives).
+    pub(crate) fn run(
         &self,
         ids: &[u32],
         state: &mut KdaHybridState,
         form: KdaForm,
         all_logits: bool,
         trace: &mut Option<Vec<Vec<f32>>>,
-    ) -> Vec<f32> {
+        comm: Option<&dyn RankCollectives>,
+    ) -> TopologyResult<Vec<f32>> {
         let c = &self.config;
         let (hidden, eps, rows) = (c.hidden_size, c.rms_norm_eps, ids.len());
-        if rows == 0 {
-            return Vec::new();
+        if rows == 0 && comm.is_none() {
+            return Ok(Vec::new());
         }
         assert_eq!(
             state.layers.len(),
@@ -301,17 +403,24 @@ impl KdaHybridModel {
         for (layer, st) in self.layers.iter().zip(state.layers.iter_mut()) {
             let (x, mix) = residual.enter(layer.hc_attn.as_ref(), rows, hidden);
             let h = rms_norm(&x, hidden, &layer.input_norm, eps);
-            let a = match (&layer.attention, st) {
+            let mut a = match (&layer.attention, st) {
                 (Attention::Kda(l), LayerState::Kda(s)) => l.forward(&h, rows, s, form),
                 (Attention::Mla(l), LayerState::Mla(s)) => l.forward(&h, rows, s),
                 _ => panic!("state was not made by this model (layer kinds differ)"),
             };
+            if let Some(comm) = comm {
+                comm.attn_all_reduce(&mut a)?;
+            }
             residual.leave(&a, mix, hidden);
             let (x, mix) = residual.enter(layer.hc_ffn.as_ref(), rows, hidden);
             let h = rms_norm(&x, hidden, &layer.post_norm, eps);
-            let f = match &layer.ffn {
-                Ffn::Dense(mlp) => mlp.forward(&h, rows),
-                Ffn::Moe(moe) => moe.forward(&h, rows),
+            let ffn = |x: &Vec<f32>, n: usize| match &layer.ffn {
+                Ffn::Dense(mlp) => mlp.forward(x, n),
+                Ffn::Moe(moe) => moe.forward(x, n),
+            };
+            let f = match comm {
+                None => ffn(&h, rows),
+                Some(comm) => comm.ffn(&h, rows, hidden, &ffn)?,
             };
             residual.leave(&f, mix, hidden);
             if let Some(t) = trace.as_mut() {
@@ -319,6 +428,9 @@ impl KdaHybridModel {
             }
         }
         state.tokens += rows;
+        if rows == 0 {
+            return Ok(Vec::new());
+        }
         let out = residual.output(hidden);
         let (out, n) = if all_logits {
             (out, rows)
@@ -326,7 +438,7 @@ impl KdaHybridModel {
             (out[(rows - 1) * hidden..].to_vec(), 1)
         };
         let normed = rms_norm(&out, hidden, &self.norm, eps);
-        match &self.lm_head {
+        Ok(match &self.lm_head {
             Some(head) => linear(&normed, n, head),
             None => {
                 let mut logits = Vec::new();
@@ -341,6 +453,6 @@ impl KdaHybridModel {
                 );
                 logits
             }
-        }
+        })
     }
 }

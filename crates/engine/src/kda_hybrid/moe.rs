@@ -6,12 +6,18 @@
 //! GLM clamps the SwiGLU (`silu(min(gate, L)) · clamp(up, −L, L)`); the limit comes from the
 //! config and is off for Kimi. Experts run batched: the tokens routed to one expert are gathered
 //! into one GEMM, so a prefill costs one GEMM per active expert, not one per token.
+//!
+//! Sharded, a rank runs the router on every token, its EP shard's experts (each split over
+//! the shard's `tp/ep` ranks) and its full-TP part of the shared expert; its output is a
+//! partial sum the caller reduces over the TP group.
 
 use super::config::MoeConfig;
+use super::loading::{part, RankShard};
 use super::ops::{linear, sigmoid, silu};
 use super::weights::Checkpoint;
 use crate::backend::Linear;
 use crate::Result;
+use tandem_topology::Shard;
 
 /// `down(act(gate x) · up x)`, gate and up fused into one `[2I, hidden]` matrix.
 #[derive(Debug)]
@@ -22,24 +28,28 @@ pub struct SwiGlu {
 }
 
 impl SwiGlu {
-    /// Loads the first present of each (gate, up, down) name triple.
+    /// Loads the first present of each (gate, up, down) name triple; intermediate channels
+    /// `shard` only (column-parallel gate/up, row-parallel down: outputs are partial sums).
     pub(crate) fn load(
         ck: &mut Checkpoint,
         names: &[[String; 3]],
         hidden: usize,
         inter: usize,
         limit: Option<f32>,
+        shard: Shard,
     ) -> Result<Self> {
         let pick = |i: usize| names.iter().map(|n| n[i].as_str()).collect::<Vec<_>>();
-        let gate = ck.take_any(&pick(0), &[inter, hidden])?;
-        let up = ck.take_any(&pick(1), &[inter, hidden])?;
+        let range = part(shard, inter, &names[0][0])?;
+        let local = range.len();
+        let gate = ck.slice(&pick(0), &[inter, hidden], 0, range.clone())?;
+        let up = ck.slice(&pick(1), &[inter, hidden], 0, range.clone())?;
         Ok(Self {
             gate_up: Linear {
                 weight: [gate, up].concat(),
-                out_features: 2 * inter,
+                out_features: 2 * local,
                 in_features: hidden,
             },
-            down: ck.linear_any(&pick(2), hidden, inter)?,
+            down: ck.linear_cols(&pick(2), hidden, inter, range)?,
             limit,
         })
     }
@@ -62,28 +72,34 @@ impl SwiGlu {
     }
 }
 
-/// Routed experts plus shared experts.
+/// Routed experts plus shared experts (on one rank: the experts of its EP shard, each split
+/// over the shard's `tp/ep` ranks, and its full-TP part of the shared expert).
 #[derive(Debug)]
 pub struct Moe {
     cfg: MoeConfig,
     router: Linear<Vec<f32>>,
     correction_bias: Vec<f32>,
+    /// Index of `experts[0]` among all experts.
+    first_expert: usize,
     experts: Vec<SwiGlu>,
     shared: Option<SwiGlu>,
 }
 
 impl Moe {
     /// Loads the MoE block under `block` (`…block_sparse_moe` or `…mlp`); experts are named
-    /// `w1/w3/w2` (Kimi) or `gate_proj/up_proj/down_proj` (GLM).
+    /// `w1/w3/w2` (Kimi) or `gate_proj/up_proj/down_proj` (GLM). The router is replicated.
     pub(crate) fn load(
         ck: &mut Checkpoint,
         block: &str,
         cfg: MoeConfig,
         hidden: usize,
         limit: Option<f32>,
+        rs: &RankShard,
     ) -> Result<Self> {
         let e = cfg.num_experts;
-        let experts = (0..e)
+        let experts = rs
+            .experts
+            .clone()
             .map(|i| {
                 let p = format!("{block}.experts.{i}");
                 let names = [
@@ -98,7 +114,14 @@ impl Moe {
                         format!("{p}.down_proj.weight"),
                     ],
                 ];
-                SwiGlu::load(ck, &names, hidden, cfg.intermediate_size, limit)
+                SwiGlu::load(
+                    ck,
+                    &names,
+                    hidden,
+                    cfg.intermediate_size,
+                    limit,
+                    rs.expert_mlp,
+                )
             })
             .collect::<Result<Vec<_>>>()?;
         let shared = if cfg.num_shared_experts == 0 {
@@ -111,11 +134,12 @@ impl Moe {
                 format!("{p}.down_proj.weight"),
             ]];
             let inter = cfg.intermediate_size * cfg.num_shared_experts;
-            Some(SwiGlu::load(ck, &names, hidden, inter, limit)?)
+            Some(SwiGlu::load(ck, &names, hidden, inter, limit, rs.dense)?)
         };
         Ok(Self {
             router: ck.linear(&format!("{block}.gate.weight"), e, hidden)?,
             correction_bias: ck.take(&format!("{block}.gate.e_score_correction_bias"), &[e])?,
+            first_expert: rs.experts.start,
             experts,
             shared,
             cfg,
@@ -142,6 +166,12 @@ impl Moe {
             None => vec![0.0; rows * hidden],
         };
         for (expert, tokens) in assigned.iter().enumerate() {
+            let Some(held) = expert
+                .checked_sub(self.first_expert)
+                .and_then(|i| self.experts.get(i))
+            else {
+                continue;
+            };
             if tokens.is_empty() {
                 continue;
             }
@@ -150,7 +180,7 @@ impl Moe {
                 .flat_map(|&(t, _)| &x[t * hidden..(t + 1) * hidden])
                 .copied()
                 .collect();
-            let out = self.experts[expert].forward(&gathered, tokens.len());
+            let out = held.forward(&gathered, tokens.len());
             for (&(t, w), row) in tokens.iter().zip(out.chunks_exact(hidden)) {
                 for (y, &o) in y[t * hidden..(t + 1) * hidden].iter_mut().zip(row) {
                     *y += w * o;

@@ -1,0 +1,268 @@
+//! A KDA hybrid model run over a `tp × dp` (+ `ep`) layout: one thread per rank, each rank a
+//! [`KdaHybridModel`] holding its shard, the ranks joined by [`InProcessCommunicator`]s
+//! (shared/DESIGN.md, Topology). This is how the CPU tests simulate tp8×dp8 on two cores; on
+//! GPUs the same rank code runs over NCCL.
+//!
+//! Where things live (all from [`tandem_topology`], so loader, engine and transfer agree):
+//! - attention (KDA q/k/v/b/f_b/g_b/conv/dt_bias/A_log and its state, MLA heads) by
+//!   `(attn_tp_rank, A)`; f_a/g_a, o_norm and the MLA latent path replicated; o_proj partial
+//!   sums reduced over the attention-TP group only — other groups hold other requests;
+//! - dense MLPs and the shared expert over the full TP group; routed experts by EP, each
+//!   split over its shard's `tp/ep` ranks. The tokens of every attention-DP group are gathered
+//!   before the FFN, its partial sums reduced over the TP group, and each group takes its own
+//!   rows back.
+//!
+//! Each attention-DP group serves its own request: [`ShardedKdaHybrid::extend`] takes one
+//! token sequence per group and returns one logits block per group. Bad layouts fail at
+//! construction with topology's errors ([`tandem_topology::Layout::validate_for`]).
+
+use super::config::{FfnKind, KdaHybridConfig};
+use super::kda::KdaForm;
+use super::loading::{LoadOptions, RankShard};
+use super::model::{open_checkpoint, KdaHybridModel, KdaHybridState, RankCollectives};
+use std::path::Path;
+use std::time::Duration;
+use tandem_topology::shard::expert_range;
+use tandem_topology::{
+    Communicator, InProcessCommunicator, KdaShape, Layout, MlaShape, ModelShape, MoeShape, Rank,
+    RankGroups, Shard, ShardBy,
+};
+
+/// How long a rank waits for its peers in one collective before failing the group.
+const COLLECTIVE_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// Failures of a sharded model.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ShardError {
+    /// The layout does not fit the model, or a collective failed.
+    #[error(transparent)]
+    Topology(#[from] tandem_topology::Error),
+    /// Loading failed.
+    #[error(transparent)]
+    Engine(#[from] crate::Error),
+    /// A call's inputs do not match the layout.
+    #[error("{0}")]
+    Mismatch(String),
+    /// A rank's thread could not be started.
+    #[error("starting a rank thread: {0}")]
+    Spawn(#[source] std::io::Error),
+    /// A rank's thread panicked.
+    #[error("rank {0} panicked")]
+    RankPanicked(usize),
+}
+
+/// `Result` of this module.
+pub type ShardResult<T> = std::result::Result<T, ShardError>;
+
+/// The sizes of `config` that decide sharding.
+pub fn model_shape(config: &KdaHybridConfig) -> ModelShape {
+    let has = |kind: FfnKind| config.layers.iter().any(|l| l.ffn == kind);
+    ModelShape {
+        gqa: None,
+        kda: config.kda_layers().next().map(|_| KdaShape {
+            num_heads: config.kda.num_heads,
+            head_dim: config.kda.head_dim,
+            conv_kernel: config.kda.conv_kernel,
+        }),
+        mla: config.mla_layers().next().map(|_| MlaShape {
+            num_heads: config.mla.num_heads,
+            kv_lora_rank: config.mla.kv_lora_rank,
+            rope_dim: config.mla.qk_rope_head_dim,
+        }),
+        moe: has(FfnKind::Moe).then_some(MoeShape {
+            num_experts: config.moe.num_experts,
+            intermediate_size: config.moe.intermediate_size,
+        }),
+        dense_intermediate_size: has(FfnKind::Dense).then_some(config.intermediate_size),
+    }
+}
+
+/// A model sharded over a layout, one [`KdaHybridModel`] per rank.
+#[derive(Debug)]
+pub struct ShardedKdaHybrid {
+    layout: Layout,
+    ranks: Vec<KdaHybridModel>,
+    groups: Vec<RankGroups<InProcessCommunicator>>,
+}
+
+/// One rank's collectives.
+struct RankComm<'a> {
+    layout: Layout,
+    groups: &'a RankGroups<InProcessCommunicator>,
+}
+
+impl RankCollectives for RankComm<'_> {
+    fn attn_all_reduce(&self, buf: &mut [f32]) -> tandem_topology::Result<()> {
+        if self.layout.attn_tp() > 1 {
+            self.groups.attn_tp.all_reduce_sum(buf)?;
+        }
+        Ok(())
+    }
+
+    fn ffn(
+        &self,
+        x: &[f32],
+        rows: usize,
+        hidden: usize,
+        f: &dyn Fn(&Vec<f32>, usize) -> Vec<f32>,
+    ) -> tandem_topology::Result<Vec<f32>> {
+        let (tp, dp, a) = (self.layout.tp(), self.layout.dp(), self.layout.attn_tp());
+        if tp == 1 {
+            return Ok(f(&x.to_vec(), rows));
+        }
+        // Every rank of a group holds the group's tokens; take one copy per group (from its
+        // attention-TP rank 0), in group order.
+        let (all, own) = if dp == 1 {
+            (x.to_vec(), 0..rows)
+        } else {
+            let recv = self.groups.tp.all_to_all(vec![x.to_vec(); tp])?;
+            let mut all = Vec::new();
+            let mut own = 0..0;
+            for g in 0..dp {
+                let at = all.len() / hidden;
+                if g == self.groups.position.attn_dp_rank {
+                    own = at..at + rows;
+                }
+                all.extend_from_slice(&recv[g * a]);
+            }
+            (all, own)
+        };
+        let mut y = f(&all, all.len() / hidden);
+        self.groups.tp.all_reduce_sum(&mut y)?;
+        Ok(y[own.start * hidden..own.end * hidden].to_vec())
+    }
+}
+
+impl ShardedKdaHybrid {
+    /// Loads `dir` sharded over `layout` (attention by attention TP, as it must be).
+    pub fn load(dir: &Path, layout: Layout) -> ShardResult<Self> {
+        Self::load_with(dir, layout, &LoadOptions::default(), ShardBy::AttentionTp)
+    }
+
+    /// Loads with options; `kda_shard_by` picks how KDA layers (their fused projections
+    /// included) are split. Only [`ShardBy::AttentionTp`] is right: [`ShardBy::GlobalTp`]
+    /// exists to show, in tests, the wrong heads and wrong reductions it gives when `A ≠ tp`.
+    pub fn load_with(
+        dir: &Path,
+        layout: Layout,
+        options: &LoadOptions,
+        kda_shard_by: ShardBy,
+    ) -> ShardResult<Self> {
+        let (config, mut ck, fusion) = open_checkpoint(dir, options)?;
+        layout.validate_for(&model_shape(&config))?;
+        let mut ranks = Vec::with_capacity(layout.tp());
+        for rank in layout.ranks() {
+            let pos = layout.position(rank)?;
+            let rs = RankShard {
+                kda: kda_shard_by.shard(&layout, rank)?,
+                mla: ShardBy::AttentionTp.shard(&layout, rank)?,
+                dense: ShardBy::GlobalTp.shard(&layout, rank)?,
+                experts: expert_range(config.moe.num_experts, pos.ep_rank, layout.ep())?,
+                expert_mlp: Shard::new(pos.moe_tp_rank, layout.moe_tp())?,
+                log: rank == Rank(0),
+            };
+            ranks.push(KdaHybridModel::build(
+                config.clone(),
+                &mut ck,
+                &rs,
+                &fusion,
+                options.clone(),
+            )?);
+        }
+        ck.finish(config.num_layers())?;
+        let groups = InProcessCommunicator::for_layout(&layout, Some(COLLECTIVE_TIMEOUT))?;
+        Ok(Self {
+            layout,
+            ranks,
+            groups,
+        })
+    }
+
+    /// The layout.
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
+    /// Rank `r`'s model (its shard).
+    pub fn rank(&self, r: Rank) -> Option<&KdaHybridModel> {
+        self.ranks.get(r.0)
+    }
+
+    /// Fresh per-request states, one per rank (each covers that rank's heads; rank `r`
+    /// serves attention-DP group `r / A`).
+    pub fn new_states(&self) -> Vec<KdaHybridState> {
+        self.ranks.iter().map(KdaHybridModel::new_state).collect()
+    }
+
+    /// Logits `[T_g, vocab]` of one pass over `seqs[g]` for every attention-DP group `g`.
+    pub fn forward_full(&self, seqs: &[Vec<u32>]) -> ShardResult<Vec<Vec<f32>>> {
+        let mut states = self.new_states();
+        self.extend(seqs, &mut states, KdaForm::Chunked, true)
+    }
+
+    /// Consumes `ids[g]` into the states of group `g`'s ranks, for every group at once; returns
+    /// each group's logits (every new position with `all_logits`, else the last one).
+    pub fn extend(
+        &self,
+        ids: &[Vec<u32>],
+        states: &mut [KdaHybridState],
+        form: KdaForm,
+        all_logits: bool,
+    ) -> ShardResult<Vec<Vec<f32>>> {
+        let (dp, a) = (self.layout.dp(), self.layout.attn_tp());
+        if ids.len() != dp || states.len() != self.ranks.len() {
+            return Err(ShardError::Mismatch(format!(
+                "{} sequences and {} states for layout {} ({dp} groups, {} ranks)",
+                ids.len(),
+                states.len(),
+                self.layout,
+                self.ranks.len()
+            )));
+        }
+        if let Some(bad) = ids.iter().zip(&self.ranks).find_map(|(s, m)| {
+            // Every rank has the same vocabulary; check each group's ids once.
+            m.validate_tokens(s).err()
+        }) {
+            return Err(bad.into());
+        }
+        let results: Vec<ShardResult<Vec<f32>>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = self
+                .ranks
+                .iter()
+                .zip(states.iter_mut())
+                .zip(&self.groups)
+                .map(|((model, state), groups)| {
+                    let group_ids = &ids[groups.position.attn_dp_rank];
+                    let comm = RankComm {
+                        layout: self.layout,
+                        groups,
+                    };
+                    std::thread::Builder::new()
+                        .name(format!("rank{}", groups.position.rank))
+                        .stack_size(16 << 20)
+                        .spawn_scoped(scope, move || {
+                            let mut trace = None;
+                            model.run(group_ids, state, form, all_logits, &mut trace, Some(&comm))
+                        })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .enumerate()
+                .map(|(r, h)| match h {
+                    Ok(h) => match h.join() {
+                        Ok(res) => res.map_err(ShardError::from),
+                        Err(_) => Err(ShardError::RankPanicked(r)),
+                    },
+                    Err(e) => Err(ShardError::Spawn(e)),
+                })
+                .collect()
+        });
+        let mut per_rank = results.into_iter().collect::<ShardResult<Vec<_>>>()?;
+        // Every rank of a group computes the same logits; report attention-TP rank 0's.
+        Ok((0..dp)
+            .map(|g| std::mem::take(&mut per_rank[g * a]))
+            .collect())
+    }
+}

@@ -1,0 +1,136 @@
+//! The tiny KDA hybrid over tensor/data/expert-parallel layouts, ranks as threads: every
+//! attention-DP group, given its own sequence, gets tp1's logits for that sequence. Sharding
+//! the KDA layers by the global TP rank under DP attention gives wrong logits, and layouts
+//! the model cannot take fail at construction.
+
+use tandem_engine::kda_hybrid::{
+    KdaForm, KdaHybridModel, LoadOptions, ShardError, ShardedKdaHybrid,
+};
+use tandem_model::synth::synth_kda_hybrid;
+use tandem_topology::{Layout, ShardBy};
+
+/// Sharding changes summation order (partial o_proj / MLP sums) and nothing else.
+const LAYOUT_TOL: f32 = 1e-4;
+
+fn tokens(n: usize, seed: u32) -> Vec<u32> {
+    (0..n as u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761).wrapping_add(seed * 7919) >> 9) % 509 + 3)
+        .collect()
+}
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len(), "length mismatch");
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+/// One sequence per attention-DP group, of different lengths.
+fn sequences(dp: usize) -> Vec<Vec<u32>> {
+    (0..dp).map(|g| tokens(9 + 3 * g, g as u32 + 1)).collect()
+}
+
+#[test]
+fn every_layout_matches_tp1() {
+    let dir = tempfile::tempdir().expect("tmp");
+    synth_kda_hybrid("tiny", dir.path(), false, 13).expect("synth");
+    let tp1 = KdaHybridModel::load(dir.path()).expect("load tp1");
+    let seqs = sequences(8);
+    let want: Vec<Vec<f32>> = seqs.iter().map(|s| tp1.forward_full(s)).collect();
+    for (tp, dp, ep) in [
+        (1, 1, 1),
+        (2, 1, 1),
+        (4, 1, 1),
+        (8, 1, 1),
+        (4, 2, 1),
+        (8, 8, 1),
+        (4, 1, 4),
+    ] {
+        let layout = Layout::new(tp, dp, ep).expect("valid layout");
+        let m = ShardedKdaHybrid::load(dir.path(), layout).expect("load sharded");
+        let got = m.forward_full(&seqs[..dp]).expect("forward");
+        for (g, logits) in got.iter().enumerate() {
+            let d = max_abs_diff(logits, &want[g]);
+            eprintln!("{layout} group {g}: max |Δlogits| {d:.2e}");
+            assert!(
+                d <= LAYOUT_TOL,
+                "{layout} group {g} differs from tp1 by {d}"
+            );
+        }
+    }
+}
+
+#[test]
+fn prefill_then_decode_on_a_dp_layout_matches_tp1() {
+    let dir = tempfile::tempdir().expect("tmp");
+    synth_kda_hybrid("tiny", dir.path(), false, 17).expect("synth");
+    let tp1 = KdaHybridModel::load(dir.path()).expect("load tp1");
+    let layout = Layout::new(4, 2, 2).expect("valid layout");
+    let m = ShardedKdaHybrid::load(dir.path(), layout).expect("load sharded");
+    let seqs = sequences(2);
+    let mut states = m.new_states();
+    let prompts: Vec<Vec<u32>> = seqs.iter().map(|s| s[..s.len() - 3].to_vec()).collect();
+    m.extend(&prompts, &mut states, KdaForm::Chunked, false)
+        .expect("prefill");
+    let mut last = Vec::new();
+    for back in [3, 2, 1] {
+        let next: Vec<Vec<u32>> = seqs.iter().map(|s| vec![s[s.len() - back]]).collect();
+        last = m
+            .extend(&next, &mut states, KdaForm::Recurrent, false)
+            .expect("decode");
+    }
+    let vocab = tp1.config().vocab_size;
+    for (g, s) in seqs.iter().enumerate() {
+        let full = tp1.forward_full(s);
+        let d = max_abs_diff(&last[g], &full[full.len() - vocab..]);
+        assert!(d <= LAYOUT_TOL, "group {g}: decode differs from tp1 by {d}");
+    }
+}
+
+#[test]
+fn global_tp_sharding_under_dp_attention_is_wrong() {
+    let dir = tempfile::tempdir().expect("tmp");
+    synth_kda_hybrid("tiny", dir.path(), false, 13).expect("synth");
+    let tp1 = KdaHybridModel::load(dir.path()).expect("load tp1");
+    let layout = Layout::new(8, 8, 1).expect("valid layout");
+    let seqs = sequences(8);
+    let wrong = ShardedKdaHybrid::load_with(
+        dir.path(),
+        layout,
+        &LoadOptions::default(),
+        ShardBy::GlobalTp,
+    )
+    .expect("global TP loads: shapes stay self-consistent, heads are wrong");
+    let got = wrong.forward_full(&seqs).expect("forward");
+    for (g, logits) in got.iter().enumerate() {
+        let d = max_abs_diff(logits, &tp1.forward_full(&seqs[g]));
+        eprintln!("global-TP KDA sharding, group {g}: max |Δlogits| {d:.2e}");
+        assert!(
+            d > 0.1,
+            "group {g}: wrong sharding should be far off, got {d}"
+        );
+    }
+}
+
+#[test]
+fn layouts_the_model_cannot_take_fail_at_construction() {
+    let dir = tempfile::tempdir().expect("tmp");
+    synth_kda_hybrid("tiny", dir.path(), false, 13).expect("synth");
+    // 8 KDA heads over attention TP 16.
+    let err = ShardedKdaHybrid::load(dir.path(), Layout::new(16, 1, 1).expect("sizes fit"))
+        .expect_err("16 does not divide 8 heads");
+    assert!(matches!(err, ShardError::Topology(_)), "{err:?}");
+    let msg = err.to_string();
+    assert!(msg.contains("16") && msg.contains("heads"), "{msg}");
+    // 8 experts over ep 3 (and 8 heads over attention TP 1 are fine): 3 ∤ 8.
+    let err = ShardedKdaHybrid::load(dir.path(), Layout::new(3, 3, 3).expect("sizes fit"))
+        .expect_err("3 does not divide 8 experts");
+    assert!(err.to_string().contains('8'), "{err}");
+    // Wrong number of sequences for the layout.
+    let m = ShardedKdaHybrid::load(dir.path(), Layout::new(2, 2, 1).expect("valid")).expect("load");
+    assert!(matches!(
+        m.forward_full(&sequences(1)),
+        Err(ShardError::Mismatch(_))
+    ));
+}

@@ -1,0 +1,189 @@
+//! The engines a worker can serve, behind one small surface: the Llama engine (paged KV,
+//! continuous batching) and the KDA-hybrid engine (per-request state slots). The service code
+//! sees reservations, an opaque handoff body and a token stream, whichever model it runs.
+
+use crate::{Error, Result};
+use tandem_core::{FinishReason, SamplingParams};
+use tandem_engine::kda_runner::{KdaEngine, KdaEvent};
+use tandem_engine::{BlockAllocation, BlockAllocator, Engine, EngineEvent, SeqKind};
+use tandem_proto::v1 as pb;
+use tokio::sync::mpsc::UnboundedReceiver;
+
+/// The model engine behind a worker.
+#[derive(Clone, Debug)]
+pub enum WorkerEngine {
+    /// Llama family.
+    Llama(Engine),
+    /// KDA hybrid family.
+    Kda(KdaEngine),
+}
+
+/// What a prefill produced.
+#[derive(Debug)]
+pub struct Prefilled {
+    /// The sampled first token.
+    pub first_token: u32,
+    /// Set when the first token ends the request.
+    pub finish: Option<FinishReason>,
+    /// The handoff body: KV floats (Llama) or the encoded state (KDA), as bytes.
+    pub body: Vec<u8>,
+}
+
+/// Token events of a decoding request.
+#[derive(Debug)]
+pub enum TokenEvents {
+    /// From the Llama engine.
+    Llama(UnboundedReceiver<EngineEvent>),
+    /// From the KDA engine.
+    Kda(UnboundedReceiver<KdaEvent>),
+}
+
+impl TokenEvents {
+    /// The next token; `None` when the engine dropped the request.
+    pub async fn recv(&mut self) -> Option<(u32, Option<FinishReason>)> {
+        match self {
+            TokenEvents::Llama(rx) => match rx.recv().await? {
+                EngineEvent::Token { token_id, finish } => Some((token_id, finish)),
+                EngineEvent::Prefilled { .. } => None,
+            },
+            TokenEvents::Kda(rx) => match rx.recv().await? {
+                KdaEvent::Token { token_id, finish } => Some((token_id, finish)),
+                KdaEvent::Prefilled { .. } => None,
+            },
+        }
+    }
+}
+
+impl WorkerEngine {
+    /// Context length.
+    pub fn max_context(&self) -> usize {
+        match self {
+            WorkerEngine::Llama(e) => e.max_context(),
+            WorkerEngine::Kda(e) => e.max_context(),
+        }
+    }
+
+    /// The pool reservations come from (KV blocks, or KDA state slots).
+    pub fn allocator(&self) -> &BlockAllocator {
+        match self {
+            WorkerEngine::Llama(e) => e.allocator(),
+            WorkerEngine::Kda(e) => e.slots(),
+        }
+    }
+
+    /// Requests admitted or waiting (Llama); KDA reports slots in use.
+    pub fn running(&self) -> usize {
+        match self {
+            WorkerEngine::Llama(e) => {
+                let s = e.stats();
+                s.running + s.waiting
+            }
+            WorkerEngine::Kda(e) => e.slots().total_blocks() - e.slots().free_blocks(),
+        }
+    }
+
+    /// What the receiving side expects, so a prefill worker of another model is refused.
+    pub fn kv_layout(&self, num_tokens: usize) -> pb::KvLayout {
+        match self {
+            WorkerEngine::Llama(e) => {
+                let l = e.layout();
+                pb::KvLayout {
+                    num_layers: l.num_layers as u32,
+                    num_kv_heads: l.num_kv_heads as u32,
+                    head_dim: l.head_dim as u32,
+                    block_size: l.block_size as u32,
+                    num_tokens: num_tokens as u32,
+                    dtype: "f32".into(),
+                }
+            }
+            WorkerEngine::Kda(e) => pb::KvLayout {
+                num_layers: e.num_layers() as u32,
+                num_kv_heads: 0,
+                head_dim: 0,
+                block_size: 0,
+                num_tokens: num_tokens as u32,
+                dtype: "kda_state".into(),
+            },
+        }
+    }
+
+    /// Reserves space for a request of `tokens` tokens (decode role).
+    pub fn reserve(&self, tokens: usize) -> Result<BlockAllocation> {
+        Ok(match self {
+            WorkerEngine::Llama(e) => e.reserve(tokens)?,
+            WorkerEngine::Kda(e) => e.reserve()?,
+        })
+    }
+
+    /// Runs the prompt (prefill role).
+    pub async fn prefill(&self, prompt: Vec<u32>, params: SamplingParams) -> Result<Prefilled> {
+        let stopped = || Error::Engine(tandem_engine::Error::Stopped);
+        match self {
+            WorkerEngine::Llama(e) => {
+                let mut rx = e.submit(prompt, params, SeqKind::Prefill)?;
+                match rx.recv().await {
+                    Some(EngineEvent::Prefilled {
+                        first_token,
+                        finish,
+                        kv,
+                    }) => Ok(Prefilled {
+                        first_token,
+                        finish,
+                        body: bytemuck::cast_slice(&kv).to_vec(),
+                    }),
+                    _ => Err(stopped()),
+                }
+            }
+            WorkerEngine::Kda(e) => {
+                let mut rx = e.submit_prefill(prompt, params)?;
+                match rx.recv().await {
+                    Some(KdaEvent::Prefilled {
+                        first_token,
+                        finish,
+                        state,
+                    }) => Ok(Prefilled {
+                        first_token,
+                        finish,
+                        body: state,
+                    }),
+                    _ => Err(stopped()),
+                }
+            }
+        }
+    }
+
+    /// Continues a request from a handoff body (decode role).
+    pub fn decode(
+        &self,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+        allocation: BlockAllocation,
+        body: &[u8],
+        first_token: u32,
+    ) -> Result<TokenEvents> {
+        match self {
+            WorkerEngine::Llama(e) => {
+                if body.len() % 4 != 0 {
+                    return Err(Error::InvalidRequest("KV body is not whole floats".into()));
+                }
+                let kv = body
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                    .collect();
+                let kind = SeqKind::Decode {
+                    allocation,
+                    kv,
+                    first_token,
+                };
+                Ok(TokenEvents::Llama(e.submit(prompt, params, kind)?))
+            }
+            WorkerEngine::Kda(e) => Ok(TokenEvents::Kda(e.submit_decode(
+                &prompt,
+                params,
+                allocation,
+                body,
+                first_token,
+            )?)),
+        }
+    }
+}
