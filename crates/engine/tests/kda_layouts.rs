@@ -1,13 +1,15 @@
 //! The tiny KDA hybrid over tensor/data/expert-parallel layouts, ranks as threads: every
 //! attention-DP group, given its own sequence, gets tp1's logits for that sequence. Sharding
 //! the KDA layers by the global TP rank under DP attention gives wrong logits, and layouts
-//! the model cannot take fail at construction.
+//! the model cannot take fail at construction. A request prefilled on one layout and moved to
+//! another with a `TransferPlan` decodes to tp1's logits.
 
+use tandem_engine::kda_hybrid::sharded::model_shape;
 use tandem_engine::kda_hybrid::{
-    KdaForm, KdaHybridModel, LoadOptions, ShardError, ShardedKdaHybrid,
+    apply_transfer_plan, KdaForm, KdaHybridModel, LoadOptions, ShardError, ShardedKdaHybrid,
 };
 use tandem_model::synth::synth_kda_hybrid;
-use tandem_topology::{Layout, ShardBy};
+use tandem_topology::{Layout, ShardBy, TransferPlan};
 
 /// Sharding changes summation order (partial o_proj / MLP sums) and nothing else.
 const LAYOUT_TOL: f32 = 1e-4;
@@ -133,4 +135,69 @@ fn layouts_the_model_cannot_take_fail_at_construction() {
         m.forward_full(&sequences(1)),
         Err(ShardError::Mismatch(_))
     ));
+}
+
+/// Prefill on layout `p`, move the request into every attention-DP group of layout `d` with a
+/// `TransferPlan`, decode there: every group equals tp1's full pass.
+fn prefill_move_decode(p: Layout, d: Layout) {
+    let dir = tempfile::tempdir().expect("tmp");
+    synth_kda_hybrid("tiny", dir.path(), false, 23).expect("synth");
+    let tp1 = KdaHybridModel::load(dir.path()).expect("load tp1");
+    let (pm, dm) = (
+        ShardedKdaHybrid::load(dir.path(), p).expect("load P"),
+        ShardedKdaHybrid::load(dir.path(), d).expect("load D"),
+    );
+    let seq = tokens(70, 4); // prefill crosses a chunk boundary
+    let n = seq.len() - 3;
+    let mut p_states = pm.new_states();
+    pm.extend(
+        &vec![seq[..n].to_vec(); p.dp()],
+        &mut p_states,
+        KdaForm::Chunked,
+        false,
+    )
+    .expect("prefill");
+    let mut d_states = dm.new_states();
+    let shape = model_shape(tp1.config());
+    let kda = tp1.config().kda;
+    for g in 0..d.dp() {
+        let plan = TransferPlan::new(&p, &d, &shape, 0, g).expect("plan");
+        apply_transfer_plan(
+            &plan,
+            &p_states,
+            &mut d_states,
+            kda.head_dim,
+            kda.conv_kernel,
+        );
+    }
+    let mut last = Vec::new();
+    for &id in &seq[n..] {
+        last = dm
+            .extend(
+                &vec![vec![id]; d.dp()],
+                &mut d_states,
+                KdaForm::Recurrent,
+                false,
+            )
+            .expect("decode");
+    }
+    let full = tp1.forward_full(&seq);
+    let want = &full[full.len() - tp1.config().vocab_size..];
+    for (g, logits) in last.iter().enumerate() {
+        let diff = max_abs_diff(logits, want);
+        eprintln!("P {p} → D {d} group {g}: max |Δlogits| {diff:.2e}");
+        assert!(diff <= LAYOUT_TOL, "P {p} → D {d} group {g}: {diff}");
+    }
+}
+
+#[test]
+fn prefill_on_one_layout_decode_on_another() {
+    prefill_move_decode(
+        Layout::new(2, 1, 1).expect("valid"),
+        Layout::new(2, 2, 1).expect("valid"),
+    );
+    prefill_move_decode(
+        Layout::new(4, 1, 4).expect("valid"),
+        Layout::new(4, 4, 4).expect("valid"),
+    );
 }

@@ -14,7 +14,8 @@
 //! Layout: [`config`] parses both config spellings into one checked type; [`delta_rule`] is
 //! the pure recurrent / chunked kernel; [`kda`], [`mla`], [`moe`] and [`residual`] are the
 //! layer parts; [`model`] assembles them and owns the prefill / decode entry points;
-//! [`loading`] holds load options and rank shards; [`sharded`] runs layouts.
+//! [`loading`] holds load options and rank shards; [`sharded`] runs layouts; [`transfer`]
+//! moves a request's state between layouts.
 
 pub mod config;
 pub mod delta_rule;
@@ -27,6 +28,7 @@ mod ops;
 pub mod projection;
 pub mod residual;
 pub mod sharded;
+pub mod transfer;
 mod weights;
 
 pub use config::{
@@ -39,3 +41,4 @@ pub use mla::{IndexerCache, MlaState};
 pub use model::{KdaHybridModel, KdaHybridState, LayerState};
 pub use projection::{KdaGateProjection, KdaInputProjection, KdaProjected};
 pub use sharded::{ShardError, ShardedKdaHybrid};
+pub use transfer::apply_transfer_plan;
