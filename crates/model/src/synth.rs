@@ -231,7 +231,7 @@ fn tensor_specs(p: &Preset) -> Vec<(String, Vec<usize>, Init)> {
                 Init::Linear,
             ));
             t.push((format!("{a}.A_log"), vec![1, 1, p.kda_heads, 1], Init::ALog));
-            t.push((format!("{a}.dt_bias"), vec![kp], Init::Uniform(0.1)));
+            t.push((format!("{a}.dt_bias"), vec![kp], Init::DtBias));
             t.push((
                 format!("{a}.o_norm.weight"),
                 vec![p.kda_head_dim],
@@ -312,6 +312,9 @@ enum Init {
     Uniform(f32),
     /// ln of uniform(1, 16).
     ALog,
+    /// softplus⁻¹ of a log-uniform step in [1e-3, 1e-1], so decays are slow and the KDA
+    /// state carries information across many tokens (as in trained models).
+    DtBias,
 }
 
 /// splitmix64 stream seeded by `(seed, name)`.
@@ -348,6 +351,10 @@ fn values(name: &str, shape: &[usize], init: Init, seed: u64) -> Vec<f32> {
                 Init::Norm => 1.0 + 0.1 * u,
                 Init::Uniform(a) => a * u,
                 Init::ALog => (8.5 + 7.5 * u).ln(),
+                Init::DtBias => {
+                    let dt = (1e-3f32.ln() + (u + 1.0) / 2.0 * (1e-1f32.ln() - 1e-3f32.ln())).exp();
+                    dt.exp_m1().ln()
+                }
             };
             // Exactly representable in BF16, like the public references.
             half::bf16::from_f32(v).to_f32()
