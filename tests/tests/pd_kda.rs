@@ -90,13 +90,13 @@ fn kda_hybrid_pd_equals_single_process_and_frees_every_slot() {
                 let body = json!({"model": "test-model", "prompt": p, "max_tokens": 8, "temperature": 0});
                 let resp: Value = c.post(format!("{url}/v1/completions")).json(&body).send().await.unwrap().json().await.unwrap();
                 let n = resp["usage"]["completion_tokens"].as_u64().unwrap_or(0);
-                (resp, n, want)
+                (resp, n, want, p.len() as u64)
             }));
         }
         for t in tasks {
-            let (resp, n, want) = t.await.unwrap();
+            let (resp, n, want, prompt_len) = t.await.unwrap();
             assert_eq!(n as usize, want.len(), "completion length vs single process: {resp}");
-            assert_eq!(resp["usage"]["prompt_tokens"].as_u64().is_some(), true, "{resp}");
+            assert_eq!(resp["usage"]["prompt_tokens"].as_u64(), Some(prompt_len), "{resp}");
         }
         // Token-level equality: with one word per id, the text spells out the ids.
         for (p, want) in prompts.iter().zip(&expected) {

@@ -163,7 +163,7 @@ pub fn decode_state(
                     ix.keys = keys;
                     ix.pool_gate = pool_gate;
                 }
-                let per_token = |v: &[f32]| tokens == 0 || v.len() % tokens == 0;
+                let per_token = |v: &[f32]| tokens == 0 || v.len().is_multiple_of(tokens);
                 if !per_token(&m.kv_latent) || !per_token(&m.k_rope) {
                     return Err(Error::InvalidRequest(
                         "MLA latent is not whole tokens".into(),

@@ -163,7 +163,7 @@ impl WorkerEngine {
     ) -> Result<TokenEvents> {
         match self {
             WorkerEngine::Llama(e) => {
-                if body.len() % 4 != 0 {
+                if !body.len().is_multiple_of(4) {
                     return Err(Error::InvalidRequest("KV body is not whole floats".into()));
                 }
                 let kv = body

@@ -315,8 +315,7 @@ impl pb::worker_server::Worker for WorkerService {
         let (prompt, params) = shared.checked_request(request.into_inner().request)?;
         let allocation = shared
             .engine
-            .reserve(prompt.len() + params.max_tokens as usize)
-            .map_err(Error::from)?;
+            .reserve(prompt.len() + params.max_tokens as usize)?;
         let pending = shared.reservations.register();
         let target = pb::KvTarget {
             transfer_address: shared.transfer_address.clone(),
