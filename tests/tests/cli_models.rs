@@ -174,3 +174,103 @@ fn synthesised_checkpoints_load_and_run() {
     ]);
     assert_eq!(bf16["token_ids"].as_array().unwrap().len(), 4);
 }
+
+#[test]
+fn layouts_give_the_reference_logits_and_tokens() {
+    let dir = tandem_testkit::shared_dir().join("reference/kimi_tiny");
+    let reference: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
+            .unwrap();
+    let model = dir.display().to_string();
+    let seq = &reference["sequences"][1]; // 67 tokens: two KDA chunks
+    let ids = ids_arg(&seq["input_ids"]);
+    let want = seq["logits"].as_array().unwrap();
+    for layout in [
+        ["2", "1", "1"],
+        ["4", "2", "1"],
+        ["4", "1", "4"],
+        ["4", "4", "2"],
+    ] {
+        let got = run_json(&[
+            "eval",
+            "logits",
+            "--model",
+            &model,
+            "--token-ids",
+            &ids,
+            "--json",
+            "--tp",
+            layout[0],
+            "--dp",
+            layout[1],
+            "--ep",
+            layout[2],
+        ]);
+        let got = got["logits"].as_array().unwrap();
+        assert_eq!(got.len(), want.len());
+        let max = got
+            .iter()
+            .zip(want)
+            .flat_map(|(g, w)| {
+                g.as_array()
+                    .unwrap()
+                    .iter()
+                    .zip(w.as_array().unwrap())
+                    .map(|(a, b)| (a.as_f64().unwrap() - b.as_f64().unwrap()).abs())
+                    .collect::<Vec<_>>()
+            })
+            .fold(0.0f64, f64::max);
+        assert!(max <= 1e-3, "layout {layout:?}: max |logit diff| {max}");
+    }
+    let n = seq["greedy"]["num_new_tokens"]
+        .as_u64()
+        .unwrap()
+        .to_string();
+    let gen = run_json(&[
+        "generate",
+        "--model",
+        &model,
+        "--token-ids",
+        &ids,
+        "--max-tokens",
+        &n,
+        "--json",
+        "--tp",
+        "4",
+        "--dp",
+        "2",
+    ]);
+    let want_ids: Vec<u64> = seq["greedy"]["generated_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .collect();
+    let got_ids: Vec<u64> = gen["token_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .collect();
+    assert!(
+        !got_ids.is_empty() && want_ids.starts_with(&got_ids),
+        "{got_ids:?} vs {want_ids:?}"
+    );
+    // kimi_tiny has 4 KDA heads: attention TP 8 cannot split them.
+    let out = Command::new(tandem_bin())
+        .args([
+            "eval",
+            "logits",
+            "--model",
+            &model,
+            "--token-ids",
+            "1,2",
+            "--tp",
+            "8",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("not divisible") && err.contains('8'), "{err}");
+}

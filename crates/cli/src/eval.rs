@@ -5,7 +5,7 @@ use anyhow::{bail, Context, Result};
 use std::path::Path;
 use tandem_core::BlockId;
 use tandem_engine::batch::ForwardBatch;
-use tandem_engine::kda_hybrid::KdaHybridModel;
+use tandem_engine::kda_hybrid::{KdaForm, KdaHybridModel, ShardedKdaHybrid};
 use tandem_engine::{Backend, CpuBackend, LlamaModel};
 
 /// The families the engine runs.
@@ -86,26 +86,119 @@ pub fn context_length(dir: &Path, model: &KdaHybridModel) -> Result<usize> {
         .map_or(configured, |l| l.min(configured)))
 }
 
-fn check_layout(layout: LayoutArgs) -> Result<()> {
-    let l = tandem_topology::Layout::new(layout.tp, layout.dp, layout.ep)
-        .map_err(|e| anyhow::anyhow!("bad layout: {e}"))?;
-    if l.tp() != 1 {
-        bail!(
-            "layout tp={} dp={} ep={} is valid, but this command runs tp=1 only so far; \
-             multi-rank layouts run through the engine's sharded KDA runtime",
-            layout.tp,
-            layout.dp,
-            layout.ep
-        );
+fn checked_layout(layout: LayoutArgs) -> Result<tandem_topology::Layout> {
+    tandem_topology::Layout::new(layout.tp, layout.dp, layout.ep)
+        .map_err(|e| anyhow::anyhow!("bad layout: {e}"))
+}
+
+/// A KDA-hybrid model on one rank or sharded over a layout (ranks are threads here). Every
+/// attention-DP group runs the same sequence; group 0's result is reported and the others
+/// must agree with it.
+enum KdaRunner {
+    Single(KdaHybridModel),
+    Sharded(ShardedKdaHybrid),
+}
+
+impl KdaRunner {
+    fn load(dir: &Path, layout: LayoutArgs) -> Result<Self> {
+        let l = checked_layout(layout)?;
+        Ok(if l.tp() == 1 {
+            KdaRunner::Single(KdaHybridModel::load(dir)?)
+        } else {
+            KdaRunner::Sharded(ShardedKdaHybrid::load(dir, l).map_err(|e| anyhow::anyhow!("{e}"))?)
+        })
     }
-    Ok(())
+
+    fn vocab(&self) -> usize {
+        match self {
+            KdaRunner::Single(m) => m.config().vocab_size,
+            KdaRunner::Sharded(s) => s
+                .rank(tandem_topology::Rank(0))
+                .map_or(0, |m| m.config().vocab_size),
+        }
+    }
+
+    fn validate(&self, ids: &[u32]) -> Result<()> {
+        match self {
+            KdaRunner::Single(m) => Ok(m.validate_tokens(ids)?),
+            KdaRunner::Sharded(s) => match s.rank(tandem_topology::Rank(0)) {
+                Some(m) => Ok(m.validate_tokens(ids)?),
+                None => bail!("layout has no ranks"),
+            },
+        }
+    }
+
+    fn groups_agree(out: Vec<Vec<f32>>) -> Result<Vec<f32>> {
+        let first = out.first().cloned().unwrap_or_default();
+        for (g, o) in out.iter().enumerate().skip(1) {
+            let diff = o
+                .iter()
+                .zip(&first)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0f32, f32::max);
+            if diff > 1e-3 {
+                bail!("attention-DP group {g} disagrees with group 0 by {diff}");
+            }
+        }
+        Ok(first)
+    }
+
+    fn full(&self, ids: &[u32]) -> Result<Vec<f32>> {
+        match self {
+            KdaRunner::Single(m) => Ok(m.forward_full(ids)),
+            KdaRunner::Sharded(s) => {
+                let seqs = vec![ids.to_vec(); s.layout().dp()];
+                Self::groups_agree(s.forward_full(&seqs).map_err(|e| anyhow::anyhow!("{e}"))?)
+            }
+        }
+    }
+
+    fn greedy(&self, prompt: &[u32], max_tokens: u32, eos: &[u32]) -> Result<Vec<u32>> {
+        let mut out = Vec::new();
+        match self {
+            KdaRunner::Single(m) => {
+                let mut state = m.new_state();
+                let mut logits = m.prefill(prompt, &mut state);
+                while out.len() < max_tokens as usize {
+                    let id = tandem_engine::sampling::argmax(&logits);
+                    out.push(id);
+                    if eos.contains(&id) {
+                        break;
+                    }
+                    logits = m.decode_step(id, &mut state);
+                }
+            }
+            KdaRunner::Sharded(s) => {
+                let dp = s.layout().dp();
+                let mut states = s.new_states();
+                let step = |ids: Vec<u32>, states: &mut Vec<_>, form| -> Result<Vec<f32>> {
+                    let out = s
+                        .extend(&vec![ids; dp], states, form, false)
+                        .map_err(|e| anyhow::anyhow!("{e}"))?;
+                    Self::groups_agree(out)
+                };
+                let mut logits = step(prompt.to_vec(), &mut states, KdaForm::Chunked)?;
+                while out.len() < max_tokens as usize {
+                    let id = tandem_engine::sampling::argmax(&logits);
+                    out.push(id);
+                    if eos.contains(&id) {
+                        break;
+                    }
+                    logits = step(vec![id], &mut states, KdaForm::Recurrent)?;
+                }
+            }
+        }
+        Ok(out)
+    }
 }
 
 /// Logits `[T][vocab]` of a full forward over `ids`.
 pub fn logits(dir: &Path, ids: &[u32], layout: LayoutArgs) -> Result<Vec<Vec<f32>>> {
-    check_layout(layout)?;
     let (flat, vocab) = match family(dir)? {
         Family::Llama => {
+            if checked_layout(layout)?.tp() != 1 {
+                bail!("llama models run with tp=1 only so far");
+            }
             let model = LlamaModel::load(dir, CpuBackend::new())?;
             let vocab = model.config().vocab_size;
             if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
@@ -121,10 +214,9 @@ pub fn logits(dir: &Path, ids: &[u32], layout: LayoutArgs) -> Result<Vec<Vec<f32
             (model.forward(&batch, &mut cache), vocab)
         }
         Family::KdaHybrid => {
-            let model = KdaHybridModel::load(dir)?;
-            model.validate_tokens(ids)?;
-            let vocab = model.config().vocab_size;
-            (model.forward_full(ids), vocab)
+            let runner = KdaRunner::load(dir, layout)?;
+            runner.validate(ids)?;
+            (runner.full(ids)?, runner.vocab())
         }
     };
     Ok(flat.chunks_exact(vocab).map(<[f32]>::to_vec).collect())
@@ -137,20 +229,7 @@ pub fn generate_kda(
     max_tokens: u32,
     layout: LayoutArgs,
 ) -> Result<Vec<u32>> {
-    check_layout(layout)?;
-    let model = KdaHybridModel::load(dir)?;
-    model.validate_tokens(prompt)?;
-    let eos = eos_ids(dir)?;
-    let mut state = model.new_state();
-    let mut logits = model.prefill(prompt, &mut state);
-    let mut out = Vec::new();
-    for _ in 0..max_tokens {
-        let id = tandem_engine::sampling::argmax(&logits);
-        out.push(id);
-        if eos.contains(&id) || out.len() == max_tokens as usize {
-            break;
-        }
-        logits = model.decode_step(id, &mut state);
-    }
-    Ok(out)
+    let runner = KdaRunner::load(dir, layout)?;
+    runner.validate(prompt)?;
+    runner.greedy(prompt, max_tokens, &eos_ids(dir)?)
 }
