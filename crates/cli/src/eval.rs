@@ -95,7 +95,7 @@ fn checked_layout(layout: LayoutArgs) -> Result<tandem_topology::Layout> {
 /// attention-DP group runs the same sequence; group 0's result is reported and the others
 /// must agree with it.
 enum KdaRunner {
-    Single(KdaHybridModel),
+    Single(Box<KdaHybridModel>),
     Sharded(ShardedKdaHybrid),
 }
 
@@ -103,7 +103,7 @@ impl KdaRunner {
     fn load(dir: &Path, layout: LayoutArgs) -> Result<Self> {
         let l = checked_layout(layout)?;
         Ok(if l.tp() == 1 {
-            KdaRunner::Single(KdaHybridModel::load(dir)?)
+            KdaRunner::Single(Box::new(KdaHybridModel::load(dir)?))
         } else {
             KdaRunner::Sharded(ShardedKdaHybrid::load(dir, l).map_err(|e| anyhow::anyhow!("{e}"))?)
         })
