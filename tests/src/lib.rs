@@ -44,6 +44,10 @@ pub struct ClusterOptions {
     pub worker_env: Vec<(String, String)>,
     /// Model directory; SmolLM2 when `None`. Served under the name `test-model`.
     pub model: Option<PathBuf>,
+    /// Extra arguments of the prefill worker (e.g. `--tp 2`).
+    pub prefill_args: Vec<String>,
+    /// Extra arguments of the decode worker (e.g. `--tp 2 --dp 2`).
+    pub decode_args: Vec<String>,
 }
 
 impl Default for ClusterOptions {
@@ -52,6 +56,8 @@ impl Default for ClusterOptions {
             kv_blocks: 512,
             worker_env: vec![("UCX_TLS".into(), "tcp".into())],
             model: None,
+            prefill_args: Vec::new(),
+            decode_args: Vec::new(),
         }
     }
 }
@@ -96,6 +102,11 @@ impl Cluster {
                     "--kv-blocks",
                     &kv,
                 ])
+                .args(if role == "prefill" {
+                    &opts.prefill_args
+                } else {
+                    &opts.decode_args
+                })
                 .envs(
                     opts.worker_env
                         .iter()

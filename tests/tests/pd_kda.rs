@@ -65,19 +65,58 @@ fn single_process(dir: &std::path::Path, prompt: &[u32], n: u32) -> Vec<u64> {
         .collect()
 }
 
+fn strings(a: &[&str]) -> Vec<String> {
+    a.iter().map(|s| s.to_string()).collect()
+}
+
 #[test]
 fn kda_hybrid_pd_equals_single_process_and_frees_every_slot() {
+    run_case(Vec::new(), Vec::new());
+}
+
+/// Prefill with attention TP 2, decode with DP attention (tp 2 × dp 2, so A = 1): the KDA
+/// state is resharded by heads (and per q/k/v conv block) on the way, and requests spread over
+/// both decode DP groups.
+#[test]
+fn kda_hybrid_pd_across_layouts_tp2_to_tp2_dp2() {
+    run_case(
+        strings(&["--tp", "2"]),
+        strings(&["--tp", "2", "--dp", "2"]),
+    );
+}
+
+/// The second pair: prefill attention TP 4, decode tp 4 × dp 4.
+#[test]
+fn kda_hybrid_pd_across_layouts_tp4_to_tp4_dp4() {
+    run_case(
+        strings(&["--tp", "4"]),
+        strings(&["--tp", "4", "--dp", "4"]),
+    );
+}
+
+fn run_case(prefill_args: Vec<String>, decode_args: Vec<String>) {
+    let flag = |name: &str| {
+        decode_args
+            .iter()
+            .position(|a| a == name)
+            .map_or("1".to_string(), |i| decode_args[i + 1].clone())
+    };
+    let expected_decode_layout = format!("tp{} dp{} ep1", flag("--tp"), flag("--dp"));
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("kda-tiny");
     synth_model_with_tokenizer(&dir);
     let prompts: Vec<Vec<u32>> = vec![
         vec![11, 40, 7, 200, 33],
+        vec![500, 3, 77],
+        (0..20).map(|i| 100 + i * 13).collect(),
         (0..70).map(|i| 3 + (i * 37) % 280).collect(),
     ];
     let expected: Vec<Vec<u64>> = prompts.iter().map(|p| single_process(&dir, p, 8)).collect();
     let cluster = Cluster::start(ClusterOptions {
         kv_blocks: 8,
         model: Some(dir.clone()),
+        prefill_args,
+        decode_args,
         ..ClusterOptions::default()
     });
     let url = cluster.url.clone();
@@ -104,14 +143,20 @@ fn kda_hybrid_pd_equals_single_process_and_frees_every_slot() {
             let resp: Value = c.post(format!("{url}/v1/completions")).json(&body).send().await.unwrap().json().await.unwrap();
             let text = resp["choices"][0]["text"].as_str().unwrap().to_string();
             let got: Vec<u64> = text.split_whitespace().map(|w| w.trim_start_matches('t').parse().unwrap()).collect();
-            let eos_trimmed: Vec<u64> = want.iter().copied().filter(|&t| t != 2).collect();
+            let eos_trimmed: Vec<u64> = want.clone(); // t2 is not a special token of this tokenizer, so it shows in the text
             assert_eq!(got, eos_trimmed, "P/D tokens differ from the single-process run ({text:?})");
         }
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
             let w: Value = c.get(format!("{url}/admin/workers")).send().await.unwrap().json().await.unwrap();
-            let all_free = w["workers"].as_array().unwrap().iter().all(|x| x["kv_blocks_free"] == x["kv_blocks_total"]);
+            let workers = w["workers"].as_array().unwrap();
+            let all_free = workers.iter().all(|x| {
+                x["kv_blocks_free"] == x["kv_blocks_total"]
+                    && x["dp_free_slots"].as_array().unwrap().iter().all(|f| f == 8)
+            });
             if all_free {
+                let decode = workers.iter().find(|x| x["role"] == "decode").unwrap();
+                assert_eq!(decode["layout"], expected_decode_layout, "{w}");
                 break;
             }
             assert!(Instant::now() < deadline, "state slots not returned: {w}");

@@ -146,6 +146,11 @@ fn engine_bench(
         model: model.to_string(),
         kv_blocks: 2048,
         max_batch_tokens: 512,
+        layout: crate::eval::LayoutArgs {
+            tp: 1,
+            dp: 1,
+            ep: 1,
+        },
     };
     let engine = args.start()?;
     eprintln!("warming up…");

@@ -70,7 +70,7 @@ pub fn eos_ids(dir: &Path) -> Result<Vec<u32>> {
 
 /// Context a KDA-hybrid checkpoint is served at: its configured length, capped where the
 /// model is exact only up to a limit (GLM's sparse indexer).
-pub fn context_length(dir: &Path, model: &KdaHybridModel) -> Result<usize> {
+pub fn context_length(dir: &Path, exact_limit: Option<usize>) -> Result<usize> {
     let cfg = config_json(dir)?;
     let text = cfg.get("text_config").unwrap_or(&cfg);
     let configured = ["max_position_embeddings", "model_max_length"]
@@ -81,12 +81,11 @@ pub fn context_length(dir: &Path, model: &KdaHybridModel) -> Result<usize> {
                 .and_then(serde_json::Value::as_u64)
         })
         .unwrap_or(4096) as usize;
-    Ok(model
-        .exact_context_limit()
-        .map_or(configured, |l| l.min(configured)))
+    Ok(exact_limit.map_or(configured, |l| l.min(configured)))
 }
 
-fn checked_layout(layout: LayoutArgs) -> Result<tandem_topology::Layout> {
+/// The checked layout of the command line.
+pub fn checked_layout(layout: LayoutArgs) -> Result<tandem_topology::Layout> {
     tandem_topology::Layout::new(layout.tp, layout.dp, layout.ep)
         .map_err(|e| anyhow::anyhow!("bad layout: {e}"))
 }

@@ -116,6 +116,9 @@ struct EngineArgs {
     /// Tokens per step (decodes + prefill chunks).
     #[arg(long, default_value_t = 512)]
     max_batch_tokens: usize,
+    /// Parallel layout (KDA-hybrid models; ranks are threads of this process).
+    #[command(flatten)]
+    layout: eval::LayoutArgs,
 }
 
 impl EngineArgs {
@@ -139,11 +142,18 @@ impl EngineArgs {
     fn start_worker_engine(&self) -> Result<tandem_worker::WorkerEngine> {
         let dir = models::resolve(&self.model)?;
         Ok(match eval::family(&dir)? {
-            eval::Family::Llama => tandem_worker::WorkerEngine::Llama(self.start_llama(&dir)?),
+            eval::Family::Llama => {
+                if eval::checked_layout(self.layout)?.tp() != 1 {
+                    bail!("llama models run with tp=1 only so far");
+                }
+                tandem_worker::WorkerEngine::Llama(self.start_llama(&dir)?)
+            }
             eval::Family::KdaHybrid => {
-                let model = tandem_engine::kda_hybrid::KdaHybridModel::load(&dir)
+                let layout = eval::checked_layout(self.layout)?;
+                let model = tandem_engine::kda_runner::KdaModel::load(&dir, layout)
                     .with_context(|| format!("loading {}", dir.display()))?;
-                let context = eval::context_length(&dir, &model)?;
+                let exact = model.config().mla.indexer.map(|ix| ix.topk);
+                let context = eval::context_length(&dir, exact)?;
                 let eos = eval::eos_ids(&dir)?;
                 tandem_worker::WorkerEngine::Kda(tandem_engine::kda_runner::KdaEngine::start(
                     model,
@@ -385,6 +395,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
         model: dir.display().to_string(),
         kv_blocks: 1024,
         max_batch_tokens: 512,
+        layout: args.layout,
     }
     .start()?;
     let mut rx = engine.submit(

@@ -9,7 +9,11 @@
 //! decodes round-robin): correct and simple; batching across requests comes with the batched
 //! KDA kernels.
 
-use crate::kda_hybrid::{KdaHybridModel, KdaHybridState, LayerState};
+use crate::kda_hybrid::sharded::model_shape;
+use crate::kda_hybrid::{
+    apply_transfer_plan, KdaForm, KdaHybridConfig, KdaHybridModel, KdaHybridState, LayerState,
+    ShardedKdaHybrid,
+};
 use crate::kv_pool::{BlockAllocation, BlockAllocator};
 use crate::sampling::sample;
 use crate::{Error, Result};
@@ -17,6 +21,7 @@ use std::collections::VecDeque;
 use std::sync::mpsc;
 use std::sync::Arc;
 use tandem_core::{FinishReason, SamplingParams};
+use tandem_topology::{Layout, Rank, TransferPlan};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 /// What the KDA engine reports for a sequence.
@@ -185,11 +190,200 @@ pub fn decode_state(
     Ok(state)
 }
 
+/// The model on one rank or sharded over a layout (ranks are threads of this process).
+#[derive(Debug)]
+pub enum KdaModel {
+    /// tp = 1.
+    Single(Box<KdaHybridModel>),
+    /// tp > 1.
+    Sharded(ShardedKdaHybrid),
+}
+
+impl KdaModel {
+    /// Loads `dir` for `layout`.
+    pub fn load(dir: &std::path::Path, layout: Layout) -> Result<Self> {
+        Ok(if layout.tp() == 1 {
+            KdaModel::Single(Box::new(KdaHybridModel::load(dir)?))
+        } else {
+            KdaModel::Sharded(
+                ShardedKdaHybrid::load(dir, layout)
+                    .map_err(|e| Error::InvalidRequest(format!("layout {layout}: {e}")))?,
+            )
+        })
+    }
+
+    /// The layout served.
+    pub fn layout(&self) -> Layout {
+        match self {
+            KdaModel::Single(_) => Layout::new(1, 1, 1).expect("tp1 is a valid layout"),
+            KdaModel::Sharded(s) => *s.layout(),
+        }
+    }
+
+    fn rank0(&self) -> &KdaHybridModel {
+        match self {
+            KdaModel::Single(m) => m,
+            KdaModel::Sharded(s) => s.rank(Rank(0)).expect("a layout has rank 0"),
+        }
+    }
+
+    /// The model's configuration.
+    pub fn config(&self) -> &KdaHybridConfig {
+        self.rank0().config()
+    }
+
+    /// Fresh states for one attention-DP group's ranks.
+    fn group_states(&self) -> Vec<KdaHybridState> {
+        match self {
+            KdaModel::Single(m) => vec![m.new_state()],
+            KdaModel::Sharded(s) => {
+                let a = s.layout().attn_tp();
+                s.new_states().into_iter().take(a).collect()
+            }
+        }
+    }
+
+    /// One step for several requests at once, at most one per attention-DP group: `work[i]` is
+    /// `(group, ids, that group's rank states)`. Idle groups run a throwaway token on scratch
+    /// states, because a sharded step is collective over every rank. Returns each work item's
+    /// last-position logits.
+    fn step(&self, work: &mut [(usize, Vec<u32>, Vec<KdaHybridState>)]) -> Result<Vec<Vec<f32>>> {
+        let form = if work.iter().any(|w| w.1.len() > 1) {
+            KdaForm::Chunked
+        } else {
+            KdaForm::Recurrent
+        };
+        match self {
+            KdaModel::Single(m) => work
+                .iter_mut()
+                .map(|(_, ids, st)| Ok(m.extend(ids, &mut st[0], form, false)))
+                .collect(),
+            KdaModel::Sharded(s) => {
+                let (dp, a) = (s.layout().dp(), s.layout().attn_tp());
+                let mut ids = vec![vec![0u32]; dp];
+                let mut states = s.new_states();
+                for (g, group_ids, st) in work.iter_mut() {
+                    ids[*g] = std::mem::take(group_ids);
+                    for (k, state) in st.iter_mut().enumerate() {
+                        std::mem::swap(&mut states[*g * a + k], state);
+                    }
+                }
+                let out = s
+                    .extend(&ids, &mut states, form, false)
+                    .map_err(|e| Error::InvalidRequest(format!("sharded step failed: {e}")))?;
+                let mut result = Vec::with_capacity(work.len());
+                for (g, _, st) in work.iter_mut() {
+                    for (k, state) in st.iter_mut().enumerate() {
+                        std::mem::swap(&mut states[*g * a + k], state);
+                    }
+                    result.push(out[*g].clone());
+                }
+                Ok(result)
+            }
+        }
+    }
+}
+
+/// The handoff body of a KDA-hybrid request: the prefill layout, then the state of every rank
+/// of the prefill attention-DP group that served it.
+fn encode_group(layout: Layout, states: &[KdaHybridState]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for v in [layout.tp(), layout.dp(), layout.ep(), states.len()] {
+        out.extend_from_slice(&(v as u32).to_le_bytes());
+    }
+    for st in states {
+        let bytes = encode_state(st);
+        out.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
+        out.extend_from_slice(&bytes);
+    }
+    out
+}
+
+/// A state of the same model for attention-TP size `a_to`, made from one for `a_from`: KDA
+/// blocks scale with the heads a rank holds; MLA latents are replicated.
+fn rescale_template(t: &KdaHybridState, a_from: usize, a_to: usize) -> Result<KdaHybridState> {
+    let mut out = t.clone();
+    for layer in &mut out.layers {
+        if let LayerState::Kda(k) = layer {
+            for v in [
+                &mut k.recurrent,
+                &mut k.conv.q,
+                &mut k.conv.k,
+                &mut k.conv.v,
+            ] {
+                let full = v.len() * a_from;
+                if !full.is_multiple_of(a_to) {
+                    return Err(Error::InvalidRequest(format!(
+                        "KDA state does not split over attention TP {a_to}"
+                    )));
+                }
+                *v = vec![0.0; full / a_to];
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Rebuilds the decode group's states from a prefill group's handoff body, resharding from the
+/// prefill layout to `model`'s layout for decode group `group`.
+fn decode_group(
+    model: &KdaModel,
+    body: &[u8],
+    prompt_len: usize,
+    group: usize,
+) -> Result<Vec<KdaHybridState>> {
+    let mut r = Reader(body);
+    let (tp, dp, ep, n) = (
+        r.u32()? as usize,
+        r.u32()? as usize,
+        r.u32()? as usize,
+        r.u32()? as usize,
+    );
+    let prefill = Layout::new(tp, dp, ep)
+        .map_err(|e| Error::InvalidRequest(format!("prefill layout: {e}")))?;
+    if n != prefill.attn_tp() {
+        return Err(Error::InvalidRequest(format!(
+            "{n} rank states for prefill attention TP {}",
+            prefill.attn_tp()
+        )));
+    }
+    let decode = model.layout();
+    let mine = model.group_states();
+    let template = rescale_template(&mine[0], decode.attn_tp(), prefill.attn_tp())?;
+    let mut received = Vec::with_capacity(n);
+    for _ in 0..n {
+        let len =
+            usize::try_from(r.u64()?).map_err(|_| Error::InvalidRequest("bad length".into()))?;
+        received.push(decode_state(r.bytes(len)?, &template, prompt_len)?);
+    }
+    if !r.0.is_empty() {
+        return Err(Error::InvalidRequest(
+            "trailing bytes after the rank states".into(),
+        ));
+    }
+    if prefill.attn_tp() == decode.attn_tp() && decode.dp() == 1 {
+        return Ok(received);
+    }
+    let shape = model_shape(model.config());
+    let plan = TransferPlan::new(&prefill, &decode, &shape, 0, group)
+        .map_err(|e| Error::InvalidRequest(format!("reshard plan: {e}")))?;
+    // The plan indexes whole layouts; ranks outside the two groups are never read or written.
+    let mut from = vec![template; prefill.tp()];
+    for (k, st) in received.into_iter().enumerate() {
+        from[k] = st;
+    }
+    let mut to: Vec<KdaHybridState> = (0..decode.tp()).map(|_| mine[0].clone()).collect();
+    let kda = model.config().kda;
+    apply_transfer_plan(&plan, &from, &mut to, kda.head_dim, kda.conv_kernel);
+    let a = decode.attn_tp();
+    Ok(to.drain(group * a..(group + 1) * a).collect())
+}
+
 enum Work {
     Prefill {
         prompt: Vec<u32>,
         params: SamplingParams,
-        slot: BlockAllocation,
+        slot: GroupSlot,
         tx: UnboundedSender<KdaEvent>,
     },
     Decode {
@@ -198,12 +392,13 @@ enum Work {
 }
 
 struct DecodeSeq {
-    state: KdaHybridState,
+    group: usize,
+    states: Vec<KdaHybridState>,
     last: u32,
     generated: usize,
     params: SamplingParams,
     stop: Vec<u32>,
-    _slot: BlockAllocation,
+    _slot: GroupSlot,
     tx: UnboundedSender<KdaEvent>,
 }
 
@@ -211,8 +406,11 @@ struct DecodeSeq {
 #[derive(Clone)]
 pub struct KdaEngine {
     tx: mpsc::Sender<Work>,
-    slots: BlockAllocator,
-    template: Arc<KdaHybridState>,
+    /// One slot pool per attention-DP group.
+    slots: Vec<BlockAllocator>,
+    /// All groups' slots, for accounting.
+    all_slots: BlockAllocator,
+    model: Arc<KdaModel>,
     eos: Vec<u32>,
     vocab: usize,
     max_context: usize,
@@ -222,7 +420,7 @@ pub struct KdaEngine {
 impl std::fmt::Debug for KdaEngine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("KdaEngine")
-            .field("slots", &self.slots)
+            .field("layout", &self.model.layout())
             .finish_non_exhaustive()
     }
 }
@@ -250,22 +448,33 @@ fn finish(
     }
 }
 
+/// A reserved state slot on one attention-DP group.
+#[derive(Debug)]
+pub struct GroupSlot {
+    /// The group.
+    pub group: usize,
+    _slot: BlockAllocation,
+    _total: BlockAllocation,
+}
+
 impl KdaEngine {
-    /// Starts the engine thread with `slots` request-state slots.
-    pub fn start(model: KdaHybridModel, slots: usize, eos: Vec<u32>, max_context: usize) -> Self {
+    /// Starts the engine thread with `slots` request-state slots per attention-DP group.
+    pub fn start(model: KdaModel, slots: usize, eos: Vec<u32>, max_context: usize) -> Self {
         let (tx, rx) = mpsc::channel();
-        let template = Arc::new(model.new_state());
         let vocab = model.config().vocab_size;
         let num_layers = model.config().num_layers();
-        let eos_thread = eos.clone();
+        let dp = model.layout().dp();
+        let model = Arc::new(model);
+        let (thread_model, eos_thread) = (model.clone(), eos.clone());
         std::thread::Builder::new()
             .name("tandem-kda-engine".into())
-            .spawn(move || run(model, rx, eos_thread))
+            .spawn(move || run(&thread_model, rx, &eos_thread))
             .expect("spawning the KDA engine thread");
         Self {
             tx,
-            slots: BlockAllocator::new(slots),
-            template,
+            slots: (0..dp).map(|_| BlockAllocator::new(slots)).collect(),
+            all_slots: BlockAllocator::new(slots * dp),
+            model,
             eos,
             vocab,
             max_context,
@@ -273,9 +482,19 @@ impl KdaEngine {
         }
     }
 
-    /// The state-slot pool (for accounting).
+    /// All state slots (for accounting).
     pub fn slots(&self) -> &BlockAllocator {
-        &self.slots
+        &self.all_slots
+    }
+
+    /// The layout served.
+    pub fn layout(&self) -> Layout {
+        self.model.layout()
+    }
+
+    /// Free slots of each attention-DP group.
+    pub fn group_free(&self) -> Vec<usize> {
+        self.slots.iter().map(BlockAllocator::free_blocks).collect()
     }
 
     /// Layers of the model.
@@ -288,9 +507,32 @@ impl KdaEngine {
         self.max_context
     }
 
-    /// Takes one state slot (decode role reserves before the state arrives).
-    pub fn reserve(&self) -> Result<BlockAllocation> {
-        self.slots.allocate(1)
+    /// Takes a state slot on attention-DP group `group`, or on the least-loaded group.
+    pub fn reserve_on(&self, group: Option<usize>) -> Result<GroupSlot> {
+        let group = match group {
+            Some(g) if g < self.slots.len() => g,
+            Some(g) => {
+                return Err(Error::InvalidRequest(format!(
+                    "decode DP rank {g} does not exist (dp = {})",
+                    self.slots.len()
+                )))
+            }
+            None => (0..self.slots.len())
+                .max_by_key(|&g| (self.slots[g].free_blocks(), usize::MAX - g))
+                .unwrap_or(0),
+        };
+        let slot = self.slots[group].allocate(1)?;
+        let total = self.all_slots.allocate(1)?;
+        Ok(GroupSlot {
+            group,
+            _slot: slot,
+            _total: total,
+        })
+    }
+
+    /// Takes a state slot on the least-loaded group.
+    pub fn reserve(&self) -> Result<GroupSlot> {
+        self.reserve_on(None)
     }
 
     fn check(&self, prompt: &[u32], params: &SamplingParams) -> Result<()> {
@@ -313,14 +555,15 @@ impl KdaEngine {
         Ok(())
     }
 
-    /// Prefill role: computes the prompt; one `Prefilled` event.
+    /// Prefill role: computes the prompt on group 0; one `Prefilled` event whose state is the
+    /// handoff body (prefill layout + every rank's state of the group).
     pub fn submit_prefill(
         &self,
         prompt: Vec<u32>,
         params: SamplingParams,
     ) -> Result<UnboundedReceiver<KdaEvent>> {
         self.check(&prompt, &params)?;
-        let slot = self.reserve()?;
+        let slot = self.reserve_on(Some(0))?;
         let (tx, rx) = unbounded_channel();
         self.tx
             .send(Work::Prefill {
@@ -333,21 +576,23 @@ impl KdaEngine {
         Ok(rx)
     }
 
-    /// Decode role: continues from a received state with `first_token`; `Token` events.
+    /// Decode role: continues from a received handoff body with `first_token` on the slot's
+    /// group (resharding from the prefill layout); `Token` events.
     pub fn submit_decode(
         &self,
         prompt: &[u32],
         params: SamplingParams,
-        slot: BlockAllocation,
-        state: &[u8],
+        slot: GroupSlot,
+        body: &[u8],
         first_token: u32,
     ) -> Result<UnboundedReceiver<KdaEvent>> {
         self.check(prompt, &params)?;
-        let state = decode_state(state, &self.template, prompt.len())?;
+        let states = decode_group(&self.model, body, prompt.len(), slot.group)?;
         let (tx, rx) = unbounded_channel();
         let stop = stop_ids(&params, &self.eos);
         let seq = DecodeSeq {
-            state,
+            group: slot.group,
+            states,
             last: first_token,
             generated: 1,
             params,
@@ -362,10 +607,12 @@ impl KdaEngine {
     }
 }
 
-fn run(model: KdaHybridModel, rx: mpsc::Receiver<Work>, eos: Vec<u32>) {
-    let mut running: VecDeque<Box<DecodeSeq>> = VecDeque::new();
+fn run(model: &KdaModel, rx: mpsc::Receiver<Work>, eos: &[u32]) {
+    let dp = model.layout().dp();
+    let mut running: Vec<VecDeque<Box<DecodeSeq>>> = (0..dp).map(|_| VecDeque::new()).collect();
     loop {
-        let next = if running.is_empty() {
+        let idle = running.iter().all(VecDeque::is_empty);
+        let next = if idle {
             rx.recv().ok()
         } else {
             rx.try_recv().ok()
@@ -380,36 +627,60 @@ fn run(model: KdaHybridModel, rx: mpsc::Receiver<Work>, eos: Vec<u32>) {
                 if tx.is_closed() {
                     continue;
                 }
-                let mut state = model.new_state();
-                let logits = model.prefill(&prompt, &mut state);
-                let token = sample(&logits, &params, 0);
-                let f = finish(token, 1, &params, &stop_ids(&params, &eos));
-                let bytes = encode_state(&state);
+                let mut work = vec![(0, prompt, model.group_states())];
+                let event = match model.step(&mut work) {
+                    Ok(logits) => {
+                        let token = sample(&logits[0], &params, 0);
+                        let f = finish(token, 1, &params, &stop_ids(&params, eos));
+                        let state = encode_group(model.layout(), &work[0].2);
+                        Some(KdaEvent::Prefilled {
+                            first_token: token,
+                            finish: f,
+                            state,
+                        })
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "KDA prefill failed");
+                        None
+                    }
+                };
                 drop(slot); // freed before the caller hears of it
-                let _ = tx.send(KdaEvent::Prefilled {
-                    first_token: token,
-                    finish: f,
-                    state: bytes,
-                });
+                if let Some(ev) = event {
+                    let _ = tx.send(ev);
+                }
                 continue;
             }
-            Some(Work::Decode { seq }) => running.push_back(seq),
-            None if running.is_empty() => return,
+            Some(Work::Decode { seq }) => running[seq.group].push_back(seq),
+            None if idle => return,
             None => {}
         }
-        // One decode step for the request at the front, then it goes to the back.
-        if let Some(mut seq) = running.pop_front() {
-            if seq.tx.is_closed() {
+        // One decode step for the front request of every busy group, together.
+        let mut seqs: Vec<Box<DecodeSeq>> =
+            running.iter_mut().filter_map(VecDeque::pop_front).collect();
+        seqs.retain(|s| !s.tx.is_closed());
+        if seqs.is_empty() {
+            continue;
+        }
+        let mut work: Vec<(usize, Vec<u32>, Vec<KdaHybridState>)> = seqs
+            .iter_mut()
+            .map(|s| (s.group, vec![s.last], std::mem::take(&mut s.states)))
+            .collect();
+        let logits = match model.step(&mut work) {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::warn!(error = %e, "KDA decode step failed; dropping its requests");
                 continue;
             }
-            let logits = model.decode_step(seq.last, &mut seq.state);
-            let token = sample(&logits, &seq.params, seq.generated as u32);
+        };
+        for ((mut seq, (_, _, states)), row) in seqs.into_iter().zip(work).zip(logits) {
+            seq.states = states;
+            let token = sample(&row, &seq.params, seq.generated as u32);
             seq.generated += 1;
             seq.last = token;
             let f = finish(token, seq.generated, &seq.params, &seq.stop);
             let tx = seq.tx.clone();
             if f.is_none() {
-                running.push_back(seq);
+                running[seq.group].push_back(seq);
             } else {
                 drop(seq); // slot freed before the last token is reported
             }
@@ -467,8 +738,13 @@ mod tests {
             want.push(t);
             logits = model.decode_step(t, &mut st);
         }
-        let p = KdaEngine::start(model, 4, vec![2], 4096);
-        let d = KdaEngine::start(KdaHybridModel::load(&dir).expect("load"), 4, vec![2], 4096);
+        let p = KdaEngine::start(KdaModel::Single(Box::new(model)), 4, vec![2], 4096);
+        let d = KdaEngine::start(
+            KdaModel::Single(Box::new(KdaHybridModel::load(&dir).expect("load"))),
+            4,
+            vec![2],
+            4096,
+        );
         let mut rx = p
             .submit_prefill(prompt.clone(), params.clone())
             .expect("prefill");

@@ -38,6 +38,7 @@ async fn worker_report(pd: &PdGenerator) -> (bool, Vec<Value>) {
                 "kv_blocks_total": s.kv_blocks_total, "kv_blocks_free": s.kv_blocks_free,
                 "running_requests": s.running_requests, "pending_reservations": s.pending_reservations,
                 "kv_bytes_transferred": s.kv_bytes_transferred,
+                "layout": s.layout, "dp_size": s.dp_size, "dp_free_slots": s.dp_free_slots,
             })),
             Ok(Err(e)) => {
                 all_ok = false;

@@ -10,7 +10,7 @@ use crate::generator::{
 };
 use futures::StreamExt;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tandem_core::{ErrorClass, FinishReason, WorkerId};
 use tandem_proto::v1 as pb;
@@ -27,6 +27,25 @@ pub struct WorkerHandle {
     /// Its gRPC address.
     pub address: String,
     client: pb::worker_client::WorkerClient<Channel>,
+    /// Requests in flight per attention-DP group (decode workers), learned on first use.
+    dp_load: Arc<Mutex<Option<Vec<usize>>>>,
+}
+
+/// Holds a request's place on a decode worker's attention-DP group; released on drop.
+#[derive(Debug)]
+struct DpSlot {
+    load: Arc<Mutex<Option<Vec<usize>>>>,
+    rank: usize,
+}
+
+impl Drop for DpSlot {
+    fn drop(&mut self) {
+        if let Ok(mut l) = self.load.lock() {
+            if let Some(v) = l.as_mut() {
+                v[self.rank] = v[self.rank].saturating_sub(1);
+            }
+        }
+    }
 }
 
 impl WorkerHandle {
@@ -45,7 +64,39 @@ impl WorkerHandle {
             id,
             address: address.to_string(),
             client: pb::worker_client::WorkerClient::new(endpoint.connect_lazy()),
+            dp_load: Arc::new(Mutex::new(None)),
         })
+    }
+
+    /// Picks the least-loaded attention-DP group of this (decode) worker and holds a place
+    /// on it. `None` for the rank when the worker has a single group.
+    async fn pick_dp_rank(&self) -> Result<(Option<u32>, Option<DpSlot>), GenerateError> {
+        let known = self.dp_load.lock().map(|l| l.is_some()).unwrap_or(false);
+        if !known {
+            let dp = self.stats().await?.dp_size.max(1) as usize;
+            if let Ok(mut l) = self.dp_load.lock() {
+                l.get_or_insert_with(|| vec![0; dp]);
+            }
+        }
+        let mut guard = self
+            .dp_load
+            .lock()
+            .map_err(|_| GenerateError::new(ErrorClass::Internal, "DP load table poisoned"))?;
+        let Some(loads) = guard.as_mut() else {
+            return Ok((None, None));
+        };
+        if loads.len() <= 1 {
+            return Ok((None, None));
+        }
+        let rank = (0..loads.len()).min_by_key(|&r| (loads[r], r)).unwrap_or(0);
+        loads[rank] += 1;
+        Ok((
+            Some(rank as u32),
+            Some(DpSlot {
+                load: self.dp_load.clone(),
+                rank,
+            }),
+        ))
     }
 
     /// The worker's counters (KV pool, running requests).
@@ -197,11 +248,13 @@ async fn try_pair(
     req: &ValidGenerateRequest,
 ) -> Result<TokenStream, GenerateError> {
     let request = to_pb(req);
+    let (dp_rank, dp_slot) = d.pick_dp_rank().await?;
     let mut decode = d
         .client
         .clone()
         .decode(pb::DecodeRequest {
             request: Some(request.clone()),
+            dp_rank,
         })
         .await
         .map_err(classify_status)?
@@ -240,10 +293,11 @@ async fn try_pair(
         return Ok(head.boxed());
     }
     let decode_id = d.id.clone();
-    let rest = futures::stream::unfold(Some(decode), move |state| {
+    // The DP slot rides along with the stream: released when the request ends or is dropped.
+    let rest = futures::stream::unfold(Some((decode, dp_slot)), move |state| {
         let decode_id = decode_id.clone();
         async move {
-            let mut decode = state?;
+            let (mut decode, dp_slot) = state?;
             let item = match decode.message().await {
                 Ok(Some(pb::DecodeEvent {
                     event: Some(pb::decode_event::Event::Token(t)),
@@ -253,7 +307,7 @@ async fn try_pair(
                         finish_reason: finish_from_pb(t.finish_reason),
                     };
                     let more = tok.finish_reason.is_none();
-                    return Some((Ok(tok), more.then_some(decode)));
+                    return Some((Ok(tok), more.then_some((decode, dp_slot))));
                 }
                 Ok(None) => GenerateError::new(
                     ErrorClass::Unavailable,

@@ -4,7 +4,7 @@
 
 use crate::{Error, Result};
 use tandem_core::{FinishReason, SamplingParams};
-use tandem_engine::kda_runner::{KdaEngine, KdaEvent};
+use tandem_engine::kda_runner::{GroupSlot, KdaEngine, KdaEvent};
 use tandem_engine::{BlockAllocation, BlockAllocator, Engine, EngineEvent, SeqKind};
 use tandem_proto::v1 as pb;
 use tokio::sync::mpsc::UnboundedReceiver;
@@ -16,6 +16,15 @@ pub enum WorkerEngine {
     Llama(Engine),
     /// KDA hybrid family.
     Kda(KdaEngine),
+}
+
+/// Space reserved for one request on a decode worker; freed when dropped.
+#[derive(Debug)]
+pub enum Reservation {
+    /// Paged KV blocks (Llama).
+    Blocks(BlockAllocation),
+    /// A state slot on one attention-DP group (KDA hybrid).
+    Slot(GroupSlot),
 }
 
 /// What a prefill produced.
@@ -107,12 +116,35 @@ impl WorkerEngine {
         }
     }
 
-    /// Reserves space for a request of `tokens` tokens (decode role).
-    pub fn reserve(&self, tokens: usize) -> Result<BlockAllocation> {
+    /// Reserves space for a request of `tokens` tokens (decode role), on attention-DP group
+    /// `dp_rank` when given.
+    pub fn reserve(&self, tokens: usize, dp_rank: Option<usize>) -> Result<Reservation> {
         Ok(match self {
-            WorkerEngine::Llama(e) => e.reserve(tokens)?,
-            WorkerEngine::Kda(e) => e.reserve()?,
+            WorkerEngine::Llama(e) => {
+                if dp_rank.is_some_and(|r| r > 0) {
+                    return Err(Error::InvalidRequest(
+                        "this worker has one attention-DP group".into(),
+                    ));
+                }
+                Reservation::Blocks(e.reserve(tokens)?)
+            }
+            WorkerEngine::Kda(e) => Reservation::Slot(e.reserve_on(dp_rank)?),
         })
+    }
+
+    /// `(layout, dp size, free slots per DP group)` for the stats endpoint.
+    pub fn layout_info(&self) -> (String, usize, Vec<usize>) {
+        match self {
+            WorkerEngine::Llama(_) => ("tp1 dp1 ep1".into(), 1, Vec::new()),
+            WorkerEngine::Kda(e) => {
+                let l = e.layout();
+                (
+                    format!("tp{} dp{} ep{}", l.tp(), l.dp(), l.ep()),
+                    l.dp(),
+                    e.group_free(),
+                )
+            }
+        }
     }
 
     /// Runs the prompt (prefill role).
@@ -157,12 +189,12 @@ impl WorkerEngine {
         &self,
         prompt: Vec<u32>,
         params: SamplingParams,
-        allocation: BlockAllocation,
+        reservation: Reservation,
         body: &[u8],
         first_token: u32,
     ) -> Result<TokenEvents> {
-        match self {
-            WorkerEngine::Llama(e) => {
+        match (self, reservation) {
+            (WorkerEngine::Llama(e), Reservation::Blocks(allocation)) => {
                 if !body.len().is_multiple_of(4) {
                     return Err(Error::InvalidRequest("KV body is not whole floats".into()));
                 }
@@ -177,13 +209,12 @@ impl WorkerEngine {
                 };
                 Ok(TokenEvents::Llama(e.submit(prompt, params, kind)?))
             }
-            WorkerEngine::Kda(e) => Ok(TokenEvents::Kda(e.submit_decode(
-                &prompt,
-                params,
-                allocation,
-                body,
-                first_token,
-            )?)),
+            (WorkerEngine::Kda(e), Reservation::Slot(slot)) => Ok(TokenEvents::Kda(
+                e.submit_decode(&prompt, params, slot, body, first_token)?,
+            )),
+            _ => Err(Error::InvalidRequest(
+                "reservation of another engine".into(),
+            )),
         }
     }
 }

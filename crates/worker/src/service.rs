@@ -252,7 +252,7 @@ impl Shared {
         self: Arc<Self>,
         prompt: Vec<u32>,
         params: SamplingParams,
-        allocation: tandem_engine::BlockAllocation,
+        allocation: crate::engines::Reservation,
         mut pending: crate::reservations::Pending,
         tx: &mpsc::Sender<std::result::Result<pb::DecodeEvent, Status>>,
     ) -> Result<()> {
@@ -312,10 +312,12 @@ impl pb::worker_server::Worker for WorkerService {
     ) -> std::result::Result<Response<DecodeStream>, Status> {
         let shared = self.shared.clone();
         shared.check_role(Role::Decode)?;
-        let (prompt, params) = shared.checked_request(request.into_inner().request)?;
+        let request = request.into_inner();
+        let dp_rank = request.dp_rank.map(|r| r as usize);
+        let (prompt, params) = shared.checked_request(request.request)?;
         let allocation = shared
             .engine
-            .reserve(prompt.len() + params.max_tokens as usize)?;
+            .reserve(prompt.len() + params.max_tokens as usize, dp_rank)?;
         let pending = shared.reservations.register();
         let target = pb::KvTarget {
             transfer_address: shared.transfer_address.clone(),
@@ -360,12 +362,16 @@ impl pb::worker_server::Worker for WorkerService {
     ) -> std::result::Result<Response<pb::StatsResponse>, Status> {
         let s = &self.shared;
         let alloc = s.engine.allocator();
+        let (layout, dp_size, dp_free) = s.engine.layout_info();
         let received = s.receiver.as_ref().map_or(0, |r| r.lock().bytes_received());
         Ok(Response::new(pb::StatsResponse {
             role: s.opts.role.as_str().into(),
             kv_blocks_total: alloc.total_blocks() as u32,
             kv_blocks_free: alloc.free_blocks() as u32,
             running_requests: s.engine.running() as u32,
+            layout,
+            dp_size: dp_size as u32,
+            dp_free_slots: dp_free.into_iter().map(|f| f as u32).collect(),
             pending_reservations: s.reservations.len() as u32,
             kv_bytes_transferred: s.kv_bytes_sent.load(Ordering::Relaxed) + received,
         }))
