@@ -26,6 +26,26 @@ pub fn tandem_bin() -> PathBuf {
     bin
 }
 
+/// A blocking HTTP/1.1 POST of a JSON body to `url` (`http://host:port/path`); returns the
+/// response body. Enough for tests that need no async runtime.
+pub fn post_json(url: &str, body: &str) -> String {
+    use std::io::{Read, Write};
+    let rest = url.strip_prefix("http://").expect("http URL");
+    let (host, path) = rest
+        .split_once('/')
+        .map_or((rest, "/".to_string()), |(h, p)| (h, format!("/{p}")));
+    let mut s = std::net::TcpStream::connect(host).unwrap();
+    let req = format!(
+        "POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out.split_once("\r\n\r\n")
+        .map_or(String::new(), |(_, b)| b.to_string())
+}
+
 /// A free TCP port on loopback.
 pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
@@ -67,6 +87,10 @@ pub struct Cluster {
     children: Vec<(String, Child)>,
     /// Router base URL, `http://127.0.0.1:PORT`.
     pub url: String,
+    /// Prefill worker's gRPC address, `http://127.0.0.1:PORT`.
+    pub prefill_addr: String,
+    /// Decode worker's gRPC address.
+    pub decode_addr: String,
     _dir: tempfile::TempDir,
 }
 
@@ -136,6 +160,8 @@ impl Cluster {
         let mut cluster = Self {
             children,
             url: format!("http://127.0.0.1:{r}"),
+            prefill_addr: format!("http://127.0.0.1:{p}"),
+            decode_addr: format!("http://127.0.0.1:{d}"),
             _dir: dir,
         };
         cluster.wait_ready(Duration::from_secs(120));

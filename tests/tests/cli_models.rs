@@ -274,3 +274,125 @@ fn layouts_give_the_reference_logits_and_tokens() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("not divisible") && err.contains('8'), "{err}");
 }
+
+/// Writes a safetensors file of F32 tensors.
+fn write_safetensors(path: &Path, tensors: &[(String, Vec<usize>, Vec<f32>)]) {
+    let mut header = serde_json::Map::new();
+    let mut data = Vec::new();
+    for (name, shape, values) in tensors {
+        let start = data.len();
+        for v in values {
+            data.extend_from_slice(&v.to_le_bytes());
+        }
+        header.insert(name.clone(), serde_json::json!({"dtype": "F32", "shape": shape, "data_offsets": [start, data.len()]}));
+    }
+    let h = Value::Object(header).to_string();
+    let mut out = (h.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(h.as_bytes());
+    out.extend_from_slice(&data);
+    std::fs::write(path, out).unwrap();
+}
+
+#[test]
+fn lora_adapter_is_applied_at_start_up() {
+    let model = tandem_testkit::shared_dir().join("reference/kimi_tiny");
+    let tmp = tempfile::tempdir().unwrap();
+    let lora = tmp.path().join("lora");
+    std::fs::create_dir_all(&lora).unwrap();
+    std::fs::write(lora.join("adapter_config.json"), r#"{"peft_type": "LORA", "r": 2, "lora_alpha": 8, "target_modules": ["f_b_proj", "o_proj"]}"#).unwrap();
+    let mut tensors = Vec::new();
+    for layer in [0usize, 2, 3] {
+        let m = format!("base_model.model.model.layers.{layer}.self_attn");
+        let a: Vec<f32> = (0..2 * 64)
+            .map(|i| ((i * 37 % 11) as f32 - 5.0) * 0.05)
+            .collect();
+        let b: Vec<f32> = (0..256 * 2)
+            .map(|i| ((i * 13 % 7) as f32 - 3.0) * 0.05)
+            .collect();
+        tensors.push((format!("{m}.f_b_proj.lora_A.weight"), vec![2, 64], a));
+        tensors.push((format!("{m}.f_b_proj.lora_B.weight"), vec![256, 2], b));
+        let a: Vec<f32> = (0..2 * 256)
+            .map(|i| ((i * 29 % 13) as f32 - 6.0) * 0.05)
+            .collect();
+        let b: Vec<f32> = (0..256 * 2)
+            .map(|i| ((i * 17 % 5) as f32 - 2.0) * 0.05)
+            .collect();
+        tensors.push((format!("{m}.o_proj.lora_A.weight"), vec![2, 256], a));
+        tensors.push((format!("{m}.o_proj.lora_B.weight"), vec![256, 2], b));
+    }
+    write_safetensors(&lora.join("adapter_model.safetensors"), &tensors);
+    let m = model.display().to_string();
+    let ids = "236,5,25,331,240";
+    let base = run_json(&[
+        "eval",
+        "logits",
+        "--model",
+        &m,
+        "--token-ids",
+        ids,
+        "--json",
+    ]);
+    let gen_base = run_json(&[
+        "generate",
+        "--model",
+        &m,
+        "--token-ids",
+        ids,
+        "--max-tokens",
+        "6",
+        "--json",
+    ]);
+    let gen_lora = run_json(&[
+        "generate",
+        "--model",
+        &m,
+        "--token-ids",
+        ids,
+        "--max-tokens",
+        "6",
+        "--json",
+        "--lora",
+        lora.to_str().unwrap(),
+    ]);
+    let gen_lora_tp2 = run_json(&[
+        "generate",
+        "--model",
+        &m,
+        "--token-ids",
+        ids,
+        "--max-tokens",
+        "6",
+        "--json",
+        "--lora",
+        lora.to_str().unwrap(),
+        "--tp",
+        "2",
+    ]);
+    assert!(base["logits"].is_array());
+    assert_ne!(
+        gen_base["token_ids"], gen_lora["token_ids"],
+        "the adapter must change the answer"
+    );
+    assert_eq!(
+        gen_lora["token_ids"], gen_lora_tp2["token_ids"],
+        "LoRA under tp2 equals tp1"
+    );
+    let out = Command::new(tandem_bin())
+        .args([
+            "generate",
+            "--model",
+            &m,
+            "--token-ids",
+            ids,
+            "--lora",
+            tmp.path().join("nope").to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("nope"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

@@ -3,23 +3,11 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufRead, BufReader};
 use std::net::TcpStream;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 use tandem_e2e::{free_port, tandem_bin};
-
-fn post(port: u16, path: &str, body: &str) -> String {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
-    let req = format!(
-        "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    s.write_all(req.as_bytes()).unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).unwrap();
-    out
-}
 
 #[test]
 fn run_serves_and_an_interrupt_stops_every_process() {
@@ -68,9 +56,8 @@ fn run_serves_and_an_interrupt_stops_every_process() {
         banner.contains(&format!("http://127.0.0.1:{port}/v1/chat/completions")),
         "{banner}"
     );
-    let answer = post(
-        port,
-        "/v1/chat/completions",
+    let answer = tandem_e2e::post_json(
+        &format!("http://127.0.0.1:{port}/v1/chat/completions"),
         r#"{"messages":[{"role":"user","content":"What is the capital of France?"}],"max_tokens":32,"temperature":0}"#,
     );
     assert!(

@@ -164,3 +164,106 @@ fn run_case(prefill_args: Vec<String>, decode_args: Vec<String>) {
         }
     });
 }
+
+fn admin_refresh(worker: &str, dir: &std::path::Path) -> std::process::Output {
+    Command::new(tandem_bin())
+        .args([
+            "admin",
+            "refresh-weights",
+            "--worker",
+            worker,
+            "--model-dir",
+            dir.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap()
+}
+
+/// Weights refreshed on both running workers through the admin call: the cluster then answers
+/// exactly as a single process on the new checkpoint does.
+#[test]
+fn refreshing_weights_on_running_workers_switches_the_answers() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (a, b) = (tmp.path().join("a"), tmp.path().join("b"));
+    synth_model_with_tokenizer(&a);
+    std::fs::create_dir_all(&b).unwrap();
+    for f in [
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ] {
+        std::fs::copy(a.join(f), b.join(f)).unwrap();
+    }
+    perturb_embeddings(&a.join("model.safetensors"), &b.join("model.safetensors"));
+    let prompt = vec![11u32, 40, 7, 200, 33];
+    let before = single_process(&a, &prompt, 8);
+    let after = single_process(&b, &prompt, 8);
+    assert_ne!(
+        before, after,
+        "the refreshed checkpoint must answer differently"
+    );
+    let cluster = Cluster::start(ClusterOptions {
+        kv_blocks: 8,
+        model: Some(a.clone()),
+        ..ClusterOptions::default()
+    });
+    let ask = |url: &str| -> Vec<u64> {
+        let body =
+            json!({"model": "test-model", "prompt": prompt, "max_tokens": 8, "temperature": 0})
+                .to_string();
+        let v: Value = serde_json::from_str(&tandem_e2e::post_json(
+            &format!("{url}/v1/completions"),
+            &body,
+        ))
+        .unwrap();
+        v["choices"][0]["text"]
+            .as_str()
+            .unwrap()
+            .split_whitespace()
+            .map(|w| w.trim_start_matches('t').parse().unwrap())
+            .collect()
+    };
+    assert_eq!(ask(&cluster.url), before);
+    for worker in [&cluster.prefill_addr, &cluster.decode_addr] {
+        let out = admin_refresh(worker, &b);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(String::from_utf8_lossy(&out.stdout).contains("refreshed"));
+    }
+    assert_eq!(ask(&cluster.url), after);
+    // A missing checkpoint is refused with a reason, and the worker keeps serving.
+    let out = admin_refresh(&cluster.decode_addr, &tmp.path().join("missing"));
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("missing"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(ask(&cluster.url), after);
+}
+
+/// Copies a safetensors file, scaling each element of `model.embed_tokens.weight` (F32) by a
+/// factor that varies along the row, so the model's answers change.
+fn perturb_embeddings(src: &std::path::Path, dst: &std::path::Path) {
+    let bytes = std::fs::read(src).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let offs = header["model.embed_tokens.weight"]["data_offsets"]
+        .as_array()
+        .unwrap();
+    let (s, e) = (
+        offs[0].as_u64().unwrap() as usize + 8 + n,
+        offs[1].as_u64().unwrap() as usize + 8 + n,
+    );
+    let mut out = bytes.clone();
+    for (i, c) in out[s..e].chunks_exact_mut(4).enumerate() {
+        let f = 1.0 + 0.5 * ((i % 7) as f32 - 3.0) / 3.0;
+        let v = f32::from_le_bytes([c[0], c[1], c[2], c[3]]) * f;
+        c.copy_from_slice(&v.to_le_bytes());
+    }
+    std::fs::write(dst, out).unwrap();
+}

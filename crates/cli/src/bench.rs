@@ -151,6 +151,7 @@ fn engine_bench(
             dp: 1,
             ep: 1,
         },
+        lora: None,
     };
     let engine = args.start()?;
     eprintln!("warming up…");

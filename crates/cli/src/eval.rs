@@ -5,7 +5,7 @@ use anyhow::{bail, Context, Result};
 use std::path::Path;
 use tandem_core::BlockId;
 use tandem_engine::batch::ForwardBatch;
-use tandem_engine::kda_hybrid::{KdaForm, KdaHybridModel, ShardedKdaHybrid};
+use tandem_engine::kda_hybrid::{KdaForm, KdaHybridModel, LoadOptions, ShardedKdaHybrid};
 use tandem_engine::{Backend, CpuBackend, LlamaModel};
 
 /// The families the engine runs.
@@ -99,12 +99,24 @@ enum KdaRunner {
 }
 
 impl KdaRunner {
-    fn load(dir: &Path, layout: LayoutArgs) -> Result<Self> {
+    fn load(dir: &Path, layout: LayoutArgs, lora: Option<&Path>) -> Result<Self> {
         let l = checked_layout(layout)?;
+        let options = LoadOptions {
+            lora: lora.map(Path::to_path_buf),
+            ..LoadOptions::default()
+        };
         Ok(if l.tp() == 1 {
-            KdaRunner::Single(Box::new(KdaHybridModel::load(dir)?))
+            KdaRunner::Single(Box::new(KdaHybridModel::load_with(dir, &options)?))
         } else {
-            KdaRunner::Sharded(ShardedKdaHybrid::load(dir, l).map_err(|e| anyhow::anyhow!("{e}"))?)
+            KdaRunner::Sharded(
+                ShardedKdaHybrid::load_with(
+                    dir,
+                    l,
+                    &options,
+                    tandem_topology::ShardBy::AttentionTp,
+                )
+                .map_err(|e| anyhow::anyhow!("{e}"))?,
+            )
         })
     }
 
@@ -213,7 +225,7 @@ pub fn logits(dir: &Path, ids: &[u32], layout: LayoutArgs) -> Result<Vec<Vec<f32
             (model.forward(&batch, &mut cache), vocab)
         }
         Family::KdaHybrid => {
-            let runner = KdaRunner::load(dir, layout)?;
+            let runner = KdaRunner::load(dir, layout, None)?;
             runner.validate(ids)?;
             (runner.full(ids)?, runner.vocab())
         }
@@ -227,8 +239,9 @@ pub fn generate_kda(
     prompt: &[u32],
     max_tokens: u32,
     layout: LayoutArgs,
+    lora: Option<&Path>,
 ) -> Result<Vec<u32>> {
-    let runner = KdaRunner::load(dir, layout)?;
+    let runner = KdaRunner::load(dir, layout, lora)?;
     runner.validate(prompt)?;
     runner.greedy(prompt, max_tokens, &eos_ids(dir)?)
 }

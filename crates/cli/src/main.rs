@@ -45,10 +45,29 @@ enum Command {
         #[command(subcommand)]
         command: EvalCommand,
     },
+    /// Operate on running workers.
+    Admin {
+        #[command(subcommand)]
+        command: AdminCommand,
+    },
     /// Benchmarks.
     Bench {
         #[command(subcommand)]
         command: bench::BenchCommand,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum AdminCommand {
+    /// Reload a worker's weights from a checkpoint directory (on the worker's machine), in
+    /// place.
+    RefreshWeights {
+        /// The worker's gRPC address, `http://host:port`.
+        #[arg(long)]
+        worker: String,
+        /// Checkpoint directory to load.
+        #[arg(long)]
+        model_dir: PathBuf,
     },
 }
 
@@ -119,6 +138,10 @@ struct EngineArgs {
     /// Parallel layout (KDA-hybrid models; ranks are threads of this process).
     #[command(flatten)]
     layout: eval::LayoutArgs,
+    /// PEFT LoRA adapter directory merged at start-up (KDA-hybrid models); layers whose
+    /// projections it targets run unfused.
+    #[arg(long)]
+    lora: Option<PathBuf>,
 }
 
 impl EngineArgs {
@@ -143,6 +166,9 @@ impl EngineArgs {
         let dir = models::resolve(&self.model)?;
         Ok(match eval::family(&dir)? {
             eval::Family::Llama => {
+                if self.lora.is_some() {
+                    bail!("--lora is supported for KDA-hybrid models only");
+                }
                 if eval::checked_layout(self.layout)?.tp() != 1 {
                     bail!("llama models run with tp=1 only so far");
                 }
@@ -150,8 +176,9 @@ impl EngineArgs {
             }
             eval::Family::KdaHybrid => {
                 let layout = eval::checked_layout(self.layout)?;
-                let model = tandem_engine::kda_runner::KdaModel::load(&dir, layout)
-                    .with_context(|| format!("loading {}", dir.display()))?;
+                let model =
+                    tandem_engine::kda_runner::KdaModel::load(&dir, layout, self.lora.as_deref())
+                        .with_context(|| format!("loading {}", dir.display()))?;
                 let exact = model.config().mla.indexer.map(|ix| ix.topk);
                 let context = eval::context_length(&dir, exact)?;
                 let eos = eval::eos_ids(&dir)?;
@@ -219,6 +246,9 @@ struct GenerateArgs {
     json: bool,
     #[command(flatten)]
     layout: eval::LayoutArgs,
+    /// PEFT LoRA adapter directory (KDA-hybrid models).
+    #[arg(long)]
+    lora: Option<PathBuf>,
 }
 
 fn init_tracing() {
@@ -265,6 +295,22 @@ fn main() -> Result<()> {
             Ok(())
         }
         Command::Generate(args) => generate(args),
+        Command::Admin {
+            command: AdminCommand::RefreshWeights { worker, model_dir },
+        } => runtime()?.block_on(async move {
+            let mut client = tandem_proto::v1::worker_client::WorkerClient::connect(worker.clone())
+                .await
+                .with_context(|| format!("connecting to {worker}"))?;
+            let dir = std::fs::canonicalize(&model_dir).unwrap_or(model_dir);
+            let reply = client
+                .refresh_weights(tandem_proto::v1::RefreshWeightsRequest {
+                    model_dir: dir.display().to_string(),
+                })
+                .await
+                .map_err(|s| anyhow::anyhow!("{worker}: {}", s.message()))?;
+            println!("{}", reply.into_inner().message);
+            Ok(())
+        }),
         Command::Eval {
             command:
                 EvalCommand::Logits {
@@ -379,7 +425,13 @@ fn generate(args: GenerateArgs) -> Result<()> {
         }
     };
     if eval::family(&dir)? == eval::Family::KdaHybrid {
-        let ids = eval::generate_kda(&dir, &prompt, args.max_tokens, args.layout)?;
+        let ids = eval::generate_kda(
+            &dir,
+            &prompt,
+            args.max_tokens,
+            args.layout,
+            args.lora.as_deref(),
+        )?;
         let text = decode(&ids)?;
         if args.json {
             println!("{}", serde_json::json!({ "token_ids": ids, "text": text }));
@@ -396,6 +448,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
         kv_blocks: 1024,
         max_batch_tokens: 512,
         layout: args.layout,
+        lora: None,
     }
     .start()?;
     let mut rx = engine.submit(

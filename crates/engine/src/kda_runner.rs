@@ -12,15 +12,17 @@
 use crate::kda_hybrid::sharded::model_shape;
 use crate::kda_hybrid::{
     apply_transfer_plan, KdaForm, KdaHybridConfig, KdaHybridModel, KdaHybridState, LayerState,
-    ShardedKdaHybrid,
+    LoadOptions, ShardedKdaHybrid,
 };
 use crate::kv_pool::{BlockAllocation, BlockAllocator};
 use crate::sampling::sample;
 use crate::{Error, Result};
+use parking_lot::RwLock;
 use std::collections::VecDeque;
 use std::sync::mpsc;
 use std::sync::Arc;
 use tandem_core::{FinishReason, SamplingParams};
+use tandem_topology::ShardBy;
 use tandem_topology::{Layout, Rank, TransferPlan};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
@@ -200,16 +202,37 @@ pub enum KdaModel {
 }
 
 impl KdaModel {
-    /// Loads `dir` for `layout`.
-    pub fn load(dir: &std::path::Path, layout: Layout) -> Result<Self> {
+    /// Loads `dir` for `layout`, merging the PEFT LoRA adapter in `lora` when given (layers
+    /// whose projections it targets run unfused).
+    pub fn load(
+        dir: &std::path::Path,
+        layout: Layout,
+        lora: Option<&std::path::Path>,
+    ) -> Result<Self> {
+        let options = LoadOptions {
+            lora: lora.map(std::path::Path::to_path_buf),
+            ..LoadOptions::default()
+        };
         Ok(if layout.tp() == 1 {
-            KdaModel::Single(Box::new(KdaHybridModel::load(dir)?))
+            KdaModel::Single(Box::new(KdaHybridModel::load_with(dir, &options)?))
         } else {
             KdaModel::Sharded(
-                ShardedKdaHybrid::load(dir, layout)
+                ShardedKdaHybrid::load_with(dir, layout, &options, ShardBy::AttentionTp)
                     .map_err(|e| Error::InvalidRequest(format!("layout {layout}: {e}")))?,
             )
         })
+    }
+
+    /// Reloads the weights from `dir` into the existing buffers (fused ones in place, so
+    /// captured graphs stay valid). Only single-rank models so far.
+    pub fn refresh_weights(&mut self, dir: &std::path::Path) -> Result<()> {
+        match self {
+            KdaModel::Single(m) => m.refresh_weights(dir),
+            KdaModel::Sharded(s) => Err(Error::InvalidRequest(format!(
+                "refreshing weights of a sharded model (layout {}) is not supported yet",
+                s.layout()
+            ))),
+        }
     }
 
     /// The layout served.
@@ -285,16 +308,38 @@ impl KdaModel {
 }
 
 /// The handoff body of a KDA-hybrid request: the prefill layout, then the state of every rank
-/// of the prefill attention-DP group that served it.
+/// of the prefill attention-DP group that served it — KDA state by heads from each rank, the MLA
+/// latents (replicated across attention TP) once, from rank 0.
 fn encode_group(layout: Layout, states: &[KdaHybridState]) -> Vec<u8> {
     let mut out = Vec::new();
     for v in [layout.tp(), layout.dp(), layout.ep(), states.len()] {
         out.extend_from_slice(&(v as u32).to_le_bytes());
     }
-    for st in states {
-        let bytes = encode_state(st);
+    for (k, st) in states.iter().enumerate() {
+        // MLA latents are replicated across attention TP: only rank 0 carries them.
+        let bytes = if k == 0 {
+            encode_state(st)
+        } else {
+            encode_state(&without_mla(st))
+        };
         out.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
         out.extend_from_slice(&bytes);
+    }
+    out
+}
+
+/// `st` with its MLA layers emptied (what ranks other than 0 send).
+fn without_mla(st: &KdaHybridState) -> KdaHybridState {
+    let mut out = st.clone();
+    for layer in &mut out.layers {
+        if let LayerState::Mla(m) = layer {
+            m.kv_latent.clear();
+            m.k_rope.clear();
+            if let Some(ix) = m.indexer.as_mut() {
+                ix.keys.clear();
+                ix.pool_gate.clear();
+            }
+        }
     }
     out
 }
@@ -361,6 +406,16 @@ fn decode_group(
             "trailing bytes after the rank states".into(),
         ));
     }
+    // The MLA latents came once, with rank 0: give every rank its replica.
+    if let Some((first, rest)) = received.split_first_mut() {
+        for st in rest {
+            for (dst, src) in st.layers.iter_mut().zip(&first.layers) {
+                if let (LayerState::Mla(d), LayerState::Mla(s)) = (dst, src) {
+                    *d = s.clone();
+                }
+            }
+        }
+    }
     if prefill.attn_tp() == decode.attn_tp() && decode.dp() == 1 {
         return Ok(received);
     }
@@ -410,7 +465,8 @@ pub struct KdaEngine {
     slots: Vec<BlockAllocator>,
     /// All groups' slots, for accounting.
     all_slots: BlockAllocator,
-    model: Arc<KdaModel>,
+    model: Arc<RwLock<KdaModel>>,
+    layout: Layout,
     eos: Vec<u32>,
     vocab: usize,
     max_context: usize,
@@ -420,7 +476,7 @@ pub struct KdaEngine {
 impl std::fmt::Debug for KdaEngine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("KdaEngine")
-            .field("layout", &self.model.layout())
+            .field("layout", &self.layout)
             .finish_non_exhaustive()
     }
 }
@@ -463,8 +519,9 @@ impl KdaEngine {
         let (tx, rx) = mpsc::channel();
         let vocab = model.config().vocab_size;
         let num_layers = model.config().num_layers();
-        let dp = model.layout().dp();
-        let model = Arc::new(model);
+        let layout = model.layout();
+        let dp = layout.dp();
+        let model = Arc::new(RwLock::new(model));
         let (thread_model, eos_thread) = (model.clone(), eos.clone());
         std::thread::Builder::new()
             .name("tandem-kda-engine".into())
@@ -475,6 +532,7 @@ impl KdaEngine {
             slots: (0..dp).map(|_| BlockAllocator::new(slots)).collect(),
             all_slots: BlockAllocator::new(slots * dp),
             model,
+            layout,
             eos,
             vocab,
             max_context,
@@ -489,7 +547,12 @@ impl KdaEngine {
 
     /// The layout served.
     pub fn layout(&self) -> Layout {
-        self.model.layout()
+        self.layout
+    }
+
+    /// Rewrites the weights from `dir` in place; waits for the step in flight to finish.
+    pub fn refresh_weights(&self, dir: &std::path::Path) -> Result<()> {
+        self.model.write().refresh_weights(dir)
     }
 
     /// Free slots of each attention-DP group.
@@ -587,7 +650,7 @@ impl KdaEngine {
         first_token: u32,
     ) -> Result<UnboundedReceiver<KdaEvent>> {
         self.check(prompt, &params)?;
-        let states = decode_group(&self.model, body, prompt.len(), slot.group)?;
+        let states = decode_group(&self.model.read(), body, prompt.len(), slot.group)?;
         let (tx, rx) = unbounded_channel();
         let stop = stop_ids(&params, &self.eos);
         let seq = DecodeSeq {
@@ -607,8 +670,8 @@ impl KdaEngine {
     }
 }
 
-fn run(model: &KdaModel, rx: mpsc::Receiver<Work>, eos: &[u32]) {
-    let dp = model.layout().dp();
+fn run(shared: &RwLock<KdaModel>, rx: mpsc::Receiver<Work>, eos: &[u32]) {
+    let dp = shared.read().layout().dp();
     let mut running: Vec<VecDeque<Box<DecodeSeq>>> = (0..dp).map(|_| VecDeque::new()).collect();
     loop {
         let idle = running.iter().all(VecDeque::is_empty);
@@ -627,6 +690,7 @@ fn run(model: &KdaModel, rx: mpsc::Receiver<Work>, eos: &[u32]) {
                 if tx.is_closed() {
                     continue;
                 }
+                let model = shared.read();
                 let mut work = vec![(0, prompt, model.group_states())];
                 let event = match model.step(&mut work) {
                     Ok(logits) => {
@@ -665,7 +729,7 @@ fn run(model: &KdaModel, rx: mpsc::Receiver<Work>, eos: &[u32]) {
             .iter_mut()
             .map(|s| (s.group, vec![s.last], std::mem::take(&mut s.states)))
             .collect();
-        let logits = match model.step(&mut work) {
+        let logits = match shared.read().step(&mut work) {
             Ok(l) => l,
             Err(e) => {
                 tracing::warn!(error = %e, "KDA decode step failed; dropping its requests");
@@ -701,6 +765,44 @@ mod tests {
         let dir = tandem_testkit::shared_dir().join("reference/kimi_tiny");
         let model = KdaHybridModel::load(&dir).expect("load");
         (dir, model)
+    }
+
+    #[test]
+    fn mla_latents_travel_once_per_request() {
+        let dir = tandem_testkit::shared_dir().join("reference/kimi_tiny");
+        let layout = Layout::new(2, 1, 1).expect("tp2");
+        let model = KdaModel::load(&dir, layout, None).expect("load tp2");
+        let mut work = vec![(0, vec![5u32, 9, 33, 7, 120, 64, 3], model.group_states())];
+        model.step(&mut work).expect("prefill");
+        let states = &work[0].2;
+        let body = encode_group(layout, states);
+        let latent_bytes: usize = states[0]
+            .layers
+            .iter()
+            .map(|l| match l {
+                LayerState::Mla(m) => 4 * (m.kv_latent.len() + m.k_rope.len()),
+                LayerState::Kda(_) => 0,
+            })
+            .sum();
+        let kda_bytes: usize = states
+            .iter()
+            .flat_map(|s| &s.layers)
+            .map(|l| match l {
+                LayerState::Kda(k) => 4 * (k.recurrent.len() + 3 * k.conv.q.len()),
+                LayerState::Mla(_) => 0,
+            })
+            .sum();
+        assert!(latent_bytes > 0);
+        // One latent copy plus every rank's KDA share, plus small headers.
+        assert!(
+            body.len() < kda_bytes + latent_bytes + 1024,
+            "latents sent more than once"
+        );
+        let back = decode_group(&model, &body, 7, 0).expect("decode");
+        assert_eq!(
+            &back, states,
+            "every rank gets its replica of the latents back"
+        );
     }
 
     #[test]

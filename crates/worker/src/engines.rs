@@ -132,6 +132,16 @@ impl WorkerEngine {
         })
     }
 
+    /// Reloads weights from `dir` in place (KDA-hybrid models on one rank).
+    pub fn refresh_weights(&self, dir: &std::path::Path) -> Result<()> {
+        match self {
+            WorkerEngine::Llama(_) => Err(Error::InvalidRequest(
+                "weight refresh is implemented for KDA-hybrid models only".into(),
+            )),
+            WorkerEngine::Kda(e) => Ok(e.refresh_weights(dir)?),
+        }
+    }
+
     /// `(layout, dp size, free slots per DP group)` for the stats endpoint.
     pub fn layout_info(&self) -> (String, usize, Vec<usize>) {
         match self {

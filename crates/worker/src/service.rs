@@ -356,6 +356,22 @@ impl pb::worker_server::Worker for WorkerService {
         Ok(Response::new(res?))
     }
 
+    async fn refresh_weights(
+        &self,
+        request: Request<pb::RefreshWeightsRequest>,
+    ) -> std::result::Result<Response<pb::RefreshWeightsResponse>, Status> {
+        let dir = std::path::PathBuf::from(request.into_inner().model_dir);
+        let engine = self.shared.engine.clone();
+        let shown = dir.display().to_string();
+        tokio::task::spawn_blocking(move || engine.refresh_weights(&dir))
+            .await
+            .map_err(|e| Status::internal(format!("refresh task failed: {e}")))??;
+        tracing::info!(model_dir = %shown, "weights refreshed");
+        Ok(Response::new(pb::RefreshWeightsResponse {
+            message: format!("weights refreshed from {shown}"),
+        }))
+    }
+
     async fn stats(
         &self,
         _request: Request<pb::StatsRequest>,
