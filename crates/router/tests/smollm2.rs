@@ -1,5 +1,5 @@
-//! The router with the real SmolLM2-135M-Instruct tokenizer and chat template, when
-//! `TANDEM_TEST_MODEL_DIR` names its directory; skipped (with a message) otherwise.
+//! The router with the real SmolLM2-135M-Instruct tokenizer and chat template (the model is
+//! pulled into the shared cache on first use, as `make test` does before the suite).
 
 mod common;
 
@@ -10,11 +10,7 @@ use std::sync::Arc;
 use tandem_router::{app, MemoryGenerator, ModelAssets, RouterState};
 
 fn model_dir() -> Option<PathBuf> {
-    let dir = std::env::var_os(MODEL_DIR_ENV).map(PathBuf::from);
-    if dir.is_none() {
-        eprintln!("skipped: set {MODEL_DIR_ENV} to a SmolLM2-135M-Instruct directory");
-    }
-    dir
+    Some(tandem_testkit::smollm2_dir())
 }
 
 #[tokio::test]

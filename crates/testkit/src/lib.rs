@@ -31,7 +31,12 @@ pub fn shared_dir() -> PathBuf {
         return PathBuf::from(dir);
     }
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
-    for candidate in [root.join("shared"), root.join("../shared")] {
+    // Next to the checkout (the usual layout), inside it, or where the team keeps it.
+    for candidate in [
+        root.join("../shared"),
+        root.join("shared"),
+        PathBuf::from("/work/shared"),
+    ] {
         if candidate.join("reference").exists() {
             return candidate;
         }

@@ -16,8 +16,6 @@ use tower::ServiceExt;
 pub const MODEL: &str = "tiny-chatml";
 /// `<|im_end|>` in the fixture tokenizer.
 pub const IM_END: u32 = 2;
-/// Environment variable naming a real SmolLM2-135M-Instruct directory for optional tests.
-pub const MODEL_DIR_ENV: &str = "TANDEM_TEST_MODEL_DIR";
 
 /// The always-present fixture: byte-level BPE, ChatML template, context 256.
 pub fn fixture_dir() -> PathBuf {
