@@ -1,7 +1,8 @@
 # tandem — the two commands a new machine needs are `make run` and `make test`.
 SHELL := /bin/bash
 CARGO ?= cargo
-BIN := target/release/tandem
+TARGET_DIR := $(or $(CARGO_TARGET_DIR),target)
+BIN := $(TARGET_DIR)/release/tandem
 APT_PACKAGES := protobuf-compiler libprotobuf-dev libucx-dev libclang-dev pkg-config ucx-utils
 export UCX_NET_DEVICES ?= lo
 
@@ -38,7 +39,7 @@ test: deps
 	@command -v cargo-nextest >/dev/null 2>&1 || $(CARGO) install cargo-nextest --locked
 	@python3 -c 'import openai' 2>/dev/null || python3 -m pip install -q openai
 	$(CARGO) build --bin tandem
-	target/debug/tandem model pull smollm2-135m-instruct
+	$(TARGET_DIR)/debug/tandem model pull smollm2-135m-instruct
 	$(CARGO) nextest run --workspace --no-tests=pass --no-fail-fast
 
 lint: deps

@@ -78,7 +78,7 @@ mod gemm_call {
 
 /// Dot product with eight independent partial sums, so it vectorises (a plain `sum()` must
 /// keep the sequential order and does not).
-fn dot(a: &[f32], b: &[f32]) -> f32 {
+pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0.0f32; 8];
     let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
     let tail: f32 = ca

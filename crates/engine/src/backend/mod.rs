@@ -5,6 +5,7 @@
 
 mod cpu;
 
+pub(crate) use cpu::dot;
 pub use cpu::CpuBackend;
 
 use crate::batch::ForwardBatch;

@@ -74,23 +74,8 @@ pub(crate) fn l2norm_rows(x: &mut [f32], dim: usize, scale: f32) {
     }
 }
 
-/// Dot product with independent partial sums, so it vectorises.
-pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0.0f32; 8];
-    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
-    let tail: f32 = ca
-        .remainder()
-        .iter()
-        .zip(cb.remainder())
-        .map(|(x, y)| x * y)
-        .sum();
-    for (x, y) in ca.zip(cb) {
-        for i in 0..8 {
-            acc[i] += x[i] * y[i];
-        }
-    }
-    acc.iter().sum::<f32>() + tail
-}
+/// Dot product (the CPU backend's vectorising one).
+pub(crate) use crate::backend::dot;
 
 /// `y += a · x`.
 pub(crate) fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
