@@ -66,6 +66,8 @@ pub struct ClusterOptions {
     pub model: Option<PathBuf>,
     /// Extra arguments of the prefill worker (e.g. `--tp 2`).
     pub prefill_args: Vec<String>,
+    /// Also list a prefill and a decode worker that are not running.
+    pub dead_workers: bool,
     /// Extra arguments of the decode worker (e.g. `--tp 2 --dp 2`).
     pub decode_args: Vec<String>,
 }
@@ -78,6 +80,7 @@ impl Default for ClusterOptions {
             model: None,
             prefill_args: Vec::new(),
             decode_args: Vec::new(),
+            dead_workers: false,
         }
     }
 }
@@ -104,8 +107,23 @@ impl Cluster {
         let bin = tandem_bin();
         let dir = tempfile::tempdir().unwrap();
         let (p, d, r) = (free_port(), free_port(), free_port());
+        // Dead workers: listed in the router's config, nothing listening on their ports.
+        let (dead_p, dead_d) = if opts.dead_workers {
+            (
+                format!(
+                    "  - id: prefill-dead\n    address: http://127.0.0.1:{}\n",
+                    free_port()
+                ),
+                format!(
+                    "  - id: decode-dead\n    address: http://127.0.0.1:{}\n",
+                    free_port()
+                ),
+            )
+        } else {
+            (String::new(), String::new())
+        };
         let config = format!(
-            "listen: 127.0.0.1:{r}\nmodel:\n  served_name: {served}\nprefill:\n  - id: prefill-0\n    address: http://127.0.0.1:{p}\ndecode:\n  - id: decode-0\n    address: http://127.0.0.1:{d}\n"
+            "listen: 127.0.0.1:{r}\nmodel:\n  served_name: {served}\nprefill:\n{dead_p}  - id: prefill-0\n    address: http://127.0.0.1:{p}\ndecode:\n  - id: decode-0\n    address: http://127.0.0.1:{d}\n{dead_d}"
         );
         let config_path = dir.path().join("router.yaml");
         std::fs::write(&config_path, config).unwrap();

@@ -298,3 +298,82 @@ assert text == "The capital of France is Paris.", text
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// A prefill and a decode worker in the router's list are down: every request still completes
+/// correctly (retried on the live pair before its first token), the router stays ready, and
+/// /admin/workers names the dead ones.
+#[test]
+fn dead_workers_are_routed_around_and_nothing_is_lost() {
+    let cluster = Cluster::start(ClusterOptions {
+        kv_blocks: 256,
+        dead_workers: true,
+        ..ClusterOptions::default()
+    });
+    let url = cluster.url.clone();
+    rt().block_on(async move {
+        let c = reqwest::Client::new();
+        let chat_url = format!("{url}/v1/chat/completions");
+        let mut tasks = Vec::new();
+        for _ in 0..8 {
+            let (c, chat_url) = (c.clone(), chat_url.clone());
+            tasks.push(tokio::spawn(async move {
+                post(&c, &chat_url, chat(FRANCE, 32, false)).await
+            }));
+        }
+        for t in tasks {
+            let (status, body) = t.await.unwrap();
+            assert_eq!(status, 200, "{body}");
+            assert_eq!(
+                body["choices"][0]["message"]["content"],
+                "The capital of France is Paris."
+            );
+        }
+        let workers: Value = c
+            .get(format!("{url}/admin/workers"))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let dead: Vec<&Value> = workers["workers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|w| w["error"].is_string())
+            .collect();
+        assert_eq!(dead.len(), 2, "{workers}");
+        assert_eq!(
+            c.get(format!("{url}/ready"))
+                .send()
+                .await
+                .unwrap()
+                .status()
+                .as_u16(),
+            200
+        );
+        // Live workers' pools are full again.
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let w: Value = c
+                .get(format!("{url}/admin/workers"))
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            let live_full = w["workers"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|x| x["error"].is_null())
+                .all(|x| x["kv_blocks_free"] == x["kv_blocks_total"]);
+            if live_full {
+                break;
+            }
+            assert!(Instant::now() < deadline, "{w}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    });
+}

@@ -53,8 +53,12 @@ async fn worker_report(pd: &PdGenerator) -> (bool, Vec<Value>) {
     (all_ok, out)
 }
 
+/// Ready when at least one prefill and one decode worker answer: a dead worker is routed
+/// around (retries), it does not take the router out of service.
 async fn ready(State(pd): State<Arc<PdGenerator>>) -> (StatusCode, Json<Value>) {
-    let (ok, workers) = worker_report(&pd).await;
+    let (_, workers) = worker_report(&pd).await;
+    let reachable = |role: &str| workers.iter().any(|w| w["role"] == role);
+    let ok = reachable("prefill") && reachable("decode");
     let status = if ok {
         StatusCode::OK
     } else {

@@ -205,29 +205,51 @@ impl PdGenerator {
         self.prefill.iter().chain(&self.decode)
     }
 
-    fn pick(&self, attempt: usize) -> Option<(WorkerHandle, WorkerHandle)> {
+    /// Prefill workers.
+    pub fn prefill_workers(&self) -> &[WorkerHandle] {
+        &self.prefill
+    }
+
+    /// Decode workers.
+    pub fn decode_workers(&self) -> &[WorkerHandle] {
+        &self.decode
+    }
+
+    /// The pair at round-robin positions `(p, d)`. A retry advances only the leg that failed
+    /// (both when the transfer between them failed), so a dead worker on one side does not
+    /// take its healthy partner out of the rotation.
+    fn pick(&self, p: usize, d: usize) -> Option<(WorkerHandle, WorkerHandle)> {
         if self.prefill.is_empty() || self.decode.is_empty() {
             return None;
         }
-        let n = self.next.fetch_add(1, Ordering::Relaxed) + attempt;
         Some((
-            self.prefill[n % self.prefill.len()].clone(),
-            self.decode[n % self.decode.len()].clone(),
+            self.prefill[p % self.prefill.len()].clone(),
+            self.decode[d % self.decode.len()].clone(),
         ))
     }
 
     async fn run(self: Arc<Self>, req: ValidGenerateRequest) -> Result<TokenStream, GenerateError> {
+        let base = self.next.fetch_add(1, Ordering::Relaxed);
         let mut last = GenerateError::new(
             ErrorClass::Unavailable,
             "no prefill/decode workers configured",
         );
+        let (mut pi, mut di) = (base, base);
         for attempt in 0..self.retry.attempts.max(1) {
-            let Some((p, d)) = self.pick(attempt as usize) else {
+            let Some((p, d)) = self.pick(pi, di) else {
                 break;
             };
             match try_pair(&p, &d, &req).await {
                 Ok(stream) => return Ok(stream),
-                Err(e) => {
+                Err((leg, e)) => {
+                    match leg {
+                        Leg::Prefill => pi += 1,
+                        Leg::Decode => di += 1,
+                        Leg::Both => {
+                            pi += 1;
+                            di += 1;
+                        }
+                    }
                     tracing::warn!(request = %req.id, prefill = %p.id, decode = %d.id, attempt,
                         class = e.class.as_str(), error = %e.message, "P/D attempt failed");
                     if !e.class.is_retryable() {
@@ -242,13 +264,22 @@ impl PdGenerator {
     }
 }
 
+/// Which side of a pair an attempt failed on.
+#[derive(Clone, Copy, Debug)]
+enum Leg {
+    Prefill,
+    Decode,
+    Both,
+}
+
 async fn try_pair(
     p: &WorkerHandle,
     d: &WorkerHandle,
     req: &ValidGenerateRequest,
-) -> Result<TokenStream, GenerateError> {
+) -> Result<TokenStream, (Leg, GenerateError)> {
+    let on_decode = |e: GenerateError| (Leg::Decode, e);
     let request = to_pb(req);
-    let (dp_rank, dp_slot) = d.pick_dp_rank().await?;
+    let (dp_rank, dp_slot) = d.pick_dp_rank().await.map_err(on_decode)?;
     let mut decode = d
         .client
         .clone()
@@ -257,20 +288,24 @@ async fn try_pair(
             dp_rank,
         })
         .await
-        .map_err(classify_status)?
+        .map_err(|s| on_decode(classify_status(s)))?
         .into_inner();
-    let target = match decode.message().await.map_err(classify_status)? {
+    let target = match decode
+        .message()
+        .await
+        .map_err(|s| on_decode(classify_status(s)))?
+    {
         Some(pb::DecodeEvent {
             event: Some(pb::decode_event::Event::KvTarget(t)),
         }) => t,
         other => {
-            return Err(GenerateError::new(
+            return Err(on_decode(GenerateError::new(
                 ErrorClass::Internal,
                 format!(
                     "decode worker {} answered {other:?} instead of a KV target",
                     d.id
                 ),
-            ))
+            )))
         }
     };
     let first = p
@@ -281,7 +316,16 @@ async fn try_pair(
             kv_target: Some(target),
         })
         .await
-        .map_err(classify_status)?
+        .map_err(|s| {
+            let e = classify_status(s);
+            // A failed transfer may be either side's fault: move both.
+            let leg = if e.class == ErrorClass::TransferFailed {
+                Leg::Both
+            } else {
+                Leg::Prefill
+            };
+            (leg, e)
+        })?
         .into_inner();
     let first = GeneratedToken {
         token_id: first.first_token_id,
