@@ -94,7 +94,10 @@ fn kda_hybrid_pd_across_layouts_tp4_to_tp4_dp4() {
     );
 }
 
-fn run_case(prefill_args: Vec<String>, decode_args: Vec<String>) {
+fn run_case(mut prefill_args: Vec<String>, mut decode_args: Vec<String>) {
+    for args in [&mut prefill_args, &mut decode_args] {
+        args.extend(strings(&["--state-slots", "8"]));
+    }
     let flag = |name: &str| {
         decode_args
             .iter()
@@ -113,7 +116,7 @@ fn run_case(prefill_args: Vec<String>, decode_args: Vec<String>) {
     ];
     let expected: Vec<Vec<u64>> = prompts.iter().map(|p| single_process(&dir, p, 8)).collect();
     let cluster = Cluster::start(ClusterOptions {
-        kv_blocks: 8,
+        kv_blocks: 256,
         model: Some(dir.clone()),
         prefill_args,
         decode_args,

@@ -145,6 +145,7 @@ fn engine_bench(
     let args = crate::EngineArgs {
         model: model.to_string(),
         kv_blocks: 2048,
+        state_slots: 64,
         max_batch_tokens: 512,
         layout: crate::eval::LayoutArgs {
             tp: 1,

@@ -129,9 +129,12 @@ struct EngineArgs {
     /// Model directory (Hugging Face layout) or a known model name.
     #[arg(long, default_value = models::DEFAULT_MODEL, env = "TANDEM_MODEL")]
     model: String,
-    /// KV blocks in the pool (16 tokens each).
+    /// KV blocks in the paged pool (16 tokens each; MLA latents for KDA-hybrid models).
     #[arg(long, default_value_t = 1024)]
     kv_blocks: usize,
+    /// Request-state slots per attention-DP group (KDA-hybrid models).
+    #[arg(long, default_value_t = 64)]
+    state_slots: usize,
     /// Tokens per step (decodes + prefill chunks).
     #[arg(long, default_value_t = 512)]
     max_batch_tokens: usize,
@@ -184,6 +187,7 @@ impl EngineArgs {
                 let eos = eval::eos_ids(&dir)?;
                 tandem_worker::WorkerEngine::Kda(tandem_engine::kda_runner::KdaEngine::start(
                     model,
+                    self.state_slots,
                     self.kv_blocks,
                     eos,
                     context,
@@ -446,6 +450,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
     let engine = EngineArgs {
         model: dir.display().to_string(),
         kv_blocks: 1024,
+        state_slots: 64,
         max_batch_tokens: 512,
         layout: args.layout,
         lora: None,

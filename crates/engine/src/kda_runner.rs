@@ -11,8 +11,8 @@
 
 use crate::kda_hybrid::sharded::model_shape;
 use crate::kda_hybrid::{
-    apply_transfer_plan, KdaForm, KdaHybridConfig, KdaHybridModel, KdaHybridState, LayerState,
-    LoadOptions, ShardedKdaHybrid,
+    apply_transfer_plan, KdaForm, KdaHybridConfig, KdaHybridModel, KdaHybridState, LatentPool,
+    LayerState, LoadOptions, ShardedKdaHybrid,
 };
 use crate::kv_pool::{BlockAllocation, BlockAllocator};
 use crate::sampling::sample;
@@ -72,7 +72,8 @@ pub fn encode_state(state: &KdaHybridState) -> Vec<u8> {
                     .indexer
                     .as_ref()
                     .map_or((&[][..], &[][..]), |i| (&i.keys[..], &i.pool_gate[..]));
-                for v in [&m.kv_latent[..], &m.k_rope[..], keys, gate] {
+                let (latent, rope) = (m.kv_latent.to_vec(), m.k_rope.to_vec());
+                for v in [&latent[..], &rope[..], keys, gate] {
                     put(&mut out, v);
                 }
                 out.extend_from_slice(&u32::from(m.indexer.is_some()).to_le_bytes());
@@ -156,8 +157,23 @@ pub fn decode_state(
                 k.conv.v = r.floats(Some(k.conv.v.len()))?;
             }
             (1, LayerState::Mla(m)) => {
-                m.kv_latent = r.floats(None)?;
-                m.k_rope = r.floats(None)?;
+                for (rows, data) in [
+                    (&mut m.kv_latent, r.floats(None)?),
+                    (&mut m.k_rope, r.floats(None)?),
+                ] {
+                    // Empty is allowed: ranks other than 0 send no latents (they are replicated).
+                    if !data.is_empty()
+                        && (rows.width() == 0 || data.len() != tokens * rows.width())
+                    {
+                        return Err(Error::InvalidRequest(format!(
+                            "MLA cache has {} values, expected {tokens} tokens of {}",
+                            data.len(),
+                            rows.width()
+                        )));
+                    }
+                    rows.clear();
+                    rows.extend_from_slice(&data);
+                }
                 let keys = r.floats(None)?;
                 let pool_gate = r.floats(None)?;
                 let has_indexer = r.u32()? == 1;
@@ -169,12 +185,6 @@ pub fn decode_state(
                 if let Some(ix) = m.indexer.as_mut() {
                     ix.keys = keys;
                     ix.pool_gate = pool_gate;
-                }
-                let per_token = |v: &[f32]| tokens == 0 || v.len().is_multiple_of(tokens);
-                if !per_token(&m.kv_latent) || !per_token(&m.k_rope) {
-                    return Err(Error::InvalidRequest(
-                        "MLA latent is not whole tokens".into(),
-                    ));
                 }
             }
             _ => {
@@ -221,6 +231,14 @@ impl KdaModel {
                     .map_err(|e| Error::InvalidRequest(format!("layout {layout}: {e}")))?,
             )
         })
+    }
+
+    /// Makes new states take MLA latent blocks from `pool`.
+    pub fn set_latent_pool(&mut self, pool: &LatentPool) {
+        match self {
+            KdaModel::Single(m) => m.set_latent_pool(pool),
+            KdaModel::Sharded(s) => s.set_latent_pool(pool),
+        }
     }
 
     /// Reloads the weights from `dir` into the existing buffers (fused ones in place, so
@@ -434,11 +452,30 @@ fn decode_group(
     Ok(to.drain(group * a..(group + 1) * a).collect())
 }
 
+/// Takes the MLA latent blocks `tokens` tokens need in every MLA layer of `states`, from the
+/// paged pool; on failure the caller drops the states, which returns what was taken.
+fn reserve_latents(states: &mut [KdaHybridState], tokens: usize, pool: &LatentPool) -> Result<()> {
+    for st in states.iter_mut() {
+        for layer in &mut st.layers {
+            if let LayerState::Mla(m) = layer {
+                if !m.reserve(tokens) {
+                    return Err(Error::CapacityExhausted {
+                        needed: tokens.div_ceil(crate::kda_hybrid::latent_pool::BLOCK_ROWS),
+                        free: pool.free().unwrap_or(0),
+                    });
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 enum Work {
     Prefill {
         prompt: Vec<u32>,
         params: SamplingParams,
         slot: GroupSlot,
+        states: Vec<KdaHybridState>,
         tx: UnboundedSender<KdaEvent>,
     },
     Decode {
@@ -465,6 +502,7 @@ pub struct KdaEngine {
     slots: Vec<BlockAllocator>,
     /// All groups' slots, for accounting.
     all_slots: BlockAllocator,
+    latents: LatentPool,
     model: Arc<RwLock<KdaModel>>,
     layout: Layout,
     eos: Vec<u32>,
@@ -514,8 +552,17 @@ pub struct GroupSlot {
 }
 
 impl KdaEngine {
-    /// Starts the engine thread with `slots` request-state slots per attention-DP group.
-    pub fn start(model: KdaModel, slots: usize, eos: Vec<u32>, max_context: usize) -> Self {
+    /// Starts the engine thread with `slots` request-state slots per attention-DP group and a
+    /// paged MLA latent pool of `latent_blocks` blocks of 16 tokens.
+    pub fn start(
+        mut model: KdaModel,
+        slots: usize,
+        latent_blocks: usize,
+        eos: Vec<u32>,
+        max_context: usize,
+    ) -> Self {
+        let latents = LatentPool::bounded(latent_blocks);
+        model.set_latent_pool(&latents);
         let (tx, rx) = mpsc::channel();
         let vocab = model.config().vocab_size;
         let num_layers = model.config().num_layers();
@@ -531,6 +578,7 @@ impl KdaEngine {
             tx,
             slots: (0..dp).map(|_| BlockAllocator::new(slots)).collect(),
             all_slots: BlockAllocator::new(slots * dp),
+            latents,
             model,
             layout,
             eos,
@@ -548,6 +596,14 @@ impl KdaEngine {
     /// The layout served.
     pub fn layout(&self) -> Layout {
         self.layout
+    }
+
+    /// The paged MLA latent pool: `(blocks in all, blocks free)`.
+    pub fn latent_blocks(&self) -> (usize, usize) {
+        (
+            self.latents.capacity().unwrap_or(0),
+            self.latents.free().unwrap_or(0),
+        )
     }
 
     /// Rewrites the weights from `dir` in place; waits for the step in flight to finish.
@@ -627,12 +683,15 @@ impl KdaEngine {
     ) -> Result<UnboundedReceiver<KdaEvent>> {
         self.check(&prompt, &params)?;
         let slot = self.reserve_on(Some(0))?;
+        let mut states = self.model.read().group_states();
+        reserve_latents(&mut states, prompt.len(), &self.latents)?;
         let (tx, rx) = unbounded_channel();
         self.tx
             .send(Work::Prefill {
                 prompt,
                 params,
                 slot,
+                states,
                 tx,
             })
             .map_err(|_| Error::Stopped)?;
@@ -650,7 +709,12 @@ impl KdaEngine {
         first_token: u32,
     ) -> Result<UnboundedReceiver<KdaEvent>> {
         self.check(prompt, &params)?;
-        let states = decode_group(&self.model.read(), body, prompt.len(), slot.group)?;
+        let mut states = decode_group(&self.model.read(), body, prompt.len(), slot.group)?;
+        reserve_latents(
+            &mut states,
+            prompt.len() + params.max_tokens as usize,
+            &self.latents,
+        )?;
         let (tx, rx) = unbounded_channel();
         let stop = stop_ids(&params, &self.eos);
         let seq = DecodeSeq {
@@ -685,13 +749,14 @@ fn run(shared: &RwLock<KdaModel>, rx: mpsc::Receiver<Work>, eos: &[u32]) {
                 prompt,
                 params,
                 slot,
+                states,
                 tx,
             }) => {
                 if tx.is_closed() {
                     continue;
                 }
                 let model = shared.read();
-                let mut work = vec![(0, prompt, model.group_states())];
+                let mut work = vec![(0, prompt, states)];
                 let event = match model.step(&mut work) {
                     Ok(logits) => {
                         let token = sample(&logits[0], &params, 0);
@@ -840,10 +905,11 @@ mod tests {
             want.push(t);
             logits = model.decode_step(t, &mut st);
         }
-        let p = KdaEngine::start(KdaModel::Single(Box::new(model)), 4, vec![2], 4096);
+        let p = KdaEngine::start(KdaModel::Single(Box::new(model)), 4, 64, vec![2], 4096);
         let d = KdaEngine::start(
             KdaModel::Single(Box::new(KdaHybridModel::load(&dir).expect("load"))),
             4,
+            64,
             vec![2],
             4096,
         );
@@ -872,5 +938,32 @@ mod tests {
         assert_eq!(got, want);
         assert_eq!(p.slots().free_blocks(), 4);
         assert_eq!(d.slots().free_blocks(), 4);
+        assert_eq!(p.latent_blocks(), (64, 64), "prefill latent blocks back");
+        assert_eq!(d.latent_blocks(), (64, 64), "decode latent blocks back");
+        // A request whose latents cannot fit the pool is refused at admission.
+        let tiny = KdaEngine::start(
+            KdaModel::Single(Box::new(KdaHybridModel::load(&dir).expect("load"))),
+            4,
+            1,
+            vec![2],
+            4096,
+        );
+        let long: Vec<u32> = (0..40).map(|i| 3 + i).collect();
+        assert!(matches!(
+            tiny.submit_prefill(long, SamplingParams::greedy(1)),
+            Err(Error::CapacityExhausted { .. })
+        ));
+        assert_eq!(
+            tiny.latent_blocks(),
+            (1, 1),
+            "a refused request takes nothing"
+        );
+        // A weight refresh keeps the model on the same bounded pool.
+        tiny.refresh_weights(&dir).expect("refresh");
+        let long: Vec<u32> = (0..40).map(|i| 3 + i).collect();
+        assert!(matches!(
+            tiny.submit_prefill(long, SamplingParams::greedy(1)),
+            Err(Error::CapacityExhausted { .. })
+        ));
     }
 }

@@ -165,9 +165,9 @@ fn check_prefill_state(reference: &Reference, model: &KdaHybridModel) {
                 check("kda.conv_window_pre_conv", &kda.conv.to_stacked());
             } else {
                 let mla = state.mla(i).expect("every layer is KDA or MLA");
-                check("mla.kv_latent_normed", &mla.kv_latent);
+                check("mla.kv_latent_normed", &mla.kv_latent.to_vec());
                 if reference.tensors.contains_key(&key("mla.k_rope")) {
-                    check("mla.k_rope", &mla.k_rope);
+                    check("mla.k_rope", &mla.k_rope.to_vec());
                 } else {
                     assert!(mla.k_rope.is_empty(), "no rope slot in this model");
                 }

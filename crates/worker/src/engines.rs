@@ -80,6 +80,15 @@ impl WorkerEngine {
         }
     }
 
+    /// The paged KV pool: `(blocks in all, blocks free)` — Llama K/V blocks, or the MLA
+    /// latent blocks of a KDA-hybrid model.
+    pub fn kv_blocks(&self) -> (usize, usize) {
+        match self {
+            WorkerEngine::Llama(e) => (e.allocator().total_blocks(), e.allocator().free_blocks()),
+            WorkerEngine::Kda(e) => e.latent_blocks(),
+        }
+    }
+
     /// Requests admitted or waiting (Llama); KDA reports slots in use.
     pub fn running(&self) -> usize {
         match self {

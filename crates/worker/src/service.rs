@@ -377,13 +377,13 @@ impl pb::worker_server::Worker for WorkerService {
         _request: Request<pb::StatsRequest>,
     ) -> std::result::Result<Response<pb::StatsResponse>, Status> {
         let s = &self.shared;
-        let alloc = s.engine.allocator();
+        let (kv_total, kv_free) = s.engine.kv_blocks();
         let (layout, dp_size, dp_free) = s.engine.layout_info();
         let received = s.receiver.as_ref().map_or(0, |r| r.lock().bytes_received());
         Ok(Response::new(pb::StatsResponse {
             role: s.opts.role.as_str().into(),
-            kv_blocks_total: alloc.total_blocks() as u32,
-            kv_blocks_free: alloc.free_blocks() as u32,
+            kv_blocks_total: kv_total as u32,
+            kv_blocks_free: kv_free as u32,
             running_requests: s.engine.running() as u32,
             layout,
             dp_size: dp_size as u32,

@@ -18,6 +18,7 @@
 //! `index_topk` tokens.
 
 use super::config::{IndexerConfig, MlaConfig};
+use super::latent_pool::{LatentPool, PagedRows};
 use super::loading::part;
 use super::ops::{axpy, dot, linear, rms_norm, rms_norm_rows};
 use super::weights::Checkpoint;
@@ -35,14 +36,15 @@ pub struct IndexerCache {
     pub pool_gate: Vec<f32>,
 }
 
-/// What one MLA layer keeps per request: one latent per token so far.
+/// What one MLA layer keeps per request: one latent per token so far, in blocks of the
+/// worker's paged latent pool ([`LatentPool`]).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct MlaState {
     /// Latents after `kv_a_layernorm`, `[T, kv_lora_rank]`.
-    pub kv_latent: Vec<f32>,
+    pub kv_latent: PagedRows,
     /// The (unrotated) rope slot of `kv_a_proj_with_mqa`, `[T, qk_rope_head_dim]`; empty when
     /// the model has none.
-    pub k_rope: Vec<f32>,
+    pub k_rope: PagedRows,
     /// The indexer's caches, for layers that run an indexer.
     pub indexer: Option<IndexerCache>,
 }
@@ -50,7 +52,14 @@ pub struct MlaState {
 impl MlaState {
     /// Tokens cached, given the latent width.
     pub fn tokens(&self, kv_lora_rank: usize) -> usize {
-        self.kv_latent.len() / kv_lora_rank.max(1)
+        debug_assert!(self.kv_latent.is_empty() || self.kv_latent.width() == kv_lora_rank);
+        self.kv_latent.rows()
+    }
+
+    /// Reserves blocks for `tokens` tokens in total; false when the pool is short (drop the
+    /// state to hand back what was taken).
+    pub fn reserve(&mut self, tokens: usize) -> bool {
+        self.kv_latent.reserve(tokens) && self.k_rope.reserve(tokens)
     }
 }
 
@@ -85,6 +94,7 @@ pub struct MlaLayer {
     kv_b: Vec<f32>,
     o_proj: Linear<Vec<f32>>,
     indexer: Option<IndexerKeys>,
+    pool: LatentPool,
 }
 
 impl MlaLayer {
@@ -151,6 +161,7 @@ impl MlaLayer {
                 per(cfg.v_head_dim),
             )?,
             indexer,
+            pool: LatentPool::default(),
             cfg: MlaConfig {
                 num_heads: heads.len(),
                 ..cfg
@@ -166,9 +177,20 @@ impl MlaLayer {
     /// An empty cache.
     pub fn new_state(&self) -> MlaState {
         MlaState {
+            kv_latent: PagedRows::new(self.cfg.kv_lora_rank, self.pool.clone()),
+            k_rope: PagedRows::new(self.cfg.qk_rope_head_dim, self.pool.clone()),
             indexer: self.indexer.as_ref().map(|_| IndexerCache::default()),
-            ..MlaState::default()
         }
+    }
+
+    /// Where new states take their latent blocks from.
+    pub fn set_latent_pool(&mut self, pool: LatentPool) {
+        self.pool = pool;
+    }
+
+    /// The pool new states take their latent blocks from.
+    pub fn latent_pool(&self) -> LatentPool {
+        self.pool.clone()
     }
 
     /// Appends `rows` tokens (normed layer input `[rows, hidden]`) to `state` and returns their
@@ -196,9 +218,12 @@ impl MlaLayer {
         };
         let ckv = linear(x, rows, &self.kv_a);
         for row in ckv.chunks_exact(r + dr) {
-            state
-                .kv_latent
-                .extend(rms_norm(&row[..r], r, &self.kv_norm, c.latent_norm_eps));
+            state.kv_latent.extend_from_slice(&rms_norm(
+                &row[..r],
+                r,
+                &self.kv_norm,
+                c.latent_norm_eps,
+            ));
             state.k_rope.extend_from_slice(&row[r..]);
         }
         if let (Some(ix), Some(cache)) = (&self.indexer, state.indexer.as_mut()) {
@@ -230,9 +255,9 @@ impl MlaLayer {
                     }
                     let mut max = f32::NEG_INFINITY;
                     for (l, s) in scores.iter_mut().enumerate() {
-                        let mut v = dot(&q_lat, &latent[l * r..(l + 1) * r]);
+                        let mut v = dot(&q_lat, latent.row(l));
                         if dr > 0 {
-                            v += dot(q_rope, &rope[l * dr..(l + 1) * dr]);
+                            v += dot(q_rope, rope.row(l));
                         }
                         *s = v * scale;
                         max = max.max(*s);
@@ -244,7 +269,7 @@ impl MlaLayer {
                     }
                     o_lat.fill(0.0);
                     for (l, &p) in scores.iter().enumerate() {
-                        axpy(&mut o_lat, p / sum, &latent[l * r..(l + 1) * r]);
+                        axpy(&mut o_lat, p / sum, latent.row(l));
                     }
                     for (vi, o) in out_row[head * dv..(head + 1) * dv].iter_mut().enumerate() {
                         *o = dot(&w_v[vi * r..(vi + 1) * r], &o_lat);

@@ -20,6 +20,7 @@
 pub mod config;
 pub mod delta_rule;
 pub mod kda;
+pub mod latent_pool;
 pub mod loading;
 pub mod mla;
 pub mod model;
@@ -36,6 +37,7 @@ pub use config::{
     MlaConfig, ModelFamily, MoeConfig, ResidualKind,
 };
 pub use kda::{ConvWindow, KdaForm, KdaLayer, KdaState};
+pub use latent_pool::{LatentPool, PagedRows};
 pub use loading::{FusionPolicy, LoadOptions};
 pub use mla::{IndexerCache, MlaState};
 pub use model::{KdaHybridModel, KdaHybridState, LayerState};

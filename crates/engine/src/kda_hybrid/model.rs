@@ -178,6 +178,14 @@ impl KdaHybridModel {
                 new.adopt_buffers(old, i);
             }
         }
+        // Requests in flight keep their latent blocks; new ones keep drawing from the same pool.
+        let pool = self.layers.iter().find_map(|l| match &l.attention {
+            Attention::Mla(m) => Some(m.latent_pool()),
+            Attention::Kda(_) => None,
+        });
+        if let Some(pool) = pool {
+            fresh.set_latent_pool(&pool);
+        }
         *self = fresh;
         Ok(())
     }
@@ -286,7 +294,16 @@ impl KdaHybridModel {
         self.config.mla.indexer.map(|ix| ix.topk)
     }
 
-    /// A fresh per-request state (no tokens).
+    /// Makes new states take their MLA latent blocks from `pool` (the worker's paged pool).
+    pub fn set_latent_pool(&mut self, pool: &super::LatentPool) {
+        for layer in &mut self.layers {
+            if let Attention::Mla(m) = &mut layer.attention {
+                m.set_latent_pool(pool.clone());
+            }
+        }
+    }
+
+    /// A fresh per-request state (MLA latents draw blocks from the latent pool).
     pub fn new_state(&self) -> KdaHybridState {
         KdaHybridState {
             layers: self

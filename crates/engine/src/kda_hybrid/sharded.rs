@@ -179,6 +179,13 @@ impl ShardedKdaHybrid {
         })
     }
 
+    /// Makes every rank's new states take MLA latent blocks from `pool`.
+    pub fn set_latent_pool(&mut self, pool: &super::LatentPool) {
+        for r in &mut self.ranks {
+            r.set_latent_pool(pool);
+        }
+    }
+
     /// The layout.
     pub fn layout(&self) -> &Layout {
         &self.layout
