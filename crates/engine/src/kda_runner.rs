@@ -474,7 +474,7 @@ enum Work {
     Prefill {
         prompt: Vec<u32>,
         params: SamplingParams,
-        slot: GroupSlot,
+        slot: Box<GroupSlot>,
         states: Vec<KdaHybridState>,
         tx: UnboundedSender<KdaEvent>,
     },
@@ -490,8 +490,15 @@ struct DecodeSeq {
     generated: usize,
     params: SamplingParams,
     stop: Vec<u32>,
-    _slot: GroupSlot,
+    slot: GroupSlot,
     tx: UnboundedSender<KdaEvent>,
+}
+
+impl Drop for DecodeSeq {
+    fn drop(&mut self) {
+        // Hand the states back to the slot, which returns them to the pool.
+        self.slot.put_states(std::mem::take(&mut self.states));
+    }
 }
 
 /// Handle to a KDA-hybrid engine thread.
@@ -500,6 +507,8 @@ pub struct KdaEngine {
     tx: mpsc::Sender<Work>,
     /// One slot pool per attention-DP group.
     slots: Vec<BlockAllocator>,
+    /// Each group's preallocated request states.
+    state_lists: Vec<StateFreeList>,
     /// All groups' slots, for accounting.
     all_slots: BlockAllocator,
     latents: LatentPool,
@@ -542,13 +551,104 @@ fn finish(
     }
 }
 
-/// A reserved state slot on one attention-DP group.
+/// Preallocated request states of one attention-DP group (one state per rank of the group
+/// per slot), reused request after request.
+type StateFreeList = Arc<parking_lot::Mutex<Vec<Vec<KdaHybridState>>>>;
+
+/// Zeroes a state for its next request: KDA state and conv windows to 0, MLA latents (and
+/// their blocks) released.
+fn reset_state(st: &mut KdaHybridState) {
+    st.tokens = 0;
+    for layer in &mut st.layers {
+        match layer {
+            LayerState::Kda(k) => {
+                for v in [
+                    &mut k.recurrent,
+                    &mut k.conv.q,
+                    &mut k.conv.k,
+                    &mut k.conv.v,
+                ] {
+                    v.fill(0.0);
+                }
+            }
+            LayerState::Mla(m) => {
+                m.kv_latent.clear();
+                m.k_rope.clear();
+                if let Some(ix) = m.indexer.as_mut() {
+                    ix.keys.clear();
+                    ix.pool_gate.clear();
+                }
+            }
+        }
+    }
+}
+
+/// Copies `src` into `dst` (same model and layout), reusing `dst`'s buffers.
+fn overwrite_state(dst: &mut KdaHybridState, src: &KdaHybridState) -> Result<()> {
+    dst.tokens = src.tokens;
+    for (d, s) in dst.layers.iter_mut().zip(&src.layers) {
+        match (d, s) {
+            (LayerState::Kda(d), LayerState::Kda(s)) => {
+                for (dv, sv) in [
+                    (&mut d.recurrent, &s.recurrent),
+                    (&mut d.conv.q, &s.conv.q),
+                    (&mut d.conv.k, &s.conv.k),
+                    (&mut d.conv.v, &s.conv.v),
+                ] {
+                    if dv.len() != sv.len() {
+                        return Err(Error::InvalidRequest(
+                            "KDA state sizes differ from the slot's".into(),
+                        ));
+                    }
+                    dv.copy_from_slice(sv);
+                }
+            }
+            (LayerState::Mla(d), LayerState::Mla(s)) => {
+                d.kv_latent.clear();
+                d.kv_latent.extend_from_slice(&s.kv_latent.to_vec());
+                d.k_rope.clear();
+                d.k_rope.extend_from_slice(&s.k_rope.to_vec());
+                d.indexer.clone_from(&s.indexer);
+            }
+            _ => {
+                return Err(Error::InvalidRequest(
+                    "state layer kinds differ from the slot's".into(),
+                ))
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A reserved state slot on one attention-DP group: owns the slot's preallocated states while
+/// the request runs and hands them back, zeroed, when dropped.
 #[derive(Debug)]
 pub struct GroupSlot {
     /// The group.
     pub group: usize,
+    states: Option<Vec<KdaHybridState>>,
+    free_list: StateFreeList,
     _slot: BlockAllocation,
     _total: BlockAllocation,
+}
+
+impl GroupSlot {
+    fn take_states(&mut self) -> Vec<KdaHybridState> {
+        self.states.take().unwrap_or_default()
+    }
+
+    fn put_states(&mut self, states: Vec<KdaHybridState>) {
+        self.states = Some(states);
+    }
+}
+
+impl Drop for GroupSlot {
+    fn drop(&mut self) {
+        if let Some(mut states) = self.states.take() {
+            states.iter_mut().for_each(reset_state);
+            self.free_list.lock().push(states);
+        }
+    }
 }
 
 impl KdaEngine {
@@ -563,6 +663,14 @@ impl KdaEngine {
     ) -> Self {
         let latents = LatentPool::bounded(latent_blocks);
         model.set_latent_pool(&latents);
+        // The slot pool: every slot's states allocated once, here.
+        let state_lists: Vec<StateFreeList> = (0..model.layout().dp())
+            .map(|_| {
+                Arc::new(parking_lot::Mutex::new(
+                    (0..slots).map(|_| model.group_states()).collect(),
+                ))
+            })
+            .collect();
         let (tx, rx) = mpsc::channel();
         let vocab = model.config().vocab_size;
         let num_layers = model.config().num_layers();
@@ -577,6 +685,7 @@ impl KdaEngine {
         Self {
             tx,
             slots: (0..dp).map(|_| BlockAllocator::new(slots)).collect(),
+            state_lists,
             all_slots: BlockAllocator::new(slots * dp),
             latents,
             model,
@@ -596,6 +705,12 @@ impl KdaEngine {
     /// The layout served.
     pub fn layout(&self) -> Layout {
         self.layout
+    }
+
+    /// Preallocated request-state sets waiting in the slot pool, over all groups (equals the
+    /// slot count when no request runs).
+    pub fn pooled_states(&self) -> usize {
+        self.state_lists.iter().map(|l| l.lock().len()).sum()
     }
 
     /// The paged MLA latent pool: `(blocks in all, blocks free)`.
@@ -642,8 +757,14 @@ impl KdaEngine {
         };
         let slot = self.slots[group].allocate(1)?;
         let total = self.all_slots.allocate(1)?;
+        let free_list = self.state_lists[group].clone();
+        let pooled = free_list.lock().pop();
+        // The preallocated set is sized to the slot count, so this always finds one.
+        let states = pooled.unwrap_or_else(|| self.model.read().group_states());
         Ok(GroupSlot {
             group,
+            states: Some(states),
+            free_list,
             _slot: slot,
             _total: total,
         })
@@ -682,15 +803,18 @@ impl KdaEngine {
         params: SamplingParams,
     ) -> Result<UnboundedReceiver<KdaEvent>> {
         self.check(&prompt, &params)?;
-        let slot = self.reserve_on(Some(0))?;
-        let mut states = self.model.read().group_states();
-        reserve_latents(&mut states, prompt.len(), &self.latents)?;
+        let mut slot = self.reserve_on(Some(0))?;
+        let mut states = slot.take_states();
+        let reserved = reserve_latents(&mut states, prompt.len(), &self.latents);
+        slot.put_states(states);
+        reserved?;
+        let states = slot.take_states();
         let (tx, rx) = unbounded_channel();
         self.tx
             .send(Work::Prefill {
                 prompt,
                 params,
-                slot,
+                slot: Box::new(slot),
                 states,
                 tx,
             })
@@ -709,12 +833,25 @@ impl KdaEngine {
         first_token: u32,
     ) -> Result<UnboundedReceiver<KdaEvent>> {
         self.check(prompt, &params)?;
-        let mut states = decode_group(&self.model.read(), body, prompt.len(), slot.group)?;
-        reserve_latents(
-            &mut states,
-            prompt.len() + params.max_tokens as usize,
-            &self.latents,
-        )?;
+        let received = decode_group(&self.model.read(), body, prompt.len(), slot.group)?;
+        let mut slot = slot;
+        let mut states = slot.take_states();
+        let filled = states
+            .iter_mut()
+            .zip(&received)
+            .try_for_each(|(dst, src)| overwrite_state(dst, src))
+            .and_then(|()| {
+                reserve_latents(
+                    &mut states,
+                    prompt.len() + params.max_tokens as usize,
+                    &self.latents,
+                )
+            });
+        drop(received);
+        if let Err(e) = filled {
+            slot.put_states(states);
+            return Err(e);
+        }
         let (tx, rx) = unbounded_channel();
         let stop = stop_ids(&params, &self.eos);
         let seq = DecodeSeq {
@@ -724,7 +861,7 @@ impl KdaEngine {
             generated: 1,
             params,
             stop,
-            _slot: slot,
+            slot,
             tx,
         };
         self.tx
@@ -773,7 +910,10 @@ fn run(shared: &RwLock<KdaModel>, rx: mpsc::Receiver<Work>, eos: &[u32]) {
                         None
                     }
                 };
-                drop(slot); // freed before the caller hears of it
+                // The states go back to the slot pool, zeroed, before the caller hears of it.
+                let mut slot = slot;
+                slot.put_states(std::mem::take(&mut work[0].2));
+                drop(slot);
                 if let Some(ev) = event {
                     let _ = tx.send(ev);
                 }
@@ -939,6 +1079,8 @@ mod tests {
         assert_eq!(p.slots().free_blocks(), 4);
         assert_eq!(d.slots().free_blocks(), 4);
         assert_eq!(p.latent_blocks(), (64, 64), "prefill latent blocks back");
+        assert_eq!(p.pooled_states(), 4, "prefill states back in the slot pool");
+        assert_eq!(d.pooled_states(), 4, "decode states back in the slot pool");
         assert_eq!(d.latent_blocks(), (64, 64), "decode latent blocks back");
         // A request whose latents cannot fit the pool is refused at admission.
         let tiny = KdaEngine::start(
