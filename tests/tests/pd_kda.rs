@@ -186,6 +186,19 @@ fn admin_refresh(worker: &str, dir: &std::path::Path) -> std::process::Output {
 /// exactly as a single process on the new checkpoint does.
 #[test]
 fn refreshing_weights_on_running_workers_switches_the_answers() {
+    refresh_case(Vec::new(), Vec::new());
+}
+
+/// The same with sharded workers (prefill tp 2, decode tp 2 × dp 2): every rank is refreshed.
+#[test]
+fn refreshing_weights_on_sharded_workers_switches_the_answers() {
+    refresh_case(
+        strings(&["--tp", "2"]),
+        strings(&["--tp", "2", "--dp", "2"]),
+    );
+}
+
+fn refresh_case(prefill_args: Vec<String>, decode_args: Vec<String>) {
     let tmp = tempfile::tempdir().unwrap();
     let (a, b) = (tmp.path().join("a"), tmp.path().join("b"));
     synth_model_with_tokenizer(&a);
@@ -209,6 +222,8 @@ fn refreshing_weights_on_running_workers_switches_the_answers() {
     let cluster = Cluster::start(ClusterOptions {
         kv_blocks: 8,
         model: Some(a.clone()),
+        prefill_args,
+        decode_args,
         ..ClusterOptions::default()
     });
     let ask = |url: &str| -> Vec<u64> {

@@ -242,14 +242,13 @@ impl KdaModel {
     }
 
     /// Reloads the weights from `dir` into the existing buffers (fused ones in place, so
-    /// captured graphs stay valid). Only single-rank models so far.
+    /// captured graphs stay valid), on every rank.
     pub fn refresh_weights(&mut self, dir: &std::path::Path) -> Result<()> {
         match self {
             KdaModel::Single(m) => m.refresh_weights(dir),
-            KdaModel::Sharded(s) => Err(Error::InvalidRequest(format!(
-                "refreshing weights of a sharded model (layout {}) is not supported yet",
-                s.layout()
-            ))),
+            KdaModel::Sharded(s) => s
+                .refresh_weights(dir)
+                .map_err(|e| Error::InvalidRequest(format!("refresh: {e}"))),
         }
     }
 

@@ -170,7 +170,19 @@ impl KdaHybridModel {
     /// when their size is unchanged, so their addresses stay valid (captured CUDA graphs); a
     /// size or form change allocates new ones, logged, and callers must recapture.
     pub fn refresh_weights(&mut self, dir: &Path) -> Result<()> {
-        let mut fresh = Self::load_with(dir, &self.options)?;
+        let fresh = Self::load_with(dir, &self.options)?;
+        self.adopt(fresh);
+        Ok(())
+    }
+
+    /// The load options this model was built with.
+    pub fn options(&self) -> &LoadOptions {
+        &self.options
+    }
+
+    /// Becomes `fresh` (a reload of the same model, same shard), keeping this model's fused
+    /// KDA buffers (rewritten in place) and its latent pool.
+    pub(crate) fn adopt(&mut self, mut fresh: Self) {
         for (i, (old, new)) in self.layers.iter_mut().zip(&mut fresh.layers).enumerate() {
             if let (Attention::Kda(old), Attention::Kda(new)) =
                 (&mut old.attention, &mut new.attention)
@@ -187,7 +199,6 @@ impl KdaHybridModel {
             fresh.set_latent_pool(&pool);
         }
         *self = fresh;
-        Ok(())
     }
 
     /// Builds one rank's model (`rs`) from an opened checkpoint; does not run the leftover

@@ -179,6 +179,21 @@ impl ShardedKdaHybrid {
         })
     }
 
+    /// Re-reads the weights from `dir` for every rank (same layout and options): fused KDA
+    /// buffers are rewritten in place, as on one rank.
+    pub fn refresh_weights(&mut self, dir: &Path) -> ShardResult<()> {
+        let options = self
+            .ranks
+            .first()
+            .map(|r| r.options().clone())
+            .unwrap_or_default();
+        let fresh = Self::load_with(dir, self.layout, &options, ShardBy::AttentionTp)?;
+        for (old, new) in self.ranks.iter_mut().zip(fresh.ranks) {
+            old.adopt(new);
+        }
+        Ok(())
+    }
+
     /// Makes every rank's new states take MLA latent blocks from `pool`.
     pub fn set_latent_pool(&mut self, pool: &super::LatentPool) {
         for r in &mut self.ranks {
