@@ -285,3 +285,53 @@ fn perturb_embeddings(src: &std::path::Path, dst: &std::path::Path) {
     }
     std::fs::write(dst, out).unwrap();
 }
+
+/// Clients that disconnect mid-stream: both workers get every state slot and latent block back.
+#[test]
+fn kda_cancelled_streams_free_slots_and_latent_blocks() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("kda-tiny");
+    synth_model_with_tokenizer(&dir);
+    let cluster = Cluster::start(ClusterOptions {
+        kv_blocks: 256,
+        model: Some(dir),
+        prefill_args: strings(&["--tp", "2", "--state-slots", "8"]),
+        decode_args: strings(&["--tp", "2", "--dp", "2", "--state-slots", "8"]),
+        ..ClusterOptions::default()
+    });
+    let url = cluster.url.clone();
+    tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap().block_on(async move {
+        use futures::StreamExt;
+        let c = reqwest::Client::new();
+        for i in 0..4u32 {
+            let body = json!({"model": "test-model", "prompt": [5 + i, 40, 7], "max_tokens": 1000,
+                              "ignore_eos": true, "temperature": 0, "stream": true});
+            let resp = c.post(format!("{url}/v1/completions")).json(&body).send().await.unwrap();
+            assert_eq!(resp.status().as_u16(), 200);
+            let mut stream = resp.bytes_stream();
+            let mut seen = 0;
+            while let Some(chunk) = stream.next().await {
+                seen += chunk.unwrap().len();
+                if seen > 300 {
+                    break;
+                }
+            }
+        }
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let w: Value = c.get(format!("{url}/admin/workers")).send().await.unwrap().json().await.unwrap();
+            let free = w["workers"].as_array().unwrap().iter().all(|x| {
+                x["kv_blocks_free"] == x["kv_blocks_total"] && x["dp_free_slots"].as_array().unwrap().iter().all(|f| f == 8)
+            });
+                        if free {
+                // The decode worker dropped all four when their clients went away (rather
+                // than generating their 1,000 tokens to the end).
+                let decode = w["workers"].as_array().unwrap().iter().find(|x| x["role"] == "decode").unwrap();
+                assert_eq!(decode["cancelled_requests"], 4, "{w}");
+                break;
+            }
+            assert!(Instant::now() < deadline, "not freed after cancellations: {w}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    });
+}

@@ -508,6 +508,8 @@ pub struct KdaEngine {
     slots: Vec<BlockAllocator>,
     /// Each group's preallocated request states.
     state_lists: Vec<StateFreeList>,
+    /// Decoding requests dropped because their caller went away.
+    cancelled: Arc<std::sync::atomic::AtomicU64>,
     /// All groups' slots, for accounting.
     all_slots: BlockAllocator,
     latents: LatentPool,
@@ -643,7 +645,9 @@ impl GroupSlot {
 
 impl Drop for GroupSlot {
     fn drop(&mut self) {
-        if let Some(mut states) = self.states.take() {
+        // An empty set means the states were lost on a failure path; the pool then allocates
+        // a replacement on demand rather than ever handing out a wrong-sized set.
+        if let Some(mut states) = self.states.take().filter(|s| !s.is_empty()) {
             states.iter_mut().for_each(reset_state);
             self.free_list.lock().push(states);
         }
@@ -677,14 +681,17 @@ impl KdaEngine {
         let dp = layout.dp();
         let model = Arc::new(RwLock::new(model));
         let (thread_model, eos_thread) = (model.clone(), eos.clone());
+        let cancelled = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let thread_cancelled = cancelled.clone();
         std::thread::Builder::new()
             .name("tandem-kda-engine".into())
-            .spawn(move || run(&thread_model, rx, &eos_thread))
+            .spawn(move || run(&thread_model, rx, &eos_thread, &thread_cancelled))
             .expect("spawning the KDA engine thread");
         Self {
             tx,
             slots: (0..dp).map(|_| BlockAllocator::new(slots)).collect(),
             state_lists,
+            cancelled,
             all_slots: BlockAllocator::new(slots * dp),
             latents,
             model,
@@ -704,6 +711,11 @@ impl KdaEngine {
     /// The layout served.
     pub fn layout(&self) -> Layout {
         self.layout
+    }
+
+    /// Decoding requests dropped because their caller went away.
+    pub fn cancelled(&self) -> u64 {
+        self.cancelled.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Preallocated request-state sets waiting in the slot pool, over all groups (equals the
@@ -870,7 +882,12 @@ impl KdaEngine {
     }
 }
 
-fn run(shared: &RwLock<KdaModel>, rx: mpsc::Receiver<Work>, eos: &[u32]) {
+fn run(
+    shared: &RwLock<KdaModel>,
+    rx: mpsc::Receiver<Work>,
+    eos: &[u32],
+    cancelled: &std::sync::atomic::AtomicU64,
+) {
     let dp = shared.read().layout().dp();
     let mut running: Vec<VecDeque<Box<DecodeSeq>>> = (0..dp).map(|_| VecDeque::new()).collect();
     loop {
@@ -889,6 +906,10 @@ fn run(shared: &RwLock<KdaModel>, rx: mpsc::Receiver<Work>, eos: &[u32]) {
                 tx,
             }) => {
                 if tx.is_closed() {
+                    // Cancelled while queued: the states go straight back to the pool.
+                    cancelled.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    let mut slot = slot;
+                    slot.put_states(states);
                     continue;
                 }
                 let model = shared.read();
@@ -925,7 +946,14 @@ fn run(shared: &RwLock<KdaModel>, rx: mpsc::Receiver<Work>, eos: &[u32]) {
         // One decode step for the front request of every busy group, together.
         let mut seqs: Vec<Box<DecodeSeq>> =
             running.iter_mut().filter_map(VecDeque::pop_front).collect();
-        seqs.retain(|s| !s.tx.is_closed());
+        // Count first, then drop: whoever sees the freed slots also sees the count.
+        let gone: Vec<usize> = (0..seqs.len())
+            .filter(|&i| seqs[i].tx.is_closed())
+            .collect();
+        cancelled.fetch_add(gone.len() as u64, std::sync::atomic::Ordering::Relaxed);
+        for i in gone.into_iter().rev() {
+            seqs.swap_remove(i);
+        }
         if seqs.is_empty() {
             continue;
         }
@@ -937,6 +965,10 @@ fn run(shared: &RwLock<KdaModel>, rx: mpsc::Receiver<Work>, eos: &[u32]) {
             Ok(l) => l,
             Err(e) => {
                 tracing::warn!(error = %e, "KDA decode step failed; dropping its requests");
+                // Their states go back to the slot pool (dropping a sequence returns them).
+                for (seq, (_, _, states)) in seqs.iter_mut().zip(work) {
+                    seq.states = states;
+                }
                 continue;
             }
         };

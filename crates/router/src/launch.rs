@@ -39,6 +39,7 @@ async fn worker_report(pd: &PdGenerator) -> (bool, Vec<Value>) {
                 "running_requests": s.running_requests, "pending_reservations": s.pending_reservations,
                 "kv_bytes_transferred": s.kv_bytes_transferred,
                 "layout": s.layout, "dp_size": s.dp_size, "dp_free_slots": s.dp_free_slots,
+                "cancelled_requests": s.cancelled_requests,
             })),
             Ok(Err(e)) => {
                 all_ok = false;

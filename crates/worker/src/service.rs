@@ -388,6 +388,7 @@ impl pb::worker_server::Worker for WorkerService {
             layout,
             dp_size: dp_size as u32,
             dp_free_slots: dp_free.into_iter().map(|f| f as u32).collect(),
+            cancelled_requests: s.engine.cancelled(),
             pending_reservations: s.reservations.len() as u32,
             kv_bytes_transferred: s.kv_bytes_sent.load(Ordering::Relaxed) + received,
         }))
