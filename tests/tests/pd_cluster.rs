@@ -256,9 +256,12 @@ fn concurrent_requests_and_bad_inputs() {
                     break;
                 }
             }
-            drop(stream);
+                        drop(stream);
         }
         assert_pools_full(&c, &url).await;
+        let workers: Value = c.get(format!("{url}/admin/workers")).send().await.unwrap().json().await.unwrap();
+        let decode = workers["workers"].as_array().unwrap().iter().find(|w| w["role"] == "decode").unwrap();
+        assert_eq!(decode["cancelled_requests"], 3, "each disconnect cancelled its decode: {workers}");
         // The server still serves.
         let (status, body) = post(&c, &chat_url, chat(FRANCE, 32, false)).await;
         assert_eq!(status, 200);

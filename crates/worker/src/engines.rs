@@ -151,15 +151,6 @@ impl WorkerEngine {
         }
     }
 
-    /// Requests dropped because their caller went away (KDA engine; 0 for Llama, whose
-    /// engine frees cancelled requests the same way but does not count them yet).
-    pub fn cancelled(&self) -> u64 {
-        match self {
-            WorkerEngine::Llama(_) => 0,
-            WorkerEngine::Kda(e) => e.cancelled(),
-        }
-    }
-
     /// `(layout, dp size, free slots per DP group)` for the stats endpoint.
     pub fn layout_info(&self) -> (String, usize, Vec<usize>) {
         match self {

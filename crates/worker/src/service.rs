@@ -54,6 +54,8 @@ struct Shared {
     receiver: Option<Mutex<UcxReceiver>>,
     sender: Option<UcxSender>,
     kv_bytes_sent: AtomicU64,
+    /// Decode requests whose caller went away before they finished.
+    cancelled: AtomicU64,
 }
 
 /// The gRPC `Worker` service over an engine.
@@ -92,6 +94,7 @@ pub async fn serve(
             receiver,
             sender,
             kv_bytes_sent: AtomicU64::new(0),
+            cancelled: AtomicU64::new(0),
         }),
     };
     tonic::transport::Server::builder()
@@ -144,6 +147,13 @@ fn finish_to_pb(f: Option<FinishReason>) -> i32 {
 }
 
 impl Shared {
+    /// Counts a decode request dropped because its caller went away; called before the
+    /// request's resources are released, so whoever sees them free also sees the count.
+    fn note_cancelled(&self) {
+        self.cancelled.fetch_add(1, Ordering::Relaxed);
+        tracing::debug!("decode request cancelled by its caller");
+    }
+
     fn check_role(&self, want: Role) -> Result<()> {
         if self.opts.role == want {
             Ok(())
@@ -262,7 +272,7 @@ impl Shared {
             _ = tokio::time::sleep(lease) => {
                 return Err(Error::Deadline(format!("no KV arrived within the {lease:?} lease")));
             }
-            _ = tx.closed() => return Ok(()),
+            _ = tx.closed() => return Ok(self.note_cancelled()),
         };
         drop(pending);
         let engine = self.engine.clone();
@@ -282,7 +292,7 @@ impl Shared {
         loop {
             let event = tokio::select! {
                 e = events.recv() => e,
-                _ = tx.closed() => return Ok(()),
+                _ = tx.closed() => return Ok(self.note_cancelled()),
             };
             let Some((token_id, finish)) = event else {
                 return Err(Error::Engine(tandem_engine::Error::Stopped));
@@ -293,7 +303,10 @@ impl Shared {
                     finish_reason: finish_to_pb(finish),
                 })),
             };
-            if tx.send(Ok(ev)).await.is_err() || finish.is_some() {
+            if tx.send(Ok(ev)).await.is_err() {
+                return Ok(self.note_cancelled());
+            }
+            if finish.is_some() {
                 return Ok(());
             }
         }
@@ -388,7 +401,7 @@ impl pb::worker_server::Worker for WorkerService {
             layout,
             dp_size: dp_size as u32,
             dp_free_slots: dp_free.into_iter().map(|f| f as u32).collect(),
-            cancelled_requests: s.engine.cancelled(),
+            cancelled_requests: s.cancelled.load(Ordering::Relaxed),
             pending_reservations: s.reservations.len() as u32,
             kv_bytes_transferred: s.kv_bytes_sent.load(Ordering::Relaxed) + received,
         }))
