@@ -149,9 +149,10 @@ fn finish_to_pb(f: Option<FinishReason>) -> i32 {
 impl Shared {
     /// Counts a decode request dropped because its caller went away; called before the
     /// request's resources are released, so whoever sees them free also sees the count.
-    fn note_cancelled(&self) {
+    fn note_cancelled(&self) -> Result<()> {
         self.cancelled.fetch_add(1, Ordering::Relaxed);
         tracing::debug!("decode request cancelled by its caller");
+        Ok(())
     }
 
     fn check_role(&self, want: Role) -> Result<()> {
@@ -272,7 +273,7 @@ impl Shared {
             _ = tokio::time::sleep(lease) => {
                 return Err(Error::Deadline(format!("no KV arrived within the {lease:?} lease")));
             }
-            _ = tx.closed() => return Ok(self.note_cancelled()),
+            _ = tx.closed() => return self.note_cancelled(),
         };
         drop(pending);
         let engine = self.engine.clone();
@@ -292,7 +293,7 @@ impl Shared {
         loop {
             let event = tokio::select! {
                 e = events.recv() => e,
-                _ = tx.closed() => return Ok(self.note_cancelled()),
+                _ = tx.closed() => return self.note_cancelled(),
             };
             let Some((token_id, finish)) = event else {
                 return Err(Error::Engine(tandem_engine::Error::Stopped));
@@ -304,7 +305,7 @@ impl Shared {
                 })),
             };
             if tx.send(Ok(ev)).await.is_err() {
-                return Ok(self.note_cancelled());
+                return self.note_cancelled();
             }
             if finish.is_some() {
                 return Ok(());
