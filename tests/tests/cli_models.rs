@@ -22,6 +22,14 @@ fn run_json(args: &[&str]) -> Value {
     serde_json::from_slice(&out.stdout).expect("JSON on stdout")
 }
 
+fn u64s(v: &Value) -> Vec<u64> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap())
+        .collect()
+}
+
 fn ids_arg(v: &Value) -> String {
     v.as_array()
         .unwrap()
@@ -76,18 +84,8 @@ fn check_reference(name: &str) {
             &n,
             "--json",
         ]);
-        let want_ids: Vec<u64> = greedy["generated_ids"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|v| v.as_u64().unwrap())
-            .collect();
-        let got_ids: Vec<u64> = gen["token_ids"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|v| v.as_u64().unwrap())
-            .collect();
+        let want_ids = u64s(&greedy["generated_ids"]);
+        let got_ids = u64s(&gen["token_ids"]);
         // Generation stops at EOS; the reference runs a fixed count.
         assert!(
             !got_ids.is_empty() && want_ids.starts_with(&got_ids),
@@ -240,18 +238,8 @@ fn layouts_give_the_reference_logits_and_tokens() {
         "--dp",
         "2",
     ]);
-    let want_ids: Vec<u64> = seq["greedy"]["generated_ids"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.as_u64().unwrap())
-        .collect();
-    let got_ids: Vec<u64> = gen["token_ids"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.as_u64().unwrap())
-        .collect();
+    let want_ids = u64s(&seq["greedy"]["generated_ids"]);
+    let got_ids = u64s(&gen["token_ids"]);
     assert!(
         !got_ids.is_empty() && want_ids.starts_with(&got_ids),
         "{got_ids:?} vs {want_ids:?}"

@@ -87,8 +87,9 @@ async fn assert_pools_full(client: &reqwest::Client, url: &str) {
             .await
             .unwrap();
         let list = workers["workers"].as_array().expect("workers list");
-        assert_eq!(list.len(), 2, "{workers}");
-        let full = list.iter().all(|w| {
+        assert!(list.len() >= 2, "{workers}");
+        // Workers that are down (listed with an error) have no pool to check.
+        let full = list.iter().filter(|w| w["error"].is_null()).all(|w| {
             w["kv_blocks_free"] == w["kv_blocks_total"]
                 && w["pending_reservations"] == 0
                 && w["running_requests"] == 0
@@ -356,27 +357,6 @@ fn dead_workers_are_routed_around_and_nothing_is_lost() {
             200
         );
         // Live workers' pools are full again.
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            let w: Value = c
-                .get(format!("{url}/admin/workers"))
-                .send()
-                .await
-                .unwrap()
-                .json()
-                .await
-                .unwrap();
-            let live_full = w["workers"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .filter(|x| x["error"].is_null())
-                .all(|x| x["kv_blocks_free"] == x["kv_blocks_total"]);
-            if live_full {
-                break;
-            }
-            assert!(Instant::now() < deadline, "{w}");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        assert_pools_full(&c, &url).await;
     });
 }
