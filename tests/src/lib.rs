@@ -7,6 +7,7 @@
 use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 /// The `tandem` binary under test.
@@ -44,6 +45,19 @@ pub fn post_json(url: &str, body: &str) -> String {
     s.read_to_string(&mut out).unwrap();
     out.split_once("\r\n\r\n")
         .map_or(String::new(), |(_, b)| b.to_string())
+}
+
+/// `/admin/workers` once every live worker holds no KV or state (the workers wait for it
+/// themselves, up to 20 s), parsed.
+pub async fn workers_when_idle(client: &reqwest::Client, url: &str) -> serde_json::Value {
+    client
+        .get(format!("{url}/admin/workers?wait_idle_ms=20000"))
+        .send()
+        .await
+        .expect("GET /admin/workers")
+        .json()
+        .await
+        .expect("JSON from /admin/workers")
 }
 
 /// A free TCP port on loopback.
@@ -131,7 +145,6 @@ impl Cluster {
         let kv = opts.kv_blocks.to_string();
         let mut children = Vec::new();
         for (role, port) in [("prefill", p), ("decode", d)] {
-            let log = std::fs::File::create(dir.path().join(format!("{role}.log"))).unwrap();
             let child = Command::new(&bin)
                 .args([
                     "worker",
@@ -156,12 +169,11 @@ impl Cluster {
                 )
                 .env("UCX_NET_DEVICES", "lo")
                 .stdout(Stdio::null())
-                .stderr(log)
+                .stderr(Stdio::piped())
                 .spawn()
                 .unwrap();
             children.push((role.to_string(), child));
         }
-        let log = std::fs::File::create(dir.path().join("router.log")).unwrap();
         let router = Command::new(&bin)
             .args([
                 "router",
@@ -171,18 +183,27 @@ impl Cluster {
                 &model_s,
             ])
             .stdout(Stdio::null())
-            .stderr(log)
+            .stderr(Stdio::piped())
             .spawn()
             .unwrap();
         children.push(("router".into(), router));
-        let mut cluster = Self {
+        // Each process's log is teed to a file; its "… ready" line (logged once its listener is
+        // bound) or the end of its output (it exited) arrives on `events`.
+        let (tx, events) = mpsc::channel();
+        for (name, child) in &mut children {
+            let stderr = child.stderr.take().expect("stderr is piped");
+            let log = std::fs::File::create(dir.path().join(format!("{name}.log"))).unwrap();
+            let (name, tx) = (name.clone(), tx.clone());
+            std::thread::spawn(move || tee_log(stderr, log, &name, &tx));
+        }
+        let cluster = Self {
             children,
             url: format!("http://127.0.0.1:{r}"),
             prefill_addr: format!("http://127.0.0.1:{p}"),
             decode_addr: format!("http://127.0.0.1:{d}"),
             _dir: dir,
         };
-        cluster.wait_ready(Duration::from_secs(120));
+        cluster.wait_ready(&events, Duration::from_secs(120));
         cluster
     }
 
@@ -201,26 +222,26 @@ impl Cluster {
         out
     }
 
-    fn wait_ready(&mut self, timeout: Duration) {
+    fn wait_ready(&self, events: &mpsc::Receiver<StartEvent>, timeout: Duration) {
         let deadline = Instant::now() + timeout;
-        let client = probe::blocking_free_client();
-        loop {
-            for (name, child) in &mut self.children {
-                if let Ok(Some(status)) = child.try_wait() {
-                    let name = name.clone();
-                    panic!("{name} exited during start-up ({status})\n{}", self.logs());
+        let mut ready = 0;
+        while ready < self.children.len() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match events.recv_timeout(left) {
+                Ok(StartEvent::Ready) => ready += 1,
+                Ok(StartEvent::Exited(name)) => {
+                    panic!("{name} exited during start-up\n{}", self.logs())
                 }
+                Err(_) => panic!("cluster not ready in {timeout:?}\n{}", self.logs()),
             }
-            if client(&format!("{}/ready", self.url)) {
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "cluster not ready in {timeout:?}\n{}",
-                self.logs()
-            );
-            std::thread::sleep(Duration::from_millis(100));
         }
+        // Every listener is bound: the router must now reach both workers.
+        let client = probe::blocking_free_client();
+        assert!(
+            client(&format!("{}/ready", self.url)),
+            "router not ready\n{}",
+            self.logs()
+        );
     }
 
     /// Prints the processes' logs (for failing tests).
@@ -231,27 +252,60 @@ impl Cluster {
 
 impl Drop for Cluster {
     fn drop(&mut self) {
-        for (_, child) in &self.children {
-            let _ = Command::new("kill")
-                .arg("-TERM")
-                .arg(child.id().to_string())
-                .status();
+        let pids: Vec<String> = self
+            .children
+            .iter()
+            .map(|(_, c)| c.id().to_string())
+            .collect();
+        for pid in &pids {
+            let _ = Command::new("kill").arg("-TERM").arg(pid).status();
         }
-        for (_, child) in &mut self.children {
-            let deadline = Instant::now() + Duration::from_secs(10);
-            loop {
-                match child.try_wait() {
-                    Ok(Some(_)) => break,
-                    _ if Instant::now() > deadline => {
-                        let _ = child.kill();
-                        let _ = child.wait();
-                        break;
-                    }
-                    _ => std::thread::sleep(Duration::from_millis(20)),
-                }
+        // Reap them on a thread; kill whatever has not exited when the grace period ends.
+        let mut children = std::mem::take(&mut self.children);
+        let (tx, done) = mpsc::channel();
+        std::thread::spawn(move || {
+            for (_, child) in &mut children {
+                let _ = child.wait();
             }
+            let _ = tx.send(());
+        });
+        if done.recv_timeout(Duration::from_secs(10)).is_err() {
+            for pid in &pids {
+                let _ = Command::new("kill").arg("-KILL").arg(pid).status();
+            }
+            let _ = done.recv_timeout(Duration::from_secs(5));
         }
     }
+}
+
+/// What a starting process reported.
+enum StartEvent {
+    /// Its "… ready" log line.
+    Ready,
+    /// Its output ended: it exited.
+    Exited(String),
+}
+
+/// Copies a process's stderr into its log file, reporting its ready line and its end.
+fn tee_log(
+    stderr: std::process::ChildStderr,
+    mut log: std::fs::File,
+    name: &str,
+    tx: &mpsc::Sender<StartEvent>,
+) {
+    use std::io::{BufRead, Write};
+    let mut announced = false;
+    for line in std::io::BufReader::new(stderr)
+        .lines()
+        .map_while(Result::ok)
+    {
+        let _ = writeln!(log, "{line}");
+        if !announced && (line.contains("worker ready") || line.contains("router ready")) {
+            announced = true;
+            let _ = tx.send(StartEvent::Ready);
+        }
+    }
+    let _ = tx.send(StartEvent::Exited(name.to_string()));
 }
 
 mod probe {

@@ -6,7 +6,7 @@
 
 use futures::StreamExt;
 use serde_json::{json, Value};
-use std::time::{Duration, Instant};
+
 use tandem_e2e::{Cluster, ClusterOptions};
 
 const FRANCE: &str = "What is the capital of France?";
@@ -74,35 +74,18 @@ fn chat_deltas(events: &[Value]) -> (String, Option<String>) {
     (text, finish)
 }
 
-/// Waits until both workers report every KV block free again.
+/// Asserts every live worker's KV pool is full again once the workers report idle.
 async fn assert_pools_full(client: &reqwest::Client, url: &str) {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let workers: Value = client
-            .get(format!("{url}/admin/workers"))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
-        let list = workers["workers"].as_array().expect("workers list");
-        assert!(list.len() >= 2, "{workers}");
-        // Workers that are down (listed with an error) have no pool to check.
-        let full = list.iter().filter(|w| w["error"].is_null()).all(|w| {
-            w["kv_blocks_free"] == w["kv_blocks_total"]
-                && w["pending_reservations"] == 0
-                && w["running_requests"] == 0
-        });
-        if full {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "KV pools not back to full: {workers}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let workers = tandem_e2e::workers_when_idle(client, url).await;
+    let list = workers["workers"].as_array().expect("workers list");
+    assert!(list.len() >= 2, "{workers}");
+    // Workers that are down (listed with an error) have no pool to check.
+    let full = list.iter().filter(|w| w["error"].is_null()).all(|w| {
+        w["kv_blocks_free"] == w["kv_blocks_total"]
+            && w["pending_reservations"] == 0
+            && w["running_requests"] == 0
+    });
+    assert!(full, "KV pools not back to full: {workers}");
 }
 
 #[test]

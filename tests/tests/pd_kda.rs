@@ -7,7 +7,7 @@
 
 use serde_json::{json, Value};
 use std::process::Command;
-use std::time::{Duration, Instant};
+
 use tandem_e2e::{tandem_bin, Cluster, ClusterOptions};
 
 fn synth_model_with_tokenizer(dir: &std::path::Path) {
@@ -149,22 +149,14 @@ fn run_case(mut prefill_args: Vec<String>, mut decode_args: Vec<String>) {
             let eos_trimmed: Vec<u64> = want.clone(); // t2 is not a special token of this tokenizer, so it shows in the text
             assert_eq!(got, eos_trimmed, "P/D tokens differ from the single-process run ({text:?})");
         }
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            let w: Value = c.get(format!("{url}/admin/workers")).send().await.unwrap().json().await.unwrap();
-            let workers = w["workers"].as_array().unwrap();
-            let all_free = workers.iter().all(|x| {
-                x["kv_blocks_free"] == x["kv_blocks_total"]
-                    && x["dp_free_slots"].as_array().unwrap().iter().all(|f| f == 8)
-            });
-            if all_free {
-                let decode = workers.iter().find(|x| x["role"] == "decode").unwrap();
-                assert_eq!(decode["layout"], expected_decode_layout, "{w}");
-                break;
-            }
-            assert!(Instant::now() < deadline, "state slots not returned: {w}");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        let w = tandem_e2e::workers_when_idle(&c, &url).await;
+        let workers = w["workers"].as_array().unwrap();
+        let all_free = workers.iter().all(|x| {
+            x["kv_blocks_free"] == x["kv_blocks_total"] && x["dp_free_slots"].as_array().unwrap().iter().all(|f| f == 8)
+        });
+        assert!(all_free, "state slots not returned: {w}");
+        let decode = workers.iter().find(|x| x["role"] == "decode").unwrap();
+        assert_eq!(decode["layout"], expected_decode_layout, "{w}");
     });
 }
 
@@ -317,21 +309,14 @@ fn kda_cancelled_streams_free_slots_and_latent_blocks() {
                 }
             }
         }
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            let w: Value = c.get(format!("{url}/admin/workers")).send().await.unwrap().json().await.unwrap();
-            let free = w["workers"].as_array().unwrap().iter().all(|x| {
-                x["kv_blocks_free"] == x["kv_blocks_total"] && x["dp_free_slots"].as_array().unwrap().iter().all(|f| f == 8)
-            });
-                        if free {
-                // The decode worker dropped all four when their clients went away (rather
-                // than generating their 1,000 tokens to the end).
-                let decode = w["workers"].as_array().unwrap().iter().find(|x| x["role"] == "decode").unwrap();
-                assert_eq!(decode["cancelled_requests"], 4, "{w}");
-                break;
-            }
-            assert!(Instant::now() < deadline, "not freed after cancellations: {w}");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        let w = tandem_e2e::workers_when_idle(&c, &url).await;
+        let free = w["workers"].as_array().unwrap().iter().all(|x| {
+            x["kv_blocks_free"] == x["kv_blocks_total"] && x["dp_free_slots"].as_array().unwrap().iter().all(|f| f == 8)
+        });
+        assert!(free, "not freed after cancellations: {w}");
+        // The decode worker dropped all four when their clients went away (rather than
+        // generating their 1,000 tokens to the end).
+        let decode = w["workers"].as_array().unwrap().iter().find(|x| x["role"] == "decode").unwrap();
+        assert_eq!(decode["cancelled_requests"], 4, "{w}");
     });
 }

@@ -49,6 +49,8 @@ struct FreeList {
 #[derive(Clone, Debug)]
 pub struct BlockAllocator {
     inner: Arc<Mutex<FreeList>>,
+    /// Blocks in use, published on every change so admin calls can wait for an idle pool.
+    used: Arc<tokio::sync::watch::Sender<usize>>,
 }
 
 impl BlockAllocator {
@@ -58,6 +60,7 @@ impl BlockAllocator {
         let free = (0..total as u32).rev().map(BlockId).collect();
         Self {
             inner: Arc::new(Mutex::new(FreeList { free, total })),
+            used: Arc::new(tokio::sync::watch::Sender::new(0)),
         }
     }
 
@@ -72,6 +75,7 @@ impl BlockAllocator {
         }
         let at = list.free.len() - n;
         let blocks = list.free.split_off(at);
+        self.used.send_replace(list.total - list.free.len());
         Ok(BlockAllocation {
             blocks,
             pool: self.clone(),
@@ -92,6 +96,14 @@ impl BlockAllocator {
         let mut list = self.inner.lock();
         list.free.append(blocks);
         debug_assert!(list.free.len() <= list.total, "block returned twice");
+        self.used.send_replace(list.total - list.free.len());
+    }
+
+    /// Resolves once every block is free (at once if they are).
+    pub async fn wait_all_free(&self) {
+        let mut rx = self.used.subscribe();
+        // The sender lives as long as `self`, so the wait cannot fail.
+        let _ = rx.wait_for(|&used| used == 0).await;
     }
 }
 

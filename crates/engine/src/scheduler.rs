@@ -448,6 +448,13 @@ impl<B: Backend> Worker<B> {
         let vocab = self.model.config().vocab_size;
         let mut rows = logits.chunks_exact(vocab);
         let mut finished = Vec::new();
+        // Finished sequences leave the counters before their caller hears of it, like their
+        // blocks, so a drained engine reads as drained.
+        let stats = self.stats.clone();
+        let leave = || {
+            let mut s = stats.lock();
+            s.running = s.running.saturating_sub(1);
+        };
         let (mut prefilled, mut generated) = (0u64, 0u64);
         for (i, n) in in_batch {
             let seq = &mut self.running[i];
@@ -477,6 +484,7 @@ impl<B: Backend> Worker<B> {
                     .export_kv(&self.cache, blocks, seq.prompt_len);
                 // Free the blocks before the caller hears of it, so accounting is exact.
                 seq.allocation = None;
+                leave();
                 finished.push(i);
                 seq.tx.send(EngineEvent::Prefilled {
                     first_token: token,
@@ -486,6 +494,7 @@ impl<B: Backend> Worker<B> {
             } else {
                 if finish.is_some() {
                     seq.allocation = None;
+                    leave();
                     finished.push(i);
                 }
                 seq.tx.send(EngineEvent::Token {

@@ -27,37 +27,32 @@ pub fn worker_routes(pd: Arc<PdGenerator>) -> Router {
         .with_state(pd)
 }
 
-async fn worker_report(pd: &PdGenerator) -> (bool, Vec<Value>) {
-    let mut all_ok = true;
-    let mut out = Vec::new();
-    for w in pd.workers() {
-        let stats = tokio::time::timeout(Duration::from_secs(2), w.stats()).await;
+/// Every worker's counters, asked concurrently. With `wait_idle` > 0 each worker answers once
+/// it holds no KV or state (or when the wait runs out).
+async fn worker_report(pd: &PdGenerator, wait_idle: Duration) -> Vec<Value> {
+    let asks = pd.workers().map(|w| async move {
+        let stats = tokio::time::timeout(wait_idle + Duration::from_secs(2), w.stats_when_idle(wait_idle)).await;
         match stats {
-            Ok(Ok(s)) => out.push(json!({
+            Ok(Ok(s)) => json!({
                 "id": w.id.0, "address": w.address, "role": s.role,
                 "kv_blocks_total": s.kv_blocks_total, "kv_blocks_free": s.kv_blocks_free,
                 "running_requests": s.running_requests, "pending_reservations": s.pending_reservations,
                 "kv_bytes_transferred": s.kv_bytes_transferred,
                 "layout": s.layout, "dp_size": s.dp_size, "dp_free_slots": s.dp_free_slots,
                 "cancelled_requests": s.cancelled_requests,
-            })),
-            Ok(Err(e)) => {
-                all_ok = false;
-                out.push(json!({"id": w.id.0, "address": w.address, "error": e.message}));
-            }
-            Err(_) => {
-                all_ok = false;
-                out.push(json!({"id": w.id.0, "address": w.address, "error": "stats timed out"}));
-            }
+            }),
+            Ok(Err(e)) => json!({"id": w.id.0, "address": w.address, "error": e.message}),
+            Err(_) => json!({"id": w.id.0, "address": w.address, "error": "stats timed out"}),
         }
-    }
-    (all_ok, out)
+    });
+    futures::future::join_all(asks).await
 }
 
+/// around (retries), it does not take the router out of service.
 /// Ready when at least one prefill and one decode worker answer: a dead worker is routed
 /// around (retries), it does not take the router out of service.
 async fn ready(State(pd): State<Arc<PdGenerator>>) -> (StatusCode, Json<Value>) {
-    let (_, workers) = worker_report(&pd).await;
+    let workers = worker_report(&pd, Duration::ZERO).await;
     let reachable = |role: &str| workers.iter().any(|w| w["role"] == role);
     let ok = reachable("prefill") && reachable("decode");
     let status = if ok {
@@ -68,9 +63,20 @@ async fn ready(State(pd): State<Arc<PdGenerator>>) -> (StatusCode, Json<Value>) 
     (status, Json(json!({"ready": ok, "workers": workers})))
 }
 
-async fn workers(State(pd): State<Arc<PdGenerator>>) -> Json<Value> {
-    let (_, workers) = worker_report(&pd).await;
-    Json(json!({"workers": workers}))
+/// Query of `/admin/workers`.
+#[derive(Debug, Default, serde::Deserialize)]
+struct WorkersQuery {
+    /// Wait up to this long (at most a minute) for every worker to be idle before answering.
+    #[serde(default)]
+    wait_idle_ms: u64,
+}
+
+async fn workers(
+    State(pd): State<Arc<PdGenerator>>,
+    axum::extract::Query(q): axum::extract::Query<WorkersQuery>,
+) -> Json<Value> {
+    let wait = Duration::from_millis(q.wait_idle_ms.min(60_000));
+    Json(json!({"workers": worker_report(&pd, wait).await}))
 }
 
 /// Runs a router from a config file until `shutdown` resolves. `model_dir` and `listen`

@@ -101,8 +101,17 @@ impl WorkerHandle {
 
     /// The worker's counters (KV pool, running requests).
     pub async fn stats(&self) -> Result<pb::StatsResponse, GenerateError> {
+        self.stats_when_idle(Duration::ZERO).await
+    }
+
+    /// The worker's counters once it is idle (no KV or state held), or after `wait`.
+    pub async fn stats_when_idle(
+        &self,
+        wait: Duration,
+    ) -> Result<pb::StatsResponse, GenerateError> {
         let mut c = self.client.clone();
-        Ok(c.stats(pb::StatsRequest {})
+        let wait_idle_ms = u32::try_from(wait.as_millis()).unwrap_or(u32::MAX);
+        Ok(c.stats(pb::StatsRequest { wait_idle_ms })
             .await
             .map_err(classify_status)?
             .into_inner())

@@ -151,6 +151,14 @@ impl WorkerEngine {
         }
     }
 
+    /// Resolves once no request holds KV blocks, state slots or latent blocks.
+    pub async fn wait_idle(&self) {
+        match self {
+            WorkerEngine::Llama(e) => e.allocator().wait_all_free().await,
+            WorkerEngine::Kda(e) => e.wait_idle().await,
+        }
+    }
+
     /// `(layout, dp size, free slots per DP group)` for the stats endpoint.
     pub fn layout_info(&self) -> (String, usize, Vec<usize>) {
         match self {

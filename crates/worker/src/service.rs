@@ -388,9 +388,15 @@ impl pb::worker_server::Worker for WorkerService {
 
     async fn stats(
         &self,
-        _request: Request<pb::StatsRequest>,
+        request: Request<pb::StatsRequest>,
     ) -> std::result::Result<Response<pb::StatsResponse>, Status> {
         let s = &self.shared;
+        let wait = request.into_inner().wait_idle_ms;
+        if wait > 0 {
+            // Not idle within the limit: report the state as it is; the caller judges.
+            let limit = Duration::from_millis(u64::from(wait));
+            let _ = tokio::time::timeout(limit, s.engine.wait_idle()).await;
+        }
         let (kv_total, kv_free) = s.engine.kv_blocks();
         let (layout, dp_size, dp_free) = s.engine.layout_info();
         let received = s.receiver.as_ref().map_or(0, |r| r.lock().bytes_received());

@@ -20,20 +20,39 @@ struct PoolInner {
 }
 
 /// Hands out latent blocks. Clones share one pool.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub struct LatentPool {
     inner: Arc<Mutex<PoolInner>>,
+    /// Blocks in use, published on every change (admin calls wait for an idle pool).
+    used: Arc<tokio::sync::watch::Sender<usize>>,
+}
+
+impl Default for LatentPool {
+    fn default() -> Self {
+        Self::with_capacity(None)
+    }
 }
 
 impl LatentPool {
     /// A pool of at most `blocks` blocks.
     pub fn bounded(blocks: usize) -> Self {
+        Self::with_capacity(Some(blocks))
+    }
+
+    fn with_capacity(capacity: Option<usize>) -> Self {
         Self {
             inner: Arc::new(Mutex::new(PoolInner {
-                capacity: Some(blocks),
+                capacity,
                 ..PoolInner::default()
             })),
+            used: Arc::new(tokio::sync::watch::Sender::new(0)),
         }
+    }
+
+    /// Resolves once no block is in use (at once if none is).
+    pub async fn wait_all_free(&self) {
+        let mut rx = self.used.subscribe();
+        let _ = rx.wait_for(|&used| used == 0).await;
     }
 
     /// Blocks in use.
@@ -59,6 +78,7 @@ impl LatentPool {
             return None;
         }
         p.in_use += n;
+        self.used.send_replace(p.in_use);
         let mut out = Vec::with_capacity(n);
         for _ in 0..n {
             let mut b = match p.spare.iter().position(|b| b.capacity() >= floats) {
@@ -74,6 +94,7 @@ impl LatentPool {
     fn give_back(&self, blocks: &mut Vec<Vec<f32>>) {
         let mut p = self.inner.lock();
         p.in_use = p.in_use.saturating_sub(blocks.len());
+        self.used.send_replace(p.in_use);
         // Keep a bounded number of spares around for reuse.
         while let Some(b) = blocks.pop() {
             if p.spare.len() < 4096 {

@@ -206,6 +206,12 @@ impl KdaEngine {
         self.cancelled.load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// Resolves once no request holds a state slot or a latent block.
+    pub async fn wait_idle(&self) {
+        self.all_slots.wait_all_free().await;
+        self.latents.wait_all_free().await;
+    }
+
     /// Preallocated request-state sets waiting in the slot pool, over all groups (equals the
     /// slot count when no request runs).
     pub fn pooled_states(&self) -> usize {
