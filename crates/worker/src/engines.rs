@@ -5,7 +5,7 @@
 use crate::{Error, Result};
 use tandem_core::{FinishReason, SamplingParams};
 use tandem_engine::kda_runner::{GroupSlot, KdaEngine, KdaEvent};
-use tandem_engine::{BlockAllocation, BlockAllocator, Engine, EngineEvent, SeqKind};
+use tandem_engine::{BlockAllocation, Engine, EngineEvent, SeqKind};
 use tandem_proto::v1 as pb;
 use tokio::sync::mpsc::UnboundedReceiver;
 
@@ -69,14 +69,6 @@ impl WorkerEngine {
         match self {
             WorkerEngine::Llama(e) => e.max_context(),
             WorkerEngine::Kda(e) => e.max_context(),
-        }
-    }
-
-    /// The pool reservations come from (KV blocks, or KDA state slots).
-    pub fn allocator(&self) -> &BlockAllocator {
-        match self {
-            WorkerEngine::Llama(e) => e.allocator(),
-            WorkerEngine::Kda(e) => e.slots(),
         }
     }
 

@@ -98,8 +98,6 @@ pub struct KdaEngine {
     slots: Vec<BlockAllocator>,
     /// Each group's preallocated request states.
     state_lists: Vec<StateFreeList>,
-    /// Decoding requests dropped because their caller went away.
-    cancelled: Arc<std::sync::atomic::AtomicU64>,
     /// All groups' slots, for accounting.
     all_slots: BlockAllocator,
     latents: LatentPool,
@@ -169,17 +167,14 @@ impl KdaEngine {
         let dp = layout.dp();
         let model = Arc::new(RwLock::new(model));
         let (thread_model, eos_thread) = (model.clone(), eos.clone());
-        let cancelled = Arc::new(std::sync::atomic::AtomicU64::new(0));
-        let thread_cancelled = cancelled.clone();
         std::thread::Builder::new()
             .name("tandem-kda-engine".into())
-            .spawn(move || run(&thread_model, rx, &eos_thread, &thread_cancelled))
+            .spawn(move || run(&thread_model, rx, &eos_thread))
             .expect("spawning the KDA engine thread");
         Self {
             tx,
             slots: (0..dp).map(|_| BlockAllocator::new(slots)).collect(),
             state_lists,
-            cancelled,
             all_slots: BlockAllocator::new(slots * dp),
             latents,
             model,
@@ -199,11 +194,6 @@ impl KdaEngine {
     /// The layout served.
     pub fn layout(&self) -> Layout {
         self.layout
-    }
-
-    /// Decoding requests dropped because their caller went away.
-    pub fn cancelled(&self) -> u64 {
-        self.cancelled.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Resolves once no request holds a state slot or a latent block.
@@ -376,12 +366,7 @@ impl KdaEngine {
     }
 }
 
-fn run(
-    shared: &RwLock<KdaModel>,
-    rx: mpsc::Receiver<Work>,
-    eos: &[u32],
-    cancelled: &std::sync::atomic::AtomicU64,
-) {
+fn run(shared: &RwLock<KdaModel>, rx: mpsc::Receiver<Work>, eos: &[u32]) {
     let dp = shared.read().layout().dp();
     let mut running: Vec<VecDeque<Box<DecodeSeq>>> = (0..dp).map(|_| VecDeque::new()).collect();
     loop {
@@ -401,7 +386,6 @@ fn run(
             }) => {
                 if tx.is_closed() {
                     // Cancelled while queued: the states go straight back to the pool.
-                    cancelled.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     let mut slot = slot;
                     slot.put_states(states);
                     continue;
@@ -440,14 +424,8 @@ fn run(
         // One decode step for the front request of every busy group, together.
         let mut seqs: Vec<Box<DecodeSeq>> =
             running.iter_mut().filter_map(VecDeque::pop_front).collect();
-        // Count first, then drop: whoever sees the freed slots also sees the count.
-        let gone: Vec<usize> = (0..seqs.len())
-            .filter(|&i| seqs[i].tx.is_closed())
-            .collect();
-        cancelled.fetch_add(gone.len() as u64, std::sync::atomic::Ordering::Relaxed);
-        for i in gone.into_iter().rev() {
-            seqs.swap_remove(i);
-        }
+        // Requests whose caller went away are dropped here (their slots go back).
+        seqs.retain(|s| !s.tx.is_closed());
         if seqs.is_empty() {
             continue;
         }
