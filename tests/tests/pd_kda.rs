@@ -284,8 +284,14 @@ fn kda_cancelled_streams_free_slots_and_latent_blocks() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("kda-tiny");
     synth_model_with_tokenizer(&dir);
+    // Each request asks for nearly the whole 4,096-token context: the tiny model makes a
+    // token in well under a millisecond, so a short request could finish in the time the
+    // router takes to notice its client left, and would then not count as cancelled. A
+    // request reserves 1,024 latent blocks at admission (2 MLA layers × latent and rope rows
+    // × 256 blocks of 16 rows): the pool holds all four at once, so a request never waits on
+    // its predecessor's release.
     let cluster = Cluster::start(ClusterOptions {
-        kv_blocks: 256,
+        kv_blocks: 4096,
         model: Some(dir),
         prefill_args: strings(&["--tp", "2", "--state-slots", "8"]),
         decode_args: strings(&["--tp", "2", "--dp", "2", "--state-slots", "8"]),
@@ -296,7 +302,7 @@ fn kda_cancelled_streams_free_slots_and_latent_blocks() {
         use futures::StreamExt;
         let c = reqwest::Client::new();
         for i in 0..4u32 {
-            let body = json!({"model": "test-model", "prompt": [5 + i, 40, 7], "max_tokens": 1000,
+            let body = json!({"model": "test-model", "prompt": [5 + i, 40, 7], "max_tokens": 4090,
                               "ignore_eos": true, "temperature": 0, "stream": true});
             let resp = c.post(format!("{url}/v1/completions")).json(&body).send().await.unwrap();
             assert_eq!(resp.status().as_u16(), 200);
@@ -315,8 +321,60 @@ fn kda_cancelled_streams_free_slots_and_latent_blocks() {
         });
         assert!(free, "not freed after cancellations: {w}");
         // The decode worker dropped all four when their clients went away (rather than
-        // generating their 1,000 tokens to the end).
+        // generating their 4,090 tokens to the end).
         let decode = w["workers"].as_array().unwrap().iter().find(|x| x["role"] == "decode").unwrap();
         assert_eq!(decode["cancelled_requests"], 4, "{w}");
     });
+}
+
+/// A request whose MLA cache cannot fit the decode worker's latent pool is refused before its
+/// first token (a 429 with an OpenAI-style error, streamed or not), takes nothing, and the
+/// cluster goes on serving requests that fit.
+#[test]
+fn kda_requests_larger_than_the_latent_pool_are_refused_up_front() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("kda-tiny");
+    synth_model_with_tokenizer(&dir);
+    // 256 blocks: a request of 3 + 500 tokens needs 2 MLA layers × 2 row kinds × 32 blocks
+    // = 128 (fits); 3 + 2,000 tokens needs 2 × 2 × 126 = 504 (does not).
+    let cluster = Cluster::start(ClusterOptions {
+        kv_blocks: 256,
+        model: Some(dir),
+        ..ClusterOptions::default()
+    });
+    let url = cluster.url.clone();
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(async move {
+            let c = reqwest::Client::new();
+            let completions = format!("{url}/v1/completions");
+            for stream in [false, true] {
+                let body = json!({"model": "test-model", "prompt": [5, 40, 7], "max_tokens": 2000,
+                              "temperature": 0, "stream": stream});
+                let resp = c.post(&completions).json(&body).send().await.unwrap();
+                assert_eq!(resp.status().as_u16(), 429, "stream={stream}");
+                let err: Value = resp.json().await.unwrap();
+                assert_eq!(err["error"]["code"], "capacity_exhausted", "{err}");
+                let msg = err["error"]["message"].as_str().unwrap();
+                assert!(msg.contains("need 504 blocks"), "{msg}");
+            }
+            let body = json!({"model": "test-model", "prompt": [5, 40, 7], "max_tokens": 500,
+                          "ignore_eos": true, "temperature": 0});
+            let v: Value = c
+                .post(&completions)
+                .json(&body)
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            assert_eq!(v["usage"]["completion_tokens"], 500, "{v}");
+            let w = tandem_e2e::workers_when_idle(&c, &url).await;
+            for x in w["workers"].as_array().unwrap() {
+                assert_eq!(x["kv_blocks_free"], x["kv_blocks_total"], "{w}");
+            }
+        });
 }

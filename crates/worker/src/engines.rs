@@ -129,7 +129,7 @@ impl WorkerEngine {
                 }
                 Reservation::Blocks(e.reserve(tokens)?)
             }
-            WorkerEngine::Kda(e) => Reservation::Slot(e.reserve_on(dp_rank)?),
+            WorkerEngine::Kda(e) => Reservation::Slot(e.reserve_for(dp_rank, tokens)?),
         })
     }
 

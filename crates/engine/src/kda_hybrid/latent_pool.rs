@@ -205,6 +205,20 @@ impl PagedRows {
         self.len = 0;
     }
 
+    /// Drops every row but keeps the blocks (a reservation stays reserved).
+    pub fn rewind(&mut self) {
+        self.blocks.iter_mut().for_each(Vec::clear);
+        self.len = 0;
+    }
+
+    /// Blocks still to take for `rows` rows in total.
+    pub fn blocks_short(&self, rows: usize) -> usize {
+        if self.width == 0 {
+            return 0;
+        }
+        rows.div_ceil(BLOCK_ROWS).saturating_sub(self.blocks.len())
+    }
+
     /// The same rows, in new blocks of `pool`.
     pub fn copy_into(&self, pool: &LatentPool) -> Self {
         let mut out = Self::new(self.width, pool.clone());

@@ -61,6 +61,11 @@ impl MlaState {
     pub fn reserve(&mut self, tokens: usize) -> bool {
         self.kv_latent.reserve(tokens) && self.k_rope.reserve(tokens)
     }
+
+    /// Blocks [`MlaState::reserve`] would still take for `tokens` tokens.
+    pub fn blocks_short(&self, tokens: usize) -> usize {
+        self.kv_latent.blocks_short(tokens) + self.k_rope.blocks_short(tokens)
+    }
 }
 
 #[derive(Debug)]

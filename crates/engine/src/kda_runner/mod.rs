@@ -270,6 +270,16 @@ impl KdaEngine {
         self.reserve_on(None)
     }
 
+    /// Takes a state slot on `group` (or the least-loaded one) together with the MLA latent
+    /// blocks of `tokens` tokens, so a request admitted here cannot run out of cache later.
+    pub fn reserve_for(&self, group: Option<usize>, tokens: usize) -> Result<GroupSlot> {
+        let mut slot = self.reserve_on(group)?;
+        let mut states = slot.take_states();
+        let reserved = reserve_latents(&mut states, tokens, &self.latents);
+        slot.put_states(states);
+        reserved.map(|()| slot)
+    }
+
     fn check(&self, prompt: &[u32], params: &SamplingParams) -> Result<()> {
         if prompt.is_empty() || params.max_tokens == 0 {
             return Err(Error::InvalidRequest(
@@ -298,11 +308,7 @@ impl KdaEngine {
         params: SamplingParams,
     ) -> Result<UnboundedReceiver<KdaEvent>> {
         self.check(&prompt, &params)?;
-        let mut slot = self.reserve_on(Some(0))?;
-        let mut states = slot.take_states();
-        let reserved = reserve_latents(&mut states, prompt.len(), &self.latents);
-        slot.put_states(states);
-        reserved?;
+        let mut slot = self.reserve_for(Some(0), prompt.len())?;
         let states = slot.take_states();
         let (tx, rx) = unbounded_channel();
         self.tx

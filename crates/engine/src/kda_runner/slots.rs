@@ -2,7 +2,6 @@
 //! reused (zeroed) request after request; MLA latent blocks are reserved from the paged pool
 //! at admission.
 
-use crate::kda_hybrid::latent_pool::BLOCK_ROWS;
 use crate::kda_hybrid::{KdaHybridState, LatentPool, LayerState};
 use crate::kv_pool::BlockAllocation;
 use crate::{Error, Result};
@@ -15,14 +14,29 @@ pub(crate) fn reserve_latents(
     tokens: usize,
     pool: &LatentPool,
 ) -> Result<()> {
+    let short = |st: &KdaHybridState| -> usize {
+        st.layers
+            .iter()
+            .map(|l| match l {
+                LayerState::Mla(m) => m.blocks_short(tokens),
+                LayerState::Kda(_) => 0,
+            })
+            .sum()
+    };
+    // Every MLA layer of every rank draws on the one pool: the error names the whole need.
+    let needed: usize = states.iter().map(short).sum();
+    let shortfall = || Error::CapacityExhausted {
+        needed,
+        free: pool.free().unwrap_or(0),
+    };
+    if pool.free().is_some_and(|free| free < needed) {
+        return Err(shortfall());
+    }
     for st in states.iter_mut() {
         for layer in &mut st.layers {
             if let LayerState::Mla(m) = layer {
                 if !m.reserve(tokens) {
-                    return Err(Error::CapacityExhausted {
-                        needed: tokens.div_ceil(BLOCK_ROWS),
-                        free: pool.free().unwrap_or(0),
-                    });
+                    return Err(shortfall());
                 }
             }
         }
@@ -83,9 +97,10 @@ pub(crate) fn overwrite_state(dst: &mut KdaHybridState, src: &KdaHybridState) ->
                 }
             }
             (LayerState::Mla(d), LayerState::Mla(s)) => {
-                d.kv_latent.clear();
+                // Rewind, not clear: the blocks reserved at admission stay with the request.
+                d.kv_latent.rewind();
                 d.kv_latent.extend_from_slice(&s.kv_latent.to_vec());
-                d.k_rope.clear();
+                d.k_rope.rewind();
                 d.k_rope.extend_from_slice(&s.k_rope.to_vec());
                 d.indexer.clone_from(&s.indexer);
             }
