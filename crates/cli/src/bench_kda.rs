@@ -5,7 +5,7 @@
 use anyhow::Result;
 use std::time::Instant;
 use tandem_engine::kda_hybrid::delta_rule::{chunked, recurrent, DeltaRuleInputs};
-use tandem_engine::kda_hybrid::KdaHybridModel;
+use tandem_engine::kda_hybrid::{KdaForm, KdaHybridModel};
 use tandem_engine::{Backend, CpuBackend};
 
 /// Median seconds of `reps` runs of `f`.
@@ -91,18 +91,30 @@ fn projections(m: usize, hidden: usize, heads: usize, head_dim: usize) -> (f64, 
     (unfused, fused)
 }
 
-fn decode_step_time(preset: &str) -> Result<f64> {
+/// Decode step time of `preset` with one request and with `batch` requests stepping together
+/// (each after a 16-token prompt).
+fn decode_step_times(preset: &str, batch: usize) -> Result<(f64, f64)> {
     let dir = tempfile::tempdir()?;
     tandem_model::synth::synth_kda_hybrid(preset, dir.path(), false, 1)?;
     let model = KdaHybridModel::load(dir.path())?;
-    let mut state = model.new_state();
-    let prompt: Vec<u32> = (0..16).map(|i| 3 + i * 7).collect();
-    model.prefill(&prompt, &mut state);
-    let mut id = 5u32;
-    Ok(time(16, || {
-        let logits = model.decode_step(id, &mut state);
-        id = tandem_engine::sampling::argmax(&logits);
-    }))
+    let mut states: Vec<_> = (0..batch).map(|_| model.new_state()).collect();
+    for (i, state) in states.iter_mut().enumerate() {
+        let prompt: Vec<u32> = (0..16).map(|j| 3 + j * 7 + i as u32).collect();
+        model.prefill(&prompt, state);
+    }
+    let mut ids: Vec<u32> = (0..batch as u32).map(|i| 5 + i).collect();
+    let mut step = |n: usize| {
+        let next: Vec<[u32; 1]> = ids[..n].iter().map(|&id| [id]).collect();
+        let next: Vec<&[u32]> = next.iter().map(|a| a.as_slice()).collect();
+        let mut refs: Vec<_> = states[..n].iter_mut().collect();
+        let logits = model.extend_batch(&next, &mut refs, KdaForm::Recurrent);
+        for (id, l) in ids.iter_mut().zip(&logits) {
+            *id = tandem_engine::sampling::argmax(l);
+        }
+    };
+    let one = time(16, || step(1));
+    let all = time(16, || step(batch));
+    Ok((one, all))
 }
 
 fn delta_rule(tokens: usize, heads: usize, d: usize) -> (f64, f64) {
@@ -160,14 +172,18 @@ pub fn run() -> Result<()> {
             u / f
         );
     }
-    println!("KDA-hybrid decode step (one request, 16-token context):");
+    let batch = 16;
+    println!("KDA-hybrid decode step (16-token contexts), 1 request vs {batch} stepping together:");
     for preset in ["tiny", "medium"] {
         eprintln!("  synthesising and loading preset {preset}…");
-        let t = decode_step_time(preset)?;
+        let (one, all) = decode_step_times(preset, batch)?;
         println!(
-            "  preset {preset:<7} {:>9.2} ms/step  ({:.1} tok/s)",
-            t * 1e3,
-            1.0 / t
+            "  preset {preset:<7} batch 1 {:>8.2} ms/step ({:>7.1} tok/s)   batch {batch} {:>8.2} ms/step ({:>7.1} tok/s)   {:.1}x tok/s",
+            one * 1e3,
+            1.0 / one,
+            all * 1e3,
+            batch as f64 / all,
+            batch as f64 * one / all
         );
     }
     let (tokens, heads, d) = (2048, 16, 64);

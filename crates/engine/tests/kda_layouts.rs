@@ -201,3 +201,102 @@ fn prefill_on_one_layout_decode_on_another() {
         Layout::new(4, 4, 4).expect("valid"),
     );
 }
+
+/// Several requests of different lengths in one pass share the GEMMs but keep their own
+/// states: prefilling three prompts together and then decoding them together (one token each
+/// per step) gives every request the logits it gets alone.
+#[test]
+fn a_batch_of_requests_equals_each_request_alone() {
+    let dir = tempfile::tempdir().expect("tmp");
+    synth_kda_hybrid("tiny", dir.path(), false, 19).expect("synth");
+    let tp1 = KdaHybridModel::load(dir.path()).expect("load tp1");
+    let vocab = tp1.config().vocab_size;
+    let seqs: Vec<Vec<u32>> = (0..3).map(|i| tokens(7 + 5 * i, 40 + i as u32)).collect();
+    let mut states: Vec<_> = seqs.iter().map(|_| tp1.new_state()).collect();
+    let prompts: Vec<&[u32]> = seqs.iter().map(|s| &s[..s.len() - 3]).collect();
+    let mut refs: Vec<_> = states.iter_mut().collect();
+    tp1.extend_batch(&prompts, &mut refs, KdaForm::Chunked);
+    let mut last = Vec::new();
+    for back in [3, 2, 1] {
+        let next: Vec<&[u32]> = seqs
+            .iter()
+            .map(|s| &s[s.len() - back..s.len() - back + 1])
+            .collect();
+        let mut refs: Vec<_> = states.iter_mut().collect();
+        last = tp1.extend_batch(&next, &mut refs, KdaForm::Recurrent);
+    }
+    for (i, s) in seqs.iter().enumerate() {
+        let full = tp1.forward_full(s);
+        let d = max_abs_diff(&last[i], &full[full.len() - vocab..]);
+        assert!(
+            d <= LAYOUT_TOL,
+            "request {i}: batched differs from alone by {d}"
+        );
+        assert_eq!(states[i].tokens, s.len());
+    }
+}
+
+/// The same on a DP-attention layout: group 0 runs two requests, group 1 none for the first
+/// steps (its ranks still join the FFN collectives) and one afterwards.
+#[test]
+fn batches_per_attention_dp_group_match_tp1() {
+    let dir = tempfile::tempdir().expect("tmp");
+    synth_kda_hybrid("tiny", dir.path(), false, 23).expect("synth");
+    let tp1 = KdaHybridModel::load(dir.path()).expect("load tp1");
+    let vocab = tp1.config().vocab_size;
+    let layout = Layout::new(4, 2, 2).expect("valid layout");
+    let m = ShardedKdaHybrid::load(dir.path(), layout).expect("load sharded");
+    let a = layout.attn_tp();
+    let group0: Vec<Vec<u32>> = vec![tokens(8, 51), tokens(13, 52)];
+    let late = tokens(6, 53);
+    // states[r][i]: rank r's state of the i-th request of its group.
+    let fresh = |r: usize| m.rank(tandem_topology::Rank(r)).expect("rank").new_state();
+    let mut states: Vec<Vec<_>> = (0..layout.tp())
+        .map(|r| {
+            if r < a {
+                vec![fresh(r), fresh(r)]
+            } else {
+                Vec::new()
+            }
+        })
+        .collect();
+    let prompts: Vec<Vec<Vec<u32>>> = vec![
+        group0.iter().map(|s| s[..s.len() - 2].to_vec()).collect(),
+        Vec::new(),
+    ];
+    m.extend_batch(&prompts, &mut states, KdaForm::Chunked, false)
+        .expect("prefill group 0");
+    let step: Vec<Vec<Vec<u32>>> = vec![
+        group0.iter().map(|s| vec![s[s.len() - 2]]).collect(),
+        Vec::new(),
+    ];
+    m.extend_batch(&step, &mut states, KdaForm::Recurrent, false)
+        .expect("decode group 0");
+    // Group 1's request arrives: its prompt and group 0's last tokens in one pass.
+    for (r, st) in states.iter_mut().enumerate().skip(a) {
+        st.push(fresh(r));
+    }
+    let mixed: Vec<Vec<Vec<u32>>> = vec![
+        group0.iter().map(|s| vec![s[s.len() - 1]]).collect(),
+        vec![late.clone()],
+    ];
+    let out = m
+        .extend_batch(&mixed, &mut states, KdaForm::Chunked, false)
+        .expect("mixed step");
+    for (i, s) in group0.iter().enumerate() {
+        let full = tp1.forward_full(s);
+        let d = max_abs_diff(&out[0][i], &full[full.len() - vocab..]);
+        assert!(
+            d <= LAYOUT_TOL,
+            "group 0 request {i} differs from tp1 by {d}"
+        );
+    }
+    let full = tp1.forward_full(&late);
+    let d = max_abs_diff(&out[1][0], &full[full.len() - vocab..]);
+    assert!(d <= LAYOUT_TOL, "group 1's request differs from tp1 by {d}");
+    // A batch whose states do not match its requests is refused, not run.
+    let mut short: Vec<Vec<_>> = (0..layout.tp()).map(|_| Vec::new()).collect();
+    assert!(m
+        .extend_batch(&mixed, &mut short, KdaForm::Recurrent, false)
+        .is_err());
+}

@@ -261,33 +261,58 @@ impl KdaLayer {
         state: &mut KdaState,
         form: KdaForm,
     ) -> Vec<f32> {
+        self.forward_batch(x, &[rows], &mut [state], form)
+    }
+
+    /// Runs several sequences' tokens through the layer at once: `x` holds `segments[i]` rows
+    /// of sequence `i` after those of sequences `0..i`, and `states[i]` is sequence `i`'s
+    /// state. Projections, gates and `o_proj` are one GEMM over every row; the short convs
+    /// and the delta rule run per sequence on its own state. Returns `[Σ rows, hidden]`.
+    pub fn forward_batch(
+        &self,
+        x: &Vec<f32>,
+        segments: &[usize],
+        states: &mut [&mut KdaState],
+        form: KdaForm,
+    ) -> Vec<f32> {
         let (h, d, p) = (self.cfg.num_heads, self.cfg.head_dim, self.cfg.proj_dim());
+        assert_eq!(segments.len(), states.len(), "one state per sequence");
+        let rows: usize = segments.iter().sum();
         if rows == 0 {
             return Vec::new();
         }
         let proj = self.input.project(x, rows);
-        let w = self.cfg.conv_kernel;
-        let mut q = short_conv(&proj.q, &mut state.conv.q, &self.conv[0], p, w);
-        let mut k = short_conv(&proj.k, &mut state.conv.k, &self.conv[1], p, w);
-        let v = short_conv(&proj.v, &mut state.conv.v, &self.conv[2], p, w);
-        l2norm_rows(&mut q, d, 1.0 / (d as f32).sqrt());
-        l2norm_rows(&mut k, d, 1.0);
         let (f_raw, gate) = self.gate.apply(&proj.f_a, &proj.g_a, rows);
         let g = self.log_decay(f_raw);
         let beta: Vec<f32> = proj.beta_logits.iter().map(|&b| sigmoid(b)).collect();
-        let inp = DeltaRuleInputs {
-            q: &q,
-            k: &k,
-            v: &v,
-            g: &g,
-            beta: &beta,
-            heads: h,
-            head_dim: d,
-        };
-        let mut o = match form {
-            KdaForm::Chunked => delta_rule::chunked(&inp, &mut state.recurrent),
-            KdaForm::Recurrent => delta_rule::recurrent(&inp, &mut state.recurrent),
-        };
+        let w = self.cfg.conv_kernel;
+        let mut o = Vec::with_capacity(rows * p);
+        let mut start = 0;
+        for (&n, state) in segments.iter().zip(states.iter_mut()) {
+            let (pr, hr) = (start * p..(start + n) * p, start * h..(start + n) * h);
+            start += n;
+            if n == 0 {
+                continue;
+            }
+            let mut q = short_conv(&proj.q[pr.clone()], &mut state.conv.q, &self.conv[0], p, w);
+            let mut k = short_conv(&proj.k[pr.clone()], &mut state.conv.k, &self.conv[1], p, w);
+            let v = short_conv(&proj.v[pr.clone()], &mut state.conv.v, &self.conv[2], p, w);
+            l2norm_rows(&mut q, d, 1.0 / (d as f32).sqrt());
+            l2norm_rows(&mut k, d, 1.0);
+            let inp = DeltaRuleInputs {
+                q: &q,
+                k: &k,
+                v: &v,
+                g: &g[pr],
+                beta: &beta[hr],
+                heads: h,
+                head_dim: d,
+            };
+            o.extend(match form {
+                KdaForm::Chunked => delta_rule::chunked(&inp, &mut state.recurrent),
+                KdaForm::Recurrent => delta_rule::recurrent(&inp, &mut state.recurrent),
+            });
+        }
         // Gated RMSNorm per head: RMSNorm_D(o; o_norm) * sigmoid(g_b(g_a x)).
         rms_norm_rows(&mut o, d, Some(&self.o_norm), self.norm_eps);
         o.iter_mut()

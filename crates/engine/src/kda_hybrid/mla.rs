@@ -202,6 +202,18 @@ impl MlaLayer {
     /// attention output after `o_proj`, `[rows, hidden]`. Token `i` sees every cached token and
     /// the new ones up to itself.
     pub fn forward(&self, x: &Vec<f32>, rows: usize, state: &mut MlaState) -> Vec<f32> {
+        self.forward_batch(x, &[rows], &mut [state])
+    }
+
+    /// Several sequences at once: `x` holds `segments[i]` rows of sequence `i` after those of
+    /// sequences `0..i`, appended to `states[i]`. The projections and `o_proj` are one GEMM
+    /// over every row; each sequence attends over its own cache. Returns `[Σ rows, hidden]`.
+    pub fn forward_batch(
+        &self,
+        x: &Vec<f32>,
+        segments: &[usize],
+        states: &mut [&mut MlaState],
+    ) -> Vec<f32> {
         let c = &self.cfg;
         let (h, r, dn, dr, dv) = (
             c.num_heads,
@@ -210,6 +222,8 @@ impl MlaLayer {
             c.qk_rope_head_dim,
             c.v_head_dim,
         );
+        assert_eq!(segments.len(), states.len(), "one state per sequence");
+        let rows: usize = segments.iter().sum();
         if rows == 0 {
             return Vec::new();
         }
@@ -222,65 +236,87 @@ impl MlaLayer {
             }
         };
         let ckv = linear(x, rows, &self.kv_a);
-        for row in ckv.chunks_exact(r + dr) {
-            state.kv_latent.extend_from_slice(&rms_norm(
-                &row[..r],
-                r,
-                &self.kv_norm,
-                c.latent_norm_eps,
-            ));
-            state.k_rope.extend_from_slice(&row[r..]);
-        }
-        if let (Some(ix), Some(cache)) = (&self.indexer, state.indexer.as_mut()) {
+        let indexed = self.indexer.as_ref().map(|ix| {
             let mut keys = linear(x, rows, &ix.wk);
             layer_norm_rows(&mut keys, &ix.norm_weight, &ix.norm_bias, 1e-6);
-            cache.keys.extend(keys);
-            cache.pool_gate.extend(linear(x, rows, &ix.gate));
-        }
-        let total = state.tokens(r);
-        let first = total - rows;
+            (
+                keys,
+                linear(x, rows, &ix.gate),
+                ix.wk.out_features,
+                ix.gate.out_features,
+            )
+        });
         let scale = 1.0 / (c.qk_head_dim() as f32).sqrt();
-        let (latent, rope) = (&state.kv_latent, &state.k_rope);
         let mut out = vec![0.0f32; rows * h * dv];
-        out.par_chunks_mut(h * dv)
-            .enumerate()
-            .for_each(|(t, out_row)| {
-                let visible = first + t + 1;
-                let mut q_lat = vec![0.0f32; r];
-                let mut scores = vec![0.0f32; visible];
-                let mut o_lat = vec![0.0f32; r];
-                for head in 0..h {
-                    let qh = &q[(t * h + head) * (dn + dr)..(t * h + head + 1) * (dn + dr)];
-                    let (q_nope, q_rope) = qh.split_at(dn);
-                    let w_head = &self.kv_b[head * (dn + dv) * r..(head + 1) * (dn + dv) * r];
-                    let (w_k, w_v) = w_head.split_at(dn * r);
-                    q_lat.fill(0.0);
-                    for (j, &qj) in q_nope.iter().enumerate() {
-                        axpy(&mut q_lat, qj, &w_k[j * r..(j + 1) * r]);
-                    }
-                    let mut max = f32::NEG_INFINITY;
-                    for (l, s) in scores.iter_mut().enumerate() {
-                        let mut v = dot(&q_lat, latent.row(l));
-                        if dr > 0 {
-                            v += dot(q_rope, rope.row(l));
+        let mut start = 0;
+        for (&n, state) in segments.iter().zip(states.iter_mut()) {
+            let seg = start..start + n;
+            start += n;
+            if n == 0 {
+                continue;
+            }
+            for row in ckv[seg.start * (r + dr)..seg.end * (r + dr)].chunks_exact(r + dr) {
+                state.kv_latent.extend_from_slice(&rms_norm(
+                    &row[..r],
+                    r,
+                    &self.kv_norm,
+                    c.latent_norm_eps,
+                ));
+                state.k_rope.extend_from_slice(&row[r..]);
+            }
+            if let (Some((keys, gate, kw, gw)), Some(cache)) = (&indexed, state.indexer.as_mut()) {
+                cache
+                    .keys
+                    .extend_from_slice(&keys[seg.start * kw..seg.end * kw]);
+                cache
+                    .pool_gate
+                    .extend_from_slice(&gate[seg.start * gw..seg.end * gw]);
+            }
+            let total = state.tokens(r);
+            let first = total - n;
+            let (latent, rope) = (&state.kv_latent, &state.k_rope);
+            let q = &q[seg.start * h * (dn + dr)..seg.end * h * (dn + dr)];
+            out[seg.start * h * dv..seg.end * h * dv]
+                .par_chunks_mut(h * dv)
+                .enumerate()
+                .for_each(|(t, out_row)| {
+                    let visible = first + t + 1;
+                    let mut q_lat = vec![0.0f32; r];
+                    let mut scores = vec![0.0f32; visible];
+                    let mut o_lat = vec![0.0f32; r];
+                    for head in 0..h {
+                        let qh = &q[(t * h + head) * (dn + dr)..(t * h + head + 1) * (dn + dr)];
+                        let (q_nope, q_rope) = qh.split_at(dn);
+                        let w_head = &self.kv_b[head * (dn + dv) * r..(head + 1) * (dn + dv) * r];
+                        let (w_k, w_v) = w_head.split_at(dn * r);
+                        q_lat.fill(0.0);
+                        for (j, &qj) in q_nope.iter().enumerate() {
+                            axpy(&mut q_lat, qj, &w_k[j * r..(j + 1) * r]);
                         }
-                        *s = v * scale;
-                        max = max.max(*s);
+                        let mut max = f32::NEG_INFINITY;
+                        for (l, s) in scores.iter_mut().enumerate() {
+                            let mut v = dot(&q_lat, latent.row(l));
+                            if dr > 0 {
+                                v += dot(q_rope, rope.row(l));
+                            }
+                            *s = v * scale;
+                            max = max.max(*s);
+                        }
+                        let mut sum = 0.0f32;
+                        for s in scores.iter_mut() {
+                            *s = (*s - max).exp();
+                            sum += *s;
+                        }
+                        o_lat.fill(0.0);
+                        for (l, &p) in scores.iter().enumerate() {
+                            axpy(&mut o_lat, p / sum, latent.row(l));
+                        }
+                        for (vi, o) in out_row[head * dv..(head + 1) * dv].iter_mut().enumerate() {
+                            *o = dot(&w_v[vi * r..(vi + 1) * r], &o_lat);
+                        }
                     }
-                    let mut sum = 0.0f32;
-                    for s in scores.iter_mut() {
-                        *s = (*s - max).exp();
-                        sum += *s;
-                    }
-                    o_lat.fill(0.0);
-                    for (l, &p) in scores.iter().enumerate() {
-                        axpy(&mut o_lat, p / sum, latent.row(l));
-                    }
-                    for (vi, o) in out_row[head * dv..(head + 1) * dv].iter_mut().enumerate() {
-                        *o = dot(&w_v[vi * r..(vi + 1) * r], &o_lat);
-                    }
-                }
-            });
+                });
+        }
         linear(&out, rows, &self.o_proj)
     }
 }

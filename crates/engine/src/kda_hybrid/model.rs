@@ -2,7 +2,8 @@
 //! FFNs, the residual (single stream or mHC), final norm and LM head — plus the per-request
 //! state ([`KdaHybridState`]) that makes prefill followed by decode steps equal one pass.
 //!
-//! One request at a time, f32 on the CPU, GEMMs through the CPU backend. The state's parts are
+//! A pass takes a batch of requests (their tokens flattened into one set of rows, each with its
+//! own state), f32 on the CPU, GEMMs through the CPU backend. The state's parts are
 //! public so they can be exported after prefill and imported on a decode worker.
 
 use super::config::{AttentionKind, FfnKind, KdaHybridConfig};
@@ -57,7 +58,7 @@ pub enum LayerState {
 }
 
 /// Everything a request carries between forward calls: one entry per decoder layer, in order.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct KdaHybridState {
     /// Per-layer state.
     pub layers: Vec<LayerState>,
@@ -379,7 +380,26 @@ impl KdaHybridModel {
         all_logits: bool,
     ) -> Vec<f32> {
         let mut trace = None;
-        self.run(ids, state, form, all_logits, &mut trace, None)
+        self.run(&[ids], &mut [state], form, all_logits, &mut trace, None)
+            .expect("a single rank runs no collectives, so nothing can fail")
+            .pop()
+            .unwrap_or_default()
+    }
+
+    /// Consumes `ids[i]` into `states[i]` for several sequences in one pass (their tokens
+    /// share every GEMM); returns each sequence's last-position logits (empty for a sequence
+    /// given no tokens).
+    ///
+    /// # Panics
+    /// As [`KdaHybridModel::extend`], and if `ids` and `states` differ in length.
+    pub fn extend_batch(
+        &self,
+        ids: &[&[u32]],
+        states: &mut [&mut KdaHybridState],
+        form: KdaForm,
+    ) -> Vec<Vec<f32>> {
+        let mut trace = None;
+        self.run(ids, states, form, false, &mut trace, None)
             .expect("a single rank runs no collectives, so nothing can fail")
     }
 
@@ -388,35 +408,49 @@ impl KdaHybridModel {
     pub fn residual_trace(&self, ids: &[u32]) -> Vec<Vec<f32>> {
         let mut trace = Some(Vec::new());
         let mut state = self.new_state();
-        self.run(ids, &mut state, KdaForm::Chunked, false, &mut trace, None)
-            .expect("a single rank runs no collectives, so nothing can fail");
+        self.run(
+            &[ids],
+            &mut [&mut state],
+            KdaForm::Chunked,
+            false,
+            &mut trace,
+            None,
+        )
+        .expect("a single rank runs no collectives, so nothing can fail");
         trace.unwrap_or_default()
     }
 
-    /// The forward pass; `comm` is `Some` on a rank of a sharded layout. With `comm`, `ids`
-    /// may be empty (an attention-DP group with nothing to do still joins the FFN
-    /// collectives).
+    /// The forward pass over a batch of sequences (`ids[i]` continues `states[i]`), their
+    /// tokens flattened into one set of rows; `comm` is `Some` on a rank of a sharded layout.
+    /// With `comm`, the batch may be empty (an attention-DP group with nothing to do still
+    /// joins the FFN collectives). Returns per sequence the logits of every new position
+    /// (`all_logits`) or of the last one.
     pub(crate) fn run(
         &self,
-        ids: &[u32],
-        state: &mut KdaHybridState,
+        ids: &[&[u32]],
+        states: &mut [&mut KdaHybridState],
         form: KdaForm,
         all_logits: bool,
         trace: &mut Option<Vec<Vec<f32>>>,
         comm: Option<&dyn RankCollectives>,
-    ) -> TopologyResult<Vec<f32>> {
+    ) -> TopologyResult<Vec<Vec<f32>>> {
         let c = &self.config;
-        let (hidden, eps, rows) = (c.hidden_size, c.rms_norm_eps, ids.len());
+        let segments: Vec<usize> = ids.iter().map(|s| s.len()).collect();
+        let (hidden, eps, rows) = (c.hidden_size, c.rms_norm_eps, segments.iter().sum());
+        assert_eq!(ids.len(), states.len(), "one state per sequence");
         if rows == 0 && comm.is_none() {
-            return Ok(Vec::new());
+            return Ok(vec![Vec::new(); ids.len()]);
         }
-        assert_eq!(
-            state.layers.len(),
-            self.layers.len(),
-            "state was not made by this model"
-        );
+        for state in states.iter() {
+            assert_eq!(
+                state.layers.len(),
+                self.layers.len(),
+                "state was not made by this model"
+            );
+        }
         let embedded: Vec<f32> = ids
             .iter()
+            .flat_map(|s| s.iter())
             .flat_map(|&id| {
                 let at = id as usize * hidden;
                 assert!(
@@ -428,13 +462,32 @@ impl KdaHybridModel {
             .copied()
             .collect();
         let mut residual = Residual::new(embedded, c.residual, hidden);
-        for (layer, st) in self.layers.iter().zip(state.layers.iter_mut()) {
+        for (li, layer) in self.layers.iter().enumerate() {
             let (x, mix) = residual.enter(layer.hc_attn.as_ref(), rows, hidden);
             let h = rms_norm(&x, hidden, &layer.input_norm, eps);
-            let mut a = match (&layer.attention, st) {
-                (Attention::Kda(l), LayerState::Kda(s)) => l.forward(&h, rows, s, form),
-                (Attention::Mla(l), LayerState::Mla(s)) => l.forward(&h, rows, s),
-                _ => panic!("state was not made by this model (layer kinds differ)"),
+            let kinds_differ =
+                || -> ! { panic!("state was not made by this model (layer kinds differ)") };
+            let mut a = match &layer.attention {
+                Attention::Kda(l) => {
+                    let mut st: Vec<&mut KdaState> = states
+                        .iter_mut()
+                        .map(|s| match &mut s.layers[li] {
+                            LayerState::Kda(k) => k,
+                            LayerState::Mla(_) => kinds_differ(),
+                        })
+                        .collect();
+                    l.forward_batch(&h, &segments, &mut st, form)
+                }
+                Attention::Mla(l) => {
+                    let mut st: Vec<&mut MlaState> = states
+                        .iter_mut()
+                        .map(|s| match &mut s.layers[li] {
+                            LayerState::Mla(m) => m,
+                            LayerState::Kda(_) => kinds_differ(),
+                        })
+                        .collect();
+                    l.forward_batch(&h, &segments, &mut st)
+                }
             };
             if let Some(comm) = comm {
                 comm.attn_all_reduce(&mut a)?;
@@ -455,18 +508,26 @@ impl KdaHybridModel {
                 t.push(residual.raw().to_vec());
             }
         }
-        state.tokens += rows;
-        if rows == 0 {
-            return Ok(Vec::new());
+        for (state, &n) in states.iter_mut().zip(&segments) {
+            state.tokens += n;
         }
+        if rows == 0 {
+            return Ok(vec![Vec::new(); ids.len()]);
+        }
+        // The rows whose logits are wanted, and how many belong to each sequence.
         let out = residual.output(hidden);
-        let (out, n) = if all_logits {
-            (out, rows)
-        } else {
-            (out[(rows - 1) * hidden..].to_vec(), 1)
-        };
-        let normed = rms_norm(&out, hidden, &self.norm, eps);
-        Ok(match &self.lm_head {
+        let mut picked = Vec::new();
+        let mut counts = Vec::with_capacity(segments.len());
+        let mut end = 0;
+        for &n in &segments {
+            end += n;
+            let take = if all_logits { n } else { n.min(1) };
+            picked.extend_from_slice(&out[(end - take) * hidden..end * hidden]);
+            counts.push(take);
+        }
+        let n = picked.len() / hidden;
+        let normed = rms_norm(&picked, hidden, &self.norm, eps);
+        let logits = match &self.lm_head {
             Some(head) => linear(&normed, n, head),
             None => {
                 let mut logits = Vec::new();
@@ -481,6 +542,16 @@ impl KdaHybridModel {
                 );
                 logits
             }
-        })
+        };
+        let vocab = c.vocab_size;
+        let mut at = 0;
+        Ok(counts
+            .iter()
+            .map(|&k| {
+                let rows = logits[at * vocab..(at + k) * vocab].to_vec();
+                at += k;
+                rows
+            })
+            .collect())
     }
 }

@@ -232,30 +232,79 @@ impl ShardedKdaHybrid {
         form: KdaForm,
         all_logits: bool,
     ) -> ShardResult<Vec<Vec<f32>>> {
-        let (dp, a) = (self.layout.dp(), self.layout.attn_tp());
-        if ids.len() != dp || states.len() != self.ranks.len() {
+        self.check_counts(ids.len(), states.len())?;
+        let batches: Vec<Vec<Vec<u32>>> = ids.iter().map(|s| vec![s.clone()]).collect();
+        let mut per_rank: Vec<Vec<KdaHybridState>> =
+            states.iter_mut().map(|s| vec![std::mem::take(s)]).collect();
+        let out = self.extend_batch(&batches, &mut per_rank, form, all_logits);
+        for (state, mut back) in states.iter_mut().zip(per_rank) {
+            if let Some(b) = back.pop() {
+                *state = b;
+            }
+        }
+        Ok(out?
+            .into_iter()
+            .map(|mut group| group.pop().unwrap_or_default())
+            .collect())
+    }
+
+    fn check_counts(&self, groups: usize, ranks: usize) -> ShardResult<()> {
+        let dp = self.layout.dp();
+        if groups != dp || ranks != self.ranks.len() {
             return Err(ShardError::Mismatch(format!(
-                "{} sequences and {} states for layout {} ({dp} groups, {} ranks)",
-                ids.len(),
-                states.len(),
+                "{groups} groups of sequences and {ranks} ranks' states for layout {} ({dp} \
+                 groups, {} ranks)",
                 self.layout,
                 self.ranks.len()
             )));
         }
-        if let Some(bad) = ids.iter().zip(&self.ranks).find_map(|(s, m)| {
-            // Every rank has the same vocabulary; check each group's ids once.
-            m.validate_tokens(s).err()
-        }) {
+        Ok(())
+    }
+
+    /// A batch of sequences per attention-DP group, every group at once: `ids[g][i]` continues
+    /// `states[r][i]` on every rank `r` of group `g` (a rank holds one state per sequence of
+    /// its group). A group may have no sequences (its ranks still join the FFN collectives).
+    /// Returns `[group][sequence]` logits (every new position with `all_logits`, else the last
+    /// one).
+    pub fn extend_batch(
+        &self,
+        ids: &[Vec<Vec<u32>>],
+        states: &mut [Vec<KdaHybridState>],
+        form: KdaForm,
+        all_logits: bool,
+    ) -> ShardResult<Vec<Vec<Vec<f32>>>> {
+        let (dp, a) = (self.layout.dp(), self.layout.attn_tp());
+        self.check_counts(ids.len(), states.len())?;
+        for (groups, st) in self.groups.iter().zip(states.iter()) {
+            let g = groups.position.attn_dp_rank;
+            if st.len() != ids[g].len() {
+                return Err(ShardError::Mismatch(format!(
+                    "rank {} holds {} states for the {} sequences of group {g}",
+                    groups.position.rank,
+                    st.len(),
+                    ids[g].len()
+                )));
+            }
+        }
+        // Every rank has the same vocabulary; check each sequence once.
+        if let Some(bad) = ids
+            .iter()
+            .flatten()
+            .find_map(|s| self.ranks[0].validate_tokens(s).err())
+        {
             return Err(bad.into());
         }
-        let results: Vec<ShardResult<Vec<f32>>> = std::thread::scope(|scope| {
+        let results: Vec<ShardResult<Vec<Vec<f32>>>> = std::thread::scope(|scope| {
             let handles: Vec<_> = self
                 .ranks
                 .iter()
                 .zip(states.iter_mut())
                 .zip(&self.groups)
                 .map(|((model, state), groups)| {
-                    let group_ids = &ids[groups.position.attn_dp_rank];
+                    let group_ids: Vec<&[u32]> = ids[groups.position.attn_dp_rank]
+                        .iter()
+                        .map(Vec::as_slice)
+                        .collect();
                     let comm = RankComm {
                         layout: self.layout,
                         groups,
@@ -265,7 +314,15 @@ impl ShardedKdaHybrid {
                         .stack_size(16 << 20)
                         .spawn_scoped(scope, move || {
                             let mut trace = None;
-                            model.run(group_ids, state, form, all_logits, &mut trace, Some(&comm))
+                            let mut refs: Vec<&mut KdaHybridState> = state.iter_mut().collect();
+                            model.run(
+                                &group_ids,
+                                &mut refs,
+                                form,
+                                all_logits,
+                                &mut trace,
+                                Some(&comm),
+                            )
                         })
                 })
                 .collect();

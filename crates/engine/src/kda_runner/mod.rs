@@ -376,97 +376,112 @@ fn run(shared: &RwLock<KdaModel>, rx: mpsc::Receiver<Work>, eos: &[u32]) {
     let dp = shared.read().layout().dp();
     let mut running: Vec<VecDeque<Box<DecodeSeq>>> = (0..dp).map(|_| VecDeque::new()).collect();
     loop {
-        let idle = running.iter().all(VecDeque::is_empty);
-        let next = if idle {
-            rx.recv().ok()
-        } else {
-            rx.try_recv().ok()
-        };
-        match next {
-            Some(Work::Prefill {
-                prompt,
-                params,
-                slot,
-                states,
-                tx,
-            }) => {
-                if tx.is_closed() {
-                    // Cancelled while queued: the states go straight back to the pool.
-                    let mut slot = slot;
-                    slot.put_states(states);
-                    continue;
-                }
-                let model = shared.read();
-                let mut work = vec![(0, prompt, states)];
-                let event = match model.step(&mut work) {
-                    Ok(logits) => {
-                        let token = sample(&logits[0], &params, 0);
-                        let f = finish(token, 1, &params, &stop_ids(&params, eos));
-                        let state = encode_group(model.layout(), &work[0].2);
-                        Some(KdaEvent::Prefilled {
-                            first_token: token,
-                            finish: f,
-                            state,
-                        })
-                    }
-                    Err(e) => {
-                        tracing::warn!(error = %e, "KDA prefill failed");
-                        None
-                    }
-                };
-                // The states go back to the slot pool, zeroed, before the caller hears of it.
-                let mut slot = slot;
-                slot.put_states(std::mem::take(&mut work[0].2));
-                drop(slot);
-                if let Some(ev) = event {
-                    let _ = tx.send(ev);
-                }
-                continue;
+        // Wait for work when there is nothing to step; then take everything queued, so new
+        // requests join the next step together.
+        if running.iter().all(VecDeque::is_empty) {
+            match rx.recv() {
+                Ok(work) => admit(shared, work, &mut running, eos),
+                Err(_) => return,
             }
-            Some(Work::Decode { seq }) => running[seq.group].push_back(seq),
-            None if idle => return,
-            None => {}
         }
-        // One decode step for the front request of every busy group, together.
-        let mut seqs: Vec<Box<DecodeSeq>> =
-            running.iter_mut().filter_map(VecDeque::pop_front).collect();
-        // Requests whose caller went away are dropped here (their slots go back).
-        seqs.retain(|s| !s.tx.is_closed());
-        if seqs.is_empty() {
-            continue;
+        while let Ok(work) = rx.try_recv() {
+            admit(shared, work, &mut running, eos);
         }
-        let mut work: Vec<(usize, Vec<u32>, Vec<KdaHybridState>)> = seqs
-            .iter_mut()
-            .map(|s| (s.group, vec![s.last], std::mem::take(&mut s.states)))
-            .collect();
-        let logits = match shared.read().step(&mut work) {
-            Ok(l) => l,
-            Err(e) => {
-                tracing::warn!(error = %e, "KDA decode step failed; dropping its requests");
-                // Their states go back to the slot pool (dropping a sequence returns them).
-                for (seq, (_, _, states)) in seqs.iter_mut().zip(work) {
-                    seq.states = states;
-                }
-                continue;
-            }
-        };
-        for ((mut seq, (_, _, states)), row) in seqs.into_iter().zip(work).zip(logits) {
-            seq.states = states;
-            let token = sample(&row, &seq.params, seq.generated as u32);
-            seq.generated += 1;
-            seq.last = token;
-            let f = finish(token, seq.generated, &seq.params, &seq.stop);
-            let tx = seq.tx.clone();
-            if f.is_none() {
-                running[seq.group].push_back(seq);
-            } else {
-                drop(seq); // slot freed before the last token is reported
-            }
-            let _ = tx.send(KdaEvent::Token {
-                token_id: token,
+        step_decodes(shared, &mut running);
+    }
+}
+
+/// Runs a prefill at once (one prompt, on group 0) or queues a decode on its group.
+fn admit(
+    shared: &RwLock<KdaModel>,
+    work: Work,
+    running: &mut [VecDeque<Box<DecodeSeq>>],
+    eos: &[u32],
+) {
+    let (prompt, params, mut slot, states, tx) = match work {
+        Work::Decode { seq } => {
+            running[seq.group].push_back(seq);
+            return;
+        }
+        Work::Prefill {
+            prompt,
+            params,
+            slot,
+            states,
+            tx,
+        } => (prompt, params, slot, states, tx),
+    };
+    if tx.is_closed() {
+        // Cancelled while queued: the states go straight back to the pool.
+        slot.put_states(states);
+        return;
+    }
+    let model = shared.read();
+    let mut work = vec![(0, prompt, states)];
+    let event = match model.step(&mut work) {
+        Ok(logits) => {
+            let token = sample(&logits[0], &params, 0);
+            let f = finish(token, 1, &params, &stop_ids(&params, eos));
+            let state = encode_group(model.layout(), &work[0].2);
+            Some(KdaEvent::Prefilled {
+                first_token: token,
                 finish: f,
-            });
+                state,
+            })
         }
+        Err(e) => {
+            tracing::warn!(error = %e, "KDA prefill failed");
+            None
+        }
+    };
+    // The states go back to the slot pool, zeroed, before the caller hears of it.
+    slot.put_states(std::mem::take(&mut work[0].2));
+    drop(slot);
+    if let Some(ev) = event {
+        let _ = tx.send(ev);
+    }
+}
+
+/// One decode step for every running request of every group, together (a group's requests
+/// share its GEMMs; the groups share the FFN); finished requests leave, the rest requeue.
+fn step_decodes(shared: &RwLock<KdaModel>, running: &mut [VecDeque<Box<DecodeSeq>>]) {
+    let mut seqs: Vec<Box<DecodeSeq>> = running.iter_mut().flat_map(|q| q.drain(..)).collect();
+    // Requests whose caller went away are dropped here (their slots go back).
+    seqs.retain(|s| !s.tx.is_closed());
+    if seqs.is_empty() {
+        return;
+    }
+    let mut work: Vec<(usize, Vec<u32>, Vec<KdaHybridState>)> = seqs
+        .iter_mut()
+        .map(|s| (s.group, vec![s.last], std::mem::take(&mut s.states)))
+        .collect();
+    let logits = match shared.read().step(&mut work) {
+        Ok(l) => l,
+        Err(e) => {
+            tracing::warn!(error = %e, "KDA decode step failed; dropping its requests");
+            // Their states go back to the slot pool (dropping a sequence returns them).
+            for (seq, (_, _, states)) in seqs.iter_mut().zip(work) {
+                seq.states = states;
+            }
+            return;
+        }
+    };
+    for ((mut seq, (_, _, states)), row) in seqs.into_iter().zip(work).zip(logits) {
+        seq.states = states;
+        let token = sample(&row, &seq.params, seq.generated as u32);
+        seq.generated += 1;
+        seq.last = token;
+        let f = finish(token, seq.generated, &seq.params, &seq.stop);
+        let tx = seq.tx.clone();
+        if f.is_none() {
+            running[seq.group].push_back(seq);
+        } else {
+            drop(seq); // slot freed before the last token is reported
+        }
+        let _ = tx.send(KdaEvent::Token {
+            token_id: token,
+            finish: f,
+        });
     }
 }
 
@@ -617,5 +632,87 @@ mod tests {
             tiny.submit_prefill(long, SamplingParams::greedy(1)),
             Err(Error::CapacityExhausted { .. })
         ));
+    }
+
+    /// Requests decoding at once on a two-group layout (two on one group, one on the other)
+    /// step together and each gets the tokens it gets alone; a decode reservation larger
+    /// than the latent pool is refused at admission and takes nothing.
+    #[test]
+    fn concurrent_decodes_step_together_and_match_one_process() {
+        let (dir, model) = tiny();
+        let params = SamplingParams {
+            ignore_eos: true,
+            ..SamplingParams::greedy(5)
+        };
+        let prompts: Vec<Vec<u32>> = vec![vec![9, 40, 7], vec![300, 12, 5, 77, 1], vec![64, 3]];
+        let want: Vec<Vec<u32>> = prompts
+            .iter()
+            .map(|p| {
+                let mut st = model.new_state();
+                let mut logits = model.prefill(p, &mut st);
+                (0..5)
+                    .map(|_| {
+                        let t = crate::sampling::argmax(&logits);
+                        logits = model.decode_step(t, &mut st);
+                        t
+                    })
+                    .collect()
+            })
+            .collect();
+        let p = KdaEngine::start(KdaModel::Single(Box::new(model)), 4, 256, vec![2], 4096);
+        let layout = Layout::new(2, 2, 1).expect("tp2 dp2");
+        let d = KdaEngine::start(
+            KdaModel::load(&dir, layout, None).expect("load tp2 dp2"),
+            4,
+            256,
+            vec![2],
+            4096,
+        );
+        let mut streams = Vec::new();
+        for (prompt, group) in prompts.iter().zip([0, 0, 1]) {
+            let mut rx = p
+                .submit_prefill(prompt.clone(), params.clone())
+                .expect("prefill");
+            let Some(KdaEvent::Prefilled {
+                first_token, state, ..
+            }) = rx.blocking_recv()
+            else {
+                panic!("no prefill event");
+            };
+            let slot = d.reserve_for(Some(group), prompt.len() + 5).expect("slot");
+            let rx = d
+                .submit_decode(prompt, params.clone(), slot, &state, first_token)
+                .expect("decode");
+            streams.push((first_token, rx));
+        }
+        for ((first, mut rx), want) in streams.into_iter().zip(want) {
+            let mut got = vec![first];
+            while let Some(KdaEvent::Token { token_id, finish }) = rx.blocking_recv() {
+                got.push(token_id);
+                if finish.is_some() {
+                    break;
+                }
+            }
+            assert_eq!(got, want);
+        }
+        assert_eq!(d.latent_blocks(), (256, 256), "decode latent blocks back");
+        // tp2 × dp2 gives each group one rank: 2 MLA layers × latent and rope rows × 16
+        // blocks (256 tokens) = 64 blocks fit; 4 × 69 (1,100 tokens) = 276 do not.
+        let fits = d.reserve_for(Some(1), 256).expect("fits");
+        assert_eq!(d.latent_blocks().1, 256 - 64);
+        drop(fits);
+        assert!(matches!(
+            d.reserve_for(Some(1), 1100),
+            Err(Error::CapacityExhausted {
+                needed: 276,
+                free: 256
+            })
+        ));
+        assert_eq!(
+            d.latent_blocks(),
+            (256, 256),
+            "a refused reservation takes nothing"
+        );
+        assert_eq!(d.group_free(), vec![4, 4]);
     }
 }

@@ -1,5 +1,6 @@
 //! The model a KDA-hybrid worker serves: one rank, or a `tp × dp` (+ `ep`) layout of ranks run
-//! as threads, behind one step function that advances one request per attention-DP group.
+//! as threads, behind one step function that advances a batch of requests on every
+//! attention-DP group.
 
 use crate::kda_hybrid::{
     KdaForm, KdaHybridConfig, KdaHybridModel, KdaHybridState, LatentPool, LoadOptions,
@@ -89,10 +90,10 @@ impl KdaModel {
         }
     }
 
-    /// One step for several requests at once, at most one per attention-DP group: `work[i]` is
-    /// `(group, ids, that group's rank states)`. Idle groups run a throwaway token on scratch
-    /// states, because a sharded step is collective over every rank. Returns each work item's
-    /// last-position logits.
+    /// One step for several requests at once, any number per attention-DP group: `work[i]`
+    /// is `(group, ids, that request's states on the group's ranks)`. A group's requests share
+    /// its GEMMs; a group with no request still joins the step's collectives. Returns each
+    /// work item's last-position logits.
     pub(crate) fn step(
         &self,
         work: &mut [(usize, Vec<u32>, Vec<KdaHybridState>)],
@@ -103,31 +104,40 @@ impl KdaModel {
             KdaForm::Recurrent
         };
         match self {
-            KdaModel::Single(m) => work
-                .iter_mut()
-                .map(|(_, ids, st)| Ok(m.extend(ids, &mut st[0], form, false)))
-                .collect(),
+            KdaModel::Single(m) => {
+                let (ids, mut states): (Vec<&[u32]>, Vec<&mut KdaHybridState>) = work
+                    .iter_mut()
+                    .map(|(_, ids, st)| (ids.as_slice(), &mut st[0]))
+                    .unzip();
+                Ok(m.extend_batch(&ids, &mut states, form))
+            }
             KdaModel::Sharded(s) => {
                 let (dp, a) = (s.layout().dp(), s.layout().attn_tp());
-                let mut ids = vec![vec![0u32]; dp];
-                let mut states = s.new_states();
+                let mut ids: Vec<Vec<Vec<u32>>> = vec![Vec::new(); dp];
+                let mut states: Vec<Vec<KdaHybridState>> =
+                    (0..s.layout().tp()).map(|_| Vec::new()).collect();
+                // Where each work item sits: (group, index within the group's batch).
+                let mut place = Vec::with_capacity(work.len());
                 for (g, group_ids, st) in work.iter_mut() {
-                    ids[*g] = std::mem::take(group_ids);
+                    place.push((*g, ids[*g].len()));
+                    ids[*g].push(group_ids.clone());
                     for (k, state) in st.iter_mut().enumerate() {
-                        std::mem::swap(&mut states[*g * a + k], state);
+                        states[*g * a + k].push(std::mem::take(state));
                     }
                 }
-                let out = s
-                    .extend(&ids, &mut states, form, false)
-                    .map_err(|e| Error::InvalidRequest(format!("sharded step failed: {e}")))?;
-                let mut result = Vec::with_capacity(work.len());
-                for (g, _, st) in work.iter_mut() {
+                let out = s.extend_batch(&ids, &mut states, form, false);
+                // The states go back to their requests whatever the outcome.
+                for (&(g, i), (_, _, st)) in place.iter().zip(work.iter_mut()) {
                     for (k, state) in st.iter_mut().enumerate() {
-                        std::mem::swap(&mut states[*g * a + k], state);
+                        *state = std::mem::take(&mut states[g * a + k][i]);
                     }
-                    result.push(out[*g].clone());
                 }
-                Ok(result)
+                let mut out =
+                    out.map_err(|e| Error::InvalidRequest(format!("sharded step failed: {e}")))?;
+                Ok(place
+                    .iter()
+                    .map(|&(g, i)| std::mem::take(&mut out[g][i]))
+                    .collect())
             }
         }
     }
