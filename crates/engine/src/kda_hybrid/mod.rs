@@ -4,7 +4,8 @@
 //! shared expert; GLM adds a lower-bound KDA gate, q-LoRA MLA with a DSA indexer, clamped
 //! SwiGLU and multi-stream (mHC) residuals. Formulas: shared/specs/kda.md.
 //!
-//! f32 on the CPU, one request per attention-DP group at a time. [`KdaHybridModel`] is one
+//! f32 on the CPU; a pass takes a batch of requests per attention-DP group, each with its own
+//! state. [`KdaHybridModel`] is one
 //! rank (tp1); [`ShardedKdaHybrid`] runs a `tp × dp` (+ `ep`) layout as threads, each a
 //! [`KdaHybridModel`] built from its shard of the same checkpoint, joined by collectives.
 //! Eligible KDA projection groups are fused at load ([`projection`]); block-FP8 weights are

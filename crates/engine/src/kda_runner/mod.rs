@@ -60,17 +60,21 @@ pub enum KdaEvent {
 }
 
 enum Work {
-    Prefill {
-        prompt: Vec<u32>,
-        params: SamplingParams,
-        slot: Box<GroupSlot>,
-        states: Vec<KdaHybridState>,
-        tx: UnboundedSender<KdaEvent>,
-    },
-    Decode {
-        seq: Box<DecodeSeq>,
-    },
+    Prefill(Box<PrefillJob>),
+    Decode { seq: Box<DecodeSeq> },
 }
+
+struct PrefillJob {
+    prompt: Vec<u32>,
+    params: SamplingParams,
+    slot: GroupSlot,
+    states: Vec<KdaHybridState>,
+    tx: UnboundedSender<KdaEvent>,
+}
+
+/// Prompt tokens one prefill step may take (several queued prompts share a step up to this;
+/// a longer prompt runs alone).
+const PREFILL_STEP_TOKENS: usize = 8192;
 
 struct DecodeSeq {
     group: usize,
@@ -300,25 +304,26 @@ impl KdaEngine {
         Ok(())
     }
 
-    /// Prefill role: computes the prompt on group 0; one `Prefilled` event whose state is the
-    /// handoff body (prefill layout + every rank's state of the group).
+    /// Prefill role: computes the prompt on the least-loaded attention-DP group (queued prompts
+    /// share a step); one `Prefilled` event whose state is the handoff body (prefill layout +
+    /// every rank's state of the group).
     pub fn submit_prefill(
         &self,
         prompt: Vec<u32>,
         params: SamplingParams,
     ) -> Result<UnboundedReceiver<KdaEvent>> {
         self.check(&prompt, &params)?;
-        let mut slot = self.reserve_for(Some(0), prompt.len())?;
+        let mut slot = self.reserve_for(None, prompt.len())?;
         let states = slot.take_states();
         let (tx, rx) = unbounded_channel();
         self.tx
-            .send(Work::Prefill {
+            .send(Work::Prefill(Box::new(PrefillJob {
                 prompt,
                 params,
-                slot: Box::new(slot),
+                slot,
                 states,
                 tx,
-            })
+            })))
             .map_err(|_| Error::Stopped)?;
         Ok(rx)
     }
@@ -375,70 +380,90 @@ impl KdaEngine {
 fn run(shared: &RwLock<KdaModel>, rx: mpsc::Receiver<Work>, eos: &[u32]) {
     let dp = shared.read().layout().dp();
     let mut running: Vec<VecDeque<Box<DecodeSeq>>> = (0..dp).map(|_| VecDeque::new()).collect();
+    let mut prefills: VecDeque<Box<PrefillJob>> = VecDeque::new();
     loop {
         // Wait for work when there is nothing to step; then take everything queued, so new
         // requests join the next step together.
-        if running.iter().all(VecDeque::is_empty) {
+        if prefills.is_empty() && running.iter().all(VecDeque::is_empty) {
             match rx.recv() {
-                Ok(work) => admit(shared, work, &mut running, eos),
+                Ok(work) => admit(work, &mut running, &mut prefills),
                 Err(_) => return,
             }
         }
         while let Ok(work) = rx.try_recv() {
-            admit(shared, work, &mut running, eos);
+            admit(work, &mut running, &mut prefills);
         }
+        step_prefills(shared, &mut prefills, eos);
         step_decodes(shared, &mut running);
     }
 }
 
-/// Runs a prefill at once (one prompt, on group 0) or queues a decode on its group.
 fn admit(
-    shared: &RwLock<KdaModel>,
     work: Work,
     running: &mut [VecDeque<Box<DecodeSeq>>],
-    eos: &[u32],
+    prefills: &mut VecDeque<Box<PrefillJob>>,
 ) {
-    let (prompt, params, mut slot, states, tx) = match work {
-        Work::Decode { seq } => {
-            running[seq.group].push_back(seq);
-            return;
+    match work {
+        Work::Decode { seq } => running[seq.group].push_back(seq),
+        Work::Prefill(job) => prefills.push_back(job),
+    }
+}
+
+/// One prefill step over the queued prompts, oldest first, up to [`PREFILL_STEP_TOKENS`]
+/// (each on its slot's group); each caller hears its first token and handoff state.
+fn step_prefills(shared: &RwLock<KdaModel>, queue: &mut VecDeque<Box<PrefillJob>>, eos: &[u32]) {
+    let mut jobs = Vec::new();
+    let mut tokens = 0;
+    while let Some(job) = queue.front() {
+        if !jobs.is_empty() && tokens + job.prompt.len() > PREFILL_STEP_TOKENS {
+            break;
         }
-        Work::Prefill {
-            prompt,
-            params,
-            slot,
-            states,
-            tx,
-        } => (prompt, params, slot, states, tx),
-    };
-    if tx.is_closed() {
-        // Cancelled while queued: the states go straight back to the pool.
-        slot.put_states(states);
+        let Some(mut job) = queue.pop_front() else {
+            break;
+        };
+        if job.tx.is_closed() {
+            // Cancelled while queued: the states go straight back to the pool.
+            let states = std::mem::take(&mut job.states);
+            job.slot.put_states(states);
+            continue;
+        }
+        tokens += job.prompt.len();
+        jobs.push(job);
+    }
+    if jobs.is_empty() {
         return;
     }
     let model = shared.read();
-    let mut work = vec![(0, prompt, states)];
-    let event = match model.step(&mut work) {
-        Ok(logits) => {
-            let token = sample(&logits[0], &params, 0);
-            let f = finish(token, 1, &params, &stop_ids(&params, eos));
-            let state = encode_group(model.layout(), &work[0].2);
-            Some(KdaEvent::Prefilled {
+    let mut work: Vec<(usize, Vec<u32>, Vec<KdaHybridState>)> = jobs
+        .iter_mut()
+        .map(|j| {
+            (
+                j.slot.group,
+                j.prompt.clone(),
+                std::mem::take(&mut j.states),
+            )
+        })
+        .collect();
+    let logits = model.step(&mut work);
+    if let Err(e) = &logits {
+        tracing::warn!(error = %e, "KDA prefill step failed; dropping its requests");
+    }
+    for (i, (job, (_, _, mut states))) in jobs.into_iter().zip(work).enumerate() {
+        let event = logits.as_ref().ok().map(|logits| {
+            let token = sample(&logits[i], &job.params, 0);
+            KdaEvent::Prefilled {
                 first_token: token,
-                finish: f,
-                state,
-            })
+                finish: finish(token, 1, &job.params, &stop_ids(&job.params, eos)),
+                state: encode_group(model.layout(), &states),
+            }
+        });
+        // The states go back to the slot pool, zeroed, before the caller hears of it.
+        let PrefillJob { mut slot, tx, .. } = *job;
+        slot.put_states(std::mem::take(&mut states));
+        drop(slot);
+        if let Some(ev) = event {
+            let _ = tx.send(ev);
         }
-        Err(e) => {
-            tracing::warn!(error = %e, "KDA prefill failed");
-            None
-        }
-    };
-    // The states go back to the slot pool, zeroed, before the caller hears of it.
-    slot.put_states(std::mem::take(&mut work[0].2));
-    drop(slot);
-    if let Some(ev) = event {
-        let _ = tx.send(ev);
     }
 }
 
@@ -634,8 +659,9 @@ mod tests {
         ));
     }
 
-    /// Requests decoding at once on a two-group layout (two on one group, one on the other)
-    /// step together and each gets the tokens it gets alone; a decode reservation larger
+    /// Prompts prefilled at once on a two-group layout, then decoding at once on another
+    /// (two on one group, one on the other), step together and each gets the tokens it gets
+    /// alone; a decode reservation larger
     /// than the latent pool is refused at admission and takes nothing.
     #[test]
     fn concurrent_decodes_step_together_and_match_one_process() {
@@ -659,7 +685,16 @@ mod tests {
                     .collect()
             })
             .collect();
-        let p = KdaEngine::start(KdaModel::Single(Box::new(model)), 4, 256, vec![2], 4096);
+        drop(model);
+        // Prefill on tp4 × dp2 (the prompts, queued together, spread over both groups and
+        // share steps); decode on tp2 × dp2.
+        let p = KdaEngine::start(
+            KdaModel::load(&dir, Layout::new(4, 2, 1).expect("tp4 dp2"), None).expect("load"),
+            4,
+            256,
+            vec![2],
+            4096,
+        );
         let layout = Layout::new(2, 2, 1).expect("tp2 dp2");
         let d = KdaEngine::start(
             KdaModel::load(&dir, layout, None).expect("load tp2 dp2"),
@@ -668,11 +703,15 @@ mod tests {
             vec![2],
             4096,
         );
+        let prefilled: Vec<_> = prompts
+            .iter()
+            .map(|prompt| {
+                p.submit_prefill(prompt.clone(), params.clone())
+                    .expect("prefill")
+            })
+            .collect();
         let mut streams = Vec::new();
-        for (prompt, group) in prompts.iter().zip([0, 0, 1]) {
-            let mut rx = p
-                .submit_prefill(prompt.clone(), params.clone())
-                .expect("prefill");
+        for ((prompt, group), mut rx) in prompts.iter().zip([0, 0, 1]).zip(prefilled) {
             let Some(KdaEvent::Prefilled {
                 first_token, state, ..
             }) = rx.blocking_recv()
@@ -696,6 +735,8 @@ mod tests {
             assert_eq!(got, want);
         }
         assert_eq!(d.latent_blocks(), (256, 256), "decode latent blocks back");
+        assert_eq!(p.latent_blocks(), (256, 256), "prefill latent blocks back");
+        assert_eq!(p.group_free(), vec![4, 4], "prefill slots back");
         // tp2 × dp2 gives each group one rank: 2 MLA layers × latent and rope rows × 16
         // blocks (256 tokens) = 64 blocks fit; 4 × 69 (1,100 tokens) = 276 do not.
         let fits = d.reserve_for(Some(1), 256).expect("fits");
