@@ -108,6 +108,7 @@ pub struct Cluster {
     pub prefill_addr: String,
     /// Decode worker's gRPC address.
     pub decode_addr: String,
+    _dead: Vec<DeadPort>,
     _dir: tempfile::TempDir,
 }
 
@@ -120,38 +121,28 @@ impl Cluster {
         };
         let bin = tandem_bin();
         let dir = tempfile::tempdir().unwrap();
-        let (p, d, r) = (free_port(), free_port(), free_port());
-        // Dead workers: listed in the router's config, nothing listening on their ports.
-        let (dead_p, dead_d) = if opts.dead_workers {
-            (
-                format!(
-                    "  - id: prefill-dead\n    address: http://127.0.0.1:{}\n",
-                    free_port()
-                ),
-                format!(
-                    "  - id: decode-dead\n    address: http://127.0.0.1:{}\n",
-                    free_port()
-                ),
-            )
-        } else {
-            (String::new(), String::new())
-        };
-        let config = format!(
-            "listen: 127.0.0.1:{r}\nmodel:\n  served_name: {served}\nprefill:\n{dead_p}  - id: prefill-0\n    address: http://127.0.0.1:{p}\ndecode:\n  - id: decode-0\n    address: http://127.0.0.1:{d}\n{dead_d}"
-        );
-        let config_path = dir.path().join("router.yaml");
-        std::fs::write(&config_path, config).unwrap();
         let model_s = model.display().to_string();
         let kv = opts.kv_blocks.to_string();
-        let mut children = Vec::new();
-        for (role, port) in [("prefill", p), ("decode", d)] {
+        // Every process binds port 0 and names its address in its ready line, so concurrent
+        // tests never race for a port.
+        let (tx, events) = mpsc::channel();
+        let mut cluster = Self {
+            children: Vec::new(),
+            url: String::new(),
+            prefill_addr: String::new(),
+            decode_addr: String::new(),
+            _dead: Vec::new(),
+            _dir: dir,
+        };
+        let deadline = Instant::now() + Duration::from_secs(120);
+        for role in ["prefill", "decode"] {
             let child = Command::new(&bin)
                 .args([
                     "worker",
                     "--role",
                     role,
                     "--listen",
-                    &format!("127.0.0.1:{port}"),
+                    "127.0.0.1:0",
                     "--model",
                     &model_s,
                     "--kv-blocks",
@@ -172,8 +163,36 @@ impl Cluster {
                 .stderr(Stdio::piped())
                 .spawn()
                 .unwrap();
-            children.push((role.to_string(), child));
+            cluster.adopt(role, child, &tx);
         }
+        let mut addrs = cluster.wait_ready(&events, 2, deadline);
+        cluster.prefill_addr = format!("http://{}", addrs.remove("prefill").unwrap_or_default());
+        cluster.decode_addr = format!("http://{}", addrs.remove("decode").unwrap_or_default());
+        // Dead workers: listed in the router's config; their ports are bound here but never
+        // listened on, so connecting is refused and no other process can take them.
+        let (dead_p, dead_d) = if opts.dead_workers {
+            let (a, b) = (DeadPort::new(), DeadPort::new());
+            let entries = (
+                format!(
+                    "  - id: prefill-dead\n    address: http://127.0.0.1:{}\n",
+                    a.port
+                ),
+                format!(
+                    "  - id: decode-dead\n    address: http://127.0.0.1:{}\n",
+                    b.port
+                ),
+            );
+            cluster._dead = vec![a, b];
+            entries
+        } else {
+            (String::new(), String::new())
+        };
+        let config = format!(
+            "listen: 127.0.0.1:0\nmodel:\n  served_name: {served}\nprefill:\n{dead_p}  - id: prefill-0\n    address: {}\ndecode:\n  - id: decode-0\n    address: {}\n{dead_d}",
+            cluster.prefill_addr, cluster.decode_addr
+        );
+        let config_path = cluster._dir.path().join("router.yaml");
+        std::fs::write(&config_path, config).unwrap();
         let router = Command::new(&bin)
             .args([
                 "router",
@@ -186,25 +205,27 @@ impl Cluster {
             .stderr(Stdio::piped())
             .spawn()
             .unwrap();
-        children.push(("router".into(), router));
-        // Each process's log is teed to a file; its "… ready" line (logged once its listener is
-        // bound) or the end of its output (it exited) arrives on `events`.
-        let (tx, events) = mpsc::channel();
-        for (name, child) in &mut children {
-            let stderr = child.stderr.take().expect("stderr is piped");
-            let log = std::fs::File::create(dir.path().join(format!("{name}.log"))).unwrap();
-            let (name, tx) = (name.clone(), tx.clone());
-            std::thread::spawn(move || tee_log(stderr, log, &name, &tx));
-        }
-        let cluster = Self {
-            children,
-            url: format!("http://127.0.0.1:{r}"),
-            prefill_addr: format!("http://127.0.0.1:{p}"),
-            decode_addr: format!("http://127.0.0.1:{d}"),
-            _dir: dir,
-        };
-        cluster.wait_ready(&events, Duration::from_secs(120));
+        cluster.adopt("router", router, &tx);
+        let mut addrs = cluster.wait_ready(&events, 1, deadline);
+        cluster.url = format!("http://{}", addrs.remove("router").unwrap_or_default());
+        // Every listener is bound: the router must now reach both workers.
+        let client = probe::blocking_free_client();
+        assert!(
+            client(&format!("{}/ready", cluster.url)),
+            "router not ready\n{}",
+            cluster.logs()
+        );
         cluster
+    }
+
+    /// Keeps `child`; its log is teed to a file and its "… ready" line (logged once its
+    /// listener is bound, with the address) or the end of its output arrives on `tx`.
+    fn adopt(&mut self, name: &str, mut child: Child, tx: &mpsc::Sender<StartEvent>) {
+        let stderr = child.stderr.take().expect("stderr is piped");
+        let log = std::fs::File::create(self._dir.path().join(format!("{name}.log"))).unwrap();
+        let (owned, tx) = (name.to_string(), tx.clone());
+        std::thread::spawn(move || tee_log(stderr, log, &owned, &tx));
+        self.children.push((name.to_string(), child));
     }
 
     fn logs(&self) -> String {
@@ -222,26 +243,27 @@ impl Cluster {
         out
     }
 
-    fn wait_ready(&self, events: &mpsc::Receiver<StartEvent>, timeout: Duration) {
-        let deadline = Instant::now() + timeout;
-        let mut ready = 0;
-        while ready < self.children.len() {
+    /// Waits for `count` ready lines; returns each process's bound address by name.
+    fn wait_ready(
+        &self,
+        events: &mpsc::Receiver<StartEvent>,
+        count: usize,
+        deadline: Instant,
+    ) -> std::collections::HashMap<String, String> {
+        let mut addrs = std::collections::HashMap::new();
+        while addrs.len() < count {
             let left = deadline.saturating_duration_since(Instant::now());
             match events.recv_timeout(left) {
-                Ok(StartEvent::Ready) => ready += 1,
+                Ok(StartEvent::Ready(name, addr)) => {
+                    addrs.insert(name, addr);
+                }
                 Ok(StartEvent::Exited(name)) => {
                     panic!("{name} exited during start-up\n{}", self.logs())
                 }
-                Err(_) => panic!("cluster not ready in {timeout:?}\n{}", self.logs()),
+                Err(_) => panic!("cluster not ready in time\n{}", self.logs()),
             }
         }
-        // Every listener is bound: the router must now reach both workers.
-        let client = probe::blocking_free_client();
-        assert!(
-            client(&format!("{}/ready", self.url)),
-            "router not ready\n{}",
-            self.logs()
-        );
+        addrs
     }
 
     /// Prints the processes' logs (for failing tests).
@@ -280,10 +302,59 @@ impl Drop for Cluster {
 
 /// What a starting process reported.
 enum StartEvent {
-    /// Its "… ready" log line.
-    Ready,
+    /// Its "… ready" log line: (name, the `host:port` it listens on).
+    Ready(String, String),
     /// Its output ended: it exited.
     Exited(String),
+}
+
+/// The `127.0.0.1:PORT` after `listen=` in a ready line (empty if absent).
+fn listen_addr(line: &str) -> String {
+    line.split("listen")
+        .nth(1)
+        .and_then(|rest| rest.find("127.0.0.1:").map(|at| &rest[at..]))
+        .map(|addr| {
+            let end = "127.0.0.1:".len()
+                + addr["127.0.0.1:".len()..]
+                    .find(|c: char| !c.is_ascii_digit())
+                    .unwrap_or(addr.len() - "127.0.0.1:".len());
+            addr[..end].to_string()
+        })
+        .unwrap_or_default()
+}
+
+/// A loopback port bound for the life of the value but never listened on: connecting to it
+/// is refused, and no other process can take it.
+pub struct DeadPort {
+    _socket: socket2::Socket,
+    /// The port.
+    pub port: u16,
+}
+
+impl DeadPort {
+    /// Binds a fresh one.
+    pub fn new() -> Self {
+        let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)
+            .expect("socket");
+        let any: std::net::SocketAddr = "127.0.0.1:0".parse().expect("address");
+        socket.bind(&any.into()).expect("bind");
+        let port = socket
+            .local_addr()
+            .ok()
+            .and_then(|a| a.as_socket())
+            .map(|a| a.port())
+            .expect("bound port");
+        Self {
+            _socket: socket,
+            port,
+        }
+    }
+}
+
+impl Default for DeadPort {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 /// Copies a process's stderr into its log file, reporting its ready line and its end.
@@ -302,7 +373,7 @@ fn tee_log(
         let _ = writeln!(log, "{line}");
         if !announced && (line.contains("worker ready") || line.contains("router ready")) {
             announced = true;
-            let _ = tx.send(StartEvent::Ready);
+            let _ = tx.send(StartEvent::Ready(name.to_string(), listen_addr(&line)));
         }
     }
     let _ = tx.send(StartEvent::Exited(name.to_string()));

@@ -236,25 +236,28 @@ impl MlaLayer {
             }
         };
         let ckv = linear(x, rows, &self.kv_a);
-        let indexed = self.indexer.as_ref().map(|ix| {
-            let mut keys = linear(x, rows, &ix.wk);
-            layer_norm_rows(&mut keys, &ix.norm_weight, &ix.norm_bias, 1e-6);
-            (
-                keys,
-                linear(x, rows, &ix.gate),
-                ix.wk.out_features,
-                ix.gate.out_features,
-            )
-        });
-        let scale = 1.0 / (c.qk_head_dim() as f32).sqrt();
-        let mut out = vec![0.0f32; rows * h * dv];
+        // The indexer caches only exist on models that run an indexer.
+        let indexed = self
+            .indexer
+            .as_ref()
+            .filter(|_| states.iter().any(|s| s.indexer.is_some()))
+            .map(|ix| {
+                let mut keys = linear(x, rows, &ix.wk);
+                layer_norm_rows(&mut keys, &ix.norm_weight, &ix.norm_bias, 1e-6);
+                (
+                    keys,
+                    linear(x, rows, &ix.gate),
+                    ix.wk.out_features,
+                    ix.gate.out_features,
+                )
+            });
+        // Append every sequence's new latents to its own cache, and note for every new row
+        // which sequence it belongs to and how many cached tokens it sees.
+        let mut row_view = Vec::with_capacity(rows);
         let mut start = 0;
-        for (&n, state) in segments.iter().zip(states.iter_mut()) {
+        for (i, (&n, state)) in segments.iter().zip(states.iter_mut()).enumerate() {
             let seg = start..start + n;
             start += n;
-            if n == 0 {
-                continue;
-            }
             for row in ckv[seg.start * (r + dr)..seg.end * (r + dr)].chunks_exact(r + dr) {
                 state.kv_latent.extend_from_slice(&rms_norm(
                     &row[..r],
@@ -272,52 +275,69 @@ impl MlaLayer {
                     .pool_gate
                     .extend_from_slice(&gate[seg.start * gw..seg.end * gw]);
             }
-            let total = state.tokens(r);
-            let first = total - n;
-            let (latent, rope) = (&state.kv_latent, &state.k_rope);
-            let q = &q[seg.start * h * (dn + dr)..seg.end * h * (dn + dr)];
-            out[seg.start * h * dv..seg.end * h * dv]
-                .par_chunks_mut(h * dv)
-                .enumerate()
-                .for_each(|(t, out_row)| {
-                    let visible = first + t + 1;
-                    let mut q_lat = vec![0.0f32; r];
-                    let mut scores = vec![0.0f32; visible];
-                    let mut o_lat = vec![0.0f32; r];
-                    for head in 0..h {
-                        let qh = &q[(t * h + head) * (dn + dr)..(t * h + head + 1) * (dn + dr)];
-                        let (q_nope, q_rope) = qh.split_at(dn);
-                        let w_head = &self.kv_b[head * (dn + dv) * r..(head + 1) * (dn + dv) * r];
-                        let (w_k, w_v) = w_head.split_at(dn * r);
-                        q_lat.fill(0.0);
-                        for (j, &qj) in q_nope.iter().enumerate() {
-                            axpy(&mut q_lat, qj, &w_k[j * r..(j + 1) * r]);
-                        }
-                        let mut max = f32::NEG_INFINITY;
-                        for (l, s) in scores.iter_mut().enumerate() {
-                            let mut v = dot(&q_lat, latent.row(l));
-                            if dr > 0 {
-                                v += dot(q_rope, rope.row(l));
-                            }
-                            *s = v * scale;
-                            max = max.max(*s);
-                        }
-                        let mut sum = 0.0f32;
-                        for s in scores.iter_mut() {
-                            *s = (*s - max).exp();
-                            sum += *s;
-                        }
-                        o_lat.fill(0.0);
-                        for (l, &p) in scores.iter().enumerate() {
-                            axpy(&mut o_lat, p / sum, latent.row(l));
-                        }
-                        for (vi, o) in out_row[head * dv..(head + 1) * dv].iter_mut().enumerate() {
-                            *o = dot(&w_v[vi * r..(vi + 1) * r], &o_lat);
-                        }
-                    }
-                });
+            let first = state.tokens(r) - n;
+            row_view.extend((0..n).map(|t| (i, first + t + 1)));
         }
+        // Attention for every new row of every sequence in parallel, each over its own cache.
+        let caches: Vec<&MlaState> = states.iter().map(|s| &**s).collect();
+        let mut out = vec![0.0f32; rows * h * dv];
+        out.par_chunks_mut(h * dv)
+            .zip(q.par_chunks(h * (dn + dr)))
+            .zip(row_view.par_iter())
+            .for_each(|((out_row, q_row), &(seq, visible))| {
+                self.attend(q_row, caches[seq], visible, out_row);
+            });
         linear(&out, rows, &self.o_proj)
+    }
+
+    /// One new row's attention (`q_row` `[H, dn + dr]`) over the first `visible` tokens of
+    /// `cache`, through the absorbed `kv_b` (scores and values in latent space); writes
+    /// `[H, dv]` into `out_row`.
+    fn attend(&self, q_row: &[f32], cache: &MlaState, visible: usize, out_row: &mut [f32]) {
+        let c = &self.cfg;
+        let (h, r, dn, dr, dv) = (
+            c.num_heads,
+            c.kv_lora_rank,
+            c.qk_nope_head_dim,
+            c.qk_rope_head_dim,
+            c.v_head_dim,
+        );
+        let scale = 1.0 / (c.qk_head_dim() as f32).sqrt();
+        let (latent, rope) = (&cache.kv_latent, &cache.k_rope);
+        let mut q_lat = vec![0.0f32; r];
+        let mut scores = vec![0.0f32; visible];
+        let mut o_lat = vec![0.0f32; r];
+        for head in 0..h {
+            let qh = &q_row[head * (dn + dr)..(head + 1) * (dn + dr)];
+            let (q_nope, q_rope) = qh.split_at(dn);
+            let w_head = &self.kv_b[head * (dn + dv) * r..(head + 1) * (dn + dv) * r];
+            let (w_k, w_v) = w_head.split_at(dn * r);
+            q_lat.fill(0.0);
+            for (j, &qj) in q_nope.iter().enumerate() {
+                axpy(&mut q_lat, qj, &w_k[j * r..(j + 1) * r]);
+            }
+            let mut max = f32::NEG_INFINITY;
+            for (l, s) in scores.iter_mut().enumerate() {
+                let mut v = dot(&q_lat, latent.row(l));
+                if dr > 0 {
+                    v += dot(q_rope, rope.row(l));
+                }
+                *s = v * scale;
+                max = max.max(*s);
+            }
+            let mut sum = 0.0f32;
+            for s in scores.iter_mut() {
+                *s = (*s - max).exp();
+                sum += *s;
+            }
+            o_lat.fill(0.0);
+            for (l, &p) in scores.iter().enumerate() {
+                axpy(&mut o_lat, p / sum, latent.row(l));
+            }
+            for (vi, o) in out_row[head * dv..(head + 1) * dv].iter_mut().enumerate() {
+                *o = dot(&w_v[vi * r..(vi + 1) * r], &o_lat);
+            }
+        }
     }
 }
 

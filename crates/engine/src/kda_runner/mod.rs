@@ -5,9 +5,10 @@
 //! A KDA-hybrid request's "cache" is its [`KdaHybridState`]: fixed-size KDA state per KDA layer
 //! and a latent per token per MLA layer. The prefill role hands the state over as bytes
 //! ([`encode_state`]); the decode role checks them against a fresh state of its own model
-//! ([`decode_state`]) before using them. Steps run one request at a time (prefills whole,
-//! decodes round-robin): correct and simple; batching across requests comes with the batched
-//! KDA kernels.
+//! ([`decode_state`]) before using them. Each decode step runs every running request of every
+//! attention-DP group in one pass (their tokens share the GEMMs; convs, the delta rule and MLA
+//! attention run per request on its own state); queued prompts share prefill steps, each
+//! prompt whole, on the least-loaded group.
 //!
 //! Layout: [`model`] (one rank or a sharded layout), [`slots`] (the state-slot pool and the
 //! paged latent reservations), [`state_io`] (the handoff body and resharding on receipt);
@@ -412,21 +413,25 @@ fn admit(
 /// One prefill step over the queued prompts, oldest first, up to [`PREFILL_STEP_TOKENS`]
 /// (each on its slot's group); each caller hears its first token and handoff state.
 fn step_prefills(shared: &RwLock<KdaModel>, queue: &mut VecDeque<Box<PrefillJob>>, eos: &[u32]) {
+    // Prefills cancelled anywhere in the queue give their slots and blocks back now.
+    queue.retain_mut(|job| {
+        if job.tx.is_closed() {
+            let states = std::mem::take(&mut job.states);
+            job.slot.put_states(states);
+            false
+        } else {
+            true
+        }
+    });
     let mut jobs = Vec::new();
     let mut tokens = 0;
     while let Some(job) = queue.front() {
         if !jobs.is_empty() && tokens + job.prompt.len() > PREFILL_STEP_TOKENS {
             break;
         }
-        let Some(mut job) = queue.pop_front() else {
+        let Some(job) = queue.pop_front() else {
             break;
         };
-        if job.tx.is_closed() {
-            // Cancelled while queued: the states go straight back to the pool.
-            let states = std::mem::take(&mut job.states);
-            job.slot.put_states(states);
-            continue;
-        }
         tokens += job.prompt.len();
         jobs.push(job);
     }
@@ -614,6 +619,14 @@ mod tests {
         else {
             panic!("no prefill event");
         };
+        // The received body is unpacked on scratch memory, not the worker's bounded pool.
+        let received = decode_group(&d.model.read(), &state, prompt.len(), 0).expect("unpack");
+        assert_eq!(
+            d.latent_blocks(),
+            (64, 64),
+            "received states take no pool blocks"
+        );
+        drop(received);
         let slot = d.reserve().expect("slot");
         let mut rx = d
             .submit_decode(&prompt, params, slot, &state, first_token)

@@ -4,7 +4,7 @@
 
 use super::model::KdaModel;
 use crate::kda_hybrid::sharded::model_shape;
-use crate::kda_hybrid::{apply_transfer_plan, KdaHybridState, LayerState};
+use crate::kda_hybrid::{apply_transfer_plan, KdaHybridState, LatentPool, LayerState};
 use crate::{Error, Result};
 use tandem_topology::{Layout, TransferPlan};
 
@@ -204,7 +204,15 @@ fn without_mla(st: &KdaHybridState) -> KdaHybridState {
 /// blocks scale with the heads a rank holds; MLA latents are replicated.
 fn rescale_template(t: &KdaHybridState, a_from: usize, a_to: usize) -> Result<KdaHybridState> {
     let mut out = t.clone();
+    // Received states are scratch: their latents are copied into the request's reserved
+    // blocks and dropped, so they must not draw on (or be refused by) the worker's bounded
+    // pool meanwhile.
+    let scratch = LatentPool::default();
     for layer in &mut out.layers {
+        if let LayerState::Mla(m) = layer {
+            m.kv_latent = m.kv_latent.copy_into(&scratch);
+            m.k_rope = m.k_rope.copy_into(&scratch);
+        }
         if let LayerState::Kda(k) = layer {
             for v in [
                 &mut k.recurrent,
