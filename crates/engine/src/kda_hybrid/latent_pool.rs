@@ -71,7 +71,8 @@ impl LatentPool {
         p.capacity.map(|c| c.saturating_sub(p.in_use))
     }
 
-    /// Takes `n` blocks of `floats` floats each, or none when a bounded pool has fewer free.
+    /// Takes `n` blocks of `floats` floats each, or none when a bounded pool has fewer free
+    /// (`enforce`).
     fn take(&self, n: usize, floats: usize, enforce: bool) -> Option<Vec<Vec<f32>>> {
         let mut p = self.inner.lock();
         if enforce && p.capacity.is_some_and(|c| p.in_use + n > c) {
@@ -79,6 +80,28 @@ impl LatentPool {
         }
         p.in_use += n;
         self.used.send_replace(p.in_use);
+        Some(Self::buffers(&mut p, n, floats))
+    }
+
+    /// Counts `n` blocks as in use at once, or none when a bounded pool has fewer free; the
+    /// blocks are then handed out of the claim ([`PagedRows::reserve_from`]), and whatever is
+    /// left of it is released when it drops. Several caches reserve together this way, all or
+    /// nothing.
+    pub fn claim(&self, n: usize) -> Option<Claim> {
+        let mut p = self.inner.lock();
+        if p.capacity.is_some_and(|c| p.in_use + n > c) {
+            return None;
+        }
+        p.in_use += n;
+        self.used.send_replace(p.in_use);
+        Some(Claim {
+            pool: self.clone(),
+            left: n,
+        })
+    }
+
+    /// `n` empty buffers of capacity `floats` (spares first); no accounting.
+    fn buffers(p: &mut PoolInner, n: usize, floats: usize) -> Vec<Vec<f32>> {
         let mut out = Vec::with_capacity(n);
         for _ in 0..n {
             let mut b = match p.spare.iter().position(|b| b.capacity() >= floats) {
@@ -88,7 +111,11 @@ impl LatentPool {
             b.clear();
             out.push(b);
         }
-        Some(out)
+        out
+    }
+
+    fn same_pool(&self, other: &LatentPool) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
     }
 
     fn give_back(&self, blocks: &mut Vec<Vec<f32>>) {
@@ -100,6 +127,23 @@ impl LatentPool {
             if p.spare.len() < 4096 {
                 p.spare.push(b);
             }
+        }
+    }
+}
+
+/// Blocks counted as in use but not handed out yet ([`LatentPool::claim`]).
+#[derive(Debug)]
+pub struct Claim {
+    pool: LatentPool,
+    left: usize,
+}
+
+impl Drop for Claim {
+    fn drop(&mut self) {
+        if self.left > 0 {
+            let mut p = self.pool.inner.lock();
+            p.in_use = p.in_use.saturating_sub(self.left);
+            self.pool.used.send_replace(p.in_use);
         }
     }
 }
@@ -163,6 +207,23 @@ impl PagedRows {
             }
             None => false,
         }
+    }
+
+    /// As [`PagedRows::reserve`], with blocks out of `claim` (made on this rows' pool); false
+    /// (taking nothing) when the claim holds too few.
+    pub fn reserve_from(&mut self, rows: usize, claim: &mut Claim) -> bool {
+        let need = self.blocks_short(rows);
+        if need == 0 {
+            return true;
+        }
+        if need > claim.left || !claim.pool.same_pool(&self.pool) {
+            return false;
+        }
+        claim.left -= need;
+        let mut p = self.pool.inner.lock();
+        let mut b = LatentPool::buffers(&mut p, need, BLOCK_ROWS * self.width);
+        self.blocks.append(&mut b);
+        true
     }
 
     /// Row `i`.
@@ -269,6 +330,43 @@ mod tests {
         assert_eq!(pool.free(), Some(4));
         assert!(b.reserve(40));
         drop(b);
+        assert_eq!(pool.in_use(), 0);
+    }
+
+    /// A claim counts its blocks at once, hands them to several caches, and releases what
+    /// it did not hand out; rewinding a cache keeps its blocks for the next rows.
+    #[test]
+    fn claims_are_all_or_nothing_and_release_their_rest() {
+        let pool = LatentPool::bounded(10);
+        assert!(pool.claim(11).is_none());
+        assert_eq!(pool.in_use(), 0, "a refused claim counts nothing");
+        let mut claim = pool.claim(8).expect("8 of 10");
+        assert_eq!(pool.free(), Some(2), "claimed blocks count at once");
+        let (mut a, mut b) = (
+            PagedRows::new(2, pool.clone()),
+            PagedRows::new(5, pool.clone()),
+        );
+        assert!(a.reserve_from(40, &mut claim), "3 blocks");
+        assert!(b.reserve_from(33, &mut claim), "3 more");
+        assert!(!b.reserve_from(90, &mut claim), "3 more needed, 2 left");
+        assert_eq!(b.blocks(), 3, "a refused reservation takes nothing");
+        let elsewhere = LatentPool::default();
+        let mut c = PagedRows::new(2, elsewhere);
+        assert!(
+            !c.reserve_from(1, &mut claim),
+            "blocks stay on the claim's pool"
+        );
+        drop(claim);
+        assert_eq!(pool.in_use(), 6, "the unused 2 went back");
+        a.extend_from_slice(&[1.0; 2 * 40]);
+        a.rewind();
+        a.extend_from_slice(&[2.0; 2 * 40]);
+        assert_eq!(
+            (a.rows(), a.blocks(), pool.in_use()),
+            (40, 3, 6),
+            "rewind reuses blocks"
+        );
+        drop((a, b));
         assert_eq!(pool.in_use(), 0);
     }
 

@@ -62,6 +62,11 @@ impl MlaState {
         self.kv_latent.reserve(tokens) && self.k_rope.reserve(tokens)
     }
 
+    /// As [`MlaState::reserve`], with blocks out of `claim`.
+    pub fn reserve_from(&mut self, tokens: usize, claim: &mut super::latent_pool::Claim) -> bool {
+        self.kv_latent.reserve_from(tokens, claim) && self.k_rope.reserve_from(tokens, claim)
+    }
+
     /// Blocks [`MlaState::reserve`] would still take for `tokens` tokens.
     pub fn blocks_short(&self, tokens: usize) -> usize {
         self.kv_latent.blocks_short(tokens) + self.k_rope.blocks_short(tokens)

@@ -23,20 +23,23 @@ pub(crate) fn reserve_latents(
             })
             .sum()
     };
-    // Every MLA layer of every rank draws on the one pool: the error names the whole need.
+    // Every MLA layer of every rank draws on the one pool: the whole need is claimed at once
+    // (all or nothing, so concurrent admissions cannot each take part and both fail), and
+    // the error names it.
     let needed: usize = states.iter().map(short).sum();
-    let shortfall = || Error::CapacityExhausted {
-        needed,
-        free: pool.free().unwrap_or(0),
+    let Some(mut claim) = pool.claim(needed) else {
+        return Err(Error::CapacityExhausted {
+            needed,
+            free: pool.free().unwrap_or(0),
+        });
     };
-    if pool.free().is_some_and(|free| free < needed) {
-        return Err(shortfall());
-    }
     for st in states.iter_mut() {
         for layer in &mut st.layers {
             if let LayerState::Mla(m) = layer {
-                if !m.reserve(tokens) {
-                    return Err(shortfall());
+                if !m.reserve_from(tokens, &mut claim) {
+                    return Err(Error::InvalidRequest(
+                        "a state's latent rows are not on the worker's pool".into(),
+                    ));
                 }
             }
         }
