@@ -135,7 +135,8 @@ struct EngineArgs {
     /// Request-state slots per attention-DP group (KDA-hybrid models).
     #[arg(long, default_value_t = 64)]
     state_slots: usize,
-    /// Tokens per step (decodes + prefill chunks).
+    /// Tokens per step (decodes + prefill chunks; for KDA-hybrid models, prompt tokens per
+    /// prefill step).
     #[arg(long, default_value_t = 512)]
     max_batch_tokens: usize,
     /// Parallel layout (KDA-hybrid models; ranks are threads of this process).
@@ -185,13 +186,15 @@ impl EngineArgs {
                 let exact = model.config().mla.indexer.map(|ix| ix.topk);
                 let context = eval::context_length(&dir, exact)?;
                 let eos = eval::eos_ids(&dir)?;
-                tandem_worker::WorkerEngine::Kda(tandem_engine::kda_runner::KdaEngine::start(
+                let engine = tandem_engine::kda_runner::KdaEngine::start(
                     model,
                     self.state_slots,
                     self.kv_blocks,
                     eos,
                     context,
-                ))
+                );
+                engine.set_prefill_step_tokens(self.max_batch_tokens);
+                tandem_worker::WorkerEngine::Kda(engine)
             }
         })
     }

@@ -33,6 +33,7 @@ use crate::sampling::sample;
 use crate::{Error, Result};
 use parking_lot::RwLock;
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
 use tandem_core::{FinishReason, SamplingParams};
@@ -71,11 +72,13 @@ struct PrefillJob {
     slot: GroupSlot,
     states: Vec<KdaHybridState>,
     tx: UnboundedSender<KdaEvent>,
+    /// Prompt tokens already consumed into `states` (by earlier steps).
+    done: usize,
 }
 
-/// Prompt tokens one prefill step may take (several queued prompts share a step up to this;
-/// a longer prompt runs alone).
-const PREFILL_STEP_TOKENS: usize = 8192;
+/// Prompt tokens one prefill step takes unless set otherwise
+/// ([`KdaEngine::set_prefill_step_tokens`]).
+const DEFAULT_PREFILL_STEP_TOKENS: usize = 2048;
 
 struct DecodeSeq {
     group: usize,
@@ -112,6 +115,8 @@ pub struct KdaEngine {
     vocab: usize,
     max_context: usize,
     num_layers: usize,
+    /// Prompt tokens per prefill step (read by the engine thread before each step).
+    prefill_step_tokens: Arc<AtomicUsize>,
 }
 
 impl std::fmt::Debug for KdaEngine {
@@ -172,9 +177,11 @@ impl KdaEngine {
         let dp = layout.dp();
         let model = Arc::new(RwLock::new(model));
         let (thread_model, eos_thread) = (model.clone(), eos.clone());
+        let prefill_step_tokens = Arc::new(AtomicUsize::new(DEFAULT_PREFILL_STEP_TOKENS));
+        let budget = prefill_step_tokens.clone();
         std::thread::Builder::new()
             .name("tandem-kda-engine".into())
-            .spawn(move || run(&thread_model, rx, &eos_thread))
+            .spawn(move || run(&thread_model, rx, &eos_thread, &budget))
             .expect("spawning the KDA engine thread");
         Self {
             tx,
@@ -188,7 +195,16 @@ impl KdaEngine {
             vocab,
             max_context,
             num_layers,
+            prefill_step_tokens,
         }
+    }
+
+    /// Prompt tokens one prefill step takes (at least 1): queued prompts share a step, oldest
+    /// first, and a prompt longer than what is left continues in the next step, so one long
+    /// prompt does not hold up the others' first tokens for its whole length.
+    pub fn set_prefill_step_tokens(&self, tokens: usize) {
+        self.prefill_step_tokens
+            .store(tokens.max(1), Ordering::Relaxed);
     }
 
     /// All state slots (for accounting).
@@ -324,6 +340,7 @@ impl KdaEngine {
                 slot,
                 states,
                 tx,
+                done: 0,
             })))
             .map_err(|_| Error::Stopped)?;
         Ok(rx)
@@ -378,7 +395,12 @@ impl KdaEngine {
     }
 }
 
-fn run(shared: &RwLock<KdaModel>, rx: mpsc::Receiver<Work>, eos: &[u32]) {
+fn run(
+    shared: &RwLock<KdaModel>,
+    rx: mpsc::Receiver<Work>,
+    eos: &[u32],
+    prefill_step_tokens: &AtomicUsize,
+) {
     let dp = shared.read().layout().dp();
     let mut running: Vec<VecDeque<Box<DecodeSeq>>> = (0..dp).map(|_| VecDeque::new()).collect();
     let mut prefills: VecDeque<Box<PrefillJob>> = VecDeque::new();
@@ -394,7 +416,12 @@ fn run(shared: &RwLock<KdaModel>, rx: mpsc::Receiver<Work>, eos: &[u32]) {
         while let Ok(work) = rx.try_recv() {
             admit(work, &mut running, &mut prefills);
         }
-        step_prefills(shared, &mut prefills, eos);
+        step_prefills(
+            shared,
+            &mut prefills,
+            eos,
+            prefill_step_tokens.load(Ordering::Relaxed),
+        );
         step_decodes(shared, &mut running);
     }
 }
@@ -410,9 +437,15 @@ fn admit(
     }
 }
 
-/// One prefill step over the queued prompts, oldest first, up to [`PREFILL_STEP_TOKENS`]
-/// (each on its slot's group); each caller hears its first token and handoff state.
-fn step_prefills(shared: &RwLock<KdaModel>, queue: &mut VecDeque<Box<PrefillJob>>, eos: &[u32]) {
+/// One prefill step over the queued prompts, oldest first, `budget` prompt tokens in all
+/// (each on its slot's group; a prompt that does not fit continues next step). Each caller
+/// whose prompt is complete hears its first token and handoff state.
+fn step_prefills(
+    shared: &RwLock<KdaModel>,
+    queue: &mut VecDeque<Box<PrefillJob>>,
+    eos: &[u32],
+    budget: usize,
+) {
     // Prefills cancelled anywhere in the queue give their slots and blocks back now.
     queue.retain_mut(|job| {
         if job.tx.is_closed() {
@@ -423,47 +456,63 @@ fn step_prefills(shared: &RwLock<KdaModel>, queue: &mut VecDeque<Box<PrefillJob>
             true
         }
     });
-    let mut jobs = Vec::new();
-    let mut tokens = 0;
-    while let Some(job) = queue.front() {
-        if !jobs.is_empty() && tokens + job.prompt.len() > PREFILL_STEP_TOKENS {
+    // (queue index, tokens this step), oldest first.
+    let mut picked = Vec::new();
+    let mut left = budget.max(1);
+    for (i, job) in queue.iter().enumerate() {
+        if left == 0 {
             break;
         }
-        let Some(job) = queue.pop_front() else {
-            break;
-        };
-        tokens += job.prompt.len();
-        jobs.push(job);
+        let take = (job.prompt.len() - job.done).min(left);
+        picked.push((i, take));
+        left -= take;
     }
-    if jobs.is_empty() {
+    if picked.is_empty() {
         return;
     }
     let model = shared.read();
-    let mut work: Vec<(usize, Vec<u32>, Vec<KdaHybridState>)> = jobs
-        .iter_mut()
-        .map(|j| {
-            (
-                j.slot.group,
-                j.prompt.clone(),
-                std::mem::take(&mut j.states),
-            )
+    let mut work: Vec<(usize, Vec<u32>, Vec<KdaHybridState>)> = picked
+        .iter()
+        .map(|&(i, take)| {
+            let job = &mut queue[i];
+            let ids = job.prompt[job.done..job.done + take].to_vec();
+            (job.slot.group, ids, std::mem::take(&mut job.states))
         })
         .collect();
     let logits = model.step(&mut work);
+    for (&(i, take), (_, _, states)) in picked.iter().zip(work) {
+        queue[i].states = states;
+        queue[i].done += take;
+    }
     if let Err(e) = &logits {
         tracing::warn!(error = %e, "KDA prefill step failed; dropping its requests");
     }
-    for (i, (job, (_, _, mut states))) in jobs.into_iter().zip(work).enumerate() {
-        let event = logits.as_ref().ok().map(|logits| {
-            let token = sample(&logits[i], &job.params, 0);
-            KdaEvent::Prefilled {
-                first_token: token,
-                finish: finish(token, 1, &job.params, &stop_ids(&job.params, eos)),
-                state: encode_group(model.layout(), &states),
+    // Back to front, so the indices stay valid while finished (or failed) jobs leave.
+    for (k, &(i, _)) in picked.iter().enumerate().rev() {
+        let complete = queue[i].done == queue[i].prompt.len();
+        let event = match &logits {
+            Ok(_) if !complete => continue,
+            Ok(logits) => {
+                let job = &queue[i];
+                let token = sample(&logits[k], &job.params, 0);
+                Some(KdaEvent::Prefilled {
+                    first_token: token,
+                    finish: finish(token, 1, &job.params, &stop_ids(&job.params, eos)),
+                    state: encode_group(model.layout(), &job.states),
+                })
             }
-        });
+            Err(_) => None,
+        };
+        let Some(job) = queue.remove(i) else {
+            continue;
+        };
         // The states go back to the slot pool, zeroed, before the caller hears of it.
-        let PrefillJob { mut slot, tx, .. } = *job;
+        let PrefillJob {
+            mut slot,
+            mut states,
+            tx,
+            ..
+        } = *job;
         slot.put_states(std::mem::take(&mut states));
         drop(slot);
         if let Some(ev) = event {
@@ -672,10 +721,11 @@ mod tests {
         ));
     }
 
-    /// Prompts prefilled at once on a two-group layout, then decoding at once on another
-    /// (two on one group, one on the other), step together and each gets the tokens it gets
-    /// alone; a decode reservation larger
-    /// than the latent pool is refused at admission and takes nothing.
+    /// Prompts prefilled at once on a two-group layout (sharing steps of four prompt tokens,
+    /// the longer ones continuing over several), then decoding at once on another layout (two
+    /// on one group, one on the other), step together and each gets the tokens it gets alone;
+    /// a decode reservation larger than the latent pool is refused at admission and takes
+    /// nothing.
     #[test]
     fn concurrent_decodes_step_together_and_match_one_process() {
         let (dir, model) = tiny();
@@ -683,7 +733,11 @@ mod tests {
             ignore_eos: true,
             ..SamplingParams::greedy(5)
         };
-        let prompts: Vec<Vec<u32>> = vec![vec![9, 40, 7], vec![300, 12, 5, 77, 1], vec![64, 3]];
+        let prompts: Vec<Vec<u32>> = vec![
+            vec![9, 40, 7, 18, 250, 6, 91],
+            vec![300, 12, 5, 77, 1],
+            vec![64, 3],
+        ];
         let want: Vec<Vec<u32>> = prompts
             .iter()
             .map(|p| {
@@ -716,6 +770,9 @@ mod tests {
             vec![2],
             4096,
         );
+        // Four prompt tokens per prefill step: the prompts share steps and the longer ones
+        // continue over several.
+        p.set_prefill_step_tokens(4);
         let prefilled: Vec<_> = prompts
             .iter()
             .map(|prompt| {
