@@ -60,6 +60,20 @@ pub async fn workers_when_idle(client: &reqwest::Client, url: &str) -> serde_jso
         .expect("JSON from /admin/workers")
 }
 
+/// Reads a streamed response until more than `bytes` bytes arrived, then drops it (the
+/// client disconnects mid-stream).
+pub async fn read_then_disconnect(resp: reqwest::Response, bytes: usize) {
+    use futures::StreamExt;
+    let mut stream = resp.bytes_stream();
+    let mut seen = 0;
+    while let Some(chunk) = stream.next().await {
+        seen += chunk.expect("a chunk of the stream").len();
+        if seen > bytes {
+            break;
+        }
+    }
+}
+
 /// A free TCP port on loopback.
 pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")

@@ -232,15 +232,7 @@ fn concurrent_requests_and_bad_inputs() {
             body["ignore_eos"] = json!(true);
             let resp = c.post(&chat_url).json(&body).send().await.unwrap();
             assert_eq!(resp.status().as_u16(), 200);
-            let mut stream = resp.bytes_stream();
-            let mut seen = 0;
-            while let Some(chunk) = stream.next().await {
-                seen += chunk.unwrap().len();
-                if seen > 400 {
-                    break;
-                }
-            }
-                        drop(stream);
+            tandem_e2e::read_then_disconnect(resp, 400).await;
         }
         assert_pools_full(&c, &url).await;
         let workers: Value = c.get(format!("{url}/admin/workers")).send().await.unwrap().json().await.unwrap();

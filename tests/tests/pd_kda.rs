@@ -299,21 +299,13 @@ fn kda_cancelled_streams_free_slots_and_latent_blocks() {
     });
     let url = cluster.url.clone();
     tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap().block_on(async move {
-        use futures::StreamExt;
         let c = reqwest::Client::new();
         for i in 0..4u32 {
             let body = json!({"model": "test-model", "prompt": [5 + i, 40, 7], "max_tokens": 4090,
                               "ignore_eos": true, "temperature": 0, "stream": true});
             let resp = c.post(format!("{url}/v1/completions")).json(&body).send().await.unwrap();
             assert_eq!(resp.status().as_u16(), 200);
-            let mut stream = resp.bytes_stream();
-            let mut seen = 0;
-            while let Some(chunk) = stream.next().await {
-                seen += chunk.unwrap().len();
-                if seen > 300 {
-                    break;
-                }
-            }
+            tandem_e2e::read_then_disconnect(resp, 300).await;
         }
         let w = tandem_e2e::workers_when_idle(&c, &url).await;
         let free = w["workers"].as_array().unwrap().iter().all(|x| {

@@ -220,13 +220,7 @@ impl MlaLayer {
         states: &mut [&mut MlaState],
     ) -> Vec<f32> {
         let c = &self.cfg;
-        let (h, r, dn, dr, dv) = (
-            c.num_heads,
-            c.kv_lora_rank,
-            c.qk_nope_head_dim,
-            c.qk_rope_head_dim,
-            c.v_head_dim,
-        );
+        let (h, r, dn, dr, dv) = self.dims();
         assert_eq!(segments.len(), states.len(), "one state per sequence");
         let rows: usize = segments.iter().sum();
         if rows == 0 {
@@ -295,18 +289,24 @@ impl MlaLayer {
         linear(&out, rows, &self.o_proj)
     }
 
-    /// One new row's attention (`q_row` `[H, dn + dr]`) over the first `visible` tokens of
-    /// `cache`, through the absorbed `kv_b` (scores and values in latent space); writes
-    /// `[H, dv]` into `out_row`.
-    fn attend(&self, q_row: &[f32], cache: &MlaState, visible: usize, out_row: &mut [f32]) {
+    /// `(heads, kv_lora_rank, qk_nope, qk_rope, v_head)`.
+    fn dims(&self) -> (usize, usize, usize, usize, usize) {
         let c = &self.cfg;
-        let (h, r, dn, dr, dv) = (
+        (
             c.num_heads,
             c.kv_lora_rank,
             c.qk_nope_head_dim,
             c.qk_rope_head_dim,
             c.v_head_dim,
-        );
+        )
+    }
+
+    /// One new row's attention (`q_row` `[H, dn + dr]`) over the first `visible` tokens of
+    /// `cache`, through the absorbed `kv_b` (scores and values in latent space); writes
+    /// `[H, dv]` into `out_row`.
+    fn attend(&self, q_row: &[f32], cache: &MlaState, visible: usize, out_row: &mut [f32]) {
+        let c = &self.cfg;
+        let (h, r, dn, dr, dv) = self.dims();
         let scale = 1.0 / (c.qk_head_dim() as f32).sqrt();
         let (latent, rope) = (&cache.kv_latent, &cache.k_rope);
         let mut q_lat = vec![0.0f32; r];
