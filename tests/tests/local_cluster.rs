@@ -29,7 +29,8 @@ fn run_serves_and_an_interrupt_stops_every_process() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    // The launcher logs each worker's command line (with its port) on stderr.
+    // The launcher logs each worker's address ("… worker listening on 127.0.0.1:PORT") on
+    // stderr.
     let stderr = child.stderr.take().unwrap();
     let log = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
     let log_writer = log.clone();
@@ -90,9 +91,8 @@ fn run_serves_and_an_interrupt_stops_every_process() {
     let log = log.lock().unwrap().clone();
     let worker_ports: Vec<u16> = log
         .lines()
-        .filter(|l| l.contains("starting") && l.contains("worker"))
-        .filter_map(|l| l.split("--listen 127.0.0.1:").nth(1))
-        .filter_map(|rest| rest.split_whitespace().next()?.parse().ok())
+        .filter_map(|l| l.split(" worker listening on 127.0.0.1:").nth(1))
+        .filter_map(|port| port.trim().parse().ok())
         .collect();
     assert_eq!(worker_ports.len(), 2, "launcher log:\n{log}");
     for p in worker_ports {

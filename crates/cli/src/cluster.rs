@@ -26,8 +26,64 @@ pub struct RunArgs {
     ready_timeout: Duration,
 }
 
-fn free_port() -> Result<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+/// The `127.0.0.1:PORT` after `listen` in a worker's ready line.
+fn listen_addr(line: &str) -> Option<String> {
+    const HOST: &str = "127.0.0.1:";
+    let rest = line.split("listen").nth(1)?;
+    let at = rest.find(HOST)? + HOST.len();
+    let digits: String = rest[at..]
+        .chars()
+        .take_while(char::is_ascii_digit)
+        .collect();
+    (!digits.is_empty()).then(|| format!("{HOST}{digits}"))
+}
+
+/// Starts a worker that binds a port of its own choosing (so nothing can take it between a
+/// pick and the bind); its log passes through to ours, and the address from its ready line
+/// arrives on the returned channel (closed if it exits first).
+fn spawn_worker(
+    exe: &Path,
+    args: &[String],
+    name: &'static str,
+) -> Result<(Child, tokio::sync::oneshot::Receiver<String>)> {
+    use tokio::io::AsyncBufReadExt;
+    eprintln!("starting {name}: tandem {}", args.join(" "));
+    let mut child = Command::new(exe)
+        .args(args)
+        .stdin(Stdio::null())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .with_context(|| format!("spawning {name}"))?;
+    let stderr = child.stderr.take().context("worker stderr")?;
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    tokio::spawn(async move {
+        let mut tx = Some(tx);
+        let mut lines = tokio::io::BufReader::new(stderr).lines();
+        while let Ok(Some(line)) = lines.next_line().await {
+            eprintln!("{line}");
+            if line.contains("worker ready") {
+                if let (Some(tx), Some(addr)) = (tx.take(), listen_addr(&line)) {
+                    let _ = tx.send(addr);
+                }
+            }
+        }
+    });
+    Ok((child, rx))
+}
+
+/// The worker's address once it is ready; an error if it exits or the deadline passes first.
+async fn worker_addr(
+    name: &str,
+    child: &mut Child,
+    ready: tokio::sync::oneshot::Receiver<String>,
+    deadline: Instant,
+) -> Result<String> {
+    tokio::select! {
+        addr = ready => addr.map_err(|_| anyhow::anyhow!("{name} exited during start-up")),
+        status = child.wait() => bail!("{name} exited during start-up ({status:?})"),
+        () = tokio::time::sleep_until(deadline.into()) => bail!("{name} not ready in time"),
+    }
 }
 
 fn http_get_ok(port: u16, path: &str) -> bool {
@@ -67,28 +123,39 @@ pub fn run(args: RunArgs) -> Result<()> {
     let dir = crate::models::resolve(&args.model)?;
     let dir_s = dir.display().to_string();
     let exe = std::env::current_exe().context("locating the tandem binary")?;
-    let (p_port, d_port) = (free_port()?, free_port()?);
     if TcpListener::bind(("127.0.0.1", args.port)).is_err() {
         bail!(
             "port {} is busy: pass --port (or TANDEM_PORT) to use another",
             args.port
         );
     }
-    let config = format!(
-        "listen: 127.0.0.1:{port}\nmodel:\n  served_name: {name}\nprefill:\n  - id: prefill-0\n    address: http://127.0.0.1:{p_port}\ndecode:\n  - id: decode-0\n    address: http://127.0.0.1:{d_port}\n",
-        port = args.port,
-        name = dir.file_name().map_or("model".into(), |n| n.to_string_lossy().to_string()),
-    );
     let config_path = std::env::temp_dir().join(format!("tandem-run-{}.yaml", std::process::id()));
-    std::fs::write(&config_path, &config)?;
     let kv = args.kv_blocks.to_string();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
     let result = rt.block_on(async {
+        let deadline = Instant::now() + args.ready_timeout;
+        let worker = |role: &str| -> Vec<String> {
+            ["worker", "--role", role, "--listen", "127.0.0.1:0", "--model", &dir_s, "--kv-blocks", &kv]
+                .map(String::from)
+                .to_vec()
+        };
+        let (mut prefill, p_ready) = spawn_worker(&exe, &worker("prefill"), "prefill worker")?;
+        let (mut decode, d_ready) = spawn_worker(&exe, &worker("decode"), "decode worker")?;
+        let p_addr = worker_addr("prefill worker", &mut prefill, p_ready, deadline).await?;
+        let d_addr = worker_addr("decode worker", &mut decode, d_ready, deadline).await?;
+        eprintln!("prefill worker listening on {p_addr}");
+        eprintln!("decode worker listening on {d_addr}");
+        let config = format!(
+            "listen: 127.0.0.1:{port}\nmodel:\n  served_name: {name}\nprefill:\n  - id: prefill-0\n    address: http://{p_addr}\ndecode:\n  - id: decode-0\n    address: http://{d_addr}\n",
+            port = args.port,
+            name = dir.file_name().map_or("model".into(), |n| n.to_string_lossy().to_string()),
+        );
+        std::fs::write(&config_path, &config)?;
         let mut children = vec![
-            ("prefill", spawn(&exe, &["worker".into(), "--role".into(), "prefill".into(), "--listen".into(), format!("127.0.0.1:{p_port}"), "--model".into(), dir_s.clone(), "--kv-blocks".into(), kv.clone()], "prefill worker")?),
-            ("decode", spawn(&exe, &["worker".into(), "--role".into(), "decode".into(), "--listen".into(), format!("127.0.0.1:{d_port}"), "--model".into(), dir_s.clone(), "--kv-blocks".into(), kv.clone()], "decode worker")?),
+            ("prefill", prefill),
+            ("decode", decode),
             ("router", spawn(&exe, &["router".into(), "--config".into(), config_path.display().to_string(), "--model".into(), dir_s.clone()], "router")?),
         ];
         // Readiness: the router answers /health only once it can reach both workers.
