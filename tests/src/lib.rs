@@ -74,6 +74,26 @@ pub async fn read_then_disconnect(resp: reqwest::Response, bytes: usize) {
     }
 }
 
+/// Whether every live worker in an `/admin/workers` answer has its whole KV (or latent) pool
+/// free and, when `slots` is given, that many free state slots on every DP group.
+pub fn pools_full(workers: &serde_json::Value, slots: Option<u64>) -> bool {
+    workers["workers"]
+        .as_array()
+        .expect("workers list")
+        .iter()
+        .filter(|w| w["error"].is_null())
+        .all(|w| {
+            w["kv_blocks_free"] == w["kv_blocks_total"]
+                && slots.is_none_or(|n| {
+                    w["dp_free_slots"]
+                        .as_array()
+                        .expect("dp_free_slots")
+                        .iter()
+                        .all(|f| *f == n)
+                })
+        })
+}
+
 /// A free TCP port on loopback.
 pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")

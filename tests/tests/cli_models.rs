@@ -320,42 +320,24 @@ fn lora_adapter_is_applied_at_start_up() {
         ids,
         "--json",
     ]);
-    let gen_base = run_json(&[
-        "generate",
-        "--model",
-        &m,
-        "--token-ids",
-        ids,
-        "--max-tokens",
-        "6",
-        "--json",
-    ]);
-    let gen_lora = run_json(&[
-        "generate",
-        "--model",
-        &m,
-        "--token-ids",
-        ids,
-        "--max-tokens",
-        "6",
-        "--json",
-        "--lora",
-        lora.to_str().unwrap(),
-    ]);
-    let gen_lora_tp2 = run_json(&[
-        "generate",
-        "--model",
-        &m,
-        "--token-ids",
-        ids,
-        "--max-tokens",
-        "6",
-        "--json",
-        "--lora",
-        lora.to_str().unwrap(),
-        "--tp",
-        "2",
-    ]);
+    let lora_s = lora.to_str().unwrap();
+    let generate = |extra: &[&str]| {
+        let mut args = vec![
+            "generate",
+            "--model",
+            &m,
+            "--token-ids",
+            ids,
+            "--max-tokens",
+            "6",
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        run_json(&args)
+    };
+    let gen_base = generate(&[]);
+    let gen_lora = generate(&["--lora", lora_s]);
+    let gen_lora_tp2 = generate(&["--lora", lora_s, "--tp", "2"]);
     assert!(base["logits"].is_array());
     assert_ne!(
         gen_base["token_ids"], gen_lora["token_ids"],

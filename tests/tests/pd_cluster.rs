@@ -80,12 +80,14 @@ async fn assert_pools_full(client: &reqwest::Client, url: &str) {
     let list = workers["workers"].as_array().expect("workers list");
     assert!(list.len() >= 2, "{workers}");
     // Workers that are down (listed with an error) have no pool to check.
-    let full = list.iter().filter(|w| w["error"].is_null()).all(|w| {
-        w["kv_blocks_free"] == w["kv_blocks_total"]
-            && w["pending_reservations"] == 0
-            && w["running_requests"] == 0
-    });
-    assert!(full, "KV pools not back to full: {workers}");
+    let idle = list
+        .iter()
+        .filter(|w| w["error"].is_null())
+        .all(|w| w["pending_reservations"] == 0 && w["running_requests"] == 0);
+    assert!(
+        idle && tandem_e2e::pools_full(&workers, None),
+        "KV pools not back to full: {workers}"
+    );
 }
 
 #[test]

@@ -151,10 +151,7 @@ fn run_case(mut prefill_args: Vec<String>, mut decode_args: Vec<String>) {
         }
         let w = tandem_e2e::workers_when_idle(&c, &url).await;
         let workers = w["workers"].as_array().unwrap();
-        let all_free = workers.iter().all(|x| {
-            x["kv_blocks_free"] == x["kv_blocks_total"] && x["dp_free_slots"].as_array().unwrap().iter().all(|f| f == 8)
-        });
-        assert!(all_free, "state slots not returned: {w}");
+        assert!(tandem_e2e::pools_full(&w, Some(8)), "state slots not returned: {w}");
         let decode = workers.iter().find(|x| x["role"] == "decode").unwrap();
         assert_eq!(decode["layout"], expected_decode_layout, "{w}");
     });
@@ -308,10 +305,7 @@ fn kda_cancelled_streams_free_slots_and_latent_blocks() {
             tandem_e2e::read_then_disconnect(resp, 300).await;
         }
         let w = tandem_e2e::workers_when_idle(&c, &url).await;
-        let free = w["workers"].as_array().unwrap().iter().all(|x| {
-            x["kv_blocks_free"] == x["kv_blocks_total"] && x["dp_free_slots"].as_array().unwrap().iter().all(|f| f == 8)
-        });
-        assert!(free, "not freed after cancellations: {w}");
+        assert!(tandem_e2e::pools_full(&w, Some(8)), "not freed after cancellations: {w}");
         // The decode worker dropped all four when their clients went away (rather than
         // generating their 4,090 tokens to the end).
         let decode = w["workers"].as_array().unwrap().iter().find(|x| x["role"] == "decode").unwrap();
@@ -365,8 +359,6 @@ fn kda_requests_larger_than_the_latent_pool_are_refused_up_front() {
                 .unwrap();
             assert_eq!(v["usage"]["completion_tokens"], 500, "{v}");
             let w = tandem_e2e::workers_when_idle(&c, &url).await;
-            for x in w["workers"].as_array().unwrap() {
-                assert_eq!(x["kv_blocks_free"], x["kv_blocks_total"], "{w}");
-            }
+            assert!(tandem_e2e::pools_full(&w, None), "{w}");
         });
 }

@@ -3,6 +3,7 @@
 //! sequence into prefill / decode calls gives the logits of one full pass.
 
 use tandem_engine::kda_hybrid::{KdaForm, KdaHybridModel, KdaHybridState};
+use tandem_testkit::{max_abs_diff, noise};
 
 /// f32 rounding only: the forms differ in summation order, nothing else.
 const FORM_TOL: f32 = 1e-5;
@@ -14,32 +15,11 @@ fn model(name: &str) -> KdaHybridModel {
     KdaHybridModel::load(&dir).unwrap_or_else(|e| panic!("load {name}: {e}"))
 }
 
-/// Deterministic pseudo-random numbers in `[-1, 1)`.
-fn noise(seed: u64, len: usize) -> Vec<f32> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-        })
-        .collect()
-}
-
 fn tokens(seed: u64, len: usize, vocab: usize) -> Vec<u32> {
     noise(seed, len)
         .iter()
         .map(|x| (((x + 1.0) * 0.5 * (vocab - 3) as f32) as u32 + 3).min(vocab as u32 - 1))
         .collect()
-}
-
-fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len(), "length mismatch");
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
 }
 
 /// Chunked vs recurrent on the first KDA layer of `name`, from a non-trivial carried state.

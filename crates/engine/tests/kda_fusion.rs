@@ -11,6 +11,7 @@ use tandem_engine::kda_hybrid::{
     FusionPolicy, KdaGateProjection, KdaHybridModel, KdaInputProjection, LoadOptions,
 };
 use tandem_model::synth::synth_kda_hybrid;
+use tandem_testkit::max_abs_diff;
 
 /// Fusion only regroups GEMM rows: f32 rounding differences at most.
 const FUSE_TOL: f32 = 1e-5;
@@ -27,14 +28,6 @@ fn tokens(n: usize, seed: u32) -> Vec<u32> {
     (0..n as u32)
         .map(|i| (i.wrapping_mul(2_654_435_761).wrapping_add(seed * 977) >> 7) % 509 + 3)
         .collect()
-}
-
-fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len(), "length mismatch");
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
 }
 
 /// `(input fused, f_b/g_b paired)` for every KDA layer, from the decision and the built form.

@@ -9,6 +9,7 @@ use tandem_engine::kda_hybrid::{
     apply_transfer_plan, KdaForm, KdaHybridModel, LoadOptions, ShardError, ShardedKdaHybrid,
 };
 use tandem_model::synth::synth_kda_hybrid;
+use tandem_testkit::max_abs_diff;
 use tandem_topology::{Layout, ShardBy, TransferPlan};
 
 /// Sharding changes summation order (partial o_proj / MLP sums) and nothing else.
@@ -18,14 +19,6 @@ fn tokens(n: usize, seed: u32) -> Vec<u32> {
     (0..n as u32)
         .map(|i| (i.wrapping_mul(2_654_435_761).wrapping_add(seed * 7919) >> 9) % 509 + 3)
         .collect()
-}
-
-fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len(), "length mismatch");
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
 }
 
 /// One sequence per attention-DP group, of different lengths.

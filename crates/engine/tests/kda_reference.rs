@@ -6,6 +6,7 @@ use safetensors::SafeTensors;
 use std::collections::HashMap;
 use std::path::PathBuf;
 use tandem_engine::kda_hybrid::{KdaHybridModel, KdaHybridState};
+use tandem_testkit::max_abs_diff;
 
 /// Logits and greedy steps must be this close to transformers (f32; the references' own
 /// independent implementation agrees within 4e-5).
@@ -78,14 +79,6 @@ fn ids(v: &serde_json::Value) -> Vec<u32> {
         .iter()
         .map(|x| u32::try_from(x.as_u64().expect("id")).expect("id fits u32"))
         .collect()
-}
-
-fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len(), "length mismatch");
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
 }
 
 fn argmax(v: &[f32]) -> u32 {

@@ -69,6 +69,21 @@ impl Error {
     }
 }
 
+/// Waits for a transport thread to report its UCX set-up; on failure (or if the thread died
+/// without a word) joins it and says why.
+pub(crate) fn await_setup<T>(
+    ready: std::sync::mpsc::Receiver<tandem_ucx::Result<T>>,
+    thread: std::thread::JoinHandle<()>,
+) -> Result<(T, std::thread::JoinHandle<()>)> {
+    let error = match ready.recv() {
+        Ok(Ok(value)) => return Ok((value, thread)),
+        Ok(Err(err)) => Error::Setup(err),
+        Err(_) => Error::Stopped,
+    };
+    let _ = thread.join();
+    Err(error)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -79,17 +79,7 @@ impl UcxReceiver {
             })
             .map_err(Error::Spawn)?;
 
-        let (addr, waker) = match ready_rx.recv() {
-            Ok(Ok(ready)) => ready,
-            Ok(Err(err)) => {
-                let _ = thread.join();
-                return Err(Error::Setup(err));
-            }
-            Err(_) => {
-                let _ = thread.join();
-                return Err(Error::Stopped);
-            }
-        };
+        let ((addr, waker), thread) = crate::error::await_setup(ready_rx, thread)?;
         tracing::info!(%addr, "KV receiver listening");
         Ok(UcxReceiver {
             address: addr.to_string(),

@@ -86,17 +86,7 @@ impl UcxSender {
                 .run();
             })
             .map_err(Error::Spawn)?;
-        let waker = match ready_rx.recv() {
-            Ok(Ok(waker)) => waker,
-            Ok(Err(err)) => {
-                let _ = thread.join();
-                return Err(Error::Setup(err));
-            }
-            Err(_) => {
-                let _ = thread.join();
-                return Err(Error::Stopped);
-            }
-        };
+        let (waker, thread) = crate::error::await_setup(ready_rx, thread)?;
         Ok(UcxSender {
             shared: Arc::new(SenderShared {
                 commands,

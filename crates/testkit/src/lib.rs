@@ -49,3 +49,28 @@ pub fn smollm2_greedy_reference() -> serde_json::Value {
     let path = shared_dir().join("reference/smollm2/greedy.json");
     serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap()
 }
+
+/// The largest absolute elementwise difference of two equally long slices.
+///
+/// # Panics
+/// If the lengths differ.
+pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len(), "length mismatch");
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+/// Deterministic pseudo-random numbers in `[-1, 1)` (xorshift64 from `seed`).
+pub fn noise(seed: u64, len: usize) -> Vec<f32> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+        })
+        .collect()
+}

@@ -241,19 +241,7 @@ fn chunk_step(x: &Head, start: usize, n: usize, d: usize, s: &mut [f32], o: &mut
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// Deterministic pseudo-random numbers in `[-1, 1)`.
-    fn noise(seed: u64, len: usize) -> Vec<f32> {
-        let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        (0..len)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                (x >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-            })
-            .collect()
-    }
+    use tandem_testkit::noise;
 
     #[test]
     fn chunked_equals_recurrent_with_small_chunks_and_a_carried_state() {

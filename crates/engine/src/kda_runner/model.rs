@@ -120,7 +120,7 @@ impl KdaModel {
                 let mut place = Vec::with_capacity(work.len());
                 for (g, group_ids, st) in work.iter_mut() {
                     place.push((*g, ids[*g].len()));
-                    ids[*g].push(group_ids.clone());
+                    ids[*g].push(std::mem::take(group_ids));
                     for (k, state) in st.iter_mut().enumerate() {
                         states[*g * a + k].push(std::mem::take(state));
                     }
