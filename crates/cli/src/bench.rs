@@ -31,6 +31,20 @@ pub enum BenchCommand {
         /// Write the figures as JSON here too.
         #[arg(long)]
         json: Option<std::path::PathBuf>,
+        /// Weights and K/V dtype.
+        #[arg(long, value_enum, default_value_t = crate::DtypeArg::F32)]
+        dtype: crate::DtypeArg,
+        /// Also prefill prompts of these lengths (comma-separated; the long-prompt figures).
+        #[arg(long, value_delimiter = ',', default_value = "2048,4096,8190")]
+        long_prompts: Vec<usize>,
+        /// Token ids to run instead of the generated prompts (JSON: `prefill` list of prompts,
+        /// `decode_b1` prompt, `decode_batch` list of prompts, `decode_tokens`, `repeat`), so
+        /// another engine can be run on identical inputs.
+        #[arg(long)]
+        workload: Option<std::path::PathBuf>,
+        /// Use at most this SIMD instruction set (avx512, avx2, portable) to compare paths.
+        #[arg(long)]
+        cpu_isa: Option<String>,
     },
     /// KDA projections fused vs unfused, KDA-hybrid decode step, chunked vs recurrent.
     Kda,
@@ -45,7 +59,31 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
             batch,
             repeat,
             json,
-        } => engine_bench(&model, prompt_tokens, decode_tokens, batch, repeat, json),
+            dtype,
+            long_prompts,
+            workload,
+            cpu_isa,
+        } => {
+            if let Some(name) = cpu_isa {
+                let isa = tandem_cpu_kernels::Isa::parse(&name).ok_or_else(|| {
+                    anyhow::anyhow!("--cpu-isa {name}: expected avx512, avx2 or portable")
+                })?;
+                let chosen = tandem_cpu_kernels::isa::limit(isa);
+                eprintln!("CPU kernels limited to {chosen}");
+            }
+            let workload = match workload {
+                Some(path) => {
+                    let text = std::fs::read_to_string(&path)
+                        .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+                    serde_json::from_str(&text)
+                        .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?
+                }
+                None => {
+                    Workload::generated(prompt_tokens, &long_prompts, batch, decode_tokens, repeat)
+                }
+            };
+            engine_bench(&model, &workload, dtype, json)
+        }
         BenchCommand::Kda => crate::bench_kda::run(),
     }
 }
@@ -88,15 +126,50 @@ fn prompt(len: usize, salt: u32) -> Vec<u32> {
         .collect()
 }
 
+/// What the engine benchmark runs: prompts as token ids, so another engine can be given the
+/// very same inputs (`--workload`).
+#[derive(serde::Deserialize, serde::Serialize, Debug)]
+#[serde(deny_unknown_fields)]
+pub struct Workload {
+    /// Prompts whose prefill throughput is measured (time to the first token).
+    prefill: Vec<Vec<u32>>,
+    /// The prompt of the batch-1 decode figure.
+    decode_b1: Vec<u32>,
+    /// The prompts of the batched decode figure.
+    decode_batch: Vec<Vec<u32>>,
+    /// Tokens generated per sequence in the decode figures.
+    decode_tokens: u32,
+    /// Repetitions (medians are reported).
+    repeat: usize,
+}
+
+impl Workload {
+    fn generated(
+        prompt_tokens: usize,
+        long: &[usize],
+        batch: usize,
+        decode_tokens: u32,
+        repeat: usize,
+    ) -> Self {
+        let mut prefill = vec![prompt(prompt_tokens, 1)];
+        prefill.extend(
+            long.iter()
+                .enumerate()
+                .map(|(i, &n)| prompt(n, 2 + i as u32)),
+        );
+        Workload {
+            prefill,
+            decode_b1: prompt(32, 100),
+            decode_batch: (0..batch).map(|i| prompt(32, 200 + i as u32)).collect(),
+            decode_tokens,
+            repeat: repeat.max(1),
+        }
+    }
+}
+
 /// Runs `n` sequences concurrently; returns (time to all first tokens, decode tokens/s after
 /// every sequence has its first token).
-fn run_batch(
-    engine: &Engine,
-    n: usize,
-    prompt_len: usize,
-    max_tokens: u32,
-    salt: u32,
-) -> Result<(Duration, f64)> {
+fn run_batch(engine: &Engine, prompts: &[Vec<u32>], max_tokens: u32) -> Result<(Duration, f64)> {
     let params = SamplingParams {
         max_tokens,
         ignore_eos: true,
@@ -104,12 +177,8 @@ fn run_batch(
     };
     let start = Instant::now();
     let mut rxs = Vec::new();
-    for i in 0..n {
-        rxs.push(engine.submit(
-            prompt(prompt_len, salt + i as u32),
-            params.clone(),
-            SeqKind::Generate,
-        )?);
+    for p in prompts {
+        rxs.push(engine.submit(p.clone(), params.clone(), SeqKind::Generate)?);
     }
     // First tokens.
     for rx in &mut rxs {
@@ -136,15 +205,15 @@ fn run_batch(
 
 fn engine_bench(
     model: &str,
-    prompt_tokens: usize,
-    decode_tokens: u32,
-    batch: usize,
-    repeat: usize,
+    w: &Workload,
+    dtype: crate::DtypeArg,
     json: Option<std::path::PathBuf>,
 ) -> Result<()> {
+    let longest = w.prefill.iter().map(Vec::len).max().unwrap_or(0);
     let args = crate::EngineArgs {
         model: model.to_string(),
-        kv_blocks: 2048,
+        // Room for the longest prompt plus a batch of decodes.
+        kv_blocks: (longest / 16 + 64).max(2048),
         state_slots: 64,
         max_batch_tokens: 512,
         layout: crate::eval::LayoutArgs {
@@ -153,41 +222,53 @@ fn engine_bench(
             ep: 1,
         },
         lora: None,
+        dtype,
     };
     let engine = args.start()?;
     eprintln!("warming up…");
-    run_batch(&engine, 1, 32, 4, 0)?;
+    run_batch(&engine, &[prompt(32, 0)], 4)?;
     let bw = read_bandwidth();
     let weight_bytes = engine.weight_bytes() as f64;
     let floor = bw / weight_bytes;
-    let mut prefill = Vec::new();
+    let mut prefill: Vec<Vec<f64>> = vec![Vec::new(); w.prefill.len()];
     let mut d1 = Vec::new();
     let mut dn = Vec::new();
-    for r in 0..repeat {
-        let salt = 1000 * (r as u32 + 1);
-        let (ttft, _) = run_batch(&engine, 1, prompt_tokens, 1, salt)?;
-        prefill.push(prompt_tokens as f64 / ttft.as_secs_f64());
-        d1.push(run_batch(&engine, 1, 16, decode_tokens, salt + 1)?.1);
-        dn.push(run_batch(&engine, batch, 16, decode_tokens, salt + 2)?.1);
-        eprintln!("  repeat {}/{repeat} done", r + 1);
+    for r in 0..w.repeat {
+        for (p, times) in w.prefill.iter().zip(&mut prefill) {
+            let (ttft, _) = run_batch(&engine, std::slice::from_ref(p), 1)?;
+            times.push(p.len() as f64 / ttft.as_secs_f64());
+        }
+        d1.push(run_batch(&engine, std::slice::from_ref(&w.decode_b1), w.decode_tokens)?.1);
+        dn.push(run_batch(&engine, &w.decode_batch, w.decode_tokens)?.1);
+        eprintln!("  repeat {}/{} done", r + 1, w.repeat);
     }
-    let (prefill, d1, dn) = (median(prefill), median(d1), median(dn));
+    let prefill: Vec<(usize, f64)> = w
+        .prefill
+        .iter()
+        .zip(prefill)
+        .map(|(p, t)| (p.len(), median(t)))
+        .collect();
+    let (d1, dn) = (median(d1), median(dn));
+    let batch = w.decode_batch.len();
     let report = serde_json::json!({
+        "engine": "tandem",
+        "dtype": dtype.dtype().name(),
+        "backend": tandem_engine::Backend::name(&tandem_engine::CpuBackend::new()),
         "threads": rayon::current_num_threads(),
         "read_bandwidth_gb_s": bw / 1e9,
         "weight_bytes": weight_bytes,
         "decode_floor_tok_s": floor,
-        "prefill_tok_s": prefill,
-        "prompt_tokens": prompt_tokens,
+        "prefill": prefill.iter().map(|&(tokens, tok_s)| serde_json::json!({"tokens": tokens, "tok_s": tok_s})).collect::<Vec<_>>(),
         "decode_b1_tok_s": d1,
         "decode_b1_vs_floor": d1 / floor,
-        "batch": batch,
+        "decode_batch": batch,
         "decode_batch_tok_s": dn,
         "batch_vs_b1": dn / d1,
     });
     println!(
-        "engine benchmark ({} threads)",
-        rayon::current_num_threads()
+        "engine benchmark: {} weights, {}",
+        dtype.dtype(),
+        tandem_engine::Backend::name(&tandem_engine::CpuBackend::new())
     );
     println!("  memory read bandwidth      {:>8.1} GB/s", bw / 1e9);
     println!(
@@ -195,10 +276,14 @@ fn engine_bench(
         weight_bytes / 1e6
     );
     println!("  batch-1 decode floor       {:>8.1} tok/s", floor);
-    println!(
-        "  prefill ({prompt_tokens} tokens)       {:>8.1} tok/s",
-        prefill
-    );
+    let base = prefill.first().map(|p| p.1).unwrap_or(f64::NAN);
+    for &(tokens, tok_s) in &prefill {
+        println!(
+            "  prefill ({tokens:>5} tokens)    {:>8.1} tok/s  ({:.0}% of the first)",
+            tok_s,
+            100.0 * tok_s / base
+        );
+    }
     println!(
         "  decode batch 1             {:>8.1} tok/s  ({:.0}% of floor)",
         d1,

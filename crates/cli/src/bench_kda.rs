@@ -4,9 +4,9 @@
 
 use anyhow::Result;
 use std::time::Instant;
+use tandem_engine::backend::host::matmul_raw;
 use tandem_engine::kda_hybrid::delta_rule::{chunked, recurrent, DeltaRuleInputs};
 use tandem_engine::kda_hybrid::{KdaForm, KdaHybridModel};
-use tandem_engine::{Backend, CpuBackend};
 
 /// Median seconds of `reps` runs of `f`.
 fn time(reps: usize, mut f: impl FnMut()) -> f64 {
@@ -34,7 +34,6 @@ fn pseudo(n: usize, salt: u32) -> Vec<f32> {
 /// Fused `[q|k|v|b|f_a|g_a]` GEMM + paired `[f_b|g_b]` vs the eight original projections,
 /// for a layer of `hidden` width with `heads` × `head_dim`.
 fn projections(m: usize, hidden: usize, heads: usize, head_dim: usize) -> (f64, f64) {
-    let be = CpuBackend::new();
     let p = heads * head_dim;
     let x = pseudo(m * hidden, 1);
     let shapes = [
@@ -58,17 +57,17 @@ fn projections(m: usize, hidden: usize, heads: usize, head_dim: usize) -> (f64, 
         let mut outs = Vec::new();
         for (w, &(o, k)) in ws.iter().zip(&shapes) {
             let mut y = Vec::new();
-            be.matmul_raw(&x, m, w, o, k, &mut y, false);
+            matmul_raw(&x, m, w, o, k, &mut y, false);
             outs.push(y);
         }
         let (mut f, mut g) = (Vec::new(), Vec::new());
-        be.matmul_raw(&outs[4], m, &fb, p, head_dim, &mut f, false);
-        be.matmul_raw(&outs[5], m, &gb, p, head_dim, &mut g, false);
+        matmul_raw(&outs[4], m, &fb, p, head_dim, &mut f, false);
+        matmul_raw(&outs[5], m, &gb, p, head_dim, &mut g, false);
         std::hint::black_box((f, g));
     });
     let fused = time(reps, || {
         let mut y = Vec::new();
-        be.matmul_raw(&x, m, &fused_w, fused_rows, hidden, &mut y, false);
+        matmul_raw(&x, m, &fused_w, fused_rows, hidden, &mut y, false);
         // The paired matmul: f_a and g_a are the last 2·D columns of each row.
         let fa_ga: Vec<f32> = y
             .chunks_exact(fused_rows)
@@ -84,8 +83,8 @@ fn projections(m: usize, hidden: usize, heads: usize, head_dim: usize) -> (f64, 
             (fa, ga)
         };
         let (mut f, mut g) = (Vec::new(), Vec::new());
-        be.matmul_raw(&fa, m, &fb, p, head_dim, &mut f, false);
-        be.matmul_raw(&ga, m, &gb, p, head_dim, &mut g, false);
+        matmul_raw(&fa, m, &fb, p, head_dim, &mut f, false);
+        matmul_raw(&ga, m, &gb, p, head_dim, &mut g, false);
         std::hint::black_box((f, g));
     });
     (unfused, fused)

@@ -6,7 +6,7 @@ use std::path::Path;
 use tandem_core::BlockId;
 use tandem_engine::batch::ForwardBatch;
 use tandem_engine::kda_hybrid::{KdaForm, KdaHybridModel, LoadOptions, ShardedKdaHybrid};
-use tandem_engine::{Backend, CpuBackend, LlamaModel};
+use tandem_engine::{CpuBackend, KvCache, LlamaModel};
 
 /// The families the engine runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -204,27 +204,33 @@ impl KdaRunner {
 }
 
 /// Logits `[T][vocab]` of a full forward over `ids`.
-pub fn logits(dir: &Path, ids: &[u32], layout: LayoutArgs) -> Result<Vec<Vec<f32>>> {
+pub fn logits(
+    dir: &Path,
+    ids: &[u32],
+    layout: LayoutArgs,
+    dtype: crate::DtypeArg,
+) -> Result<Vec<Vec<f32>>> {
     let (flat, vocab) = match family(dir)? {
         Family::Llama => {
             if checked_layout(layout)?.tp() != 1 {
                 bail!("llama models run with tp=1 only so far");
             }
-            let model = LlamaModel::load(dir, CpuBackend::new())?;
+            let model = LlamaModel::load(dir, CpuBackend::new(), dtype.dtype())?;
             let vocab = model.config().vocab_size;
             if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
                 bail!("token id {bad} is outside the vocabulary ({vocab})");
             }
             let block = 16;
             let blocks = ids.len().div_ceil(block).max(1);
-            let mut cache = model.backend().kv_cache(model.kv_layout(block, blocks));
+            let mut cache = KvCache::new(model.backend(), model.kv_layout(block, blocks));
             let table: Vec<BlockId> = (0..blocks as u32).map(BlockId).collect();
             let mut batch = ForwardBatch::default();
             batch.push(ids, 0, &table, block, false);
             batch.logits_rows = (0..ids.len()).collect();
-            (model.forward(&batch, &mut cache), vocab)
+            (model.forward_batch(&batch, &mut cache)?, vocab)
         }
         Family::KdaHybrid => {
+            crate::kda_dtype_check(dtype)?;
             let runner = KdaRunner::load(dir, layout, None)?;
             runner.validate(ids)?;
             (runner.full(ids)?, runner.vocab())

@@ -12,7 +12,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 use std::path::PathBuf;
 use std::time::Duration;
 use tandem_core::SamplingParams;
-use tandem_engine::{CpuBackend, Engine, EngineConfig, EngineEvent, LlamaModel, SeqKind};
+use tandem_engine::{CpuBackend, DType, Engine, EngineConfig, EngineEvent, LlamaModel, SeqKind};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -86,6 +86,9 @@ enum EvalCommand {
         json: bool,
         #[command(flatten)]
         layout: eval::LayoutArgs,
+        /// Weights and K/V dtype.
+        #[arg(long, value_enum, default_value_t = DtypeArg::F32)]
+        dtype: DtypeArg,
     },
 }
 
@@ -118,6 +121,34 @@ enum ModelCommand {
     },
 }
 
+/// The dtype weights and K/V are kept in (activations and accumulation are f32).
+#[derive(ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum DtypeArg {
+    /// 32-bit floats.
+    #[default]
+    F32,
+    /// bfloat16 weights and K/V.
+    Bf16,
+}
+
+impl DtypeArg {
+    /// The engine's dtype.
+    pub fn dtype(self) -> DType {
+        match self {
+            DtypeArg::F32 => DType::F32,
+            DtypeArg::Bf16 => DType::BF16,
+        }
+    }
+}
+
+/// KDA-hybrid models still compute in f32 on the host.
+fn kda_dtype_check(dtype: DtypeArg) -> Result<()> {
+    if dtype != DtypeArg::F32 {
+        bail!("KDA-hybrid models run in f32 only so far (--dtype bf16 is for Llama-family models)");
+    }
+    Ok(())
+}
+
 #[derive(ValueEnum, Clone, Copy, Debug)]
 enum RoleArg {
     Prefill,
@@ -146,6 +177,9 @@ struct EngineArgs {
     /// projections it targets run unfused.
     #[arg(long)]
     lora: Option<PathBuf>,
+    /// Weights and K/V dtype.
+    #[arg(long, value_enum, default_value_t = DtypeArg::F32)]
+    dtype: DtypeArg,
 }
 
 impl EngineArgs {
@@ -155,8 +189,9 @@ impl EngineArgs {
     }
 
     fn start_llama(&self, dir: &std::path::Path) -> Result<Engine> {
-        let model = LlamaModel::load(dir, CpuBackend::new())
+        let model = LlamaModel::load(dir, CpuBackend::new(), self.dtype.dtype())
             .with_context(|| format!("loading {}", dir.display()))?;
+        tracing::info!(backend = %tandem_engine::Backend::name(model.backend()), dtype = %model.dtype(), "model loaded");
         let config = EngineConfig {
             num_blocks: self.kv_blocks,
             max_batch_tokens: self.max_batch_tokens,
@@ -179,6 +214,7 @@ impl EngineArgs {
                 tandem_worker::WorkerEngine::Llama(self.start_llama(&dir)?)
             }
             eval::Family::KdaHybrid => {
+                kda_dtype_check(self.dtype)?;
                 let layout = eval::checked_layout(self.layout)?;
                 let model =
                     tandem_engine::kda_runner::KdaModel::load(&dir, layout, self.lora.as_deref())
@@ -256,6 +292,9 @@ struct GenerateArgs {
     /// PEFT LoRA adapter directory (KDA-hybrid models).
     #[arg(long)]
     lora: Option<PathBuf>,
+    /// Weights and K/V dtype.
+    #[arg(long, value_enum, default_value_t = DtypeArg::F32)]
+    dtype: DtypeArg,
 }
 
 fn init_tracing() {
@@ -325,10 +364,11 @@ fn main() -> Result<()> {
                     token_ids,
                     json: _,
                     layout,
+                    dtype,
                 },
         } => {
             let dir = models::resolve(&model)?;
-            let logits = eval::logits(&dir, &token_ids, layout)?;
+            let logits = eval::logits(&dir, &token_ids, layout, dtype)?;
             println!("{}", serde_json::json!({ "logits": logits }));
             Ok(())
         }
@@ -432,6 +472,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
         }
     };
     if eval::family(&dir)? == eval::Family::KdaHybrid {
+        kda_dtype_check(args.dtype)?;
         let ids = eval::generate_kda(
             &dir,
             &prompt,
@@ -457,6 +498,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
         max_batch_tokens: 512,
         layout: args.layout,
         lora: None,
+        dtype: args.dtype,
     }
     .start()?;
     let mut rx = engine.submit(

@@ -1,8 +1,11 @@
 //! The paged KV pool's bookkeeping: a free list of fixed-size blocks shared by the engine
 //! thread and the decode worker's reservation path, and [`BlockAllocation`], which hands its
 //! blocks back when dropped — so a cancelled, failed or finished request can never leak KV.
-//! The storage itself belongs to the backend (it lives in device memory on GPUs).
+//! The storage ([`KvCache`]) is a pair of backend tensors per layer in the cache's dtype (it
+//! lives in device memory on GPUs).
 
+use crate::backend::Backend;
+use crate::tensor::{DType, Tensor};
 use parking_lot::Mutex;
 use std::sync::Arc;
 use tandem_core::BlockId;
@@ -20,6 +23,8 @@ pub struct KvLayout {
     pub block_size: usize,
     /// Blocks in the pool.
     pub num_blocks: usize,
+    /// Element type of the stored K/V.
+    pub dtype: DType,
 }
 
 impl KvLayout {
@@ -33,9 +38,59 @@ impl KvLayout {
         tokens.div_ceil(self.block_size)
     }
 
-    /// Bytes one token's K and V take over all layers (f32).
+    /// Values one token's K and V take over all layers.
+    pub fn values_per_token(&self) -> usize {
+        self.num_layers * 2 * self.kv_dim()
+    }
+
+    /// Bytes one token's K and V take over all layers.
     pub fn bytes_per_token(&self) -> usize {
-        self.num_layers * 2 * self.kv_dim() * 4
+        self.values_per_token() * self.dtype.size()
+    }
+
+    /// Cache slots (tokens) in the pool.
+    pub fn num_slots(&self) -> usize {
+        self.num_blocks * self.block_size
+    }
+}
+
+/// Paged K/V for every layer on a device: per layer one K and one V tensor of shape
+/// `[slot][kv_dim]`, slot = block * block_size + offset.
+pub struct KvCache<B: Backend> {
+    layout: KvLayout,
+    /// K per layer.
+    pub k: Vec<Tensor<B>>,
+    /// V per layer.
+    pub v: Vec<Tensor<B>>,
+}
+
+impl<B: Backend> KvCache<B> {
+    /// A zeroed cache of `layout` on `backend`.
+    pub fn new(backend: &B, layout: KvLayout) -> Self {
+        let shape = [layout.num_slots(), layout.kv_dim()];
+        let tensors = || {
+            (0..layout.num_layers)
+                .map(|_| backend.zeros(layout.dtype, &shape))
+                .collect()
+        };
+        Self {
+            layout,
+            k: tensors(),
+            v: tensors(),
+        }
+    }
+
+    /// The cache's shape.
+    pub fn layout(&self) -> KvLayout {
+        self.layout
+    }
+}
+
+impl<B: Backend> std::fmt::Debug for KvCache<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvCache")
+            .field("layout", &self.layout)
+            .finish_non_exhaustive()
     }
 }
 
@@ -166,10 +221,16 @@ mod tests {
             head_dim: 64,
             block_size: 16,
             num_blocks: 10,
+            dtype: DType::F32,
         };
         assert_eq!(l.blocks_for(0), 0);
         assert_eq!(l.blocks_for(16), 1);
         assert_eq!(l.blocks_for(17), 2);
         assert_eq!(l.bytes_per_token(), 30 * 2 * 192 * 4);
+        let b = KvLayout {
+            dtype: DType::BF16,
+            ..l
+        };
+        assert_eq!(b.bytes_per_token(), 30 * 2 * 192 * 2);
     }
 }

@@ -1,10 +1,11 @@
-//! tandem's engine. Model code is written once over the [`backend::Backend`] operations
-//! (batched over a flattened token dimension, so one step of many requests is one GEMM per
-//! projection); the CPU backend is always built, a CUDA backend implements the same trait.
+//! tandem's engine. Model code is written once over typed device tensors ([`tensor`]) and the
+//! backend's operation trait ([`backend::Ops`]), batched over a flattened token dimension, so
+//! one step of many requests is one GEMM per projection; the CPU backend is always built, a
+//! CUDA backend implements the same traits in its own crate. Weights and K/V are f32 or bf16.
 //! KV lives in a paged pool whose allocations free themselves on drop, and one thread owns
 //! the model and the cache and runs continuous batching with chunked prefill.
 
-/// The backend boundary and its CPU implementation.
+/// The backend boundary (device and operation traits) and its CPU implementation.
 pub mod backend;
 /// Flattened batch description handed to a forward pass.
 pub mod batch;
@@ -20,11 +21,17 @@ pub mod llama;
 pub mod sampling;
 /// The engine thread: continuous batching with chunked prefill, and its async handle.
 pub mod scheduler;
+/// Per-step metadata buffers on the device.
+pub mod step;
+/// Typed tensors: dtypes, host tensors, device tensors.
+pub mod tensor;
 
-pub use backend::{Backend, CpuBackend};
-pub use kv_pool::{BlockAllocation, BlockAllocator, KvLayout};
-pub use llama::LlamaModel;
+pub use backend::{Backend, CpuBackend, Ops};
+pub use kv_pool::{BlockAllocation, BlockAllocator, KvCache, KvLayout};
+pub use llama::{LlamaModel, LlamaWorkspace};
 pub use scheduler::{Engine, EngineConfig, EngineEvent, EngineStats, SeqKind};
+pub use step::{StepLimits, StepMeta};
+pub use tensor::{DType, HostData, HostTensor, Tensor};
 
 /// Errors of the engine.
 #[derive(Debug, thiserror::Error)]

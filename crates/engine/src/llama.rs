@@ -1,34 +1,61 @@
 //! Llama-family decoder (SmolLM2 and friends): GQA attention with RoPE, RMSNorm, SwiGLU MLP,
 //! optionally tied embeddings. Q/K/V and gate/up are fused at load time so each layer is three
-//! GEMMs plus the output projections.
+//! GEMMs plus the output projections. Written once over [`Ops`]: the weights and K/V are in the
+//! dtype asked for at load (f32 or bf16), activations in f32, and a forward pass runs in a
+//! [`LlamaWorkspace`] allocated for the largest step, so it allocates nothing.
 
-use crate::backend::{Backend, Linear, QkvLayout};
+use crate::backend::{Linear, Ops, QkvLayout};
 use crate::batch::ForwardBatch;
-use crate::kv_pool::KvLayout;
+use crate::kv_pool::{KvCache, KvLayout};
+use crate::step::{StepLimits, StepMeta};
+use crate::tensor::{DType, HostTensor, Tensor};
 use crate::{Error, Result};
 use safetensors::{Dtype, SafeTensors};
 use std::collections::HashMap;
 use std::path::Path;
 use tandem_model::LlamaConfig;
 
-struct Layer<T> {
-    input_norm: T,
-    qkv: Linear<T>,
-    o_proj: Linear<T>,
-    post_norm: T,
-    gate_up: Linear<T>,
-    down: Linear<T>,
+struct Layer<B: Ops> {
+    input_norm: Tensor<B>,
+    qkv: Linear<B>,
+    o_proj: Linear<B>,
+    post_norm: Tensor<B>,
+    gate_up: Linear<B>,
+    down: Linear<B>,
 }
 
 /// A loaded Llama-family model on backend `B`.
-pub struct LlamaModel<B: Backend> {
+pub struct LlamaModel<B: Ops> {
     backend: B,
     config: LlamaConfig,
-    embed: B::Tensor,
-    lm_head: Option<Linear<B::Tensor>>,
-    layers: Vec<Layer<B::Tensor>>,
-    norm: B::Tensor,
+    dtype: DType,
+    embed: Tensor<B>,
+    lm_head: Option<Linear<B>>,
+    layers: Vec<Layer<B>>,
+    norm: Tensor<B>,
     qkv_layout: QkvLayout,
+}
+
+/// Activations of one forward pass, sized for the largest step.
+pub struct LlamaWorkspace<B: Ops> {
+    limits: StepLimits,
+    x: Tensor<B>,
+    h: Tensor<B>,
+    qkv: Tensor<B>,
+    attn: Tensor<B>,
+    gate_up: Tensor<B>,
+    act: Tensor<B>,
+    last: Tensor<B>,
+    /// Logits of the step's sampled rows, `[max_seqs, vocab]` f32; the first
+    /// `meta.num_logits` rows are valid after [`LlamaModel::forward`].
+    pub logits: Tensor<B>,
+}
+
+impl<B: Ops> LlamaWorkspace<B> {
+    /// The step size this workspace was allocated for.
+    pub fn limits(&self) -> StepLimits {
+        self.limits
+    }
 }
 
 /// Host-side tensors read from a checkpoint, by name.
@@ -99,9 +126,20 @@ fn to_f32(dtype: Dtype, bytes: &[u8]) -> Option<Vec<f32>> {
     })
 }
 
-impl<B: Backend> LlamaModel<B> {
-    /// Loads a Hugging Face layout checkpoint directory.
-    pub fn load(dir: &Path, backend: B) -> Result<Self> {
+/// The dtypes the CPU and GPU paths run weights and K/V in.
+pub fn check_dtype(dtype: DType) -> Result<()> {
+    match dtype {
+        DType::F32 | DType::BF16 => Ok(()),
+        other => Err(Error::InvalidRequest(format!(
+            "models run in f32 or bf16, not {other}"
+        ))),
+    }
+}
+
+impl<B: Ops> LlamaModel<B> {
+    /// Loads a Hugging Face layout checkpoint directory with weights and K/V in `dtype`.
+    pub fn load(dir: &Path, backend: B, dtype: DType) -> Result<Self> {
+        check_dtype(dtype)?;
         let config = LlamaConfig::from_dir(dir)?;
         let mut host = HostTensors::load_dir(dir)?;
         let (d, i, v) = (
@@ -111,11 +149,19 @@ impl<B: Backend> LlamaModel<B> {
         );
         let hd = config.head_dim();
         let (nh, nkv) = (config.num_attention_heads, config.num_key_value_heads);
-        let linear = |backend: &B, parts: Vec<Vec<f32>>, out: usize, inp: usize| Linear {
-            weight: backend.upload(parts.concat()),
-            out_features: out,
-            in_features: inp,
-        };
+        let upload =
+            |backend: &B, shape: &[usize], data: Vec<f32>, dtype: DType| -> Result<Tensor<B>> {
+                Ok(backend.upload(&HostTensor::from_f32(shape, data)?.to_dtype(dtype)?))
+            };
+        let linear =
+            |backend: &B, parts: Vec<Vec<f32>>, out: usize, inp: usize| -> Result<Linear<B>> {
+                Ok(Linear {
+                    weight: upload(backend, &[out, inp], parts.concat(), dtype)?,
+                    out_features: out,
+                    in_features: inp,
+                })
+            };
+        let norm = |backend: &B, data: Vec<f32>| upload(backend, &[data.len()], data, DType::F32);
         let mut layers = Vec::with_capacity(config.num_hidden_layers);
         for l in 0..config.num_hidden_layers {
             let p = format!("model.layers.{l}");
@@ -127,14 +173,18 @@ impl<B: Backend> LlamaModel<B> {
             let u = host.take(&format!("{p}.mlp.up_proj.weight"), &[i, d])?;
             let dn = host.take(&format!("{p}.mlp.down_proj.weight"), &[d, i])?;
             layers.push(Layer {
-                input_norm: backend
-                    .upload(host.take(&format!("{p}.input_layernorm.weight"), &[d])?),
-                qkv: linear(&backend, vec![q, k, vv], (nh + 2 * nkv) * hd, d),
-                o_proj: linear(&backend, vec![o], d, nh * hd),
-                post_norm: backend
-                    .upload(host.take(&format!("{p}.post_attention_layernorm.weight"), &[d])?),
-                gate_up: linear(&backend, vec![g, u], 2 * i, d),
-                down: linear(&backend, vec![dn], d, i),
+                input_norm: norm(
+                    &backend,
+                    host.take(&format!("{p}.input_layernorm.weight"), &[d])?,
+                )?,
+                qkv: linear(&backend, vec![q, k, vv], (nh + 2 * nkv) * hd, d)?,
+                o_proj: linear(&backend, vec![o], d, nh * hd)?,
+                post_norm: norm(
+                    &backend,
+                    host.take(&format!("{p}.post_attention_layernorm.weight"), &[d])?,
+                )?,
+                gate_up: linear(&backend, vec![g, u], 2 * i, d)?,
+                down: linear(&backend, vec![dn], d, i)?,
             });
         }
         let embed_host = host.take("model.embed_tokens.weight", &[v, d])?;
@@ -146,10 +196,10 @@ impl<B: Backend> LlamaModel<B> {
                 vec![host.take("lm_head.weight", &[v, d])?],
                 v,
                 d,
-            ))
+            )?)
         };
-        let norm = backend.upload(host.take("model.norm.weight", &[d])?);
-        let embed = backend.upload(embed_host);
+        let norm = norm(&backend, host.take("model.norm.weight", &[d])?)?;
+        let embed = upload(&backend, &[v, d], embed_host, dtype)?;
         let qkv_layout = QkvLayout {
             num_heads: nh,
             num_kv_heads: nkv,
@@ -158,6 +208,7 @@ impl<B: Backend> LlamaModel<B> {
         Ok(Self {
             backend,
             config,
+            dtype,
             embed,
             lm_head,
             layers,
@@ -176,15 +227,21 @@ impl<B: Backend> LlamaModel<B> {
         &self.backend
     }
 
+    /// The dtype of the weights and K/V.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
     /// Bytes of weights one decode step reads (every matrix once; the embedding table once
-    /// as the LM head).
+    /// as the LM head; norms in f32).
     pub fn weight_bytes(&self) -> usize {
         let c = &self.config;
-        let per_layer = self.qkv_layout.row_width() * c.hidden_size
+        let matrices = self.qkv_layout.row_width() * c.hidden_size
             + c.hidden_size * c.num_attention_heads * c.head_dim()
-            + 3 * c.intermediate_size * c.hidden_size
-            + 2 * c.hidden_size;
-        4 * (per_layer * c.num_hidden_layers + c.vocab_size * c.hidden_size + c.hidden_size)
+            + 3 * c.intermediate_size * c.hidden_size;
+        let norms = 2 * c.hidden_size;
+        (matrices * c.num_hidden_layers + c.vocab_size * c.hidden_size) * self.dtype.size()
+            + (norms * c.num_hidden_layers + c.hidden_size) * 4
     }
 
     /// The KV layout this model needs for a pool of `num_blocks` blocks of `block_size`.
@@ -195,48 +252,94 @@ impl<B: Backend> LlamaModel<B> {
             head_dim: self.config.head_dim(),
             block_size,
             num_blocks,
+            dtype: self.dtype,
         }
     }
 
-    /// Runs one step: writes every new token's K/V into `cache` and returns the logits of
-    /// `batch.logits_rows`, row-major `(rows, vocab)`, on the host.
-    pub fn forward(&self, batch: &ForwardBatch, cache: &mut B::KvCache) -> Vec<f32> {
+    /// Activations for steps up to `limits`.
+    pub fn workspace(&self, limits: StepLimits) -> LlamaWorkspace<B> {
         let b = &self.backend;
         let c = &self.config;
-        let n = batch.num_tokens();
+        let (n, r) = (limits.max_tokens.max(1), limits.max_seqs.max(1));
+        let f = |rows: usize, cols: usize| b.zeros(DType::F32, &[rows, cols]);
+        LlamaWorkspace {
+            limits,
+            x: f(n, c.hidden_size),
+            h: f(n, c.hidden_size),
+            qkv: f(n, self.qkv_layout.row_width()),
+            attn: f(n, self.qkv_layout.num_heads * self.qkv_layout.head_dim),
+            gate_up: f(n, 2 * c.intermediate_size),
+            act: f(n, c.intermediate_size),
+            last: f(r, c.hidden_size),
+            logits: f(r, c.vocab_size),
+        }
+    }
+
+    /// Runs one step described by `meta`: writes every new token's K/V into `cache` and
+    /// leaves the logits of `meta.logits_rows` in `ws.logits`. Allocates nothing.
+    pub fn forward(&self, meta: &StepMeta<B>, cache: &mut KvCache<B>, ws: &mut LlamaWorkspace<B>) {
+        let b = &self.backend;
+        let c = &self.config;
+        let n = meta.num_tokens;
+        assert!(
+            n <= ws.limits.max_tokens && meta.num_logits <= ws.limits.max_seqs,
+            "step larger than the workspace"
+        );
         let d = c.hidden_size;
         let eps = c.rms_norm_eps;
-        let mut x = b.zeros(n * d);
-        b.embed(&self.embed, d, &batch.token_ids, &mut x);
-        let mut h = b.zeros(n * d);
-        let mut qkv = b.zeros(n * self.qkv_layout.row_width());
-        let mut attn = b.zeros(n * self.qkv_layout.num_heads * self.qkv_layout.head_dim);
-        let mut gate_up = b.zeros(n * 2 * c.intermediate_size);
-        let mut act = b.zeros(n * c.intermediate_size);
+        let ql = self.qkv_layout;
+        b.embed(&self.embed, &meta.token_ids, n, &mut ws.x);
         for (l, layer) in self.layers.iter().enumerate() {
-            b.rms_norm(&x, &layer.input_norm, n, eps, &mut h);
-            b.matmul(&h, n, &layer.qkv, &mut qkv, false);
-            b.rope(&mut qkv, self.qkv_layout, &batch.positions, c.rope_theta);
-            b.write_kv(&qkv, self.qkv_layout, cache, l, &batch.slot_mapping);
-            b.attention(&qkv, self.qkv_layout, cache, l, batch, &mut attn);
-            b.matmul(&attn, n, &layer.o_proj, &mut x, true);
-            b.rms_norm(&x, &layer.post_norm, n, eps, &mut h);
-            b.matmul(&h, n, &layer.gate_up, &mut gate_up, false);
-            b.silu_mul(&gate_up, n, &mut act);
-            b.matmul(&act, n, &layer.down, &mut x, true);
+            b.rms_norm(&ws.x, &layer.input_norm, n, eps, &mut ws.h);
+            b.linear(&ws.h, n, &layer.qkv, &mut ws.qkv, false);
+            b.rope(&mut ws.qkv, n, ql, &meta.positions, c.rope_theta);
+            b.write_kv(&ws.qkv, n, ql, cache, l, &meta.slot_mapping);
+            b.paged_attention(&ws.qkv, ql, cache, l, meta, &mut ws.attn);
+            b.linear(&ws.attn, n, &layer.o_proj, &mut ws.x, true);
+            b.rms_norm(&ws.x, &layer.post_norm, n, eps, &mut ws.h);
+            b.linear(&ws.h, n, &layer.gate_up, &mut ws.gate_up, false);
+            b.silu_mul(&ws.gate_up, n, c.intermediate_size, &mut ws.act);
+            b.linear(&ws.act, n, &layer.down, &mut ws.x, true);
         }
-        let rows = batch.logits_rows.len();
+        let rows = meta.num_logits;
         if rows == 0 {
-            return Vec::new();
+            return;
         }
-        let mut last = b.zeros(rows * d);
-        b.gather_rows(&x, d, &batch.logits_rows, &mut last);
-        b.rms_norm(&last, &self.norm, rows, eps, &mut h);
-        let mut logits = b.zeros(rows * c.vocab_size);
+        b.gather_rows(&ws.x, d, &meta.logits_rows, rows, &mut ws.last);
+        b.rms_norm(&ws.last, &self.norm, rows, eps, &mut ws.h);
         match &self.lm_head {
-            Some(head) => b.matmul(&h, rows, head, &mut logits, false),
-            None => b.matmul_raw(&h, rows, &self.embed, c.vocab_size, d, &mut logits, false),
+            Some(head) => b.linear(&ws.h, rows, head, &mut ws.logits, false),
+            None => b.matmul(
+                &ws.h,
+                rows,
+                &self.embed,
+                c.vocab_size,
+                d,
+                &mut ws.logits,
+                false,
+            ),
         }
-        b.download(&logits)
+    }
+
+    /// [`LlamaModel::forward`] of one batch with buffers made for it, returning the logits
+    /// of `batch.logits_rows` on the host, row-major `(rows, vocab)` (evaluation and tests).
+    pub fn forward_batch(&self, batch: &ForwardBatch, cache: &mut KvCache<B>) -> Result<Vec<f32>> {
+        let limits = StepLimits {
+            max_tokens: batch.num_tokens(),
+            max_seqs: batch.seqs.len().max(batch.logits_rows.len()),
+            max_blocks_per_seq: batch
+                .seqs
+                .iter()
+                .map(|s| s.block_table.len())
+                .max()
+                .unwrap_or(0),
+        };
+        let mut meta = StepMeta::new(&self.backend, limits);
+        meta.upload(&self.backend, batch)?;
+        let mut ws = self.workspace(limits);
+        self.forward(&meta, cache, &mut ws);
+        let mut logits = self.backend.download(&ws.logits).to_f32_vec();
+        logits.truncate(batch.logits_rows.len() * self.config.vocab_size);
+        Ok(logits)
     }
 }

@@ -4,11 +4,12 @@
 //! chunks of prompts under a token budget (continuous batching with chunked prefill), so a
 //! long prompt makes progress every step without stalling the decodes.
 
-use crate::backend::Backend;
+use crate::backend::Ops;
 use crate::batch::ForwardBatch;
-use crate::kv_pool::{BlockAllocation, BlockAllocator, KvLayout};
-use crate::llama::LlamaModel;
-use crate::sampling::sample;
+use crate::kv_pool::{BlockAllocation, BlockAllocator, KvCache, KvLayout};
+use crate::llama::{LlamaModel, LlamaWorkspace};
+use crate::step::{StepLimits, StepMeta};
+use crate::tensor::HostTensor;
 use crate::{Error, Result};
 use parking_lot::Mutex;
 use std::collections::VecDeque;
@@ -52,8 +53,8 @@ pub enum SeqKind {
     Decode {
         /// Blocks reserved for this request (see [`Engine::reserve`]).
         allocation: BlockAllocation,
-        /// The prompt's K/V in the transfer layout (see `Backend::export_kv`).
-        kv: Vec<f32>,
+        /// The prompt's K/V in the transfer layout (see `Ops::read_kv`), in the cache's dtype.
+        kv: HostTensor,
         /// The token the prefill worker sampled.
         first_token: u32,
     },
@@ -75,8 +76,8 @@ pub enum EngineEvent {
         first_token: u32,
         /// Set when the first token already ends the request.
         finish: Option<FinishReason>,
-        /// The prompt's K/V in transfer layout.
-        kv: Vec<f32>,
+        /// The prompt's K/V in transfer layout, in the cache's dtype.
+        kv: HostTensor,
     },
 }
 
@@ -108,7 +109,7 @@ struct Seq {
     prefill_only: bool,
     cached: usize,
     allocation: Option<BlockAllocation>,
-    import: Option<Vec<f32>>,
+    import: Option<HostTensor>,
     tx: UnboundedSender<EngineEvent>,
 }
 
@@ -166,7 +167,7 @@ impl std::fmt::Debug for Engine {
 
 impl Engine {
     /// Starts the engine thread for `model`.
-    pub fn start<B: Backend>(model: LlamaModel<B>, config: EngineConfig) -> Self {
+    pub fn start<B: Ops>(model: LlamaModel<B>, config: EngineConfig) -> Self {
         let layout = model.kv_layout(config.block_size, config.num_blocks);
         let allocator = BlockAllocator::new(config.num_blocks);
         let stats = Arc::new(Mutex::new(EngineStats::default()));
@@ -180,10 +181,20 @@ impl Engine {
         let handle = std::thread::Builder::new()
             .name("tandem-engine".into())
             .spawn(move || {
-                let cache = model.backend().kv_cache(layout);
+                let cache = KvCache::new(model.backend(), layout);
+                let limits = StepLimits {
+                    max_tokens: config.max_batch_tokens + config.max_running,
+                    max_seqs: config.max_running,
+                    max_blocks_per_seq: max_context.div_ceil(config.block_size),
+                };
+                let meta = StepMeta::new(model.backend(), limits);
+                let workspace = model.workspace(limits);
                 let mut worker = Worker {
                     model,
                     cache,
+                    meta,
+                    workspace,
+                    sampled: Vec::with_capacity(limits.max_seqs),
                     config,
                     rx,
                     allocator: thread_alloc,
@@ -263,11 +274,13 @@ impl Engine {
             first_token,
         } = kind
         {
-            let expected = prompt_len * self.layout.bytes_per_token() / 4;
-            if kv.len() != expected {
+            let expected = prompt_len * self.layout.values_per_token();
+            if kv.dtype() != self.layout.dtype || kv.len() != expected {
                 return Err(Error::InvalidRequest(format!(
-                    "KV for {prompt_len} tokens must hold {expected} floats, got {}",
-                    kv.len()
+                    "KV for {prompt_len} tokens must hold {expected} {} values, got {} {}",
+                    self.layout.dtype,
+                    kv.len(),
+                    kv.dtype()
                 )));
             }
             if allocation.blocks().len() < self.layout.blocks_for(total) {
@@ -316,9 +329,12 @@ impl Engine {
     }
 }
 
-struct Worker<B: Backend> {
+struct Worker<B: Ops> {
     model: LlamaModel<B>,
-    cache: B::KvCache,
+    cache: KvCache<B>,
+    meta: StepMeta<B>,
+    workspace: LlamaWorkspace<B>,
+    sampled: Vec<u32>,
     config: EngineConfig,
     rx: mpsc::Receiver<Command>,
     allocator: BlockAllocator,
@@ -327,7 +343,7 @@ struct Worker<B: Backend> {
     running: Vec<Seq>,
 }
 
-impl<B: Backend> Worker<B> {
+impl<B: Ops> Worker<B> {
     fn run(&mut self) {
         loop {
             // Block only when there is nothing to compute.
@@ -381,12 +397,17 @@ impl<B: Backend> Worker<B> {
                 }
             }
             if let (Some(kv), Some(alloc)) = (seq.import.take(), seq.allocation.as_ref()) {
-                self.model.backend().import_kv(
+                let imported = self.model.backend().write_kv_host(
                     &mut self.cache,
                     alloc.blocks(),
                     seq.prompt_len,
                     &kv,
                 );
+                if let Err(e) = imported {
+                    // Checked at submission; dropping the sender fails the request.
+                    tracing::warn!(error = %e, "KV import refused");
+                    continue;
+                }
                 seq.cached = seq.prompt_len;
             }
             self.running.push(*seq);
@@ -444,9 +465,26 @@ impl<B: Backend> Worker<B> {
         if batch.num_tokens() == 0 {
             return;
         }
-        let logits = self.model.forward(&batch, &mut self.cache);
+        if let Err(e) = self.meta.upload(self.model.backend(), &batch) {
+            // The buffers are sized from the same limits the batch is built under.
+            panic!("step metadata does not fit its buffers: {e}");
+        }
+        self.model
+            .forward(&self.meta, &mut self.cache, &mut self.workspace);
+        // Sample on the device: one (params, step) per logits row, in batch order.
+        let sampling: Vec<_> = in_batch
+            .iter()
+            .map(|&(i, _)| &self.running[i])
+            .zip(in_batch.iter())
+            .filter(|(seq, &(_, n))| seq.cached + n == seq.tokens.len())
+            .map(|(seq, _)| (&seq.params, seq.generated() as u32))
+            .collect();
         let vocab = self.model.config().vocab_size;
-        let mut rows = logits.chunks_exact(vocab);
+        self.model
+            .backend()
+            .sample(&self.workspace.logits, vocab, &sampling, &mut self.sampled);
+        drop(sampling);
+        let mut rows = self.sampled.iter().copied();
         let mut finished = Vec::new();
         // Finished sequences leave the counters before their caller hears of it, like their
         // blocks, so a drained engine reads as drained.
@@ -466,9 +504,7 @@ impl<B: Backend> Worker<B> {
             if seq.cached < seq.tokens.len() {
                 continue; // more prompt chunks to go
             }
-            let Some(row) = rows.next() else { break };
-            let step = seq.generated() as u32;
-            let token = sample(row, &seq.params, step);
+            let Some(token) = rows.next() else { break };
             seq.tokens.push(token);
             generated += 1;
             let finish = seq.finish_reason(token);
@@ -481,7 +517,7 @@ impl<B: Backend> Worker<B> {
                 let kv = self
                     .model
                     .backend()
-                    .export_kv(&self.cache, blocks, seq.prompt_len);
+                    .read_kv(&self.cache, blocks, seq.prompt_len);
                 // Free the blocks before the caller hears of it, so accounting is exact.
                 seq.allocation = None;
                 leave();

@@ -2,7 +2,9 @@
 //! `shared/reference/smollm2/greedy.json`, and the reference's top-5 logits.
 
 use tandem_core::SamplingParams;
-use tandem_engine::{CpuBackend, Engine, EngineConfig, EngineEvent, LlamaModel, SeqKind};
+use tandem_engine::{
+    CpuBackend, DType, Engine, EngineConfig, EngineEvent, KvCache, LlamaModel, SeqKind,
+};
 
 fn ids(v: &serde_json::Value) -> Vec<u32> {
     v.as_array()
@@ -36,7 +38,7 @@ fn generate(engine: &Engine, prompt: Vec<u32>, max_tokens: u32) -> Vec<u32> {
 fn greedy_matches_transformers_all_cases_concurrently_and_alone() {
     let reference = tandem_testkit::smollm2_greedy_reference();
     let dir = tandem_testkit::smollm2_dir();
-    let model = LlamaModel::load(&dir, CpuBackend::new()).expect("load model");
+    let model = LlamaModel::load(&dir, CpuBackend::new(), DType::F32).expect("load model");
     // A small chunk budget forces chunked prefill across steps.
     let config = EngineConfig {
         max_batch_tokens: 16,
@@ -86,15 +88,15 @@ fn greedy_matches_transformers_all_cases_concurrently_and_alone() {
 fn first_step_logits_match_reference_top5() {
     let reference = tandem_testkit::smollm2_greedy_reference();
     let dir = tandem_testkit::smollm2_dir();
-    let model = LlamaModel::load(&dir, CpuBackend::new()).expect("load model");
+    let model = LlamaModel::load(&dir, CpuBackend::new(), DType::F32).expect("load model");
     let layout = model.kv_layout(16, 64);
-    let mut cache = tandem_engine::Backend::kv_cache(model.backend(), layout);
+    let mut cache = KvCache::new(model.backend(), layout);
     let blocks: Vec<tandem_core::BlockId> = (0..64).map(tandem_core::BlockId).collect();
     for case in reference["cases"].as_array().expect("cases") {
         let prompt = ids(&case["prompt_ids"]);
         let mut batch = tandem_engine::batch::ForwardBatch::default();
         batch.push(&prompt, 0, &blocks, 16, true);
-        let logits = model.forward(&batch, &mut cache);
+        let logits = model.forward_batch(&batch, &mut cache).expect("forward");
         for pair in case["top5_step1"].as_array().expect("top5") {
             let id = pair[0].as_u64().expect("id") as usize;
             let want = pair[1].as_f64().expect("logit") as f32;
@@ -106,4 +108,139 @@ fn first_step_logits_match_reference_top5() {
             );
         }
     }
+}
+
+/// First-step logits of every case's prompt, `(case, logits)`.
+fn first_logits(model: &LlamaModel<CpuBackend>, reference: &serde_json::Value) -> Vec<Vec<f32>> {
+    let mut cache = KvCache::new(model.backend(), model.kv_layout(16, 64));
+    let blocks: Vec<tandem_core::BlockId> = (0..64).map(tandem_core::BlockId).collect();
+    reference["cases"]
+        .as_array()
+        .expect("cases")
+        .iter()
+        .map(|case| {
+            let mut batch = tandem_engine::batch::ForwardBatch::default();
+            batch.push(&ids(&case["prompt_ids"]), 0, &blocks, 16, true);
+            model.forward_batch(&batch, &mut cache).expect("forward")
+        })
+        .collect()
+}
+
+/// bf16 weights and K/V: the reference's greedy token at every step where its top-2 margin is
+/// above 0.5 (teacher-forced on the reference's own sequence, so a near-tie earlier cannot
+/// hide later steps), the same tokens through the engine up to the first near-tie, and the
+/// reference's top-5 first-step logits within 0.1 of the f32 path's.
+#[test]
+fn bf16_keeps_the_greedy_tokens_with_clear_margins_and_logits_near_f32() {
+    let reference = tandem_testkit::smollm2_greedy_reference();
+    let dir = tandem_testkit::smollm2_dir();
+    let f32_model = LlamaModel::load(&dir, CpuBackend::new(), DType::F32).expect("load f32");
+    let want_logits = first_logits(&f32_model, &reference);
+    drop(f32_model);
+    let model = LlamaModel::load(&dir, CpuBackend::new(), DType::BF16).expect("load bf16");
+    assert_eq!(model.kv_layout(16, 1).dtype, DType::BF16, "bf16 K/V");
+    for ((case, got), want) in reference["cases"]
+        .as_array()
+        .expect("cases")
+        .iter()
+        .zip(first_logits(&model, &reference))
+        .zip(&want_logits)
+    {
+        let worst = got
+            .iter()
+            .zip(want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        let mean = got
+            .iter()
+            .zip(want)
+            .map(|(a, b)| (a - b).abs())
+            .sum::<f32>()
+            / got.len() as f32;
+        let top5: Vec<usize> = case["top5_step1"]
+            .as_array()
+            .expect("top5")
+            .iter()
+            .map(|p| p[0].as_u64().expect("id") as usize)
+            .collect();
+        let worst_top = top5
+            .iter()
+            .map(|&i| (got[i] - want[i]).abs())
+            .fold(0.0f32, f32::max);
+        eprintln!(
+            "{}: |bf16 - f32| max {worst} mean {mean} top-5 max {worst_top}",
+            case["name"]
+        );
+        assert!(
+            worst_top < 0.1,
+            "{}: bf16 first-step logits differ from f32 by up to {worst}",
+            case["name"]
+        );
+    }
+    let mut forced = 0;
+    for case in reference["cases"].as_array().expect("cases") {
+        let prompt = ids(&case["prompt_ids"]);
+        let generated = ids(&case["generated_ids"]);
+        let margins: Vec<f64> = case["greedy_margins"]
+            .as_array()
+            .expect("margins")
+            .iter()
+            .map(|m| m.as_f64().expect("margin"))
+            .collect();
+        let mut seq = prompt.clone();
+        seq.extend_from_slice(&generated[..generated.len() - 1]);
+        let blocks: Vec<tandem_core::BlockId> = (0..seq.len().div_ceil(16) as u32)
+            .map(tandem_core::BlockId)
+            .collect();
+        let mut cache = KvCache::new(model.backend(), model.kv_layout(16, blocks.len()));
+        let mut batch = tandem_engine::batch::ForwardBatch::default();
+        batch.push(&seq, 0, &blocks, 16, false);
+        batch.logits_rows = (prompt.len() - 1..seq.len()).collect();
+        let logits = model.forward_batch(&batch, &mut cache).expect("forward");
+        let vocab = model.config().vocab_size;
+        for (step, row) in logits.chunks_exact(vocab).enumerate() {
+            if margins[step] > 0.5 {
+                let got = tandem_engine::sampling::argmax(row);
+                assert_eq!(
+                    got, generated[step],
+                    "{} step {step}: bf16 greedy token (reference margin {})",
+                    case["name"], margins[step]
+                );
+                forced += 1;
+            }
+        }
+    }
+    assert!(
+        forced >= 40,
+        "the reference should have clear-margin steps to compare ({forced})"
+    );
+    let engine = Engine::start(
+        model,
+        EngineConfig {
+            max_batch_tokens: 16,
+            ..EngineConfig::default()
+        },
+    );
+    for case in reference["cases"].as_array().expect("cases") {
+        let expected = ids(&case["generated_ids"]);
+        let margins: Vec<f64> = case["greedy_margins"]
+            .as_array()
+            .expect("margins")
+            .iter()
+            .map(|m| m.as_f64().expect("margin"))
+            .collect();
+        let clear = margins.iter().take_while(|&&m| m > 0.5).count();
+        let got = generate(&engine, ids(&case["prompt_ids"]), expected.len() as u32);
+        assert_eq!(
+            got[..clear.min(got.len())],
+            expected[..clear.min(got.len())],
+            "case {} (bf16, first {clear} clear-margin steps)",
+            case["name"]
+        );
+    }
+    assert_eq!(
+        engine.allocator().free_blocks(),
+        engine.allocator().total_blocks(),
+        "KV blocks leaked"
+    );
 }

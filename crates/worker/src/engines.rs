@@ -103,7 +103,7 @@ impl WorkerEngine {
                     head_dim: l.head_dim as u32,
                     block_size: l.block_size as u32,
                     num_tokens: num_tokens as u32,
-                    dtype: "f32".into(),
+                    dtype: l.dtype.name().into(),
                 }
             }
             WorkerEngine::Kda(e) => pb::KvLayout {
@@ -180,7 +180,7 @@ impl WorkerEngine {
                     }) => Ok(Prefilled {
                         first_token,
                         finish,
-                        body: bytemuck::cast_slice(&kv).to_vec(),
+                        body: kv.to_le_bytes(),
                     }),
                     _ => Err(stopped()),
                 }
@@ -214,13 +214,10 @@ impl WorkerEngine {
     ) -> Result<TokenEvents> {
         match (self, reservation) {
             (WorkerEngine::Llama(e), Reservation::Blocks(allocation)) => {
-                if !body.len().is_multiple_of(4) {
-                    return Err(Error::InvalidRequest("KV body is not whole floats".into()));
-                }
-                let kv = body
-                    .chunks_exact(4)
-                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                    .collect();
+                let l = e.layout();
+                let shape = [l.num_layers, 2, prompt.len(), l.kv_dim()];
+                let kv = tandem_engine::HostTensor::from_le_bytes(l.dtype, &shape, body)
+                    .map_err(Error::Engine)?;
                 let kind = SeqKind::Decode {
                     allocation,
                     kv,

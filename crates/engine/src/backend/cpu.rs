@@ -1,18 +1,33 @@
-//! The CPU backend: `Vec<f32>` tensors, GEMMs on the `gemm` crate (packed, SIMD, threaded
-//! through rayon), element-wise work split over rayon's pool.
+//! The CPU backend: host memory tensors, the matrix, attention and vector kernels of
+//! `tandem-cpu-kernels` (AVX-512, AVX2 or portable, picked at run time), element-wise work
+//! split over rayon's pool. Activations are f32; weights and K/V f32 or bf16.
 
-use super::{Backend, QkvLayout};
-use crate::batch::ForwardBatch;
-use crate::kv_pool::KvLayout;
+use super::{Backend, Ops, QkvLayout};
+use crate::kv_pool::KvCache;
+use crate::sampling::sample;
+use crate::step::StepMeta;
+use crate::tensor::{DType, HostData, HostTensor, Tensor};
+use crate::{Error, Result};
+use half::{bf16, f16};
 use rayon::prelude::*;
-use tandem_core::BlockId;
+use tandem_core::{BlockId, SamplingParams};
+use tandem_cpu_kernels::attention::{paged_attention, AttentionShape, SeqTable};
 
-/// Paged K/V for every layer: `[slot][kv_dim]` per layer, slot = block * block_size + offset.
-#[derive(Debug)]
-pub struct CpuKvCache {
-    layout: KvLayout,
-    k: Vec<Vec<f32>>,
-    v: Vec<Vec<f32>>,
+/// A CPU tensor's elements.
+#[derive(Clone, Debug)]
+pub enum CpuStorage {
+    /// f32.
+    F32(Vec<f32>),
+    /// bf16.
+    BF16(Vec<bf16>),
+    /// f16.
+    F16(Vec<f16>),
+    /// E4M3 codes.
+    F8E4M3(Vec<u8>),
+    /// u32.
+    U32(Vec<u32>),
+    /// i32.
+    I32(Vec<i32>),
 }
 
 /// Runs the engine on the host CPU.
@@ -26,83 +41,52 @@ impl CpuBackend {
     }
 }
 
-#[allow(unsafe_code)]
-mod gemm_call {
-    /// `out (m×n) = x (m×k) · wᵀ` where `w` is `(n, k)` row-major; adds into `out` when
-    /// `accumulate`.
-    pub fn x_wt(
-        out: &mut [f32],
-        x: &[f32],
-        w: &[f32],
-        m: usize,
-        n: usize,
-        k: usize,
-        accumulate: bool,
-    ) {
-        assert!(x.len() >= m * k, "x too short");
-        assert!(w.len() >= n * k, "w too short");
-        assert!(out.len() >= m * n, "out too short");
-        let parallelism = if m * n * k >= 64 * 1024 {
-            gemm::Parallelism::Rayon(0)
-        } else {
-            gemm::Parallelism::None
-        };
-        // SAFETY: the asserts above guarantee every index the strides below can reach
-        // (row-major out/x, column view of row-major w) lies inside its slice; `out` is
-        // borrowed mutably, so it aliases neither input.
-        unsafe {
-            gemm::gemm(
-                m,
-                n,
-                k,
-                out.as_mut_ptr(),
-                1,
-                n as isize,
-                accumulate,
-                x.as_ptr(),
-                1,
-                k as isize,
-                w.as_ptr(),
-                k as isize,
-                1,
-                1.0,
-                1.0,
-                false,
-                false,
-                false,
-                parallelism,
-            );
-        }
+type T = Tensor<CpuBackend>;
+
+fn f32s(t: &T) -> &[f32] {
+    match &t.storage {
+        CpuStorage::F32(v) => v,
+        _ => panic!("expected an f32 tensor, got {}", t.dtype),
     }
 }
 
-/// Dot product with eight independent partial sums, so it vectorises (a plain `sum()` must
-/// keep the sequential order and does not).
-pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0.0f32; 8];
-    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
-    let tail: f32 = ca
-        .remainder()
-        .iter()
-        .zip(cb.remainder())
-        .map(|(x, y)| x * y)
-        .sum();
-    for (x, y) in ca.zip(cb) {
-        for i in 0..8 {
-            acc[i] += x[i] * y[i];
-        }
+fn f32s_mut(t: &mut T) -> &mut [f32] {
+    let dtype = t.dtype;
+    match &mut t.storage {
+        CpuStorage::F32(v) => v,
+        _ => panic!("expected an f32 tensor, got {dtype}"),
     }
-    acc.iter().sum::<f32>() + tail
 }
 
-fn rope_tables(head_dim: usize, theta: f32, pos: u32) -> impl Iterator<Item = (f32, f32)> {
-    let half = head_dim / 2;
-    (0..half).map(move |i| {
-        // Same arithmetic as the reference implementation: inv_freq in f32, then pos * inv_freq.
-        let inv_freq = 1.0f32 / theta.powf((2 * i) as f32 / head_dim as f32);
-        let f = pos as f32 * inv_freq;
-        (f.cos(), f.sin())
-    })
+fn u32s(t: &T) -> &[u32] {
+    match &t.storage {
+        CpuStorage::U32(v) => v,
+        _ => panic!("expected a u32 tensor, got {}", t.dtype),
+    }
+}
+
+impl CpuStorage {
+    fn from_host(data: &HostData) -> Self {
+        match data {
+            HostData::F32(v) => CpuStorage::F32(v.clone()),
+            HostData::BF16(v) => CpuStorage::BF16(v.clone()),
+            HostData::F16(v) => CpuStorage::F16(v.clone()),
+            HostData::F8E4M3(v) => CpuStorage::F8E4M3(v.clone()),
+            HostData::U32(v) => CpuStorage::U32(v.clone()),
+            HostData::I32(v) => CpuStorage::I32(v.clone()),
+        }
+    }
+
+    fn to_host(&self) -> HostData {
+        match self {
+            CpuStorage::F32(v) => HostData::F32(v.clone()),
+            CpuStorage::BF16(v) => HostData::BF16(v.clone()),
+            CpuStorage::F16(v) => HostData::F16(v.clone()),
+            CpuStorage::F8E4M3(v) => HostData::F8E4M3(v.clone()),
+            CpuStorage::U32(v) => HostData::U32(v.clone()),
+            CpuStorage::I32(v) => HostData::I32(v.clone()),
+        }
+    }
 }
 
 fn rotate_half(x: &mut [f32], cs: &[(f32, f32)]) {
@@ -115,46 +99,109 @@ fn rotate_half(x: &mut [f32], cs: &[(f32, f32)]) {
     }
 }
 
+/// Largest head the RoPE tables on the stack hold.
+const MAX_HEAD_DIM: usize = 512;
+
+/// Token-major K/V rows of one layer: `(slot, kv_dim)` for every token of a block table.
+fn token_slots(
+    blocks: &[BlockId],
+    block_size: usize,
+    tokens: usize,
+) -> impl Iterator<Item = usize> + '_ {
+    (0..tokens).map(move |t| blocks[t / block_size].0 as usize * block_size + t % block_size)
+}
+
 impl Backend for CpuBackend {
-    type Tensor = Vec<f32>;
-    type KvCache = CpuKvCache;
+    type Storage = CpuStorage;
 
     fn name(&self) -> String {
-        format!("cpu ({} threads)", rayon::current_num_threads())
+        let features = tandem_cpu_kernels::isa::features();
+        format!(
+            "cpu ({}{}{}, {} threads)",
+            tandem_cpu_kernels::isa::current(),
+            if features.is_empty() { "" } else { " + " },
+            features.join(" "),
+            rayon::current_num_threads()
+        )
     }
 
-    fn upload(&self, data: Vec<f32>) -> Vec<f32> {
-        data
+    fn zeros(&self, dtype: DType, shape: &[usize]) -> T {
+        let n: usize = shape.iter().product();
+        let storage = match dtype {
+            DType::F32 => CpuStorage::F32(vec![0.0; n]),
+            DType::BF16 => CpuStorage::BF16(vec![bf16::ZERO; n]),
+            DType::F16 => CpuStorage::F16(vec![f16::ZERO; n]),
+            DType::F8E4M3 => CpuStorage::F8E4M3(vec![0; n]),
+            DType::U32 => CpuStorage::U32(vec![0; n]),
+            DType::I32 => CpuStorage::I32(vec![0; n]),
+        };
+        Tensor::from_storage(storage, dtype, shape)
     }
 
-    fn zeros(&self, len: usize) -> Vec<f32> {
-        vec![0.0; len]
+    fn upload(&self, host: &HostTensor) -> T {
+        Tensor::from_storage(
+            CpuStorage::from_host(host.data()),
+            host.dtype(),
+            host.shape(),
+        )
     }
 
-    fn download(&self, t: &Vec<f32>) -> Vec<f32> {
-        t.clone()
+    fn download(&self, t: &T) -> HostTensor {
+        HostTensor::new(&t.shape, t.storage.to_host())
+            .expect("a tensor's storage matches its shape")
     }
 
-    fn kv_cache(&self, layout: KvLayout) -> CpuKvCache {
-        let len = layout.num_blocks * layout.block_size * layout.kv_dim();
-        CpuKvCache {
-            layout,
-            k: (0..layout.num_layers).map(|_| vec![0.0; len]).collect(),
-            v: (0..layout.num_layers).map(|_| vec![0.0; len]).collect(),
+    fn overwrite(&self, dst: &mut T, src: &HostTensor) -> Result<()> {
+        if dst.dtype != src.dtype() || dst.len() != src.len() {
+            return Err(Error::InvalidRequest(format!(
+                "cannot overwrite a {} tensor of {} values with a {} tensor of {}",
+                dst.dtype,
+                dst.len(),
+                src.dtype(),
+                src.len()
+            )));
+        }
+        match (&mut dst.storage, src.data()) {
+            (CpuStorage::F32(d), HostData::F32(s)) => d.copy_from_slice(s),
+            (CpuStorage::BF16(d), HostData::BF16(s)) => d.copy_from_slice(s),
+            (CpuStorage::F16(d), HostData::F16(s)) => d.copy_from_slice(s),
+            (CpuStorage::F8E4M3(d), HostData::F8E4M3(s)) => d.copy_from_slice(s),
+            (CpuStorage::U32(d), HostData::U32(s)) => d.copy_from_slice(s),
+            (CpuStorage::I32(d), HostData::I32(s)) => d.copy_from_slice(s),
+            _ => unreachable!("dtypes compared above"),
+        }
+        Ok(())
+    }
+
+    fn write_u32(&self, dst: &mut T, src: &[u32]) {
+        let dtype = dst.dtype;
+        match &mut dst.storage {
+            CpuStorage::U32(d) => d[..src.len()].copy_from_slice(src),
+            _ => panic!("expected a u32 tensor, got {dtype}"),
         }
     }
+}
 
-    fn embed(&self, table: &Vec<f32>, dim: usize, ids: &[u32], out: &mut Vec<f32>) {
-        out.resize(ids.len() * dim, 0.0);
+impl Ops for CpuBackend {
+    fn embed(&self, table: &T, ids: &T, rows: usize, out: &mut T) {
+        let dim = table.shape[1];
+        let ids = &u32s(ids)[..rows];
+        let out = &mut f32s_mut(out)[..rows * dim];
         for (row, &id) in out.chunks_exact_mut(dim).zip(ids) {
             let at = id as usize * dim;
-            row.copy_from_slice(&table[at..at + dim]);
+            match &table.storage {
+                CpuStorage::F32(t) => row.copy_from_slice(&t[at..at + dim]),
+                CpuStorage::BF16(t) => tandem_cpu_kernels::vector::from_bf16(&t[at..at + dim], row),
+                _ => panic!("embedding tables are f32 or bf16, got {}", table.dtype),
+            }
         }
     }
 
-    fn rms_norm(&self, x: &Vec<f32>, weight: &Vec<f32>, rows: usize, eps: f32, out: &mut Vec<f32>) {
+    fn rms_norm(&self, x: &T, weight: &T, rows: usize, eps: f32, out: &mut T) {
+        let weight = f32s(weight);
         let dim = weight.len();
-        out.resize(rows * dim, 0.0);
+        let x = &f32s(x)[..rows * dim];
+        let out = &mut f32s_mut(out)[..rows * dim];
         out.par_chunks_mut(dim)
             .zip(x.par_chunks(dim))
             .for_each(|(o, xi)| {
@@ -166,163 +213,260 @@ impl Backend for CpuBackend {
             });
     }
 
-    fn matmul_raw(
+    fn matmul(
         &self,
-        x: &Vec<f32>,
+        x: &T,
         rows: usize,
-        w: &Vec<f32>,
+        w: &T,
         out_features: usize,
         in_features: usize,
-        out: &mut Vec<f32>,
+        out: &mut T,
         accumulate: bool,
     ) {
-        out.resize(rows * out_features, 0.0);
-        gemm_call::x_wt(out, x, w, rows, out_features, in_features, accumulate);
+        let x = f32s(x);
+        let out = f32s_mut(out);
+        match &w.storage {
+            CpuStorage::F32(w) => {
+                tandem_cpu_kernels::linear(x, rows, w, out_features, in_features, out, accumulate)
+            }
+            CpuStorage::BF16(w) => {
+                tandem_cpu_kernels::linear(x, rows, w, out_features, in_features, out, accumulate)
+            }
+            _ => panic!("CPU matmul takes f32 or bf16 weights, got {}", w.dtype),
+        }
     }
 
-    fn rope(&self, qkv: &mut Vec<f32>, layout: QkvLayout, positions: &[u32], theta: f32) {
+    fn rope(&self, qkv: &mut T, rows: usize, layout: QkvLayout, positions: &T, theta: f32) {
         let width = layout.row_width();
         let hd = layout.head_dim;
+        assert!(hd <= MAX_HEAD_DIM, "head_dim {hd} above {MAX_HEAD_DIM}");
         let rotated = (layout.num_heads + layout.num_kv_heads) * hd;
+        let positions = &u32s(positions)[..rows];
+        let qkv = &mut f32s_mut(qkv)[..rows * width];
         qkv.par_chunks_mut(width)
             .zip(positions.par_iter())
             .for_each(|(row, &pos)| {
-                let cs: Vec<(f32, f32)> = rope_tables(hd, theta, pos).collect();
+                let mut cs = [(0.0f32, 0.0f32); MAX_HEAD_DIM / 2];
+                for (i, c) in cs[..hd / 2].iter_mut().enumerate() {
+                    // Same arithmetic as the reference: inv_freq in f32, then pos * inv_freq.
+                    let inv_freq = 1.0f32 / theta.powf((2 * i) as f32 / hd as f32);
+                    let f = pos as f32 * inv_freq;
+                    *c = (f.cos(), f.sin());
+                }
                 for head in row[..rotated].chunks_exact_mut(hd) {
-                    rotate_half(head, &cs);
+                    rotate_half(head, &cs[..hd / 2]);
                 }
             });
     }
 
     fn write_kv(
         &self,
-        qkv: &Vec<f32>,
+        qkv: &T,
+        rows: usize,
         layout: QkvLayout,
-        cache: &mut CpuKvCache,
+        cache: &mut KvCache<Self>,
         layer: usize,
-        slot_mapping: &[u32],
+        slot_mapping: &T,
     ) {
         let width = layout.row_width();
         let kv_dim = layout.num_kv_heads * layout.head_dim;
         let (ko, vo) = (layout.k_offset(), layout.v_offset());
-        for (row, &slot) in qkv.chunks_exact(width).zip(slot_mapping) {
+        let qkv = f32s(qkv);
+        let slots = &u32s(slot_mapping)[..rows];
+        let (k, v) = (&mut cache.k[layer].storage, &mut cache.v[layer].storage);
+        for (row, &slot) in qkv.chunks_exact(width).zip(slots) {
             let at = slot as usize * kv_dim;
-            cache.k[layer][at..at + kv_dim].copy_from_slice(&row[ko..ko + kv_dim]);
-            cache.v[layer][at..at + kv_dim].copy_from_slice(&row[vo..vo + kv_dim]);
-        }
-    }
-
-    fn attention(
-        &self,
-        qkv: &Vec<f32>,
-        layout: QkvLayout,
-        cache: &CpuKvCache,
-        layer: usize,
-        batch: &ForwardBatch,
-        out: &mut Vec<f32>,
-    ) {
-        let hd = layout.head_dim;
-        let heads = layout.num_heads;
-        let group = heads / layout.num_kv_heads;
-        let kv_dim = layout.num_kv_heads * hd;
-        let width = layout.row_width();
-        let bs = cache.layout.block_size;
-        let scale = 1.0 / (hd as f32).sqrt();
-        let (kc, vc) = (&cache.k[layer], &cache.v[layer]);
-        out.resize(batch.num_tokens() * heads * hd, 0.0);
-        // Each token row of `out` depends only on its own query and its sequence's cache.
-        let mut row_seq = vec![0usize; batch.num_tokens()];
-        for (s, seq) in batch.seqs.iter().enumerate() {
-            row_seq[seq.start..seq.start + seq.len].fill(s);
-        }
-        out.par_chunks_mut(heads * hd)
-            .enumerate()
-            .for_each(|(t, out_row)| {
-                let seq = &batch.seqs[row_seq[t]];
-                let ctx = seq.cached + (t - seq.start) + 1; // causal: positions 0..=pos
-                let slot = |j: usize| seq.block_table[j / bs].0 as usize * bs + j % bs;
-                let q_row = &qkv[t * width..t * width + heads * hd];
-                let mut scores = vec![0.0f32; ctx];
-                for h in 0..heads {
-                    let kvh = h / group;
-                    let q = &q_row[h * hd..(h + 1) * hd];
-                    let mut max = f32::NEG_INFINITY;
-                    for (j, s) in scores.iter_mut().enumerate() {
-                        let at = slot(j) * kv_dim + kvh * hd;
-                        let k = &kc[at..at + hd];
-                        *s = dot(q, k) * scale;
-                        max = max.max(*s);
-                    }
-                    let mut sum = 0.0;
-                    for s in scores.iter_mut() {
-                        *s = (*s - max).exp();
-                        sum += *s;
-                    }
-                    let o = &mut out_row[h * hd..(h + 1) * hd];
-                    o.fill(0.0);
-                    for (j, &p) in scores.iter().enumerate() {
-                        let at = slot(j) * kv_dim + kvh * hd;
-                        let w = p / sum;
-                        for (o, &v) in o.iter_mut().zip(&vc[at..at + hd]) {
-                            *o += w * v;
-                        }
-                    }
+            let (kr, vr) = (&row[ko..ko + kv_dim], &row[vo..vo + kv_dim]);
+            match (&mut *k, &mut *v) {
+                (CpuStorage::F32(k), CpuStorage::F32(v)) => {
+                    k[at..at + kv_dim].copy_from_slice(kr);
+                    v[at..at + kv_dim].copy_from_slice(vr);
                 }
-            });
+                (CpuStorage::BF16(k), CpuStorage::BF16(v)) => {
+                    tandem_cpu_kernels::vector::to_bf16(kr, &mut k[at..at + kv_dim]);
+                    tandem_cpu_kernels::vector::to_bf16(vr, &mut v[at..at + kv_dim]);
+                }
+                _ => panic!("K/V caches are f32 or bf16"),
+            }
+        }
     }
 
-    fn silu_mul(&self, gate_up: &Vec<f32>, rows: usize, out: &mut Vec<f32>) {
-        let inter = gate_up.len() / rows.max(1) / 2;
-        out.resize(rows * inter, 0.0);
-        out.par_chunks_mut(inter)
-            .zip(gate_up.par_chunks(2 * inter))
+    fn paged_attention(
+        &self,
+        qkv: &T,
+        layout: QkvLayout,
+        cache: &KvCache<Self>,
+        layer: usize,
+        meta: &StepMeta<Self>,
+        out: &mut T,
+    ) {
+        let shape = AttentionShape {
+            num_heads: layout.num_heads,
+            num_kv_heads: layout.num_kv_heads,
+            head_dim: layout.head_dim,
+            q_stride: layout.row_width(),
+            block_size: cache.layout().block_size,
+            scale: 1.0 / (layout.head_dim as f32).sqrt(),
+        };
+        let stride = meta.table_stride();
+        let seqs = SeqTable {
+            info: &u32s(&meta.seq_info)[..meta.num_seqs * 3],
+            tables: &u32s(&meta.block_tables)[..meta.num_seqs * stride],
+            stride,
+        };
+        let q = f32s(qkv);
+        let out = f32s_mut(out);
+        match (&cache.k[layer].storage, &cache.v[layer].storage) {
+            (CpuStorage::F32(k), CpuStorage::F32(v)) => paged_attention(q, k, v, seqs, shape, out),
+            (CpuStorage::BF16(k), CpuStorage::BF16(v)) => {
+                paged_attention(q, k, v, seqs, shape, out)
+            }
+            _ => panic!("K/V caches are f32 or bf16"),
+        }
+    }
+
+    fn silu_mul(&self, gate_up: &T, rows: usize, width: usize, out: &mut T) {
+        let gate_up = &f32s(gate_up)[..rows * 2 * width];
+        let out = &mut f32s_mut(out)[..rows * width];
+        out.par_chunks_mut(width)
+            .zip(gate_up.par_chunks(2 * width))
             .for_each(|(o, gu)| {
-                let (g, u) = gu.split_at(inter);
+                let (g, u) = gu.split_at(width);
                 for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
                     *o = g / (1.0 + (-g).exp()) * u;
                 }
             });
     }
 
-    fn gather_rows(&self, x: &Vec<f32>, dim: usize, rows: &[usize], out: &mut Vec<f32>) {
-        out.resize(rows.len() * dim, 0.0);
-        for (o, &r) in out.chunks_exact_mut(dim).zip(rows) {
+    fn gather_rows(&self, x: &T, dim: usize, index: &T, rows: usize, out: &mut T) {
+        let x = f32s(x);
+        let index = &u32s(index)[..rows];
+        let out = &mut f32s_mut(out)[..rows * dim];
+        for (o, &r) in out.chunks_exact_mut(dim).zip(index) {
+            let r = r as usize;
             o.copy_from_slice(&x[r * dim..(r + 1) * dim]);
         }
     }
 
-    fn export_kv(&self, cache: &CpuKvCache, blocks: &[BlockId], tokens: usize) -> Vec<f32> {
-        let l = cache.layout;
+    fn sample(
+        &self,
+        logits: &T,
+        vocab: usize,
+        rows: &[(&SamplingParams, u32)],
+        out: &mut Vec<u32>,
+    ) {
+        let logits = f32s(logits);
+        out.clear();
+        out.extend(
+            rows.iter().enumerate().map(|(i, &(params, step))| {
+                sample(&logits[i * vocab..(i + 1) * vocab], params, step)
+            }),
+        );
+    }
+
+    fn read_kv(&self, cache: &KvCache<Self>, blocks: &[BlockId], tokens: usize) -> HostTensor {
+        let l = cache.layout();
         let kv_dim = l.kv_dim();
-        let mut data = Vec::with_capacity(l.num_layers * 2 * tokens * kv_dim);
-        for layer in 0..l.num_layers {
-            for part in [&cache.k[layer], &cache.v[layer]] {
-                for t in 0..tokens {
-                    let at = (blocks[t / l.block_size].0 as usize * l.block_size
-                        + t % l.block_size)
-                        * kv_dim;
-                    data.extend_from_slice(&part[at..at + kv_dim]);
+        let shape = [l.num_layers, 2, tokens, kv_dim];
+        fn gather<E: Copy>(parts: [&[E]; 2], slots: &[usize], kv_dim: usize, out: &mut Vec<E>) {
+            for part in parts {
+                for &s in slots {
+                    out.extend_from_slice(&part[s * kv_dim..(s + 1) * kv_dim]);
                 }
             }
         }
-        data
+        let slots: Vec<usize> = token_slots(blocks, l.block_size, tokens).collect();
+        let n = l.num_layers * 2 * tokens * kv_dim;
+        let data = match l.dtype {
+            DType::F32 => {
+                let mut out = Vec::with_capacity(n);
+                for layer in 0..l.num_layers {
+                    gather(
+                        [f32s(&cache.k[layer]), f32s(&cache.v[layer])],
+                        &slots,
+                        kv_dim,
+                        &mut out,
+                    );
+                }
+                HostData::F32(out)
+            }
+            DType::BF16 => {
+                let mut out = Vec::with_capacity(n);
+                for layer in 0..l.num_layers {
+                    let (CpuStorage::BF16(k), CpuStorage::BF16(v)) =
+                        (&cache.k[layer].storage, &cache.v[layer].storage)
+                    else {
+                        panic!("a bf16 cache holds bf16 tensors")
+                    };
+                    gather([k, v], &slots, kv_dim, &mut out);
+                }
+                HostData::BF16(out)
+            }
+            other => panic!("K/V caches are f32 or bf16, got {other}"),
+        };
+        HostTensor::new(&shape, data).expect("gathered exactly the shape's values")
     }
 
-    fn import_kv(&self, cache: &mut CpuKvCache, blocks: &[BlockId], tokens: usize, data: &[f32]) {
-        let l = cache.layout;
+    fn write_kv_host(
+        &self,
+        cache: &mut KvCache<Self>,
+        blocks: &[BlockId],
+        tokens: usize,
+        data: &HostTensor,
+    ) -> Result<()> {
+        let l = cache.layout();
         let kv_dim = l.kv_dim();
-        let mut src = data.chunks_exact(kv_dim);
-        for layer in 0..l.num_layers {
-            for part in [&mut cache.k[layer], &mut cache.v[layer]] {
-                for t in 0..tokens {
-                    let at = (blocks[t / l.block_size].0 as usize * l.block_size
-                        + t % l.block_size)
-                        * kv_dim;
+        let shape = [l.num_layers, 2, tokens, kv_dim];
+        if data.dtype() != l.dtype || data.shape() != shape {
+            return Err(Error::InvalidRequest(format!(
+                "KV of {} {:?} does not fit a {} cache needing {shape:?}",
+                data.dtype(),
+                data.shape(),
+                l.dtype
+            )));
+        }
+        if blocks.len() * l.block_size < tokens {
+            return Err(Error::InvalidRequest(format!(
+                "{} blocks cannot hold {tokens} tokens",
+                blocks.len()
+            )));
+        }
+        fn scatter<E: Copy>(
+            parts: [&mut [E]; 2],
+            slots: &[usize],
+            kv_dim: usize,
+            src: &mut std::slice::ChunksExact<'_, E>,
+        ) {
+            for part in parts {
+                for &s in slots {
                     if let Some(row) = src.next() {
-                        part[at..at + kv_dim].copy_from_slice(row);
+                        part[s * kv_dim..(s + 1) * kv_dim].copy_from_slice(row);
                     }
                 }
             }
         }
+        let slots: Vec<usize> = token_slots(blocks, l.block_size, tokens).collect();
+        let (ks, vs) = (&mut cache.k, &mut cache.v);
+        match data.data() {
+            HostData::F32(d) => {
+                let mut src = d.chunks_exact(kv_dim);
+                for (k, v) in ks.iter_mut().zip(vs.iter_mut()) {
+                    scatter([f32s_mut(k), f32s_mut(v)], &slots, kv_dim, &mut src);
+                }
+            }
+            HostData::BF16(d) => {
+                let mut src = d.chunks_exact(kv_dim);
+                for (k, v) in ks.iter_mut().zip(vs.iter_mut()) {
+                    let (CpuStorage::BF16(k), CpuStorage::BF16(v)) =
+                        (&mut k.storage, &mut v.storage)
+                    else {
+                        panic!("a bf16 cache holds bf16 tensors")
+                    };
+                    scatter([k, v], &slots, kv_dim, &mut src);
+                }
+            }
+            _ => unreachable!("dtype checked against the cache's"),
+        }
+        Ok(())
     }
 }

@@ -1,21 +1,30 @@
-//! The backend boundary. Every operation works on a whole step's flattened tokens at once
-//! (no per-request loop on the host's hot path); per-sequence structure reaches the backend
-//! only as metadata (`positions`, `slot_mapping`, block tables) that a GPU backend uploads
-//! once per step. Model code ([`crate::llama`]) is written once over these operations.
+//! The backend boundary: a device trait ([`Backend`]: typed tensors in and out, a stream
+//! notion that is a no-op on the CPU) and the operation trait models are written over
+//! ([`Ops`]). Every operation works on a whole step's flattened tokens at once; per-sequence
+//! structure reaches the backend only as the step's metadata ([`crate::step::StepMeta`]),
+//! uploaded once per step into buffers allocated at start-up. Operations act on the leading
+//! `rows` of tensors sized for the largest step, so a forward pass allocates nothing — what
+//! lets a GPU backend capture a decode step as a graph.
+//!
+//! Model code names only these traits; the CPU backend ([`CpuBackend`]) implements them here,
+//! a CUDA backend in its own crate.
 
 mod cpu;
+pub mod host;
 
-pub(crate) use cpu::dot;
-pub use cpu::CpuBackend;
+pub use cpu::{CpuBackend, CpuStorage};
 
-use crate::batch::ForwardBatch;
-use crate::kv_pool::KvLayout;
+use crate::kv_pool::KvCache;
+use crate::step::StepMeta;
+use crate::tensor::{DType, HostTensor, Tensor};
+use crate::Result;
+use tandem_core::{BlockId, SamplingParams};
 
-/// A weight matrix `(out, in)`, row-major, as the model uses it: `y = x · Wᵀ`.
+/// A weight matrix `(out, in)` on a device, as the model uses it: `y = x · Wᵀ`.
 #[derive(Debug)]
-pub struct Linear<T> {
-    /// The weights, `out * in` elements.
-    pub weight: T,
+pub struct Linear<B: Backend> {
+    /// The weights, `(out_features, in_features)`, in the dtype the model runs.
+    pub weight: Tensor<B>,
     /// Output features.
     pub out_features: usize,
     /// Input features.
@@ -48,58 +57,64 @@ impl QkvLayout {
     }
 }
 
-/// Operations a device must provide to run the models.
-pub trait Backend: Send + 'static {
-    /// A buffer of `f32` in device memory.
-    type Tensor: Send;
-    /// Paged K/V storage for every layer.
-    type KvCache: Send;
+/// A device: allocation, typed transfers, synchronisation.
+pub trait Backend: Send + Sync + Sized + 'static {
+    /// Device memory holding one tensor's elements.
+    type Storage: Send + Sync;
 
-    /// Short name for logs (`cpu`, `cuda:0`).
+    /// Short name for logs (`cpu (avx512, 2 threads)`, `cuda:0`).
     fn name(&self) -> String;
+    /// A zero-filled tensor.
+    fn zeros(&self, dtype: DType, shape: &[usize]) -> Tensor<Self>;
     /// Copies host data to the device.
-    fn upload(&self, data: Vec<f32>) -> Self::Tensor;
-    /// A zero-filled buffer of `len` floats.
-    fn zeros(&self, len: usize) -> Self::Tensor;
-    /// Copies a buffer back to the host.
-    fn download(&self, t: &Self::Tensor) -> Vec<f32>;
-    /// Allocates the paged cache.
-    fn kv_cache(&self, layout: KvLayout) -> Self::KvCache;
+    fn upload(&self, host: &HostTensor) -> Tensor<Self>;
+    /// Copies a tensor back to the host.
+    fn download(&self, t: &Tensor<Self>) -> HostTensor;
+    /// Overwrites an existing tensor with host data of the same dtype and element count,
+    /// keeping its device address (weight refresh under captured graphs).
+    fn overwrite(&self, dst: &mut Tensor<Self>, src: &HostTensor) -> Result<()>;
+    /// Copies `src` into the leading elements of a u32 tensor (per-step metadata).
+    fn write_u32(&self, dst: &mut Tensor<Self>, src: &[u32]);
+    /// Waits for queued work to finish (no-op on the CPU, where every call is synchronous).
+    fn synchronize(&self) {}
+}
 
-    /// `out[i] = table[ids[i]]`, rows of `dim`.
-    fn embed(&self, table: &Self::Tensor, dim: usize, ids: &[u32], out: &mut Self::Tensor);
-    /// Row-wise RMSNorm of `rows` rows of `dim`: `out = x / rms(x) * weight`.
+/// The operations the models are written over.
+pub trait Ops: Backend {
+    /// `out[i] = table[ids[i]]` for the first `rows` ids, rows of the table's width, as f32.
+    fn embed(&self, table: &Tensor<Self>, ids: &Tensor<Self>, rows: usize, out: &mut Tensor<Self>);
+    /// Row-wise RMSNorm of `rows` rows: `out = x / rms(x) * weight`.
     fn rms_norm(
         &self,
-        x: &Self::Tensor,
-        weight: &Self::Tensor,
+        x: &Tensor<Self>,
+        weight: &Tensor<Self>,
         rows: usize,
         eps: f32,
-        out: &mut Self::Tensor,
+        out: &mut Tensor<Self>,
     );
-    /// `out = x · Wᵀ` (or `out += x · Wᵀ` when `accumulate`), `x` has `rows` rows and `w`
-    /// is `(out_features, in_features)` row-major.
+    /// `out = x · Wᵀ` (or `out += x · Wᵀ` when `accumulate`) for `rows` rows of `x`, where
+    /// `w` is `(out_features, in_features)` row-major in any float dtype the backend runs.
     #[allow(clippy::too_many_arguments)]
-    fn matmul_raw(
-        &self,
-        x: &Self::Tensor,
-        rows: usize,
-        w: &Self::Tensor,
-        out_features: usize,
-        in_features: usize,
-        out: &mut Self::Tensor,
-        accumulate: bool,
-    );
-    /// [`Backend::matmul_raw`] with a [`Linear`].
     fn matmul(
         &self,
-        x: &Self::Tensor,
+        x: &Tensor<Self>,
         rows: usize,
-        w: &Linear<Self::Tensor>,
-        out: &mut Self::Tensor,
+        w: &Tensor<Self>,
+        out_features: usize,
+        in_features: usize,
+        out: &mut Tensor<Self>,
+        accumulate: bool,
+    );
+    /// [`Ops::matmul`] with a [`Linear`].
+    fn linear(
+        &self,
+        x: &Tensor<Self>,
+        rows: usize,
+        w: &Linear<Self>,
+        out: &mut Tensor<Self>,
         accumulate: bool,
     ) {
-        self.matmul_raw(
+        self.matmul(
             x,
             rows,
             &w.weight,
@@ -109,48 +124,67 @@ pub trait Backend: Send + 'static {
             accumulate,
         );
     }
-    /// Rotary embedding (rotate-half convention) applied in place to Q and K of a fused
-    /// QKV activation.
-    fn rope(&self, qkv: &mut Self::Tensor, layout: QkvLayout, positions: &[u32], theta: f32);
-    /// Writes each token's K and V from the fused activation into the cache at its slot.
+    /// Rotary embedding (rotate-half) applied in place to Q and K of the first `rows` rows
+    /// of a fused QKV activation, at `positions`.
+    fn rope(
+        &self,
+        qkv: &mut Tensor<Self>,
+        rows: usize,
+        layout: QkvLayout,
+        positions: &Tensor<Self>,
+        theta: f32,
+    );
+    /// Writes each of the first `rows` tokens' K and V into layer `layer` of the cache at
+    /// its slot (`slot_mapping`), converting to the cache's dtype.
     fn write_kv(
         &self,
-        qkv: &Self::Tensor,
+        qkv: &Tensor<Self>,
+        rows: usize,
         layout: QkvLayout,
-        cache: &mut Self::KvCache,
+        cache: &mut KvCache<Self>,
         layer: usize,
-        slot_mapping: &[u32],
+        slot_mapping: &Tensor<Self>,
     );
     /// Causal attention of each sequence's new queries over its cached keys and values.
-    /// `out` has one row of `num_heads * head_dim` per token.
-    fn attention(
+    /// `out` gets one row of `num_heads * head_dim` per token of the step.
+    fn paged_attention(
         &self,
-        qkv: &Self::Tensor,
+        qkv: &Tensor<Self>,
         layout: QkvLayout,
-        cache: &Self::KvCache,
+        cache: &KvCache<Self>,
         layer: usize,
-        batch: &ForwardBatch,
-        out: &mut Self::Tensor,
+        meta: &StepMeta<Self>,
+        out: &mut Tensor<Self>,
     );
-    /// `out = silu(gate) * up` where each row of `gate_up` is `[gate | up]`.
-    fn silu_mul(&self, gate_up: &Self::Tensor, rows: usize, out: &mut Self::Tensor);
-    /// `out[i] = x[rows[i]]`, rows of `dim`.
-    fn gather_rows(&self, x: &Self::Tensor, dim: usize, rows: &[usize], out: &mut Self::Tensor);
-
-    /// Reads the K/V of the first `tokens` positions of a block table into the transfer
-    /// layout `[layer][k, v][token][kv_dim]`.
-    fn export_kv(
+    /// `out = silu(gate) * up` for `rows` rows of `[gate | up]` (each half `width` wide).
+    fn silu_mul(&self, gate_up: &Tensor<Self>, rows: usize, width: usize, out: &mut Tensor<Self>);
+    /// `out[i] = x[index[i]]` for the first `rows` indices, rows `dim` wide.
+    fn gather_rows(
         &self,
-        cache: &Self::KvCache,
-        blocks: &[tandem_core::BlockId],
-        tokens: usize,
-    ) -> Vec<f32>;
-    /// The inverse of [`Backend::export_kv`].
-    fn import_kv(
-        &self,
-        cache: &mut Self::KvCache,
-        blocks: &[tandem_core::BlockId],
-        tokens: usize,
-        data: &[f32],
+        x: &Tensor<Self>,
+        dim: usize,
+        index: &Tensor<Self>,
+        rows: usize,
+        out: &mut Tensor<Self>,
     );
+    /// Picks one token per logits row on the device (greedy, temperature, top-k, top-p,
+    /// seeded by `(params.seed, step)`); only the ids come back to the host.
+    fn sample(
+        &self,
+        logits: &Tensor<Self>,
+        vocab: usize,
+        rows: &[(&SamplingParams, u32)],
+        out: &mut Vec<u32>,
+    );
+    /// Reads the K/V of the first `tokens` positions of a block table in the transfer
+    /// layout `[layer][k, v][token][kv_dim]`, in the cache's dtype.
+    fn read_kv(&self, cache: &KvCache<Self>, blocks: &[BlockId], tokens: usize) -> HostTensor;
+    /// The inverse of [`Ops::read_kv`]; the data must be in the cache's dtype and shape.
+    fn write_kv_host(
+        &self,
+        cache: &mut KvCache<Self>,
+        blocks: &[BlockId],
+        tokens: usize,
+        data: &HostTensor,
+    ) -> Result<()>;
 }

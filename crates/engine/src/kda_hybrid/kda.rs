@@ -21,7 +21,7 @@ use super::delta_rule::{self, DeltaRuleInputs};
 use super::loading::{FusionInputs, FusionPolicy, RankShard};
 use super::ops::{l2norm_rows, linear, rms_norm_rows, sigmoid, silu, softplus};
 use super::weights::Checkpoint;
-use crate::backend::Linear;
+use crate::backend::host::Linear;
 use crate::Result;
 use tandem_model::fusion::{decide, FusionDecision};
 use tandem_topology::{KdaParam, KdaShape, KdaShard};

@@ -22,7 +22,7 @@ use super::latent_pool::{LatentPool, PagedRows};
 use super::loading::part;
 use super::ops::{axpy, dot, linear, rms_norm, rms_norm_rows};
 use super::weights::Checkpoint;
-use crate::backend::Linear;
+use crate::backend::host::Linear;
 use crate::Result;
 use rayon::prelude::*;
 use tandem_topology::Shard;

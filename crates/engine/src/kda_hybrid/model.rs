@@ -14,7 +14,7 @@ use super::moe::{Moe, SwiGlu};
 use super::ops::{linear, rms_norm};
 use super::residual::{HyperConnection, Residual};
 use super::weights::Checkpoint;
-use crate::backend::{Backend, CpuBackend, Linear};
+use crate::backend::host::{self, Linear};
 use crate::{Error, Result};
 use std::path::Path;
 use tandem_model::fusion::QuantizationConfig;
@@ -531,7 +531,7 @@ impl KdaHybridModel {
             Some(head) => linear(&normed, n, head),
             None => {
                 let mut logits = Vec::new();
-                CpuBackend.matmul_raw(
+                host::matmul_raw(
                     &normed,
                     n,
                     &self.embed,

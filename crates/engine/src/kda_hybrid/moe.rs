@@ -15,7 +15,7 @@ use super::config::MoeConfig;
 use super::loading::{part, RankShard};
 use super::ops::{linear, sigmoid, silu};
 use super::weights::Checkpoint;
-use crate::backend::Linear;
+use crate::backend::host::Linear;
 use crate::Result;
 use tandem_topology::Shard;
 

@@ -1,7 +1,7 @@
 //! Small host-side building blocks shared by the KDA, MLA and MoE code: GEMM through the CPU
 //! backend, row norms and activations. Kept here so each layer file reads as its formulas.
 
-use crate::backend::{Backend, CpuBackend, Linear};
+use crate::backend::host::{self, Linear};
 use rayon::prelude::*;
 
 /// `x · Wᵀ` for `rows` rows of `x`, through [`Backend::matmul_raw`] (the `gemm` crate).
@@ -24,7 +24,7 @@ pub(crate) fn linear_into(
         out.clear();
         return;
     }
-    CpuBackend.matmul(x, rows, w, out, accumulate);
+    host::matmul(x, rows, w, out, accumulate);
 }
 
 /// Row-wise RMSNorm over rows of `weight.len()` (or of `dim` with `weight` `None`), in place.
@@ -75,7 +75,7 @@ pub(crate) fn l2norm_rows(x: &mut [f32], dim: usize, scale: f32) {
 }
 
 /// Dot product (the CPU backend's vectorising one).
-pub(crate) use crate::backend::dot;
+pub(crate) use crate::backend::host::dot;
 
 /// `y += a · x`.
 pub(crate) fn axpy(y: &mut [f32], a: f32, x: &[f32]) {

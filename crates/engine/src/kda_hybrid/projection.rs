@@ -15,7 +15,7 @@
 //! refresh can rewrite them in place (stable addresses for captured CUDA graphs).
 
 use super::ops::linear;
-use crate::backend::{Backend, CpuBackend, Linear};
+use crate::backend::host::{self, Linear};
 
 /// The projections of a KDA layer's input.
 #[derive(Debug)]
@@ -182,7 +182,7 @@ impl KdaGateProjection {
                 }
                 let stacked = [&f_a[..], &g_a[..]].concat();
                 let mut y = Vec::new();
-                CpuBackend.matmul_raw(&stacked, 2 * rows, weight, 2 * out, *d, &mut y, false);
+                host::matmul_raw(&stacked, 2 * rows, weight, 2 * out, *d, &mut y, false);
                 let block = |i: usize| -> Vec<f32> {
                     y.chunks_exact(2 * out)
                         .skip(i * rows)

@@ -11,7 +11,7 @@
 use super::config::ResidualKind;
 use super::ops::{linear, rms_norm_rows, sigmoid};
 use super::weights::Checkpoint;
-use crate::backend::Linear;
+use crate::backend::host::Linear;
 use crate::Result;
 
 /// The mHC weights of one sub-layer (attention or FFN) of one layer.

@@ -15,7 +15,7 @@
 //! stored dtype of every tensor stays queryable ([`Checkpoint::dtype_of`]) because fusion is
 //! decided from the ORIGINAL tensors.
 
-use crate::backend::Linear;
+use crate::backend::host::Linear;
 use crate::{Error, Result};
 use safetensors::{Dtype, SafeTensors};
 use std::collections::{BTreeMap, BTreeSet};

@@ -1,0 +1,360 @@
+//! Causal attention of a step's new queries over a paged K/V cache (GQA), tiled so that a
+//! block of keys is read once for a block of queries and every query head that shares its
+//! KV head — not once per query row. Softmax is online (running max and sum per query), so
+//! no score row of the context's length is ever materialised.
+//!
+//! The cache is `[slot][kv_dim]` per layer (slot = block * block_size + offset), f32 or bf16.
+
+use crate::matmul::WeightElem;
+use crate::vector::{axpy, dot};
+use rayon::prelude::*;
+use std::cell::RefCell;
+
+/// Query rows per tile.
+const QUERY_BLOCK: usize = 16;
+/// Largest cache block handled (keys scored at once).
+const MAX_BLOCK: usize = 256;
+
+/// Shapes of one attention call.
+#[derive(Clone, Copy, Debug)]
+pub struct AttentionShape {
+    /// Query heads.
+    pub num_heads: usize,
+    /// KV heads (a divisor of `num_heads`).
+    pub num_kv_heads: usize,
+    /// Width of a head.
+    pub head_dim: usize,
+    /// Values per row of the query activation (queries start at column 0).
+    pub q_stride: usize,
+    /// Tokens per cache block.
+    pub block_size: usize,
+    /// Multiplier of `q·k`.
+    pub scale: f32,
+}
+
+/// The step's sequences as the per-step metadata holds them: for sequence `i`,
+/// `info[3i..3i+3]` is `(first query row, new tokens, tokens cached before this step)` and
+/// `tables[i*stride..]` its cache blocks in order.
+#[derive(Clone, Copy, Debug)]
+pub struct SeqTable<'a> {
+    /// `(start, len, cached)` per sequence.
+    pub info: &'a [u32],
+    /// Block tables, `stride` entries per sequence.
+    pub tables: &'a [u32],
+    /// Entries per block table.
+    pub stride: usize,
+}
+
+/// One sequence of a [`SeqTable`].
+#[derive(Clone, Copy, Debug)]
+struct SeqBlocks<'a> {
+    start: usize,
+    len: usize,
+    cached: usize,
+    blocks: &'a [u32],
+}
+
+impl<'a> SeqTable<'a> {
+    /// Sequences in the table.
+    pub fn len(&self) -> usize {
+        self.info.len() / 3
+    }
+
+    /// Whether the table is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn get(&self, i: usize) -> SeqBlocks<'a> {
+        SeqBlocks {
+            start: self.info[3 * i] as usize,
+            len: self.info[3 * i + 1] as usize,
+            cached: self.info[3 * i + 2] as usize,
+            blocks: &self.tables[i * self.stride..(i + 1) * self.stride],
+        }
+    }
+
+    fn iter(&self) -> impl Iterator<Item = SeqBlocks<'a>> + '_ {
+        (0..self.len()).map(|i| self.get(i))
+    }
+}
+
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+// SAFETY: each task writes the rows of its query block and the heads of its KV group only,
+// a set disjoint from every other task's; the output is mutably borrowed for the whole call.
+unsafe impl Send for OutPtr {}
+// SAFETY: as above.
+unsafe impl Sync for OutPtr {}
+
+thread_local! {
+    static SCRATCH: RefCell<Scratch> = const { RefCell::new(Scratch { acc: Vec::new(), max: Vec::new(), sum: Vec::new() }) };
+}
+
+struct Scratch {
+    acc: Vec<f32>,
+    max: Vec<f32>,
+    sum: Vec<f32>,
+}
+
+/// `out` (one row of `num_heads * head_dim` per query row) = softmax(q·kᵀ·scale) · v over each
+/// query's causal context. Keys and values of the step's own tokens must already be in the cache.
+pub fn paged_attention<W: WeightElem>(
+    q: &[f32],
+    k_cache: &[W],
+    v_cache: &[W],
+    seqs: SeqTable<'_>,
+    shape: AttentionShape,
+    out: &mut [f32],
+) {
+    let AttentionShape {
+        num_heads,
+        num_kv_heads,
+        head_dim: hd,
+        q_stride,
+        block_size: bs,
+        scale,
+    } = shape;
+    assert!(
+        num_kv_heads > 0 && num_heads % num_kv_heads == 0,
+        "heads {num_heads} over kv heads {num_kv_heads}"
+    );
+    let group = num_heads / num_kv_heads;
+    let kv_dim = num_kv_heads * hd;
+    let out_width = num_heads * hd;
+    assert!(
+        bs > 0 && bs <= MAX_BLOCK,
+        "block size {bs} outside 1..={MAX_BLOCK}"
+    );
+    assert!(
+        seqs.tables.len() >= seqs.len() * seqs.stride,
+        "block tables too short"
+    );
+    for s in seqs.iter() {
+        let ctx = s.cached + s.len;
+        assert!(
+            s.blocks.len() * bs >= ctx,
+            "block table too short for {ctx} tokens"
+        );
+        assert!(q.len() >= (s.start + s.len) * q_stride, "queries too short");
+        assert!(out.len() >= (s.start + s.len) * out_width, "out too short");
+        for &b in s.blocks.iter().take(ctx.div_ceil(bs)) {
+            assert!(
+                (b as usize + 1) * bs * kv_dim <= k_cache.len().min(v_cache.len()),
+                "block {b} outside the cache"
+            );
+        }
+    }
+    // Tasks: (sequence, kv head, query block).
+    let mut tasks = 0usize;
+    for s in seqs.iter() {
+        tasks += s.len.div_ceil(QUERY_BLOCK) * num_kv_heads;
+    }
+    let out_ptr = OutPtr(out.as_mut_ptr());
+    (0..tasks).into_par_iter().for_each(|mut t| {
+        // Find this task's sequence without allocating a task list.
+        let mut seq = seqs.get(0);
+        for s in seqs.iter() {
+            let n = s.len.div_ceil(QUERY_BLOCK) * num_kv_heads;
+            if t < n {
+                seq = s;
+                break;
+            }
+            t -= n;
+        }
+        let kvh = t % num_kv_heads;
+        let qb = t / num_kv_heads;
+        let r0 = qb * QUERY_BLOCK;
+        let r1 = (r0 + QUERY_BLOCK).min(seq.len);
+        let nq = (r1 - r0) * group;
+        SCRATCH.with(|sc| {
+            let sc = &mut *sc.borrow_mut();
+            if sc.acc.len() < nq * hd {
+                sc.acc.resize(QUERY_BLOCK * group * hd, 0.0);
+                sc.max.resize(QUERY_BLOCK * group, 0.0);
+                sc.sum.resize(QUERY_BLOCK * group, 0.0);
+            }
+            let (acc, mx, sm) = (&mut sc.acc[..nq * hd], &mut sc.max[..nq], &mut sc.sum[..nq]);
+            acc.fill(0.0);
+            mx.fill(f32::NEG_INFINITY);
+            sm.fill(0.0);
+            // Keys this block can see: up to the last query row's position.
+            let ctx_last = seq.cached + r1;
+            let mut key = 0;
+            while key < ctx_last {
+                let block = seq.blocks[key / bs] as usize;
+                let in_block = (bs - key % bs).min(ctx_last - key);
+                let base = (block * bs + key % bs) * kv_dim + kvh * hd;
+                for r in r0..r1 {
+                    // Causal: query row r (position cached + r) sees keys 0..=cached + r.
+                    let visible = (seq.cached + r + 1).saturating_sub(key).min(in_block);
+                    if visible == 0 {
+                        continue;
+                    }
+                    let row = seq.start + r;
+                    for g in 0..group {
+                        let h = kvh * group + g;
+                        let qi = (r - r0) * group + g;
+                        let qv = &q[row * q_stride + h * hd..row * q_stride + (h + 1) * hd];
+                        let mut scores = [0.0f32; MAX_BLOCK];
+                        let mut block_max = f32::NEG_INFINITY;
+                        for (j, s) in scores[..visible].iter_mut().enumerate() {
+                            let at = base + j * kv_dim;
+                            *s = dot(qv, &k_cache[at..at + hd]) * scale;
+                            block_max = block_max.max(*s);
+                        }
+                        let a = &mut acc[qi * hd..(qi + 1) * hd];
+                        if block_max > mx[qi] {
+                            let c = (mx[qi] - block_max).exp();
+                            sm[qi] *= c;
+                            a.iter_mut().for_each(|x| *x *= c);
+                            mx[qi] = block_max;
+                        }
+                        for (j, &s) in scores[..visible].iter().enumerate() {
+                            let p = (s - mx[qi]).exp();
+                            sm[qi] += p;
+                            let at = base + j * kv_dim;
+                            axpy(a, p, &v_cache[at..at + hd]);
+                        }
+                    }
+                }
+                key += in_block;
+            }
+            for r in r0..r1 {
+                let row = seq.start + r;
+                for g in 0..group {
+                    let h = kvh * group + g;
+                    let qi = (r - r0) * group + g;
+                    let inv = 1.0 / sm[qi];
+                    let o = out_ptr;
+                    // SAFETY: row `row`, head `h` belong to this task alone (see `OutPtr`);
+                    // bounds were checked above.
+                    let dst = unsafe {
+                        std::slice::from_raw_parts_mut(o.0.add(row * out_width + h * hd), hd)
+                    };
+                    for (d, &a) in dst.iter_mut().zip(&acc[qi * hd..(qi + 1) * hd]) {
+                        *d = a * inv;
+                    }
+                }
+            }
+        });
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use half::bf16;
+
+    /// Straightforward attention: full softmax per query.
+    #[allow(clippy::too_many_arguments)]
+    fn reference(
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        seq: &SeqBlocks<'_>,
+        sh: AttentionShape,
+    ) -> Vec<f32> {
+        let hd = sh.head_dim;
+        let kv_dim = sh.num_kv_heads * hd;
+        let group = sh.num_heads / sh.num_kv_heads;
+        let mut out = vec![0.0; seq.len * sh.num_heads * hd];
+        for r in 0..seq.len {
+            let ctx = seq.cached + r + 1;
+            for h in 0..sh.num_heads {
+                let kvh = h / group;
+                let qv = &q[(seq.start + r) * sh.q_stride + h * hd..][..hd];
+                let slot = |j: usize| {
+                    (seq.blocks[j / sh.block_size] as usize * sh.block_size + j % sh.block_size)
+                        * kv_dim
+                        + kvh * hd
+                };
+                let s: Vec<f32> = (0..ctx)
+                    .map(|j| {
+                        qv.iter()
+                            .zip(&k[slot(j)..][..hd])
+                            .map(|(a, b)| a * b)
+                            .sum::<f32>()
+                            * sh.scale
+                    })
+                    .collect();
+                let m = s.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+                let e: Vec<f32> = s.iter().map(|x| (x - m).exp()).collect();
+                let z: f32 = e.iter().sum();
+                for (j, p) in e.iter().enumerate() {
+                    for d in 0..hd {
+                        out[(r * sh.num_heads + h) * hd + d] += p / z * v[slot(j) + d];
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn tiled_attention_equals_the_full_softmax() {
+        let sh = AttentionShape {
+            num_heads: 6,
+            num_kv_heads: 2,
+            head_dim: 8,
+            q_stride: 6 * 8 + 7,
+            block_size: 4,
+            scale: 0.3,
+        };
+        let kv_dim = sh.num_kv_heads * sh.head_dim;
+        let slots = 64;
+        let k: Vec<f32> = (0..slots * kv_dim)
+            .map(|i| ((i * 31) % 17) as f32 / 17.0 - 0.5)
+            .collect();
+        let v: Vec<f32> = (0..slots * kv_dim)
+            .map(|i| ((i * 7) % 23) as f32 / 23.0 - 0.5)
+            .collect();
+        // Two sequences: one continuing after 5 cached tokens (a chunk), one fresh prompt of 37
+        // rows (three query blocks), on scattered blocks.
+        let info = [0u32, 3, 5, 3, 37, 0];
+        let tables = [
+            9u32, 2, 5, 0, 0, 0, 0, 0, 0, 0, 0, 15, 3, 7, 11, 1, 4, 6, 8, 10,
+        ];
+        let table = SeqTable {
+            info: &info,
+            tables: &tables,
+            stride: 10,
+        };
+        let seqs: Vec<SeqBlocks<'_>> = table.iter().collect();
+        let rows = 40;
+        let q: Vec<f32> = (0..rows * sh.q_stride)
+            .map(|i| ((i * 13) % 29) as f32 / 29.0 - 0.5)
+            .collect();
+        let mut out = vec![f32::NAN; rows * sh.num_heads * sh.head_dim];
+        paged_attention(&q, &k, &v, table, sh, &mut out);
+        let w = sh.num_heads * sh.head_dim;
+        for s in &seqs {
+            let want = reference(&q, &k, &v, s, sh);
+            for (i, (a, b)) in out[s.start * w..(s.start + s.len) * w]
+                .iter()
+                .zip(&want)
+                .enumerate()
+            {
+                assert!(
+                    (a - b).abs() < 1e-5,
+                    "seq at {} value {i}: {a} vs {b}",
+                    s.start
+                );
+            }
+        }
+        // bf16 cache: same as the reference over the rounded cache.
+        let kb: Vec<bf16> = k.iter().map(|&x| bf16::from_f32(x)).collect();
+        let vb: Vec<bf16> = v.iter().map(|&x| bf16::from_f32(x)).collect();
+        let (kr, vr): (Vec<f32>, Vec<f32>) = (
+            kb.iter().map(|x| x.to_f32()).collect(),
+            vb.iter().map(|x| x.to_f32()).collect(),
+        );
+        paged_attention(&q, &kb, &vb, table, sh, &mut out);
+        for s in &seqs {
+            let want = reference(&q, &kr, &vr, s, sh);
+            for (a, b) in out[s.start * w..(s.start + s.len) * w].iter().zip(&want) {
+                assert!((a - b).abs() < 1e-5);
+            }
+        }
+    }
+}
