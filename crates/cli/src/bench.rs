@@ -89,30 +89,22 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
 }
 
 /// Read bandwidth in bytes/s: the best of several passes in which each rayon thread sums its
-/// share of a 512 MiB buffer (eight 16-lane accumulators, so the loop is load-bound).
+/// share of a 512 MiB buffer with the CPU kernels' vectorised sum (so the loop is load-bound
+/// on every instruction set the kernels use).
 fn read_bandwidth() -> f64 {
     let data = vec![1.0f32; 128 << 20];
     let mut best = 0.0f64;
     for _ in 0..5 {
         let t = Instant::now();
-        let s: f32 = data.par_chunks(1 << 20).map(lane_sum).sum();
+        let s: f32 = data
+            .par_chunks(1 << 20)
+            .map(tandem_cpu_kernels::vector::sum)
+            .sum();
         let dt = t.elapsed().as_secs_f64();
         std::hint::black_box(s);
         best = best.max((data.len() * 4) as f64 / dt);
     }
     best
-}
-
-fn lane_sum(c: &[f32]) -> f32 {
-    let mut acc = [[0.0f32; 16]; 8];
-    for block in c.chunks_exact(128) {
-        for (lanes, part) in acc.iter_mut().zip(block.chunks_exact(16)) {
-            for (a, v) in lanes.iter_mut().zip(part) {
-                *a += v;
-            }
-        }
-    }
-    acc.iter().flatten().sum()
 }
 
 fn median(mut v: Vec<f64>) -> f64 {

@@ -5,15 +5,19 @@
 //!
 //! The cache is `[slot][kv_dim]` per layer (slot = block * block_size + offset), f32 or bf16.
 
+use crate::matmul::dot_block;
 use crate::matmul::WeightElem;
-use crate::vector::{axpy, dot};
+use crate::vector::{exp_inplace, weighted_rows};
 use rayon::prelude::*;
-use std::cell::RefCell;
 
-/// Query rows per tile.
-const QUERY_BLOCK: usize = 16;
+/// Query vectors (rows × heads of a KV group) per tile; their accumulators live on the stack.
+const QUERY_VECTORS: usize = 64;
+/// Widest head handled.
+const MAX_HEAD_DIM: usize = 256;
 /// Largest cache block handled (keys scored at once).
-const MAX_BLOCK: usize = 256;
+const MAX_BLOCK: usize = 64;
+/// Most query heads sharing one KV head.
+const MAX_GROUP: usize = 16;
 
 /// Shapes of one attention call.
 #[derive(Clone, Copy, Debug)]
@@ -87,16 +91,6 @@ unsafe impl Send for OutPtr {}
 // SAFETY: as above.
 unsafe impl Sync for OutPtr {}
 
-thread_local! {
-    static SCRATCH: RefCell<Scratch> = const { RefCell::new(Scratch { acc: Vec::new(), max: Vec::new(), sum: Vec::new() }) };
-}
-
-struct Scratch {
-    acc: Vec<f32>,
-    max: Vec<f32>,
-    sum: Vec<f32>,
-}
-
 /// `out` (one row of `num_heads * head_dim` per query row) = softmax(q·kᵀ·scale) · v over each
 /// query's causal context. Keys and values of the step's own tokens must already be in the cache.
 pub fn paged_attention<W: WeightElem>(
@@ -120,6 +114,13 @@ pub fn paged_attention<W: WeightElem>(
         "heads {num_heads} over kv heads {num_kv_heads}"
     );
     let group = num_heads / num_kv_heads;
+    assert!(
+        group <= MAX_GROUP,
+        "{group} query heads per KV head, at most {MAX_GROUP}"
+    );
+    assert!(hd <= MAX_HEAD_DIM, "head_dim {hd} above {MAX_HEAD_DIM}");
+    // Query rows per tile: as many as keep every head of the group in one tile.
+    let query_block = (QUERY_VECTORS / group).max(1);
     let kv_dim = num_kv_heads * hd;
     let out_width = num_heads * hd;
     assert!(
@@ -148,14 +149,14 @@ pub fn paged_attention<W: WeightElem>(
     // Tasks: (sequence, kv head, query block).
     let mut tasks = 0usize;
     for s in seqs.iter() {
-        tasks += s.len.div_ceil(QUERY_BLOCK) * num_kv_heads;
+        tasks += s.len.div_ceil(query_block) * num_kv_heads;
     }
     let out_ptr = OutPtr(out.as_mut_ptr());
     (0..tasks).into_par_iter().for_each(|mut t| {
         // Find this task's sequence without allocating a task list.
         let mut seq = seqs.get(0);
         for s in seqs.iter() {
-            let n = s.len.div_ceil(QUERY_BLOCK) * num_kv_heads;
+            let n = s.len.div_ceil(query_block) * num_kv_heads;
             if t < n {
                 seq = s;
                 break;
@@ -164,22 +165,24 @@ pub fn paged_attention<W: WeightElem>(
         }
         let kvh = t % num_kv_heads;
         let qb = t / num_kv_heads;
-        let r0 = qb * QUERY_BLOCK;
-        let r1 = (r0 + QUERY_BLOCK).min(seq.len);
+        let r0 = qb * query_block;
+        let r1 = (r0 + query_block).min(seq.len);
         let nq = (r1 - r0) * group;
-        SCRATCH.with(|sc| {
-            let sc = &mut *sc.borrow_mut();
-            if sc.acc.len() < nq * hd {
-                sc.acc.resize(QUERY_BLOCK * group * hd, 0.0);
-                sc.max.resize(QUERY_BLOCK * group, 0.0);
-                sc.sum.resize(QUERY_BLOCK * group, 0.0);
-            }
-            let (acc, mx, sm) = (&mut sc.acc[..nq * hd], &mut sc.max[..nq], &mut sc.sum[..nq]);
+        {
+            let mut acc_buf = [0.0f32; QUERY_VECTORS * MAX_HEAD_DIM];
+            let mut max_buf = [0.0f32; QUERY_VECTORS];
+            let mut sum_buf = [0.0f32; QUERY_VECTORS];
+            let (acc, mx, sm) = (
+                &mut acc_buf[..nq * hd],
+                &mut max_buf[..nq],
+                &mut sum_buf[..nq],
+            );
             acc.fill(0.0);
             mx.fill(f32::NEG_INFINITY);
             sm.fill(0.0);
             // Keys this block can see: up to the last query row's position.
             let ctx_last = seq.cached + r1;
+            let mut scores = [0.0f32; MAX_GROUP * MAX_BLOCK];
             let mut key = 0;
             while key < ctx_last {
                 let block = seq.blocks[key / bs] as usize;
@@ -192,15 +195,26 @@ pub fn paged_attention<W: WeightElem>(
                         continue;
                     }
                     let row = seq.start + r;
+                    // Scores of this row's `group` heads against the visible keys: one small
+                    // strided GEMM (heads are adjacent in the row, keys kv_dim apart).
+                    let qoff = row * q_stride + kvh * group * hd;
+                    dot_block(
+                        &q[qoff..],
+                        hd,
+                        group,
+                        &k_cache[base..],
+                        kv_dim,
+                        visible,
+                        hd,
+                        &mut scores,
+                        MAX_BLOCK,
+                    );
                     for g in 0..group {
-                        let h = kvh * group + g;
                         let qi = (r - r0) * group + g;
-                        let qv = &q[row * q_stride + h * hd..row * q_stride + (h + 1) * hd];
-                        let mut scores = [0.0f32; MAX_BLOCK];
+                        let sc = &mut scores[g * MAX_BLOCK..g * MAX_BLOCK + visible];
                         let mut block_max = f32::NEG_INFINITY;
-                        for (j, s) in scores[..visible].iter_mut().enumerate() {
-                            let at = base + j * kv_dim;
-                            *s = dot(qv, &k_cache[at..at + hd]) * scale;
+                        for s in sc.iter_mut() {
+                            *s *= scale;
                             block_max = block_max.max(*s);
                         }
                         let a = &mut acc[qi * hd..(qi + 1) * hd];
@@ -210,12 +224,11 @@ pub fn paged_attention<W: WeightElem>(
                             a.iter_mut().for_each(|x| *x *= c);
                             mx[qi] = block_max;
                         }
-                        for (j, &s) in scores[..visible].iter().enumerate() {
-                            let p = (s - mx[qi]).exp();
-                            sm[qi] += p;
-                            let at = base + j * kv_dim;
-                            axpy(a, p, &v_cache[at..at + hd]);
-                        }
+                        let m = mx[qi];
+                        sc.iter_mut().for_each(|s| *s -= m);
+                        exp_inplace(sc);
+                        sm[qi] += sc.iter().sum::<f32>();
+                        weighted_rows(a, sc, &v_cache[base..], kv_dim);
                     }
                 }
                 key += in_block;
@@ -237,7 +250,7 @@ pub fn paged_attention<W: WeightElem>(
                     }
                 }
             }
-        });
+        }
     });
 }
 

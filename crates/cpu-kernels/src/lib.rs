@@ -16,7 +16,7 @@
 pub mod attention;
 /// Instruction-set detection and the process-wide choice.
 pub mod isa;
-/// `out = x · Wᵀ` for f32 and bf16 weights: small-M dot kernels, large M through `gemm`.
+/// `out = x · Wᵀ` for f32 and bf16 weights: register-tiled dot kernels for every M.
 pub mod matmul;
 /// Vector primitives (dot, axpy, conversions) for attention and element-wise work.
 pub mod vector;

@@ -1,19 +1,20 @@
 //! `out (m×n) = x (m×k) · Wᵀ`, `W` row-major `(n, k)`, f32 activations, f32 or bf16 weights,
 //! f32 accumulation.
 //!
-//! Small `m` (decode steps, up to [`DOT_MAX_ROWS`] rows): register-tiled dot kernels. A tile
-//! is up to 4 activation rows × `NR` weight rows; each weight vector loaded is used by every
-//! activation row of the tile, and a task walks all activation rows for its weight rows
-//! before moving on, so each weight byte comes from memory once per call. Work is split over
-//! rayon by output columns. Large `m` (prefill): the `gemm` crate on f32 (bf16 weights are
-//! widened a panel at a time into a per-thread scratch first).
+//! Register-tiled dot kernels for every `m`. A tile is up to 4 activation rows × `NR` weight
+//! rows; each weight vector loaded is used by every activation row of the tile, and a task
+//! walks a block of up to 64 activation rows for its weight rows before moving on, so each
+//! weight byte comes from memory once per row block. Work is split over rayon by row blocks ×
+//! output columns. No packing and no scratch: a call allocates nothing. Measured against the
+//! `gemm` crate in one run (`cargo run --release -p tandem-cpu-kernels --example matmul`):
+//! faster at every M from 1 to 512 on the AVX-512 machines here.
 
 use crate::isa::{self, Isa};
 use half::bf16;
 use rayon::prelude::*;
 
-/// Above this many activation rows the packed `gemm` path wins over the dot kernels.
-pub const DOT_MAX_ROWS: usize = 24;
+/// Activation rows per task: a block of rows stays cache-resident while weight tiles stream.
+const ROW_BLOCK: usize = 64;
 
 /// A weight element the kernels read: f32 as is, bf16 widened in registers.
 pub trait WeightElem: Copy + Send + Sync + sealed::Sealed + 'static {
@@ -104,28 +105,48 @@ pub fn linear_with<W: WeightElem>(
         }
         return;
     }
-    if m > DOT_MAX_ROWS {
-        return packed::linear(x, m, w, n, k, out, accumulate);
-    }
     let nr = tile_cols(isa, m);
     let work = m * n * k;
     let threads = rayon::current_num_threads();
-    // Enough tasks to balance, each a whole number of tiles; tiny calls stay on one thread.
-    let tasks = if work < (1 << 17) { 1 } else { threads * 4 };
-    let chunk = n.div_ceil(tasks).div_ceil(nr) * nr;
-    let out_ptr = OutPtr(out.as_mut_ptr());
-    let run = |j0: usize| {
-        let j1 = (j0 + chunk).min(n);
-        let o = out_ptr;
-        // SAFETY: bounds were checked above; this task writes columns j0..j1 only.
-        unsafe { dot_columns(isa, x, m, w, k, j0, j1, o.0, n, accumulate) };
+    // Tasks: blocks of activation rows (so a block stays in L2 while weight tiles stream past
+    // it) × chunks of output columns, enough to balance, each a whole number of tiles; tiny
+    // calls stay on one thread.
+    let row_blocks = m.div_ceil(ROW_BLOCK);
+    let col_tasks = if work < (1 << 17) {
+        1
+    } else {
+        (threads * 4).div_ceil(row_blocks)
     };
+    let chunk = n.div_ceil(col_tasks).div_ceil(nr) * nr;
+    let col_chunks = n.div_ceil(chunk);
+    let out_ptr = OutPtr(out.as_mut_ptr());
+    let run = |t: usize| {
+        let (rb, cc) = (t / col_chunks, t % col_chunks);
+        let (i0, j0) = (rb * ROW_BLOCK, cc * chunk);
+        let (rows, cols) = (ROW_BLOCK.min(m - i0), chunk.min(n - j0));
+        let o = out_ptr;
+        // SAFETY: bounds were checked above; this task writes rows i0.., columns j0.. only.
+        unsafe {
+            dot_tiles(
+                isa,
+                x.as_ptr().add(i0 * k),
+                k,
+                rows,
+                w.as_ptr().add(j0 * k),
+                k,
+                cols,
+                k,
+                o.0.add(i0 * n + j0),
+                n,
+                accumulate,
+            )
+        };
+    };
+    let tasks = row_blocks * col_chunks;
     if tasks == 1 {
         run(0);
     } else {
-        (0..n.div_ceil(chunk))
-            .into_par_iter()
-            .for_each(|t| run(t * chunk));
+        (0..tasks).into_par_iter().for_each(run);
     }
 }
 
@@ -141,45 +162,83 @@ fn tile_cols(isa: Isa, m: usize) -> usize {
     }
 }
 
-/// Computes columns `j0..j1` of `out` for every activation row.
+/// `out[i*ldo + j] (+)= Σ_t x[i*xs + t] · w[j*ws + t]` for `i < m`, `j < n`, one thread.
 ///
 /// # Safety
-/// `x` holds `m*k`, `w` `n*k` values (n ≥ j1), `out` points at `m*ldo` writable values and no
-/// other thread writes columns `j0..j1`.
+/// Every address the strides reach is inside its allocation; `out` is not aliased.
 #[allow(clippy::too_many_arguments)]
-unsafe fn dot_columns<W: WeightElem>(
+unsafe fn dot_tiles<W: WeightElem>(
     isa: Isa,
-    x: &[f32],
+    x: *const f32,
+    xs: usize,
     m: usize,
-    w: &[W],
+    w: *const W,
+    ws: usize,
+    n: usize,
     k: usize,
-    j0: usize,
-    j1: usize,
     out: *mut f32,
     ldo: usize,
     accumulate: bool,
 ) {
     let nr = tile_cols(isa, m);
-    let mut j = j0;
-    while j < j1 {
-        let cols = nr.min(j1 - j);
+    let mut j = 0;
+    while j < n {
+        let cols = nr.min(n - j);
         let mut i = 0;
         while i < m {
             let rows = 4.min(m - i);
-            let xp = x.as_ptr().add(i * k);
-            let wp = w.as_ptr().add(j * k);
+            let xp = x.add(i * xs);
+            let wp = w.add(j * ws);
             let op = out.add(i * ldo + j);
             match isa {
                 #[cfg(target_arch = "x86_64")]
-                Isa::Avx512 => avx512::tile(xp, wp, k, op, ldo, rows, cols, accumulate),
+                Isa::Avx512 => avx512::tile(xp, xs, wp, ws, k, op, ldo, rows, cols, accumulate),
                 #[cfg(target_arch = "x86_64")]
-                Isa::Avx2 => avx2::tile(xp, wp, k, op, ldo, rows, cols, accumulate),
-                _ => portable_tile(xp, wp, k, op, ldo, rows, cols, accumulate),
+                Isa::Avx2 => avx2::tile(xp, xs, wp, ws, k, op, ldo, rows, cols, accumulate),
+                _ => portable_tile(xp, xs, wp, ws, k, op, ldo, rows, cols, accumulate),
             }
             i += rows;
         }
         j += cols;
     }
+}
+
+/// `out[i*ldo + j] = Σ_t x[i*xs + t] · w[j*ws + t]` over strided rows, on this thread: the
+/// score block of attention (queries × a block of cached keys).
+#[allow(clippy::too_many_arguments)]
+pub fn dot_block<W: WeightElem>(
+    x: &[f32],
+    xs: usize,
+    m: usize,
+    w: &[W],
+    ws: usize,
+    n: usize,
+    k: usize,
+    out: &mut [f32],
+    ldo: usize,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    assert!(x.len() >= (m - 1) * xs + k, "x too short");
+    assert!(w.len() >= (n - 1) * ws + k, "w too short");
+    assert!(out.len() >= (m - 1) * ldo + n, "out too short");
+    // SAFETY: the asserts bound every row the strides reach; `out` is exclusively borrowed.
+    unsafe {
+        dot_tiles(
+            isa::current(),
+            x.as_ptr(),
+            xs,
+            m,
+            w.as_ptr(),
+            ws,
+            n,
+            k,
+            out.as_mut_ptr(),
+            ldo,
+            false,
+        )
+    };
 }
 
 /// Scalar tile (any CPU), eight partial sums per dot so it still vectorises somewhat.
@@ -189,7 +248,9 @@ unsafe fn dot_columns<W: WeightElem>(
 #[allow(clippy::too_many_arguments)]
 unsafe fn portable_tile<W: WeightElem>(
     x: *const f32,
+    xs: usize,
     w: *const W,
+    ws: usize,
     k: usize,
     out: *mut f32,
     ldo: usize,
@@ -198,9 +259,9 @@ unsafe fn portable_tile<W: WeightElem>(
     accumulate: bool,
 ) {
     for i in 0..rows {
-        let xr = std::slice::from_raw_parts(x.add(i * k), k);
+        let xr = std::slice::from_raw_parts(x.add(i * xs), k);
         for j in 0..cols {
-            let wr = std::slice::from_raw_parts(w.add(j * k), k);
+            let wr = std::slice::from_raw_parts(w.add(j * ws), k);
             let mut acc = [0.0f32; 8];
             let (xc, wc) = (xr.chunks_exact(8), wr.chunks_exact(8));
             let tail: f32 = xc
@@ -285,7 +346,9 @@ mod avx512 {
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
     unsafe fn tile_rc<W: WeightElem, const R: usize, const C: usize>(
         x: *const f32,
+        xs: usize,
         w: *const W,
+        ws: usize,
         k: usize,
         out: *mut f32,
         ldo: usize,
@@ -297,10 +360,10 @@ mod avx512 {
         while kk < full {
             let mut wv = [_mm512_setzero_ps(); C];
             for (j, v) in wv.iter_mut().enumerate() {
-                *v = load16_full(w.add(j * k + kk));
+                *v = load16_full(w.add(j * ws + kk));
             }
             for (i, row) in acc.iter_mut().enumerate() {
-                let xv = _mm512_loadu_ps(x.add(i * k + kk));
+                let xv = _mm512_loadu_ps(x.add(i * xs + kk));
                 for (a, &v) in row.iter_mut().zip(&wv) {
                     *a = _mm512_fmadd_ps(xv, v, *a);
                 }
@@ -311,14 +374,34 @@ mod avx512 {
             let mask: __mmask16 = (1u32 << (k - kk)) as u16 - 1;
             let mut wv = [_mm512_setzero_ps(); C];
             for (j, v) in wv.iter_mut().enumerate() {
-                *v = load16(w.add(j * k + kk), mask);
+                *v = load16(w.add(j * ws + kk), mask);
             }
             for (i, row) in acc.iter_mut().enumerate() {
-                let xv = _mm512_maskz_loadu_ps(mask, x.add(i * k + kk));
+                let xv = _mm512_maskz_loadu_ps(mask, x.add(i * xs + kk));
                 for (a, &v) in row.iter_mut().zip(&wv) {
                     *a = _mm512_fmadd_ps(xv, v, *a);
                 }
             }
+        }
+        if R * C <= 16 {
+            // All of the tile's sums at once (a transpose-and-add tree), not one horizontal
+            // reduction per output: with short rows (attention heads) reductions dominate.
+            let mut flat = [_mm512_setzero_ps(); 16];
+            for (i, row) in acc.iter().enumerate() {
+                for (j, &a) in row.iter().enumerate() {
+                    flat[i * C + j] = a;
+                }
+            }
+            let mut sums = [0.0f32; 16];
+            _mm512_storeu_ps(sums.as_mut_ptr(), hsum16(&flat));
+            for i in 0..R {
+                for j in 0..C {
+                    let o = out.add(i * ldo + j);
+                    let s = sums[i * C + j];
+                    *o = if accumulate { *o + s } else { s };
+                }
+            }
+            return;
         }
         for (i, row) in acc.iter().enumerate() {
             for (j, &a) in row.iter().enumerate() {
@@ -329,13 +412,44 @@ mod avx512 {
         }
     }
 
+    /// Lane `i` of the result is the sum of the 16 lanes of `v[i]`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    unsafe fn hsum16(v: &[__m512; 16]) -> __m512 {
+        // Pairs: per 128-bit lane, [a0+a2, b0+b2, a1+a3, b1+b3].
+        let mut p = [_mm512_setzero_ps(); 8];
+        for (i, p) in p.iter_mut().enumerate() {
+            let (a, b) = (v[2 * i], v[2 * i + 1]);
+            *p = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+        }
+        // Quads: per 128-bit lane, the lane's partial sum of four inputs, in order.
+        let mut q = [_mm512_setzero_ps(); 4];
+        for (i, q) in q.iter_mut().enumerate() {
+            let (a, b) = (_mm512_castps_pd(p[2 * i]), _mm512_castps_pd(p[2 * i + 1]));
+            *q = _mm512_add_ps(
+                _mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)),
+            );
+        }
+        // Across the four 128-bit lanes.
+        let h = |a: __m512, b: __m512| {
+            _mm512_add_ps(
+                _mm512_shuffle_f32x4::<0b10_00_10_00>(a, b),
+                _mm512_shuffle_f32x4::<0b11_01_11_01>(a, b),
+            )
+        };
+        h(h(q[0], q[1]), h(q[2], q[3]))
+    }
+
     /// # Safety
     /// As `tile_rc` for `rows ≤ 4`, `cols ≤ 4` (≤ 8 for one row).
     #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
     pub(super) unsafe fn tile<W: WeightElem>(
         x: *const f32,
+        xs: usize,
         w: *const W,
+        ws: usize,
         k: usize,
         out: *mut f32,
         ldo: usize,
@@ -343,7 +457,13 @@ mod avx512 {
         cols: usize,
         accumulate: bool,
     ) {
-        dispatch_tile!(tile_rc, rows, cols, 4, (x, w, k, out, ldo, accumulate))
+        dispatch_tile!(
+            tile_rc,
+            rows,
+            cols,
+            4,
+            (x, xs, w, ws, k, out, ldo, accumulate)
+        )
     }
 }
 
@@ -378,7 +498,9 @@ mod avx2 {
     #[target_feature(enable = "avx2,fma")]
     unsafe fn tile_rc<W: WeightElem, const R: usize, const C: usize>(
         x: *const f32,
+        xs: usize,
         w: *const W,
+        ws: usize,
         k: usize,
         out: *mut f32,
         ldo: usize,
@@ -390,10 +512,10 @@ mod avx2 {
         while kk < full {
             let mut wv = [_mm256_setzero_ps(); C];
             for (j, v) in wv.iter_mut().enumerate() {
-                *v = load8(w.add(j * k + kk));
+                *v = load8(w.add(j * ws + kk));
             }
             for (i, row) in acc.iter_mut().enumerate() {
-                let xv = _mm256_loadu_ps(x.add(i * k + kk));
+                let xv = _mm256_loadu_ps(x.add(i * xs + kk));
                 for (a, &v) in row.iter_mut().zip(&wv) {
                     *a = _mm256_fmadd_ps(xv, v, *a);
                 }
@@ -404,7 +526,7 @@ mod avx2 {
             for (j, &a) in row.iter().enumerate() {
                 let mut s = hsum(a);
                 for t in kk..k {
-                    s += *x.add(i * k + t) * (*w.add(j * k + t)).to_f32();
+                    s += *x.add(i * xs + t) * (*w.add(j * ws + t)).to_f32();
                 }
                 let o = out.add(i * ldo + j);
                 *o = if accumulate { *o + s } else { s };
@@ -418,7 +540,9 @@ mod avx2 {
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn tile<W: WeightElem>(
         x: *const f32,
+        xs: usize,
         w: *const W,
+        ws: usize,
         k: usize,
         out: *mut f32,
         ldo: usize,
@@ -426,115 +550,13 @@ mod avx2 {
         cols: usize,
         accumulate: bool,
     ) {
-        dispatch_tile!(tile_rc, rows, cols, 3, (x, w, k, out, ldo, accumulate))
-    }
-}
-
-/// Large-`m` products through the `gemm` crate (f32).
-mod packed {
-    use super::WeightElem;
-    use rayon::prelude::*;
-    use std::any::TypeId;
-    use std::cell::RefCell;
-
-    /// Weight rows widened per task on the bf16 path.
-    const PANEL: usize = 128;
-
-    thread_local! {
-        static SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
-    }
-
-    /// # Safety-relevant
-    /// Bounds were checked by the caller (`linear_with`).
-    pub(super) fn linear<W: WeightElem>(
-        x: &[f32],
-        m: usize,
-        w: &[W],
-        n: usize,
-        k: usize,
-        out: &mut [f32],
-        accumulate: bool,
-    ) {
-        if TypeId::of::<W>() == TypeId::of::<f32>() {
-            // SAFETY: W is f32 (checked by TypeId), so the slice reinterprets to itself.
-            let w32 = unsafe { std::slice::from_raw_parts(w.as_ptr() as *const f32, w.len()) };
-            // SAFETY: lengths checked by the caller; `out` is exclusively borrowed.
-            unsafe { gemm_xwt(out.as_mut_ptr(), n, x, w32, m, n, k, accumulate, true) };
-            return;
-        }
-        let out_ptr = super::OutPtr(out.as_mut_ptr());
-        (0..n.div_ceil(PANEL)).into_par_iter().for_each(|p| {
-            let j0 = p * PANEL;
-            let cols = PANEL.min(n - j0);
-            SCRATCH.with(|s| {
-                let mut s = s.borrow_mut();
-                if s.len() < cols * k {
-                    s.resize(PANEL * k, 0.0);
-                }
-                for (d, v) in s[..cols * k].iter_mut().zip(&w[j0 * k..(j0 + cols) * k]) {
-                    *d = v.to_f32();
-                }
-                let o = out_ptr;
-                // SAFETY: this task writes columns j0..j0+cols of `out` only (row stride n).
-                unsafe {
-                    gemm_xwt(
-                        o.0.add(j0),
-                        n,
-                        x,
-                        &s[..cols * k],
-                        m,
-                        cols,
-                        k,
-                        accumulate,
-                        false,
-                    )
-                };
-            });
-        });
-    }
-
-    /// `out (m×cols, row stride ldo) = x (m×k) · wᵀ`, `w` `(cols, k)` row-major.
-    ///
-    /// # Safety
-    /// `out` points at `m` rows of stride `ldo` with `cols` writable values each, not aliased.
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn gemm_xwt(
-        out: *mut f32,
-        ldo: usize,
-        x: &[f32],
-        w: &[f32],
-        m: usize,
-        cols: usize,
-        k: usize,
-        accumulate: bool,
-        threaded: bool,
-    ) {
-        let parallelism = if threaded && m * cols * k >= 64 * 1024 {
-            gemm::Parallelism::Rayon(0)
-        } else {
-            gemm::Parallelism::None
-        };
-        gemm::gemm(
-            m,
+        dispatch_tile!(
+            tile_rc,
+            rows,
             cols,
-            k,
-            out,
-            1,
-            ldo as isize,
-            accumulate,
-            x.as_ptr(),
-            1,
-            k as isize,
-            w.as_ptr(),
-            k as isize,
-            1,
-            1.0,
-            1.0,
-            false,
-            false,
-            false,
-            parallelism,
-        );
+            3,
+            (x, xs, w, ws, k, out, ldo, accumulate)
+        )
     }
 }
 

@@ -32,6 +32,63 @@ pub fn axpy<W: WeightElem>(y: &mut [f32], a: f32, x: &[W]) {
     }
 }
 
+/// `x[i] = e^x[i]` (vectorised: range reduction to `2^n · 2^f` and a degree-6 polynomial,
+/// relative error below 1e-6 for |x| ≤ 10, growing with |x| from the rounding of
+/// x·log2(e); `-inf` gives 0).
+pub fn exp_inplace(x: &mut [f32]) {
+    match isa::current() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the ISA is supported; `x` is exclusively borrowed.
+        Isa::Avx512 => unsafe { x86::exp512(x.as_mut_ptr(), x.len()) },
+        _ => x.iter_mut().for_each(|v| *v = v.exp()),
+    }
+}
+
+/// `acc[d] += Σ_j p[j] · v[j*stride + d]` for `d < acc.len()`: a weighted sum of rows (the
+/// probabilities × values step of attention), accumulators kept in registers across rows.
+pub fn weighted_rows<W: WeightElem>(acc: &mut [f32], p: &[f32], v: &[W], stride: usize) {
+    let (n, len) = (p.len(), acc.len());
+    if n == 0 || len == 0 {
+        return;
+    }
+    assert!(v.len() >= (n - 1) * stride + len, "rows too short");
+    match isa::current() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the assert bounds every row; `acc` is exclusively borrowed.
+        Isa::Avx512 => unsafe {
+            x86::weighted_rows512(acc.as_mut_ptr(), len, p, v.as_ptr(), stride)
+        },
+        _ => {
+            for (j, &pj) in p.iter().enumerate() {
+                for (a, x) in acc.iter_mut().zip(&v[j * stride..j * stride + len]) {
+                    *a += pj * x.to_f32();
+                }
+            }
+        }
+    }
+}
+
+/// `Σ x[i]` with many independent accumulators, so a long slice is summed at memory speed
+/// (the read-bandwidth probe of the engine benchmark).
+pub fn sum(x: &[f32]) -> f32 {
+    match isa::current() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the ISA is supported; `x` holds `x.len()` values.
+        Isa::Avx512 => unsafe { x86::sum512(x.as_ptr(), x.len()) },
+        _ => {
+            let mut acc = [0.0f32; 16];
+            let c = x.chunks_exact(16);
+            let tail: f32 = c.remainder().iter().sum();
+            for b in c {
+                for (a, v) in acc.iter_mut().zip(b) {
+                    *a += v;
+                }
+            }
+            acc.iter().sum::<f32>() + tail
+        }
+    }
+}
+
 /// Rounds f32 to bf16 (round to nearest even, as torch does).
 pub fn to_bf16(src: &[f32], dst: &mut [bf16]) {
     for (d, &s) in dst.iter_mut().zip(src) {
@@ -110,6 +167,112 @@ mod x86 {
     }
 
     /// # Safety
+    /// `x` holds `n` values; AVX-512 F present.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub(super) unsafe fn sum512(x: *const f32, n: usize) -> f32 {
+        let mut acc = [_mm512_setzero_ps(); 8];
+        let mut i = 0;
+        while i + 128 <= n {
+            for (q, a) in acc.iter_mut().enumerate() {
+                *a = _mm512_add_ps(*a, _mm512_loadu_ps(x.add(i + 16 * q)));
+            }
+            i += 128;
+        }
+        let mut total = acc
+            .iter()
+            .fold(_mm512_setzero_ps(), |s, &a| _mm512_add_ps(s, a));
+        while i < n {
+            let left = (n - i).min(16);
+            let mask: __mmask16 = ((1u32 << left) - 1) as u16;
+            total = _mm512_add_ps(total, _mm512_maskz_loadu_ps(mask, x.add(i)));
+            i += left;
+        }
+        _mm512_reduce_add_ps(total)
+    }
+
+    /// # Safety
+    /// `x` holds `n` writable values; AVX-512 F present.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub(super) unsafe fn exp512(x: *mut f32, n: usize) {
+        let log2e = _mm512_set1_ps(std::f32::consts::LOG2_E);
+        let lo = _mm512_set1_ps(-126.0);
+        let hi = _mm512_set1_ps(127.0);
+        // 2^f on [-0.5, 0.5], minimax-style coefficients of ln(2)^k / k!.
+        let c = [
+            1.0f32,
+            0.693_147_2,
+            0.240_226_5,
+            0.055_504_11,
+            0.009_618_129,
+            0.001_333_355_8,
+            0.000_154_035_3,
+        ];
+        let mut i = 0;
+        while i < n {
+            let left = (n - i).min(16);
+            let mask: __mmask16 = ((1u32 << left) - 1) as u16;
+            let v = _mm512_maskz_loadu_ps(mask, x.add(i));
+            let t = _mm512_mul_ps(v, log2e);
+            // -inf (masked-out scores) and tiny values clamp to 2^-126 · 2^f, then flush to 0.
+            let underflow = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(t, lo);
+            let t = _mm512_min_ps(_mm512_max_ps(t, lo), hi);
+            let nf = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(t);
+            let f = _mm512_sub_ps(t, nf);
+            let mut p = _mm512_set1_ps(c[6]);
+            for &ck in c[..6].iter().rev() {
+                p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(ck));
+            }
+            let e = _mm512_slli_epi32::<23>(_mm512_add_epi32(
+                _mm512_cvtps_epi32(nf),
+                _mm512_set1_epi32(127),
+            ));
+            let r = _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+            let r = _mm512_mask_blend_ps(underflow, r, _mm512_setzero_ps());
+            _mm512_mask_storeu_ps(x.add(i), mask, r);
+            i += left;
+        }
+    }
+
+    /// # Safety
+    /// `acc` holds `len` writable values, row `j < p.len()` of `v` starts at `j*stride` and
+    /// holds `len` values; AVX-512 F/BW/VL present.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub(super) unsafe fn weighted_rows512<W: WeightElem>(
+        acc: *mut f32,
+        len: usize,
+        p: &[f32],
+        v: *const W,
+        stride: usize,
+    ) {
+        let mut d = 0;
+        while d < len {
+            let left = (len - d).min(64);
+            // Up to four vectors of accumulators live in registers across all rows.
+            let masks: [__mmask16; 4] = std::array::from_fn(|q| {
+                let l = left.saturating_sub(16 * q).min(16);
+                ((1u32 << l) - 1) as u16
+            });
+            let mut a = [_mm512_setzero_ps(); 4];
+            for q in 0..4 {
+                a[q] = _mm512_maskz_loadu_ps(masks[q], acc.add(d + 16 * q));
+            }
+            for (j, &pj) in p.iter().enumerate() {
+                let b = _mm512_set1_ps(pj);
+                let row = v.add(j * stride + d);
+                for q in 0..4 {
+                    if masks[q] != 0 {
+                        a[q] = _mm512_fmadd_ps(b, load(row.add(16 * q), masks[q]), a[q]);
+                    }
+                }
+            }
+            for q in 0..4 {
+                _mm512_mask_storeu_ps(acc.add(d + 16 * q), masks[q], a[q]);
+            }
+            d += left;
+        }
+    }
+
+    /// # Safety
     /// `y` and `x` hold `n` values, `y` writable and not aliased; AVX-512 F/BW/VL present.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
     pub(super) unsafe fn axpy512<W: WeightElem>(y: *mut f32, a: f32, x: *const W, n: usize) {
@@ -129,6 +292,52 @@ mod x86 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn exp_is_accurate_and_flushes_minus_infinity() {
+        let mut x: Vec<f32> = (-2000..=800).map(|i| i as f32 * 0.05).collect();
+        x.push(f32::NEG_INFINITY);
+        let input = x.clone();
+        let want: Vec<f32> = x.iter().map(|v| v.exp()).collect();
+        exp_inplace(&mut x);
+        for ((a, b), v) in x.iter().zip(&want).zip(&input) {
+            // Rounding of x·log2(e) grows with |x|: softmax arguments near 0 are what matter.
+            let tol = if v.abs() <= 10.0 { 1e-6 } else { 1e-5 };
+            assert!(
+                (a - b).abs() <= tol * b.abs() + 1e-37,
+                "exp({v}): {a} vs {b}"
+            );
+        }
+    }
+
+    #[test]
+    fn sum_adds_every_value() {
+        for n in [0usize, 1, 127, 128, 129, 1000] {
+            let x: Vec<f32> = (0..n).map(|i| (i % 7) as f32).collect();
+            let want: f32 = x.iter().sum();
+            assert_eq!(sum(&x), want, "n={n}");
+        }
+    }
+
+    #[test]
+    fn weighted_rows_equals_the_loop() {
+        for len in [1usize, 16, 64, 70, 128] {
+            let n = 5;
+            let stride = len + 3;
+            let v: Vec<f32> = (0..n * stride).map(|i| (i as f32 * 0.3).sin()).collect();
+            let vb: Vec<bf16> = v.iter().map(|&x| bf16::from_f32(x)).collect();
+            let p = [0.1f32, 0.5, -0.25, 2.0, 0.0];
+            let mut acc = vec![1.0f32; len];
+            weighted_rows(&mut acc, &p, &vb, stride);
+            for d in 0..len {
+                let want: f32 = 1.0
+                    + (0..n)
+                        .map(|j| p[j] * vb[j * stride + d].to_f32())
+                        .sum::<f32>();
+                assert!((acc[d] - want).abs() < 1e-5, "len {len} d {d}");
+            }
+        }
+    }
 
     #[test]
     fn dot_and_axpy_agree_with_scalar_for_every_length() {

@@ -4,7 +4,7 @@
 use crate::backend::host::{self, Linear};
 use rayon::prelude::*;
 
-/// `x · Wᵀ` for `rows` rows of `x`, through [`Backend::matmul_raw`] (the `gemm` crate).
+/// `x · Wᵀ` for `rows` rows of `x`, through the CPU kernels (`backend::host::matmul`).
 pub(crate) fn linear(x: &Vec<f32>, rows: usize, w: &Linear<Vec<f32>>) -> Vec<f32> {
     let mut out = Vec::new();
     linear_into(x, rows, w, &mut out, false);
