@@ -118,6 +118,8 @@ pub struct ClusterOptions {
     pub dead_workers: bool,
     /// Extra arguments of the decode worker (e.g. `--tp 2 --dp 2`).
     pub decode_args: Vec<String>,
+    /// A different model directory for the decode worker (mismatch tests).
+    pub decode_model: Option<PathBuf>,
 }
 
 impl Default for ClusterOptions {
@@ -129,6 +131,7 @@ impl Default for ClusterOptions {
             prefill_args: Vec::new(),
             decode_args: Vec::new(),
             dead_workers: false,
+            decode_model: None,
         }
     }
 }
@@ -169,7 +172,12 @@ impl Cluster {
             _dir: dir,
         };
         let deadline = Instant::now() + Duration::from_secs(120);
+        let decode_model_s = opts.decode_model.as_ref().map(|d| d.display().to_string());
         for role in ["prefill", "decode"] {
+            let model_s = match (role, &decode_model_s) {
+                ("decode", Some(d)) => d,
+                _ => &model_s,
+            };
             let child = Command::new(&bin)
                 .args([
                     "worker",
@@ -178,7 +186,7 @@ impl Cluster {
                     "--listen",
                     "127.0.0.1:0",
                     "--model",
-                    &model_s,
+                    model_s,
                     "--kv-blocks",
                     &kv,
                 ])

@@ -337,3 +337,78 @@ fn dead_workers_are_routed_around_and_nothing_is_lost() {
         assert_pools_full(&c, &url).await;
     });
 }
+
+/// A decode worker serving another checkpoint (same architecture, a different config) is
+/// never handed KV computed by this one: the request fails as an invalid request naming the
+/// mismatch, and both pools are whole.
+#[test]
+fn a_handoff_between_different_checkpoints_is_refused() {
+    let smollm2 = tandem_testkit::smollm2_dir();
+    let other = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(&smollm2).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap().to_owned();
+        if name == "config.json" {
+            let mut config: Value =
+                serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+            config["rms_norm_eps"] = json!(2e-5);
+            std::fs::write(other.path().join(name), config.to_string()).unwrap();
+        } else {
+            std::os::unix::fs::symlink(&path, other.path().join(name)).unwrap();
+        }
+    }
+    let cluster = Cluster::start(ClusterOptions {
+        decode_model: Some(other.path().to_path_buf()),
+        ..ClusterOptions::default()
+    });
+    let url = cluster.url.clone();
+    rt().block_on(async move {
+        let c = reqwest::Client::new();
+        let (status, body) = post(
+            &c,
+            &format!("{url}/v1/chat/completions"),
+            chat(FRANCE, 8, false),
+        )
+        .await;
+        assert_eq!(status, 400, "{body}");
+        assert_eq!(body["error"]["type"], "invalid_request_error", "{body}");
+        let message = body["error"]["message"].as_str().unwrap_or_default();
+        assert!(message.contains("different checkpoint"), "{body}");
+        assert_pools_full(&c, &url).await;
+    });
+}
+
+/// bf16 weights and K/V on both workers: the KV crosses in bf16 and the answer is the same.
+#[test]
+fn bf16_prefill_and_decode_answer_through_the_router() {
+    let bf16 = vec!["--dtype".to_string(), "bf16".to_string()];
+    let cluster = Cluster::start(ClusterOptions {
+        prefill_args: bf16.clone(),
+        decode_args: bf16,
+        ..ClusterOptions::default()
+    });
+    let url = cluster.url.clone();
+    rt().block_on(async move {
+        let c = reqwest::Client::new();
+        let (status, body) = post(
+            &c,
+            &format!("{url}/v1/chat/completions"),
+            chat(FRANCE, 32, false),
+        )
+        .await;
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(
+            body["choices"][0]["message"]["content"],
+            "The capital of France is Paris."
+        );
+        let (events, done) = post_stream(
+            &c,
+            &format!("{url}/v1/chat/completions"),
+            chat(FRANCE, 32, true),
+        )
+        .await;
+        assert!(done);
+        assert_eq!(chat_deltas(&events).0, "The capital of France is Paris.");
+        assert_pools_full(&c, &url).await;
+    });
+}

@@ -408,6 +408,9 @@ async fn shutdown_signal() {
 
 async fn worker(args: WorkerArgs) -> Result<()> {
     let engine = args.engine.start_worker_engine()?;
+    let dir = models::resolve(&args.engine.model)?;
+    let model_id = tandem_model::model_identity(&dir, args.engine.dtype.dtype().name())
+        .with_context(|| format!("reading {}", dir.display()))?;
     let role = match args.role {
         RoleArg::Prefill => tandem_worker::Role::Prefill,
         RoleArg::Decode => tandem_worker::Role::Decode,
@@ -421,6 +424,7 @@ async fn worker(args: WorkerArgs) -> Result<()> {
         transfer_bind: args.transfer_listen,
         kv_lease: args.kv_lease,
         transfer_timeout: args.transfer_timeout,
+        model_id,
     };
     tandem_worker::serve(engine, opts, listener, shutdown_signal()).await?;
     tracing::info!("worker stopped");

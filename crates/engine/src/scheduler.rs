@@ -1,8 +1,9 @@
 //! The engine thread. One thread owns the model and the KV cache and runs steps; everything
 //! else talks to it through [`Engine`], a cheap handle that sends commands over a channel and
 //! receives per-request events. Each step batches one token of every running sequence with
-//! chunks of prompts under a token budget (continuous batching with chunked prefill), so a
-//! long prompt makes progress every step without stalling the decodes.
+//! chunks of prompts under a token budget (continuous batching with chunked prefill), shared
+//! among the prompts in progress, so a long prompt makes progress every step without stalling
+//! the decodes or the short prompts queued behind it.
 
 use crate::backend::Ops;
 use crate::batch::ForwardBatch;
@@ -436,31 +437,39 @@ impl<B: Ops> Worker<B> {
                 budget = budget.saturating_sub(1);
             }
         }
-        // Then prompt chunks, oldest first, while budget remains (at least one token each
-        // step for the oldest prompt, so a prefill is never starved).
-        for (i, seq) in self.running.iter().enumerate() {
-            let remaining = seq.tokens.len() - seq.cached;
-            if seq.cached < seq.prompt_len {
-                if budget == 0 && !in_batch.is_empty() {
-                    break;
-                }
-                let n = remaining.min(budget.max(1));
-                let blocks = seq
-                    .allocation
-                    .as_ref()
-                    .map(|a| a.blocks())
-                    .unwrap_or_default();
-                let done = seq.cached + n == seq.tokens.len();
-                batch.push(
-                    &seq.tokens[seq.cached..seq.cached + n],
-                    seq.cached,
-                    blocks,
-                    bs,
-                    done,
-                );
-                in_batch.push((i, n));
-                budget = budget.saturating_sub(n);
+        // Then prompt chunks. The budget left is shared: prompts in order of what they have
+        // left, each taking at most an equal share of what remains, so a short prompt queued
+        // behind a long one finishes in a step while the long one still progresses every
+        // step (it gets at least budget / prompts), and what a short one leaves flows on to
+        // the longer ones. At least one token per step, so a prefill is never starved.
+        let mut prompts: Vec<usize> = (0..self.running.len())
+            .filter(|&i| self.running[i].cached < self.running[i].prompt_len)
+            .collect();
+        prompts.sort_by_key(|&i| self.running[i].tokens.len() - self.running[i].cached);
+        let mut left = prompts.len();
+        for i in prompts {
+            let seq = &self.running[i];
+            if budget == 0 && !in_batch.is_empty() {
+                break;
             }
+            let remaining = seq.tokens.len() - seq.cached;
+            let n = remaining.min((budget / left).max(1));
+            left -= 1;
+            let blocks = seq
+                .allocation
+                .as_ref()
+                .map(|a| a.blocks())
+                .unwrap_or_default();
+            let done = seq.cached + n == seq.tokens.len();
+            batch.push(
+                &seq.tokens[seq.cached..seq.cached + n],
+                seq.cached,
+                blocks,
+                bs,
+                done,
+            );
+            in_batch.push((i, n));
+            budget = budget.saturating_sub(n);
         }
         if batch.num_tokens() == 0 {
             return;

@@ -244,3 +244,53 @@ fn bf16_keeps_the_greedy_tokens_with_clear_margins_and_logits_near_f32() {
         "KV blocks leaked"
     );
 }
+
+/// A short prompt submitted behind a long one gets its first token while the long one is still
+/// prefilling (the step budget is shared), and the long one still finishes correctly.
+#[test]
+fn a_short_prompt_behind_a_long_one_is_not_held_up() {
+    let dir = tandem_testkit::smollm2_dir();
+    let model = LlamaModel::load(&dir, CpuBackend::new(), DType::F32).expect("load model");
+    let engine = Engine::start(
+        model,
+        EngineConfig {
+            max_batch_tokens: 48,
+            ..EngineConfig::default()
+        },
+    );
+    // 25 steps of prefill for the long prompt; the short one fits in one step's share.
+    let long: Vec<u32> = (0..1200u32).map(|i| 100 + (i * 7919) % 40_000).collect();
+    let mut long_rx = engine
+        .submit(long, SamplingParams::greedy(2), SeqKind::Generate)
+        .expect("submit long");
+    let mut short_rx = engine
+        .submit(
+            vec![504, 3575, 282, 4649, 314],
+            SamplingParams::greedy(1),
+            SeqKind::Generate,
+        )
+        .expect("submit short");
+    match short_rx.blocking_recv() {
+        Some(EngineEvent::Token { token_id, .. }) => {
+            assert_eq!(token_id, 7042, "the short prompt's greedy token")
+        }
+        other => panic!("short prompt: {other:?}"),
+    }
+    assert!(
+        long_rx.try_recv().is_err(),
+        "the long prompt produced a token before the short one's first: the short one waited for it"
+    );
+    let mut n = 0;
+    while let Some(EngineEvent::Token { finish, .. }) = long_rx.blocking_recv() {
+        n += 1;
+        if finish.is_some() {
+            break;
+        }
+    }
+    assert_eq!(n, 2, "the long prompt finishes");
+    assert_eq!(
+        engine.allocator().free_blocks(),
+        engine.allocator().total_blocks(),
+        "KV blocks leaked"
+    );
+}

