@@ -120,6 +120,10 @@ pub struct ClusterOptions {
     pub decode_args: Vec<String>,
     /// A different model directory for the decode worker (mismatch tests).
     pub decode_model: Option<PathBuf>,
+    /// Start a prefill and a decode worker (the P/D pair).
+    pub pd_pair: bool,
+    /// Also start an aggregated worker (`--role both`) and list it.
+    pub aggregated: bool,
 }
 
 impl Default for ClusterOptions {
@@ -132,6 +136,8 @@ impl Default for ClusterOptions {
             decode_args: Vec::new(),
             dead_workers: false,
             decode_model: None,
+            pd_pair: true,
+            aggregated: false,
         }
     }
 }
@@ -145,6 +151,8 @@ pub struct Cluster {
     pub prefill_addr: String,
     /// Decode worker's gRPC address.
     pub decode_addr: String,
+    /// Aggregated worker's gRPC address (empty without one).
+    pub aggregated_addr: String,
     _dead: Vec<DeadPort>,
     _dir: tempfile::TempDir,
 }
@@ -168,12 +176,20 @@ impl Cluster {
             url: String::new(),
             prefill_addr: String::new(),
             decode_addr: String::new(),
+            aggregated_addr: String::new(),
             _dead: Vec::new(),
             _dir: dir,
         };
         let deadline = Instant::now() + Duration::from_secs(120);
         let decode_model_s = opts.decode_model.as_ref().map(|d| d.display().to_string());
-        for role in ["prefill", "decode"] {
+        let mut roles = Vec::new();
+        if opts.pd_pair {
+            roles.extend(["prefill", "decode"]);
+        }
+        if opts.aggregated {
+            roles.push("both");
+        }
+        for &role in &roles {
             let model_s = match (role, &decode_model_s) {
                 ("decode", Some(d)) => d,
                 _ => &model_s,
@@ -190,10 +206,10 @@ impl Cluster {
                     "--kv-blocks",
                     &kv,
                 ])
-                .args(if role == "prefill" {
-                    &opts.prefill_args
-                } else {
-                    &opts.decode_args
+                .args(match role {
+                    "prefill" => &opts.prefill_args,
+                    "decode" => &opts.decode_args,
+                    _ => &[][..],
                 })
                 .envs(
                     opts.worker_env
@@ -207,9 +223,16 @@ impl Cluster {
                 .unwrap();
             cluster.adopt(role, child, &tx);
         }
-        let mut addrs = cluster.wait_ready(&events, 2, deadline);
-        cluster.prefill_addr = format!("http://{}", addrs.remove("prefill").unwrap_or_default());
-        cluster.decode_addr = format!("http://{}", addrs.remove("decode").unwrap_or_default());
+        let mut addrs = cluster.wait_ready(&events, roles.len(), deadline);
+        let mut addr = |role: &str| {
+            addrs
+                .remove(role)
+                .map(|a| format!("http://{a}"))
+                .unwrap_or_default()
+        };
+        cluster.prefill_addr = addr("prefill");
+        cluster.decode_addr = addr("decode");
+        cluster.aggregated_addr = addr("both");
         // Dead workers: listed in the router's config; their ports are bound here but never
         // listened on, so connecting is refused and no other process can take them.
         let (dead_p, dead_d) = if opts.dead_workers {
@@ -229,10 +252,19 @@ impl Cluster {
         } else {
             (String::new(), String::new())
         };
-        let config = format!(
-            "listen: 127.0.0.1:0\nmodel:\n  served_name: {served}\nprefill:\n{dead_p}  - id: prefill-0\n    address: {}\ndecode:\n  - id: decode-0\n    address: {}\n{dead_d}",
-            cluster.prefill_addr, cluster.decode_addr
-        );
+        let mut config = format!("listen: 127.0.0.1:0\nmodel:\n  served_name: {served}\n");
+        if opts.pd_pair {
+            config.push_str(&format!(
+                "prefill:\n{dead_p}  - id: prefill-0\n    address: {}\ndecode:\n  - id: decode-0\n    address: {}\n{dead_d}",
+                cluster.prefill_addr, cluster.decode_addr
+            ));
+        }
+        if opts.aggregated {
+            config.push_str(&format!(
+                "aggregated:\n  - id: both-0\n    address: {}\n",
+                cluster.aggregated_addr
+            ));
+        }
         let config_path = cluster._dir.path().join("router.yaml");
         std::fs::write(&config_path, config).unwrap();
         let router = Command::new(&bin)
@@ -272,7 +304,7 @@ impl Cluster {
 
     fn logs(&self) -> String {
         let mut out = String::new();
-        for name in ["prefill", "decode", "router"] {
+        for name in ["prefill", "decode", "both", "router"] {
             let text = std::fs::read_to_string(self._dir.path().join(format!("{name}.log")))
                 .unwrap_or_default();
             let tail: Vec<&str> = text.lines().rev().take(30).collect();

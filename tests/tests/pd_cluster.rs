@@ -412,3 +412,91 @@ fn bf16_prefill_and_decode_answer_through_the_router() {
         assert_pools_full(&c, &url).await;
     });
 }
+
+/// Aggregated serving: one worker runs prefill and decode with no transfer; the router sends
+/// it whole requests. Same greedy answers as P/D, streamed and not; nothing held afterwards.
+#[test]
+fn an_aggregated_worker_alone_answers_like_a_pd_pair() {
+    let cluster = Cluster::start(ClusterOptions {
+        pd_pair: false,
+        aggregated: true,
+        ..ClusterOptions::default()
+    });
+    let url = cluster.url.clone();
+    rt().block_on(async move {
+        let c = reqwest::Client::new();
+        let chat_url = format!("{url}/v1/chat/completions");
+        let (status, body) = post(&c, &chat_url, chat(FRANCE, 32, false)).await;
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(
+            body["choices"][0]["message"]["content"],
+            "The capital of France is Paris."
+        );
+        let (events, done) = post_stream(&c, &chat_url, chat(FRANCE, 32, true)).await;
+        assert!(done);
+        assert_eq!(
+            chat_deltas(&events),
+            (
+                "The capital of France is Paris.".to_string(),
+                Some("stop".to_string())
+            )
+        );
+        // One token only: the first token ends the request.
+        let (status, body) = post(&c, &chat_url, chat(FRANCE, 1, false)).await;
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(body["choices"][0]["finish_reason"], "length");
+        let workers = tandem_e2e::workers_when_idle(&c, &url).await;
+        let list = workers["workers"].as_array().expect("workers");
+        assert_eq!(list.len(), 1, "{workers}");
+        assert_eq!(list[0]["role"], "both");
+        assert_eq!(list[0]["running_requests"], 0, "{workers}");
+        assert!(tandem_e2e::pools_full(&workers, None), "{workers}");
+        assert_eq!(
+            list[0]["kv_bytes_transferred"], 0,
+            "aggregated serving moves no KV"
+        );
+    });
+}
+
+/// An aggregated worker beside a P/D pair: requests go to both routes and all answer the same.
+#[test]
+fn aggregated_workers_serve_beside_pd_pairs() {
+    let cluster = Cluster::start(ClusterOptions {
+        aggregated: true,
+        ..ClusterOptions::default()
+    });
+    let url = cluster.url.clone();
+    rt().block_on(async move {
+        let c = reqwest::Client::new();
+        let chat_url = format!("{url}/v1/chat/completions");
+        let mut tasks = Vec::new();
+        for _ in 0..6 {
+            let (c, chat_url) = (c.clone(), chat_url.clone());
+            tasks.push(tokio::spawn(async move {
+                post(&c, &chat_url, chat(FRANCE, 32, false)).await
+            }));
+        }
+        for t in tasks {
+            let (status, body) = t.await.unwrap();
+            assert_eq!(status, 200, "{body}");
+            assert_eq!(
+                body["choices"][0]["message"]["content"],
+                "The capital of France is Paris."
+            );
+        }
+        let workers = tandem_e2e::workers_when_idle(&c, &url).await;
+        let list = workers["workers"].as_array().expect("workers");
+        let moved = |role: &str| {
+            list.iter()
+                .filter(|w| w["role"] == role)
+                .map(|w| w["kv_bytes_transferred"].as_u64().unwrap_or(0))
+                .sum::<u64>()
+        };
+        assert!(
+            moved("prefill") > 0,
+            "the P/D pair served some requests: {workers}"
+        );
+        assert_eq!(list.len(), 3, "{workers}");
+        assert!(tandem_e2e::pools_full(&workers, None), "{workers}");
+    });
+}

@@ -24,6 +24,13 @@ pub struct RunArgs {
     /// How long to wait for the processes to become ready.
     #[arg(long, default_value = "180s", value_parser = humantime::parse_duration)]
     ready_timeout: Duration,
+    /// Router + one worker serving prefill and decode in one process (no KV transfer): what
+    /// a small deployment or a 2-core machine needs.
+    #[arg(long)]
+    aggregated: bool,
+    /// Weights and K/V dtype of the workers.
+    #[arg(long, value_enum, default_value_t = crate::DtypeArg::F32)]
+    dtype: crate::DtypeArg,
 }
 
 /// The `127.0.0.1:PORT` after `listen` in a worker's ready line.
@@ -136,28 +143,38 @@ pub fn run(args: RunArgs) -> Result<()> {
         .build()?;
     let result = rt.block_on(async {
         let deadline = Instant::now() + args.ready_timeout;
+        let dtype = match args.dtype {
+            crate::DtypeArg::F32 => "f32",
+            crate::DtypeArg::Bf16 => "bf16",
+        };
         let worker = |role: &str| -> Vec<String> {
-            ["worker", "--role", role, "--listen", "127.0.0.1:0", "--model", &dir_s, "--kv-blocks", &kv]
+            ["worker", "--role", role, "--listen", "127.0.0.1:0", "--model", &dir_s, "--kv-blocks", &kv, "--dtype", dtype]
                 .map(String::from)
                 .to_vec()
         };
-        let (mut prefill, p_ready) = spawn_worker(&exe, &worker("prefill"), "prefill worker")?;
-        let (mut decode, d_ready) = spawn_worker(&exe, &worker("decode"), "decode worker")?;
-        let p_addr = worker_addr("prefill worker", &mut prefill, p_ready, deadline).await?;
-        let d_addr = worker_addr("decode worker", &mut decode, d_ready, deadline).await?;
-        eprintln!("prefill worker listening on {p_addr}");
-        eprintln!("decode worker listening on {d_addr}");
-        let config = format!(
-            "listen: 127.0.0.1:{port}\nmodel:\n  served_name: {name}\nprefill:\n  - id: prefill-0\n    address: http://{p_addr}\ndecode:\n  - id: decode-0\n    address: http://{d_addr}\n",
-            port = args.port,
-            name = dir.file_name().map_or("model".into(), |n| n.to_string_lossy().to_string()),
-        );
+        let name = dir.file_name().map_or("model".into(), |n| n.to_string_lossy().to_string());
+        let mut workers = Vec::new();
+        let lists = if args.aggregated {
+            let (mut both, ready) = spawn_worker(&exe, &worker("both"), "worker")?;
+            let addr = worker_addr("worker", &mut both, ready, deadline).await?;
+            eprintln!("worker (prefill + decode) listening on {addr}");
+            workers.push(("worker", both));
+            format!("aggregated:\n  - id: worker-0\n    address: http://{addr}\n")
+        } else {
+            let (mut prefill, p_ready) = spawn_worker(&exe, &worker("prefill"), "prefill worker")?;
+            let (mut decode, d_ready) = spawn_worker(&exe, &worker("decode"), "decode worker")?;
+            let p_addr = worker_addr("prefill worker", &mut prefill, p_ready, deadline).await?;
+            let d_addr = worker_addr("decode worker", &mut decode, d_ready, deadline).await?;
+            eprintln!("prefill worker listening on {p_addr}");
+            eprintln!("decode worker listening on {d_addr}");
+            workers.push(("prefill", prefill));
+            workers.push(("decode", decode));
+            format!("prefill:\n  - id: prefill-0\n    address: http://{p_addr}\ndecode:\n  - id: decode-0\n    address: http://{d_addr}\n")
+        };
+        let config = format!("listen: 127.0.0.1:{port}\nmodel:\n  served_name: {name}\n{lists}", port = args.port);
         std::fs::write(&config_path, &config)?;
-        let mut children = vec![
-            ("prefill", prefill),
-            ("decode", decode),
-            ("router", spawn(&exe, &["router".into(), "--config".into(), config_path.display().to_string(), "--model".into(), dir_s.clone()], "router")?),
-        ];
+        let mut children = workers;
+        children.push(("router", spawn(&exe, &["router".into(), "--config".into(), config_path.display().to_string(), "--model".into(), dir_s.clone()], "router")?));
         // Readiness: the router answers /health only once it can reach both workers.
         let deadline = Instant::now() + args.ready_timeout;
         loop {

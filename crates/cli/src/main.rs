@@ -153,6 +153,8 @@ fn kda_dtype_check(dtype: DtypeArg) -> Result<()> {
 enum RoleArg {
     Prefill,
     Decode,
+    /// Prefill and decode in this process, no transfer (aggregated serving).
+    Both,
 }
 
 #[derive(clap::Args, Debug)]
@@ -414,6 +416,7 @@ async fn worker(args: WorkerArgs) -> Result<()> {
     let role = match args.role {
         RoleArg::Prefill => tandem_worker::Role::Prefill,
         RoleArg::Decode => tandem_worker::Role::Decode,
+        RoleArg::Both => tandem_worker::Role::Both,
     };
     let listener = tokio::net::TcpListener::bind(&args.listen)
         .await

@@ -25,9 +25,14 @@ pub struct RawConfig {
     /// The served model.
     pub model: ModelConfig,
     /// Prefill workers.
+    #[serde(default)]
     pub prefill: Vec<RawWorker>,
     /// Decode workers.
+    #[serde(default)]
     pub decode: Vec<RawWorker>,
+    /// Aggregated workers (`tandem worker --role both`): a whole request on one worker.
+    #[serde(default)]
+    pub aggregated: Vec<RawWorker>,
     /// How workers are picked; round-robin when absent.
     #[serde(default)]
     pub policy: PolicyConfig,
@@ -102,10 +107,12 @@ pub struct RouterConfig {
     pub listen: SocketAddr,
     /// The served model.
     pub model: ModelConfig,
-    /// Prefill workers; never empty.
+    /// Prefill workers; empty only with no decode workers and some aggregated ones.
     pub prefill: Vec<WorkerEndpoint>,
-    /// Decode workers; never empty.
+    /// Decode workers; empty exactly when `prefill` is.
     pub decode: Vec<WorkerEndpoint>,
+    /// Aggregated workers; may be empty when there are P/D pairs.
+    pub aggregated: Vec<WorkerEndpoint>,
     /// Worker selection policy.
     pub policy: PolicyConfig,
     /// Time limits; all non-zero.
@@ -183,8 +190,18 @@ impl RawConfig {
             problems.push("model.served_name must not be empty".to_owned());
         }
         let mut ids = HashSet::new();
-        let prefill = check_workers("prefill", self.prefill, &mut ids, &mut problems);
-        let decode = check_workers("decode", self.decode, &mut ids, &mut problems);
+        // Either P/D pairs (both lists non-empty), aggregated workers, or both kinds.
+        let pd_needed =
+            self.aggregated.is_empty() || !self.prefill.is_empty() || !self.decode.is_empty();
+        let prefill = check_workers("prefill", self.prefill, pd_needed, &mut ids, &mut problems);
+        let decode = check_workers("decode", self.decode, pd_needed, &mut ids, &mut problems);
+        let aggregated = check_workers(
+            "aggregated",
+            self.aggregated,
+            false,
+            &mut ids,
+            &mut problems,
+        );
         for (name, value) in [
             ("connect", self.timeouts.connect),
             ("first_token", self.timeouts.first_token),
@@ -201,6 +218,7 @@ impl RawConfig {
                 model: self.model,
                 prefill,
                 decode,
+                aggregated,
                 policy: self.policy,
                 timeouts: self.timeouts,
             }),
@@ -212,11 +230,14 @@ impl RawConfig {
 fn check_workers(
     role: &str,
     workers: Vec<RawWorker>,
+    required: bool,
     ids: &mut HashSet<String>,
     problems: &mut Vec<String>,
 ) -> Vec<WorkerEndpoint> {
-    if workers.is_empty() {
-        problems.push(format!("{role}: at least one worker is required"));
+    if required && workers.is_empty() {
+        problems.push(format!(
+            "{role}: at least one worker is required (or list only `aggregated` workers)"
+        ));
     }
     let mut addresses = HashSet::new();
     let mut checked = Vec::new();
@@ -353,6 +374,26 @@ timeouts: {connect: 0s}
                 "{expected:?} not in {message:?}"
             );
         }
+    }
+
+    #[test]
+    fn aggregated_workers_alone_or_beside_pairs() {
+        let agg = "listen: 127.0.0.1:8000\nmodel: {served_name: m}\naggregated: [{id: a0, address: 'http://127.0.0.1:50070'}]\n";
+        let c = RouterConfig::from_yaml(agg).expect("aggregated workers alone");
+        assert!(c.prefill.is_empty() && c.decode.is_empty() && c.aggregated.len() == 1);
+        let half = format!("{agg}prefill: [{{id: p0, address: 'http://127.0.0.1:50061'}}]\n");
+        assert!(invalid(&half).contains("decode: at least one worker"));
+        let both = format!("{half}decode: [{{id: d0, address: 'http://127.0.0.1:50062'}}]\n");
+        assert_eq!(
+            RouterConfig::from_yaml(&both)
+                .expect("pairs beside aggregated")
+                .aggregated
+                .len(),
+            1
+        );
+        let none = "listen: 127.0.0.1:8000\nmodel: {served_name: m}\n";
+        assert!(invalid(none).contains("prefill: at least one worker"));
+        assert!(invalid(&both.replace("id: a0", "id: p0")).contains("aggregated[0].id `p0`"));
     }
 
     #[test]

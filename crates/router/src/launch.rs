@@ -48,13 +48,12 @@ async fn worker_report(pd: &PdGenerator, wait_idle: Duration) -> Vec<Value> {
     futures::future::join_all(asks).await
 }
 
-/// around (retries), it does not take the router out of service.
-/// Ready when at least one prefill and one decode worker answer: a dead worker is routed
-/// around (retries), it does not take the router out of service.
+/// Ready when at least one prefill and one decode worker, or one aggregated worker, answer: a
+/// dead worker is routed around (retries), it does not take the router out of service.
 async fn ready(State(pd): State<Arc<PdGenerator>>) -> (StatusCode, Json<Value>) {
     let workers = worker_report(&pd, Duration::ZERO).await;
     let reachable = |role: &str| workers.iter().any(|w| w["role"] == role);
-    let ok = reachable("prefill") && reachable("decode");
+    let ok = (reachable("prefill") && reachable("decode")) || reachable("both");
     let status = if ok {
         StatusCode::OK
     } else {
@@ -108,7 +107,17 @@ pub async fn run_from_config(
         .iter()
         .map(handle)
         .collect::<Result<Vec<_>, _>>()?;
-    let pd = Arc::new(PdGenerator::new(prefill, decode, RetryPolicy::default()));
+    let aggregated = config
+        .aggregated
+        .iter()
+        .map(handle)
+        .collect::<Result<Vec<_>, _>>()?;
+    let pd = Arc::new(PdGenerator::with_aggregated(
+        prefill,
+        decode,
+        aggregated,
+        RetryPolicy::default(),
+    ));
     let state = RouterState::new(
         Arc::new(SharedPd(pd.clone())),
         &ModelInfo::new(config.model.served_name.clone(), dir),

@@ -141,6 +141,7 @@ impl Default for RetryPolicy {
 pub struct PdGenerator {
     prefill: Vec<WorkerHandle>,
     decode: Vec<WorkerHandle>,
+    aggregated: Vec<WorkerHandle>,
     next: AtomicUsize,
     retry: RetryPolicy,
 }
@@ -201,17 +202,33 @@ fn to_pb(req: &ValidGenerateRequest) -> pb::GenerateRequest {
 impl PdGenerator {
     /// A generator over static worker lists.
     pub fn new(prefill: Vec<WorkerHandle>, decode: Vec<WorkerHandle>, retry: RetryPolicy) -> Self {
+        Self::with_aggregated(prefill, decode, Vec::new(), retry)
+    }
+
+    /// A generator over P/D pairs and aggregated workers (either may be empty). Requests go
+    /// round-robin over the routes: each aggregated worker is one, the P/D pairs together
+    /// another.
+    pub fn with_aggregated(
+        prefill: Vec<WorkerHandle>,
+        decode: Vec<WorkerHandle>,
+        aggregated: Vec<WorkerHandle>,
+        retry: RetryPolicy,
+    ) -> Self {
         Self {
             prefill,
             decode,
+            aggregated,
             next: AtomicUsize::new(0),
             retry,
         }
     }
 
-    /// Every worker, prefill first.
+    /// Every worker, prefill first, then decode, then aggregated.
     pub fn workers(&self) -> impl Iterator<Item = &WorkerHandle> {
-        self.prefill.iter().chain(&self.decode)
+        self.prefill
+            .iter()
+            .chain(&self.decode)
+            .chain(&self.aggregated)
     }
 
     /// Prefill workers.
@@ -239,18 +256,25 @@ impl PdGenerator {
 
     async fn run(self: Arc<Self>, req: ValidGenerateRequest) -> Result<TokenStream, GenerateError> {
         let base = self.next.fetch_add(1, Ordering::Relaxed);
-        let mut last = GenerateError::new(
-            ErrorClass::Unavailable,
-            "no prefill/decode workers configured",
-        );
-        let (mut pi, mut di) = (base, base);
+        let mut last = GenerateError::new(ErrorClass::Unavailable, "no workers configured");
+        let pairs = usize::from(!self.prefill.is_empty() && !self.decode.is_empty());
+        let routes = self.aggregated.len() + pairs;
+        if routes == 0 {
+            return Err(last);
+        }
+        let (mut pi, mut di, mut route) = (base, base, base % routes);
         for attempt in 0..self.retry.attempts.max(1) {
-            let Some((p, d)) = self.pick(pi, di) else {
-                break;
-            };
-            match try_pair(&p, &d, &req).await {
-                Ok(stream) => return Ok(stream),
-                Err((leg, e)) => {
+            let result = if let Some(w) = self.aggregated.get(route) {
+                try_aggregated(w, &req).await.map_err(|e| {
+                    tracing::warn!(request = %req.id, worker = %w.id, attempt,
+                        class = e.class.as_str(), error = %e.message, "aggregated attempt failed");
+                    e
+                })
+            } else {
+                let Some((p, d)) = self.pick(pi, di) else {
+                    break;
+                };
+                try_pair(&p, &d, &req).await.map_err(|(leg, e)| {
                     match leg {
                         Leg::Prefill => pi += 1,
                         Leg::Decode => di += 1,
@@ -261,16 +285,73 @@ impl PdGenerator {
                     }
                     tracing::warn!(request = %req.id, prefill = %p.id, decode = %d.id, attempt,
                         class = e.class.as_str(), error = %e.message, "P/D attempt failed");
+                    e
+                })
+            };
+            match result {
+                Ok(stream) => return Ok(stream),
+                Err(e) => {
                     if !e.class.is_retryable() {
                         return Err(e);
                     }
                     last = e;
+                    route = (route + 1) % routes;
                     tokio::time::sleep(self.retry.backoff * 2u32.pow(attempt)).await;
                 }
             }
         }
         Err(last)
     }
+}
+
+/// A whole request on one aggregated worker: resolves with its first token (so a failure
+/// before it can still be retried elsewhere), then streams the rest.
+async fn try_aggregated(
+    w: &WorkerHandle,
+    req: &ValidGenerateRequest,
+) -> Result<TokenStream, GenerateError> {
+    let mut events = w
+        .client
+        .clone()
+        .generate(to_pb(req))
+        .await
+        .map_err(classify_status)?
+        .into_inner();
+    let token = |t: pb::TokenEvent| GeneratedToken {
+        token_id: t.token_id,
+        finish_reason: finish_from_pb(t.finish_reason),
+    };
+    let id = w.id.clone();
+    let ended = move || {
+        GenerateError::new(
+            ErrorClass::Unavailable,
+            format!("worker {id} ended the stream before finishing"),
+        )
+    };
+    let first = match events.message().await.map_err(classify_status)? {
+        Some(t) => token(t),
+        None => return Err(ended()),
+    };
+    let head = futures::stream::once(async move { Ok(first) });
+    if first.finish_reason.is_some() {
+        return Ok(head.boxed());
+    }
+    let rest = futures::stream::unfold(Some(events), move |state| {
+        let ended = ended.clone();
+        async move {
+            let mut events = state?;
+            match events.message().await {
+                Ok(Some(t)) => {
+                    let tok = token(t);
+                    let more = tok.finish_reason.is_none();
+                    Some((Ok(tok), more.then_some(events)))
+                }
+                Ok(None) => Some((Err(ended()), None)),
+                Err(s) => Some((Err(classify_status(s)), None)),
+            }
+        }
+    });
+    Ok(head.chain(rest).boxed())
 }
 
 /// Which side of a pair an attempt failed on.

@@ -39,27 +39,51 @@ pub struct Prefilled {
     pub body: Vec<u8>,
 }
 
-/// Token events of a decoding request.
+/// Token events of a decoding or generating request.
 #[derive(Debug)]
-pub enum TokenEvents {
-    /// From the Llama engine.
+pub struct TokenEvents {
+    /// A token already known (the first one of an aggregated KDA request), yielded first.
+    first: Option<(u32, Option<FinishReason>)>,
+    source: EventSource,
+}
+
+#[derive(Debug)]
+enum EventSource {
     Llama(UnboundedReceiver<EngineEvent>),
-    /// From the KDA engine.
     Kda(UnboundedReceiver<KdaEvent>),
+    Done,
 }
 
 impl TokenEvents {
+    fn llama(rx: UnboundedReceiver<EngineEvent>) -> Self {
+        Self {
+            first: None,
+            source: EventSource::Llama(rx),
+        }
+    }
+
+    fn kda(rx: UnboundedReceiver<KdaEvent>) -> Self {
+        Self {
+            first: None,
+            source: EventSource::Kda(rx),
+        }
+    }
+
     /// The next token; `None` when the engine dropped the request.
     pub async fn recv(&mut self) -> Option<(u32, Option<FinishReason>)> {
-        match self {
-            TokenEvents::Llama(rx) => match rx.recv().await? {
+        if let Some(t) = self.first.take() {
+            return Some(t);
+        }
+        match &mut self.source {
+            EventSource::Llama(rx) => match rx.recv().await? {
                 EngineEvent::Token { token_id, finish } => Some((token_id, finish)),
                 EngineEvent::Prefilled { .. } => None,
             },
-            TokenEvents::Kda(rx) => match rx.recv().await? {
+            EventSource::Kda(rx) => match rx.recv().await? {
                 KdaEvent::Token { token_id, finish } => Some((token_id, finish)),
                 KdaEvent::Prefilled { .. } => None,
             },
+            EventSource::Done => None,
         }
     }
 }
@@ -259,6 +283,39 @@ impl WorkerEngine {
         }
     }
 
+    /// Runs a whole request in this process (aggregated role): no transfer. The Llama engine
+    /// generates every token itself; the KDA engine prefills, then continues the state it
+    /// produced on a slot reserved up front.
+    pub async fn generate(&self, prompt: Vec<u32>, params: SamplingParams) -> Result<TokenEvents> {
+        match self {
+            WorkerEngine::Llama(e) => Ok(TokenEvents::llama(e.submit(
+                prompt,
+                params,
+                SeqKind::Generate,
+            )?)),
+            WorkerEngine::Kda(e) => {
+                let slot = e.reserve_for(None, prompt.len() + params.max_tokens as usize)?;
+                let Prefilled {
+                    first_token,
+                    finish,
+                    body,
+                } = self.prefill(prompt.clone(), params.clone()).await?;
+                let first = Some((first_token, finish));
+                if finish.is_some() {
+                    return Ok(TokenEvents {
+                        first,
+                        source: EventSource::Done,
+                    });
+                }
+                let rx = e.submit_decode(&prompt, params, slot, &body, first_token)?;
+                Ok(TokenEvents {
+                    first,
+                    source: EventSource::Kda(rx),
+                })
+            }
+        }
+    }
+
     /// Continues a request from a handoff body (decode role).
     pub fn decode(
         &self,
@@ -279,9 +336,9 @@ impl WorkerEngine {
                     kv,
                     first_token,
                 };
-                Ok(TokenEvents::Llama(e.submit(prompt, params, kind)?))
+                Ok(TokenEvents::llama(e.submit(prompt, params, kind)?))
             }
-            (WorkerEngine::Kda(e), Reservation::Slot(slot)) => Ok(TokenEvents::Kda(
+            (WorkerEngine::Kda(e), Reservation::Slot(slot)) => Ok(TokenEvents::kda(
                 e.submit_decode(&prompt, params, slot, body, first_token)?,
             )),
             _ => Err(Error::InvalidRequest(

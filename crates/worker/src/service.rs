@@ -21,6 +21,8 @@ pub enum Role {
     Prefill,
     /// Receives KV and generates the rest.
     Decode,
+    /// Both in one process with no transfer (aggregated serving): answers `Generate`.
+    Both,
 }
 
 impl Role {
@@ -29,6 +31,7 @@ impl Role {
         match self {
             Role::Prefill => "prefill",
             Role::Decode => "decode",
+            Role::Both => "both",
         }
     }
 }
@@ -87,6 +90,7 @@ pub async fn serve(
             (Some(Mutex::new(receiver)), None, address)
         }
         Role::Prefill => (None, Some(UcxSender::new()?), String::new()),
+        Role::Both => (None, None, String::new()),
     };
     let service = WorkerService {
         shared: Arc::new(Shared {
@@ -345,10 +349,63 @@ impl Shared {
 }
 
 type DecodeStream = ReceiverStream<std::result::Result<pb::DecodeEvent, Status>>;
+type GenerateStream = ReceiverStream<std::result::Result<pb::TokenEvent, Status>>;
+
+impl Shared {
+    /// Streams a whole request's tokens from this process's engine (aggregated role).
+    async fn generate_all(
+        &self,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+        tx: &mpsc::Sender<std::result::Result<pb::TokenEvent, Status>>,
+    ) -> Result<()> {
+        let mut events = tokio::select! {
+            e = self.engine.generate(prompt, params) => e?,
+            _ = tx.closed() => return self.note_cancelled(),
+        };
+        loop {
+            let event = tokio::select! {
+                e = events.recv() => e,
+                _ = tx.closed() => return self.note_cancelled(),
+            };
+            let Some((token_id, finish)) = event else {
+                return Err(Error::Engine(tandem_engine::Error::Stopped));
+            };
+            let msg = pb::TokenEvent {
+                token_id,
+                finish_reason: finish_to_pb(finish),
+            };
+            if tx.send(Ok(msg)).await.is_err() {
+                return self.note_cancelled();
+            }
+            if finish.is_some() {
+                return Ok(());
+            }
+        }
+    }
+}
 
 #[tonic::async_trait]
 impl pb::worker_server::Worker for WorkerService {
     type DecodeStream = DecodeStream;
+    type GenerateStream = GenerateStream;
+
+    async fn generate(
+        &self,
+        request: Request<pb::GenerateRequest>,
+    ) -> std::result::Result<Response<GenerateStream>, Status> {
+        let shared = self.shared.clone();
+        shared.check_role(Role::Both)?;
+        let (prompt, params) = shared.checked_request(Some(request.into_inner()))?;
+        let (tx, rx) = mpsc::channel(64);
+        tokio::spawn(async move {
+            if let Err(e) = shared.generate_all(prompt, params, &tx).await {
+                tracing::warn!(error = %e, "generate failed");
+                let _ = tx.send(Err(Status::from(e))).await;
+            }
+        });
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
 
     async fn decode(
         &self,
