@@ -1,7 +1,9 @@
 //! `cargo run --release -p tandem-cpu-kernels --example matmul`: GFLOP/s and weight GB/s of
-//! the dot kernels and the `gemm` path beside `gemm` alone, per M, in one run.
+//! the dot kernels (row-major weights) and the packed-panel kernels beside the `gemm` crate,
+//! per M, in one run.
 
 use std::time::Instant;
+use tandem_cpu_kernels::packed::{linear_packed, Packed};
 use tandem_cpu_kernels::{bf16, isa, matmul::linear_with};
 
 fn main() {
@@ -14,6 +16,8 @@ fn main() {
         .iter()
         .map(|w| w.iter().map(|&v| bf16::from_f32(v)).collect())
         .collect();
+    let pf: Vec<Packed<f32>> = ws.iter().map(|w| Packed::pack(w, n, k)).collect();
+    let pb: Vec<Packed<bf16>> = wb.iter().map(|w| Packed::pack(w, n, k)).collect();
     println!(
         "isa {} features {:?}, {} threads",
         isa::detected(),
@@ -34,13 +38,17 @@ fn main() {
         let tf = time(&mut |c| linear_with(isa::detected(), &x, m, &ws[c], n, k, &mut out, false));
         let tb = time(&mut |c| linear_with(isa::detected(), &x, m, &wb[c], n, k, &mut out, false));
         let tg = time(&mut |c| gemm_alone(&x, m, &ws[c], n, k, &mut out));
+        let tpf = time(&mut |c| linear_packed(&x, m, &pf[c], &mut out, false));
+        let tpb = time(&mut |c| linear_packed(&x, m, &pb[c], &mut out, false));
         let flop = 2.0 * (m * n * k) as f64;
         println!(
-            "M={m:<4} f32 {:>7.1} GFLOP/s {:>6.1} GB/s | bf16 {:>7.1} GFLOP/s {:>6.1} GB/s | gemm crate f32 {:>7.1} GFLOP/s",
+            "M={m:<4} dot f32 {:>6.1} GFLOP/s {:>5.1} GB/s | dot bf16 {:>6.1} GFLOP/s {:>5.1} GB/s | packed f32 {:>6.1} bf16 {:>6.1} GFLOP/s | gemm crate f32 {:>6.1} GFLOP/s",
             flop / tf / 1e9,
             (n * k * 4) as f64 / tf / 1e9,
             flop / tb / 1e9,
             (n * k * 2) as f64 / tb / 1e9,
+            flop / tpf / 1e9,
+            flop / tpb / 1e9,
             flop / tg / 1e9,
         );
     }

@@ -18,6 +18,8 @@ pub mod attention;
 pub mod isa;
 /// `out = x · Wᵀ` for f32 and bf16 weights: register-tiled dot kernels for every M.
 pub mod matmul;
+/// Weights packed in 16-column panels at load, and the broadcast-form GEMM over them.
+pub mod packed;
 /// Vector primitives (dot, axpy, conversions) for attention and element-wise work.
 pub mod vector;
 

@@ -344,6 +344,7 @@ mod avx512 {
     /// # Safety
     /// `x`: `R` rows of `k`; `w`: `C` rows of `k`; `out`: `R` rows of stride `ldo`, `C` wide.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    #[allow(clippy::too_many_arguments)]
     unsafe fn tile_rc<W: WeightElem, const R: usize, const C: usize>(
         x: *const f32,
         xs: usize,
@@ -496,6 +497,7 @@ mod avx2 {
     /// # Safety
     /// `x`: `R` rows of `k`; `w`: `C` rows of `k`; `out`: `R` rows of stride `ldo`, `C` wide.
     #[target_feature(enable = "avx2,fma")]
+    #[allow(clippy::too_many_arguments)]
     unsafe fn tile_rc<W: WeightElem, const R: usize, const C: usize>(
         x: *const f32,
         xs: usize,

@@ -200,7 +200,7 @@ mod x86 {
         // 2^f on [-0.5, 0.5], minimax-style coefficients of ln(2)^k / k!.
         let c = [
             1.0f32,
-            0.693_147_2,
+            std::f32::consts::LN_2,
             0.240_226_5,
             0.055_504_11,
             0.009_618_129,

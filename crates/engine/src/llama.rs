@@ -30,7 +30,7 @@ pub struct LlamaModel<B: Ops> {
     config: LlamaConfig,
     dtype: DType,
     embed: Tensor<B>,
-    lm_head: Option<Linear<B>>,
+    lm_head: Linear<B>,
     layers: Vec<Layer<B>>,
     norm: Tensor<B>,
     qkv_layout: QkvLayout,
@@ -155,8 +155,9 @@ impl<B: Ops> LlamaModel<B> {
             };
         let linear =
             |backend: &B, parts: Vec<Vec<f32>>, out: usize, inp: usize| -> Result<Linear<B>> {
+                let host = HostTensor::from_f32(&[out, inp], parts.concat())?.to_dtype(dtype)?;
                 Ok(Linear {
-                    weight: upload(backend, &[out, inp], parts.concat(), dtype)?,
+                    weight: backend.upload_weight(&host),
                     out_features: out,
                     in_features: inp,
                 })
@@ -188,15 +189,12 @@ impl<B: Ops> LlamaModel<B> {
             });
         }
         let embed_host = host.take("model.embed_tokens.weight", &[v, d])?;
+        // A tied LM head gets its own copy in the backend's weight layout (the embedding table
+        // stays row-major for lookups): more memory, the fast GEMM path for the logits.
         let lm_head = if config.tie_word_embeddings {
-            None
+            linear(&backend, vec![embed_host.clone()], v, d)?
         } else {
-            Some(linear(
-                &backend,
-                vec![host.take("lm_head.weight", &[v, d])?],
-                v,
-                d,
-            )?)
+            linear(&backend, vec![host.take("lm_head.weight", &[v, d])?], v, d)?
         };
         let norm = norm(&backend, host.take("model.norm.weight", &[d])?)?;
         let embed = upload(&backend, &[v, d], embed_host, dtype)?;
@@ -307,18 +305,7 @@ impl<B: Ops> LlamaModel<B> {
         }
         b.gather_rows(&ws.x, d, &meta.logits_rows, rows, &mut ws.last);
         b.rms_norm(&ws.last, &self.norm, rows, eps, &mut ws.h);
-        match &self.lm_head {
-            Some(head) => b.linear(&ws.h, rows, head, &mut ws.logits, false),
-            None => b.matmul(
-                &ws.h,
-                rows,
-                &self.embed,
-                c.vocab_size,
-                d,
-                &mut ws.logits,
-                false,
-            ),
-        }
+        b.linear(&ws.h, rows, &self.lm_head, &mut ws.logits, false);
     }
 
     /// [`LlamaModel::forward`] of one batch with buffers made for it, returning the logits

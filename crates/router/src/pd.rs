@@ -265,10 +265,9 @@ impl PdGenerator {
         let (mut pi, mut di, mut route) = (base, base, base % routes);
         for attempt in 0..self.retry.attempts.max(1) {
             let result = if let Some(w) = self.aggregated.get(route) {
-                try_aggregated(w, &req).await.map_err(|e| {
+                try_aggregated(w, &req).await.inspect_err(|e| {
                     tracing::warn!(request = %req.id, worker = %w.id, attempt,
                         class = e.class.as_str(), error = %e.message, "aggregated attempt failed");
-                    e
                 })
             } else {
                 let Some((p, d)) = self.pick(pi, di) else {

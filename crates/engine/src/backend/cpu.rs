@@ -12,6 +12,7 @@ use half::{bf16, f16};
 use rayon::prelude::*;
 use tandem_core::{BlockId, SamplingParams};
 use tandem_cpu_kernels::attention::{paged_attention, AttentionShape, SeqTable};
+use tandem_cpu_kernels::packed::{linear_packed, Packed};
 
 /// A CPU tensor's elements.
 #[derive(Clone, Debug)]
@@ -28,6 +29,10 @@ pub enum CpuStorage {
     U32(Vec<u32>),
     /// i32.
     I32(Vec<i32>),
+    /// An f32 weight matrix packed in 16-column panels (see `tandem_cpu_kernels::packed`).
+    PackedF32(Packed<f32>),
+    /// A bf16 weight matrix packed in 16-column panels.
+    PackedBF16(Packed<bf16>),
 }
 
 /// Runs the engine on the host CPU.
@@ -85,6 +90,8 @@ impl CpuStorage {
             CpuStorage::F8E4M3(v) => HostData::F8E4M3(v.clone()),
             CpuStorage::U32(v) => HostData::U32(v.clone()),
             CpuStorage::I32(v) => HostData::I32(v.clone()),
+            CpuStorage::PackedF32(p) => HostData::F32(p.unpack()),
+            CpuStorage::PackedBF16(p) => HostData::BF16(p.unpack()),
         }
     }
 }
@@ -146,6 +153,23 @@ impl Backend for CpuBackend {
         )
     }
 
+    fn upload_weight(&self, host: &HostTensor) -> T {
+        // Panels pay off from M = 1 on AVX-512 machines (see the kernels' matmul example);
+        // elsewhere the dot kernels on the row-major matrix are the faster path.
+        let packable = host.shape().len() == 2
+            && tandem_cpu_kernels::isa::current() == tandem_cpu_kernels::Isa::Avx512;
+        if !packable {
+            return self.upload(host);
+        }
+        let (n, k) = (host.shape()[0], host.shape()[1]);
+        let storage = match host.data() {
+            HostData::F32(w) => CpuStorage::PackedF32(Packed::pack(w, n, k)),
+            HostData::BF16(w) => CpuStorage::PackedBF16(Packed::pack(w, n, k)),
+            _ => return self.upload(host),
+        };
+        Tensor::from_storage(storage, host.dtype(), host.shape())
+    }
+
     fn download(&self, t: &T) -> HostTensor {
         HostTensor::new(&t.shape, t.storage.to_host())
             .expect("a tensor's storage matches its shape")
@@ -168,6 +192,8 @@ impl Backend for CpuBackend {
             (CpuStorage::F8E4M3(d), HostData::F8E4M3(s)) => d.copy_from_slice(s),
             (CpuStorage::U32(d), HostData::U32(s)) => d.copy_from_slice(s),
             (CpuStorage::I32(d), HostData::I32(s)) => d.copy_from_slice(s),
+            (CpuStorage::PackedF32(d), HostData::F32(s)) => d.repack(s),
+            (CpuStorage::PackedBF16(d), HostData::BF16(s)) => d.repack(s),
             _ => unreachable!("dtypes compared above"),
         }
         Ok(())
@@ -231,6 +257,22 @@ impl Ops for CpuBackend {
             }
             CpuStorage::BF16(w) => {
                 tandem_cpu_kernels::linear(x, rows, w, out_features, in_features, out, accumulate)
+            }
+            CpuStorage::PackedF32(p) => {
+                assert_eq!(
+                    (p.n(), p.k()),
+                    (out_features, in_features),
+                    "packed weight shape"
+                );
+                linear_packed(&x[..rows * in_features], rows, p, out, accumulate)
+            }
+            CpuStorage::PackedBF16(p) => {
+                assert_eq!(
+                    (p.n(), p.k()),
+                    (out_features, in_features),
+                    "packed weight shape"
+                );
+                linear_packed(&x[..rows * in_features], rows, p, out, accumulate)
             }
             _ => panic!("CPU matmul takes f32 or bf16 weights, got {}", w.dtype),
         }

@@ -68,10 +68,16 @@ pub trait Backend: Send + Sync + Sized + 'static {
     fn zeros(&self, dtype: DType, shape: &[usize]) -> Tensor<Self>;
     /// Copies host data to the device.
     fn upload(&self, host: &HostTensor) -> Tensor<Self>;
-    /// Copies a tensor back to the host.
+    /// Uploads a weight matrix `(out, in)` that only [`Ops::matmul`] reads: the backend may
+    /// keep it in a layout of its own (the CPU packs it into column panels once, here).
+    fn upload_weight(&self, host: &HostTensor) -> Tensor<Self> {
+        self.upload(host)
+    }
+    /// Copies a tensor back to the host (row-major, whatever layout the device keeps).
     fn download(&self, t: &Tensor<Self>) -> HostTensor;
-    /// Overwrites an existing tensor with host data of the same dtype and element count,
-    /// keeping its device address (weight refresh under captured graphs).
+    /// Overwrites an existing tensor (weights included) with row-major host data of the same
+    /// dtype and element count, keeping its device address (weight refresh under captured
+    /// graphs).
     fn overwrite(&self, dst: &mut Tensor<Self>, src: &HostTensor) -> Result<()>;
     /// Copies `src` into the leading elements of a u32 tensor (per-step metadata).
     fn write_u32(&self, dst: &mut Tensor<Self>, src: &[u32]);
