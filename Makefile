@@ -6,13 +6,15 @@ BIN := $(TARGET_DIR)/release/tandem
 APT_PACKAGES := protobuf-compiler libprotobuf-dev libucx-dev libclang-dev pkg-config ucx-utils
 export UCX_NET_DEVICES ?= lo
 
-.PHONY: run test deps build build-debug lint fmt bench-engine bench-kda bench-kv model clean help
+.PHONY: run run-aggregated test deps build build-debug lint fmt bench-engine bench-engine-compare bench-kda bench-kv model clean help
 
 help:
 	@echo "make run           local cluster (router + prefill + decode, CPU, SmolLM2)"
 	@echo "make test          the whole test suite (what CI runs)"
 	@echo "make lint          cargo fmt --check and clippy -D warnings"
+	@echo "make run-aggregated  router + one worker doing prefill and decode (no KV transfer)"
 	@echo "make bench-engine  engine prefill/decode throughput vs the memory-bandwidth floor"
+	@echo "make bench-engine-compare  tandem vs llama.cpp on the same weights, same run (builds llama.cpp once, ~8 min)"
 	@echo "make bench-kda     KDA projections fused/unfused, decode step, chunked/recurrent"
 	@echo "make bench-kv      KV transfer bandwidth vs ucx_perftest"
 
@@ -35,6 +37,9 @@ model: build
 run: model
 	$(BIN) run
 
+run-aggregated: model
+	$(BIN) run --aggregated
+
 test: deps
 	@command -v cargo-nextest >/dev/null 2>&1 || $(CARGO) install cargo-nextest --locked
 	@python3 -c 'import openai' 2>/dev/null || python3 -m pip install -q openai
@@ -51,6 +56,12 @@ fmt:
 
 bench-engine: build
 	$(BIN) bench engine
+
+BENCH_HOME := $(or $(TANDEM_HOME),$(HOME)/.cache/tandem)
+bench-engine-compare: model
+	scripts/bench-engine/setup-venv.sh
+	$(BENCH_HOME)/bench-venv/bin/python scripts/bench-engine/compare.py --tandem $(BIN) \
+	  --model-dir $(BENCH_HOME)/models/smollm2-135m-instruct --out bench-out/engine-compare
 
 bench-kda: build
 	$(BIN) bench kda
