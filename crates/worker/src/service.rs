@@ -324,6 +324,20 @@ impl Shared {
         })
         .await
         .map_err(|e| Error::InvalidRequest(format!("decoding task failed: {e}")))??;
+        self.forward_tokens(&mut events, tx, |t| pb::DecodeEvent {
+            event: Some(pb::decode_event::Event::Token(t)),
+        })
+        .await
+    }
+
+    /// Sends each of a request's tokens to its caller until the last one, wrapped for the
+    /// stream it travels on; a caller gone away counts as a cancellation.
+    async fn forward_tokens<M>(
+        &self,
+        events: &mut crate::engines::TokenEvents,
+        tx: &mpsc::Sender<std::result::Result<M, Status>>,
+        wrap: impl Fn(pb::TokenEvent) -> M,
+    ) -> Result<()> {
         loop {
             let event = tokio::select! {
                 e = events.recv() => e,
@@ -332,13 +346,11 @@ impl Shared {
             let Some((token_id, finish)) = event else {
                 return Err(Error::Engine(tandem_engine::Error::Stopped));
             };
-            let ev = pb::DecodeEvent {
-                event: Some(pb::decode_event::Event::Token(pb::TokenEvent {
-                    token_id,
-                    finish_reason: finish_to_pb(finish),
-                })),
-            };
-            if tx.send(Ok(ev)).await.is_err() {
+            let msg = wrap(pb::TokenEvent {
+                token_id,
+                finish_reason: finish_to_pb(finish),
+            });
+            if tx.send(Ok(msg)).await.is_err() {
                 return self.note_cancelled();
             }
             if finish.is_some() {
@@ -363,25 +375,7 @@ impl Shared {
             e = self.engine.generate(prompt, params) => e?,
             _ = tx.closed() => return self.note_cancelled(),
         };
-        loop {
-            let event = tokio::select! {
-                e = events.recv() => e,
-                _ = tx.closed() => return self.note_cancelled(),
-            };
-            let Some((token_id, finish)) = event else {
-                return Err(Error::Engine(tandem_engine::Error::Stopped));
-            };
-            let msg = pb::TokenEvent {
-                token_id,
-                finish_reason: finish_to_pb(finish),
-            };
-            if tx.send(Ok(msg)).await.is_err() {
-                return self.note_cancelled();
-            }
-            if finish.is_some() {
-                return Ok(());
-            }
-        }
+        self.forward_tokens(&mut events, tx, |t| t).await
     }
 }
 
