@@ -7,6 +7,7 @@
 
 use crate::matmul::dot_block;
 use crate::matmul::WeightElem;
+use crate::tasks::OutPtr;
 use crate::vector::{exp_inplace, weighted_rows};
 use rayon::prelude::*;
 
@@ -82,14 +83,6 @@ impl<'a> SeqTable<'a> {
         (0..self.len()).map(|i| self.get(i))
     }
 }
-
-#[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-// SAFETY: each task writes the rows of its query block and the heads of its KV group only,
-// a set disjoint from every other task's; the output is mutably borrowed for the whole call.
-unsafe impl Send for OutPtr {}
-// SAFETY: as above.
-unsafe impl Sync for OutPtr {}
 
 /// `out` (one row of `num_heads * head_dim` per query row) = softmax(q·kᵀ·scale) · v over each
 /// query's causal context. Keys and values of the step's own tokens must already be in the cache.
@@ -240,7 +233,8 @@ pub fn paged_attention<W: WeightElem>(
                     let qi = (r - r0) * group + g;
                     let inv = 1.0 / sm[qi];
                     let o = out_ptr;
-                    // SAFETY: row `row`, head `h` belong to this task alone (see `OutPtr`);
+                    // SAFETY: each task is one (sequence, KV head, query block): row `row`, head `h`
+                    // belong to this task alone, and the output is borrowed for the whole call;
                     // bounds were checked above.
                     let dst = unsafe {
                         std::slice::from_raw_parts_mut(o.0.add(row * out_width + h * hd), hd)

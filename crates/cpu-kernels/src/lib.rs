@@ -20,7 +20,9 @@ pub mod isa;
 pub mod matmul;
 /// Weights packed in 16-column panels at load, and the broadcast-form GEMM over them.
 pub mod packed;
-/// Vector primitives (dot, axpy, conversions) for attention and element-wise work.
+/// How the matrix kernels split a call over rayon's threads.
+mod tasks;
+/// Vector primitives (dot, exp, weighted row sums, conversions) for attention and more.
 pub mod vector;
 
 pub use half::bf16;

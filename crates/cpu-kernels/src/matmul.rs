@@ -10,8 +10,8 @@
 //! faster at every M from 1 to 512 on the AVX-512 machines here.
 
 use crate::isa::{self, Isa};
+use crate::tasks::{split, OutPtr};
 use half::bf16;
-use rayon::prelude::*;
 
 /// Activation rows per task: a block of rows stays cache-resident while weight tiles stream.
 const ROW_BLOCK: usize = 64;
@@ -41,15 +41,6 @@ mod sealed {
     impl Sealed for f32 {}
     impl Sealed for half::bf16 {}
 }
-
-/// A raw pointer that may cross to rayon tasks: each task writes a disjoint set of columns.
-#[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-// SAFETY: tasks write disjoint column ranges of the output (see `linear_with`), and the
-// output slice is mutably borrowed for the whole call.
-unsafe impl Send for OutPtr {}
-// SAFETY: as above.
-unsafe impl Sync for OutPtr {}
 
 /// `out = x · Wᵀ` (or `out += x · Wᵀ` when `accumulate`) with the process's instruction set.
 #[allow(clippy::too_many_arguments)]
@@ -105,49 +96,33 @@ pub fn linear_with<W: WeightElem>(
         }
         return;
     }
-    let nr = tile_cols(isa, m);
-    let work = m * n * k;
-    let threads = rayon::current_num_threads();
-    // Tasks: blocks of activation rows (so a block stays in L2 while weight tiles stream past
-    // it) × chunks of output columns, enough to balance, each a whole number of tiles; tiny
-    // calls stay on one thread.
-    let row_blocks = m.div_ceil(ROW_BLOCK);
-    let col_tasks = if work < (1 << 17) {
-        1
-    } else {
-        (threads * 4).div_ceil(row_blocks)
-    };
-    let chunk = n.div_ceil(col_tasks).div_ceil(nr) * nr;
-    let col_chunks = n.div_ceil(chunk);
     let out_ptr = OutPtr(out.as_mut_ptr());
-    let run = |t: usize| {
-        let (rb, cc) = (t / col_chunks, t % col_chunks);
-        let (i0, j0) = (rb * ROW_BLOCK, cc * chunk);
-        let (rows, cols) = (ROW_BLOCK.min(m - i0), chunk.min(n - j0));
-        let o = out_ptr;
-        // SAFETY: bounds were checked above; this task writes rows i0.., columns j0.. only.
-        unsafe {
-            dot_tiles(
-                isa,
-                x.as_ptr().add(i0 * k),
-                k,
-                rows,
-                w.as_ptr().add(j0 * k),
-                k,
-                cols,
-                k,
-                o.0.add(i0 * n + j0),
-                n,
-                accumulate,
-            )
-        };
-    };
-    let tasks = row_blocks * col_chunks;
-    if tasks == 1 {
-        run(0);
-    } else {
-        (0..tasks).into_par_iter().for_each(run);
-    }
+    split(
+        m,
+        n,
+        tile_cols(isa, m),
+        ROW_BLOCK,
+        m * n * k,
+        |i0, rows, j0, j1| {
+            let o = out_ptr;
+            // SAFETY: bounds were checked above; this task writes rows i0.., columns j0..j1 only.
+            unsafe {
+                dot_tiles(
+                    isa,
+                    x.as_ptr().add(i0 * k),
+                    k,
+                    rows,
+                    w.as_ptr().add(j0 * k),
+                    k,
+                    j1 - j0,
+                    k,
+                    o.0.add(i0 * n + j0),
+                    n,
+                    accumulate,
+                )
+            };
+        },
+    );
 }
 
 /// Weight rows per tile: 8 for a single activation row, else what the registers allow.

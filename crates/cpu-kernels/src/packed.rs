@@ -8,6 +8,7 @@
 
 use crate::isa::{self, Isa};
 use crate::matmul::WeightElem;
+use crate::tasks::{split, OutPtr};
 use half::bf16;
 use rayon::prelude::*;
 
@@ -105,14 +106,6 @@ impl<W: PackElem> Packed<W> {
     }
 }
 
-#[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-// SAFETY: tasks write disjoint (row block, column range) rectangles of the output, which is
-// mutably borrowed for the whole call.
-unsafe impl Send for OutPtr {}
-// SAFETY: as above.
-unsafe impl Sync for OutPtr {}
-
 /// `out (m×n) = x (m×k) · Wᵀ` (or `+=` when `accumulate`) with packed weights.
 pub fn linear_packed<W: PackElem>(
     x: &[f32],
@@ -150,49 +143,34 @@ pub fn linear_packed_with<W: PackElem>(
     if m == 0 || n == 0 {
         return;
     }
-    let panels = n.div_ceil(PANEL);
-    let row_blocks = m.div_ceil(ROW_BLOCK);
-    let threads = rayon::current_num_threads();
-    let work = m * n * k;
-    let col_tasks = if work < (1 << 17) {
-        1
-    } else {
-        (threads * 4).div_ceil(row_blocks)
-    };
-    // Column chunks: whole groups of 4 panels where possible.
-    let chunk = panels.div_ceil(col_tasks).div_ceil(4) * 4;
-    let col_chunks = panels.div_ceil(chunk);
     let out_ptr = OutPtr(out.as_mut_ptr());
-    let run = |t: usize| {
-        let (rb, cc) = (t / col_chunks, t % col_chunks);
-        let i0 = rb * ROW_BLOCK;
-        let rows = ROW_BLOCK.min(m - i0);
-        let p0 = cc * chunk;
-        let p1 = (p0 + chunk).min(panels);
-        let o = out_ptr;
-        // SAFETY: bounds checked above; this task writes rows i0..i0+rows, columns of panels
-        // p0..p1 only.
-        unsafe {
-            panels_block(
-                isa,
-                x.as_ptr().add(i0 * k),
-                rows,
-                k,
-                w,
-                p0,
-                p1,
-                o.0.add(i0 * n),
-                n,
-                accumulate,
-            )
-        };
-    };
-    let tasks = row_blocks * col_chunks;
-    if tasks == 1 {
-        run(0);
-    } else {
-        (0..tasks).into_par_iter().for_each(run);
-    }
+    // Column units are panels, in whole groups of 4 (one tile's width).
+    split(
+        m,
+        n.div_ceil(PANEL),
+        4,
+        ROW_BLOCK,
+        m * n * k,
+        |i0, rows, p0, p1| {
+            let o = out_ptr;
+            // SAFETY: bounds checked above; this task writes rows i0..i0+rows, columns of panels
+            // p0..p1 only.
+            unsafe {
+                panels_block(
+                    isa,
+                    x.as_ptr().add(i0 * k),
+                    rows,
+                    k,
+                    w,
+                    p0,
+                    p1,
+                    o.0.add(i0 * n),
+                    n,
+                    accumulate,
+                )
+            };
+        },
+    );
 }
 
 /// # Safety

@@ -1,5 +1,5 @@
-//! Vector primitives for attention and element-wise work: dot products and `y += a·x` with
-//! f32 or bf16 right-hand sides, and f32 → bf16 rounding. Dispatch is per call, so keep the
+//! Vector primitives for attention and element-wise work: dot products with f32 or bf16
+//! right-hand sides, exp, weighted row sums, sums, and f32 ↔ bf16 conversion. Dispatch is per call, so keep the
 //! vectors long enough (a head is 64–128 values) for it not to matter.
 
 use crate::isa::{self, Isa};
@@ -14,21 +14,6 @@ pub fn dot<W: WeightElem>(a: &[f32], b: &[W]) -> f32 {
         // SAFETY: the ISA is supported (checked by `isa::current`), `n` is within both slices.
         Isa::Avx512 => unsafe { x86::dot512(a.as_ptr(), b.as_ptr(), n) },
         _ => portable_dot(&a[..n], &b[..n]),
-    }
-}
-
-/// `y[i] += a · x[i]` over the shorter length.
-pub fn axpy<W: WeightElem>(y: &mut [f32], a: f32, x: &[W]) {
-    let n = y.len().min(x.len());
-    match isa::current() {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: as in `dot`; `y` is exclusively borrowed.
-        Isa::Avx512 => unsafe { x86::axpy512(y.as_mut_ptr(), a, x.as_ptr(), n) },
-        _ => {
-            for (y, x) in y[..n].iter_mut().zip(&x[..n]) {
-                *y += a * x.to_f32();
-            }
-        }
     }
 }
 
@@ -271,22 +256,6 @@ mod x86 {
             d += left;
         }
     }
-
-    /// # Safety
-    /// `y` and `x` hold `n` values, `y` writable and not aliased; AVX-512 F/BW/VL present.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-    pub(super) unsafe fn axpy512<W: WeightElem>(y: *mut f32, a: f32, x: *const W, n: usize) {
-        let av = _mm512_set1_ps(a);
-        let mut i = 0;
-        while i < n {
-            let left = (n - i).min(16);
-            let mask: __mmask16 = ((1u32 << left) - 1) as u16;
-            let yv = _mm512_maskz_loadu_ps(mask, y.add(i));
-            let r = _mm512_fmadd_ps(av, load(x.add(i), mask), yv);
-            _mm512_mask_storeu_ps(y.add(i), mask, r);
-            i += left;
-        }
-    }
 }
 
 #[cfg(test)]
@@ -340,7 +309,7 @@ mod tests {
     }
 
     #[test]
-    fn dot_and_axpy_agree_with_scalar_for_every_length() {
+    fn dot_agrees_with_scalar_for_every_length() {
         for n in [0usize, 1, 15, 16, 17, 31, 32, 33, 64, 100] {
             let a: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
             let b: Vec<f32> = (0..n).map(|i| (i as f32 * 0.11).cos()).collect();
@@ -349,14 +318,6 @@ mod tests {
             let want_b: f32 = a.iter().zip(&bb).map(|(x, y)| x * y.to_f32()).sum();
             assert!((dot(&a, &b) - want).abs() < 1e-4, "dot f32 n={n}");
             assert!((dot(&a, &bb) - want_b).abs() < 1e-4, "dot bf16 n={n}");
-            let mut y = vec![1.0f32; n];
-            axpy(&mut y, 2.0, &bb);
-            for (i, v) in y.iter().enumerate() {
-                assert!(
-                    (v - (1.0 + 2.0 * bb[i].to_f32())).abs() < 1e-6,
-                    "axpy n={n} i={i}"
-                );
-            }
         }
     }
 }

@@ -483,9 +483,8 @@ impl<B: Ops> Worker<B> {
         // Sample on the device: one (params, step) per logits row, in batch order.
         let sampling: Vec<_> = in_batch
             .iter()
-            .map(|&(i, _)| &self.running[i])
-            .zip(in_batch.iter())
-            .filter(|(seq, &(_, n))| seq.cached + n == seq.tokens.len())
+            .map(|&(i, n)| (&self.running[i], n))
+            .filter(|(seq, n)| seq.cached + n == seq.tokens.len())
             .map(|(seq, _)| (&seq.params, seq.generated() as u32))
             .collect();
         let vocab = self.model.config().vocab_size;
