@@ -6,6 +6,8 @@ BIN := $(TARGET_DIR)/release/tandem
 APT_PACKAGES := protobuf-compiler libprotobuf-dev libucx-dev libclang-dev pkg-config ucx-utils
 export UCX_NET_DEVICES ?= lo
 
+
+.PHONY: test-gpu
 .PHONY: run run-aggregated test deps build build-debug lint fmt bench-engine bench-engine-compare bench-kda bench-kv model clean help
 
 help:
@@ -17,6 +19,7 @@ help:
 	@echo "make bench-engine-compare  tandem vs llama.cpp on the same weights, same run (builds llama.cpp once, ~8 min)"
 	@echo "make bench-kda     KDA projections fused/unfused, decode step, chunked/recurrent"
 	@echo "make bench-kv      KV transfer bandwidth vs ucx_perftest"
+	@echo "make test-gpu      build the CUDA tests and tandem into .gpu/ for a GPU machine (then: bash .gpu/run.sh all there)"
 
 # Installs the system packages the build needs (Debian/Ubuntu), only when something is missing.
 deps:
@@ -46,6 +49,10 @@ test: deps
 	$(CARGO) build --bin tandem
 	$(TARGET_DIR)/debug/tandem model pull smollm2-135m-instruct
 	$(CARGO) nextest run --workspace --no-tests=pass --no-fail-fast
+
+# The GPU machine has no Rust toolchain: build here, pack into .gpu/, run there.
+test-gpu: deps
+	bash scripts/gpu/bundle.sh
 
 lint: deps
 	$(CARGO) fmt --all -- --check

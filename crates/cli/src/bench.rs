@@ -10,6 +10,8 @@ use tandem_core::SamplingParams;
 use tandem_engine::{Engine, EngineEvent, SeqKind};
 
 #[derive(Subcommand, Debug)]
+// Parsed once per process: the size of the largest variant does not matter.
+#[allow(clippy::large_enum_variant)]
 pub enum BenchCommand {
     /// Prefill and decode throughput of the engine alone.
     Engine {
@@ -45,6 +47,27 @@ pub enum BenchCommand {
         /// Use at most this SIMD instruction set (avx512, avx2, portable) to compare paths.
         #[arg(long)]
         cpu_isa: Option<String>,
+        /// Device: cpu (the engine benchmark above) or cuda[:N] (forward-step timings against
+        /// the device's roofline; see --step-batches).
+        #[arg(long, default_value = "cpu", value_parser = crate::device::parse)]
+        device: crate::device::Device,
+        /// Decode batch sizes of the step benchmark.
+        #[arg(long, value_delimiter = ',', default_value = "1,8,32,128")]
+        step_batches: Vec<usize>,
+        /// Cached tokens per sequence in the step benchmark's decode steps.
+        #[arg(long, default_value_t = 512)]
+        step_context: usize,
+        /// Prompt length of the step benchmark's prefill (0: none).
+        #[arg(long, default_value_t = 8192)]
+        step_prefill: usize,
+        /// Memory bandwidth of the step benchmark's roofline, TB/s (an H200's back-to-back
+        /// GEMV figure by default).
+        #[arg(long, default_value_t = 3.7)]
+        roofline_tb_s: f64,
+        /// bf16 GEMM peak of the step benchmark's prefill fraction, TFLOP/s (an H200's by
+        /// default).
+        #[arg(long, default_value_t = 790.0)]
+        gemm_peak_tflop_s: f64,
     },
     /// KDA projections fused vs unfused, KDA-hybrid decode step, chunked vs recurrent.
     Kda,
@@ -63,7 +86,30 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
             long_prompts,
             workload,
             cpu_isa,
+            device,
+            step_batches,
+            step_context,
+            step_prefill,
+            roofline_tb_s,
+            gemm_peak_tflop_s,
         } => {
+            if device != crate::device::Device::Cpu {
+                let dir = crate::models::resolve(&model)?;
+                let report = device.run(crate::bench_step::StepBench {
+                    dir: &dir,
+                    dtype,
+                    batches: step_batches,
+                    context: step_context,
+                    prefill: step_prefill,
+                    steps: 20,
+                    bandwidth: roofline_tb_s * 1e12,
+                    gemm_peak: gemm_peak_tflop_s * 1e12,
+                })?;
+                if let Some(path) = json {
+                    std::fs::write(&path, serde_json::to_string_pretty(&report)?)?;
+                }
+                return Ok(());
+            }
             if let Some(name) = cpu_isa {
                 let isa = tandem_cpu_kernels::Isa::parse(&name).ok_or_else(|| {
                     anyhow::anyhow!("--cpu-isa {name}: expected avx512, avx2 or portable")
@@ -215,6 +261,7 @@ fn engine_bench(
         },
         lora: None,
         dtype,
+        device: crate::device::Device::Cpu,
     };
     let engine = args.start()?;
     eprintln!("warming up…");

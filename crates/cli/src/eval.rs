@@ -6,7 +6,7 @@ use std::path::Path;
 use tandem_core::BlockId;
 use tandem_engine::batch::ForwardBatch;
 use tandem_engine::kda_hybrid::{KdaForm, KdaHybridModel, LoadOptions, ShardedKdaHybrid};
-use tandem_engine::{CpuBackend, KvCache, LlamaModel};
+use tandem_engine::{KvCache, LlamaModel, Ops};
 
 /// The families the engine runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -209,27 +209,17 @@ pub fn logits(
     ids: &[u32],
     layout: LayoutArgs,
     dtype: crate::DtypeArg,
+    device: crate::device::Device,
 ) -> Result<Vec<Vec<f32>>> {
     let (flat, vocab) = match family(dir)? {
         Family::Llama => {
             if checked_layout(layout)?.tp() != 1 {
                 bail!("llama models run with tp=1 only so far");
             }
-            let model = LlamaModel::load(dir, CpuBackend::new(), dtype.dtype())?;
-            let vocab = model.config().vocab_size;
-            if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
-                bail!("token id {bad} is outside the vocabulary ({vocab})");
-            }
-            let block = 16;
-            let blocks = ids.len().div_ceil(block).max(1);
-            let mut cache = KvCache::new(model.backend(), model.kv_layout(block, blocks));
-            let table: Vec<BlockId> = (0..blocks as u32).map(BlockId).collect();
-            let mut batch = ForwardBatch::default();
-            batch.push(ids, 0, &table, block, false);
-            batch.logits_rows = (0..ids.len()).collect();
-            (model.forward_batch(&batch, &mut cache)?, vocab)
+            device.run(LlamaLogits { dir, ids, dtype })?
         }
         Family::KdaHybrid => {
+            device.check_kda()?;
             crate::kda_dtype_check(dtype)?;
             let runner = KdaRunner::load(dir, layout, None)?;
             runner.validate(ids)?;
@@ -237,6 +227,32 @@ pub fn logits(
         }
     };
     Ok(flat.chunks_exact(vocab).map(<[f32]>::to_vec).collect())
+}
+
+struct LlamaLogits<'a> {
+    dir: &'a Path,
+    ids: &'a [u32],
+    dtype: crate::DtypeArg,
+}
+
+impl crate::device::WithBackend for LlamaLogits<'_> {
+    type Out = (Vec<f32>, usize);
+    fn run<B: Ops>(self, backend: B) -> Result<(Vec<f32>, usize)> {
+        let ids = self.ids;
+        let model = LlamaModel::load(self.dir, backend, self.dtype.dtype())?;
+        let vocab = model.config().vocab_size;
+        if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
+            bail!("token id {bad} is outside the vocabulary ({vocab})");
+        }
+        let block = 16;
+        let blocks = ids.len().div_ceil(block).max(1);
+        let mut cache = KvCache::new(model.backend(), model.kv_layout(block, blocks));
+        let table: Vec<BlockId> = (0..blocks as u32).map(BlockId).collect();
+        let mut batch = ForwardBatch::default();
+        batch.push(ids, 0, &table, block, false);
+        batch.logits_rows = (0..ids.len()).collect();
+        Ok((model.forward_batch(&batch, &mut cache)?, vocab))
+    }
 }
 
 /// Greedy generation of up to `max_tokens` for a KDA-hybrid model (stops at EOS).

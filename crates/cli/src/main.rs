@@ -3,7 +3,9 @@
 
 mod bench;
 mod bench_kda;
+mod bench_step;
 mod cluster;
+mod device;
 mod eval;
 mod models;
 
@@ -12,7 +14,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 use std::path::PathBuf;
 use std::time::Duration;
 use tandem_core::SamplingParams;
-use tandem_engine::{CpuBackend, DType, Engine, EngineConfig, EngineEvent, LlamaModel, SeqKind};
+use tandem_engine::{DType, Engine, EngineConfig, EngineEvent, LlamaModel, Ops, SeqKind};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -89,6 +91,9 @@ enum EvalCommand {
         /// Weights and K/V dtype.
         #[arg(long, value_enum, default_value_t = DtypeArg::F32)]
         dtype: DtypeArg,
+        /// Device the model runs on: cpu, cuda or cuda:N.
+        #[arg(long, default_value = "cpu", value_parser = device::parse)]
+        device: device::Device,
     },
 }
 
@@ -104,15 +109,15 @@ enum ModelCommand {
     /// Write a random checkpoint (tests, benchmarks).
     Synth {
         /// Model family.
-        #[arg(long, value_parser = ["kda-hybrid"], default_value = "kda-hybrid")]
+        #[arg(long, value_parser = ["kda-hybrid", "llama"], default_value = "kda-hybrid")]
         arch: String,
-        /// Size preset (tiny, medium, 1b).
+        /// Size preset (kda-hybrid: tiny, medium, 1b; llama: tiny, smollm2, 1b, 8b).
         #[arg(long, default_value = "tiny")]
         preset: String,
         /// Output directory.
         #[arg(long)]
         out: PathBuf,
-        /// Block-FP8 weights (KDA projections stay BF16 and are listed as ignored).
+        /// Block-FP8 weights (kda-hybrid; KDA projections stay BF16 and are listed as ignored).
         #[arg(long)]
         fp8: bool,
         /// Seed of the values.
@@ -182,6 +187,9 @@ struct EngineArgs {
     /// Weights and K/V dtype.
     #[arg(long, value_enum, default_value_t = DtypeArg::F32)]
     dtype: DtypeArg,
+    /// Device the model runs on: cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu", value_parser = device::parse, env = "TANDEM_DEVICE")]
+    device: device::Device,
 }
 
 impl EngineArgs {
@@ -191,15 +199,23 @@ impl EngineArgs {
     }
 
     fn start_llama(&self, dir: &std::path::Path) -> Result<Engine> {
-        let model = LlamaModel::load(dir, CpuBackend::new(), self.dtype.dtype())
-            .with_context(|| format!("loading {}", dir.display()))?;
-        tracing::info!(backend = %tandem_engine::Backend::name(model.backend()), dtype = %model.dtype(), "model loaded");
-        let config = EngineConfig {
-            num_blocks: self.kv_blocks,
-            max_batch_tokens: self.max_batch_tokens,
-            ..EngineConfig::default()
-        };
-        Ok(Engine::start(model, config))
+        struct Start<'a>(&'a EngineArgs, &'a std::path::Path);
+        impl device::WithBackend for Start<'_> {
+            type Out = Engine;
+            fn run<B: Ops>(self, backend: B) -> Result<Engine> {
+                let Start(args, dir) = self;
+                let model = LlamaModel::load(dir, backend, args.dtype.dtype())
+                    .with_context(|| format!("loading {}", dir.display()))?;
+                tracing::info!(backend = %tandem_engine::Backend::name(model.backend()), dtype = %model.dtype(), "model loaded");
+                let config = EngineConfig {
+                    num_blocks: args.kv_blocks,
+                    max_batch_tokens: args.max_batch_tokens,
+                    ..EngineConfig::default()
+                };
+                Ok(Engine::start(model, config))
+            }
+        }
+        self.device.run(Start(self, dir))
     }
 
     /// The engine for a worker: Llama or KDA hybrid, from the checkpoint's `model_type`.
@@ -216,6 +232,7 @@ impl EngineArgs {
                 tandem_worker::WorkerEngine::Llama(self.start_llama(&dir)?)
             }
             eval::Family::KdaHybrid => {
+                self.device.check_kda()?;
                 kda_dtype_check(self.dtype)?;
                 let layout = eval::checked_layout(self.layout)?;
                 let model =
@@ -297,6 +314,9 @@ struct GenerateArgs {
     /// Weights and K/V dtype.
     #[arg(long, value_enum, default_value_t = DtypeArg::F32)]
     dtype: DtypeArg,
+    /// Device the model runs on: cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu", value_parser = device::parse)]
+    device: device::Device,
 }
 
 fn init_tracing() {
@@ -324,15 +344,22 @@ fn main() -> Result<()> {
         Command::Model {
             command:
                 ModelCommand::Synth {
-                    arch: _,
+                    arch,
                     preset,
                     out,
                     fp8,
                     seed,
                 },
         } => {
-            tandem_model::synth::synth_kda_hybrid(&preset, &out, fp8, seed)
-                .with_context(|| format!("writing {}", out.display()))?;
+            let written = if arch == "llama" {
+                if fp8 {
+                    bail!("--fp8 is for --arch kda-hybrid");
+                }
+                tandem_model::synth::synth_llama(&preset, &out, seed)
+            } else {
+                tandem_model::synth::synth_kda_hybrid(&preset, &out, fp8, seed)
+            };
+            written.with_context(|| format!("writing {}", out.display()))?;
             println!("{}", out.display());
             Ok(())
         }
@@ -369,10 +396,11 @@ fn main() -> Result<()> {
                     json: _,
                     layout,
                     dtype,
+                    device,
                 },
         } => {
             let dir = models::resolve(&model)?;
-            let logits = eval::logits(&dir, &token_ids, layout, dtype)?;
+            let logits = eval::logits(&dir, &token_ids, layout, dtype, device)?;
             println!("{}", serde_json::json!({ "logits": logits }));
             Ok(())
         }
@@ -481,6 +509,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
         }
     };
     if eval::family(&dir)? == eval::Family::KdaHybrid {
+        args.device.check_kda()?;
         kda_dtype_check(args.dtype)?;
         let ids = eval::generate_kda(
             &dir,
@@ -508,6 +537,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
         layout: args.layout,
         lora: None,
         dtype: args.dtype,
+        device: args.device,
     }
     .start()?;
     let mut rx = engine.submit(

@@ -26,7 +26,7 @@ pub mod step;
 /// Typed tensors: dtypes, host tensors, device tensors.
 pub mod tensor;
 
-pub use backend::{Backend, CpuBackend, Ops};
+pub use backend::{Backend, CpuBackend, Ops, StepShape};
 pub use kv_pool::{BlockAllocation, BlockAllocator, KvCache, KvLayout};
 pub use llama::{LlamaModel, LlamaWorkspace};
 pub use scheduler::{Engine, EngineConfig, EngineEvent, EngineStats, SeqKind};

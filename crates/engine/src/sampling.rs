@@ -24,6 +24,12 @@ fn step_seed(seed: u64, step: u32) -> u64 {
     z ^ (z >> 31)
 }
 
+/// The uniform draw in `[0, 1)` that picks generated token number `step` among the
+/// candidates (device samplers take it from here, so every backend draws the same number).
+pub fn uniform_draw(seed: u64, step: u32) -> f32 {
+    rand::rngs::StdRng::seed_from_u64(step_seed(seed, step)).random::<f32>()
+}
+
 /// Samples generated token number `step` (0-based) of a request.
 pub fn sample(logits: &[f32], params: &SamplingParams, step: u32) -> u32 {
     if params.temperature <= 0.0 || params.top_k == 1 {
@@ -55,8 +61,7 @@ pub fn sample(logits: &[f32], params: &SamplingParams, step: u32) -> u32 {
         probs.truncate(keep);
     }
     let mass: f32 = probs.iter().sum();
-    let mut rng = rand::rngs::StdRng::seed_from_u64(step_seed(params.seed, step));
-    let mut r = rng.random::<f32>() * mass;
+    let mut r = uniform_draw(params.seed, step) * mass;
     for (i, p) in probs.iter().enumerate() {
         if r < *p {
             return cand[i].0;

@@ -195,6 +195,7 @@ impl Engine {
                     cache,
                     meta,
                     workspace,
+                    graphs: B::Graphs::default(),
                     sampled: Vec::with_capacity(limits.max_seqs),
                     config,
                     rx,
@@ -335,6 +336,7 @@ struct Worker<B: Ops> {
     cache: KvCache<B>,
     meta: StepMeta<B>,
     workspace: LlamaWorkspace<B>,
+    graphs: B::Graphs,
     sampled: Vec<u32>,
     config: EngineConfig,
     rx: mpsc::Receiver<Command>,
@@ -478,8 +480,22 @@ impl<B: Ops> Worker<B> {
             // The buffers are sized from the same limits the batch is built under.
             panic!("step metadata does not fit its buffers: {e}");
         }
-        self.model
-            .forward(&self.meta, &mut self.cache, &mut self.workspace);
+        // Decode-only steps repeat their shape step after step: those a backend may record
+        // once and replay (CUDA graphs).
+        let shape = batch
+            .seqs
+            .iter()
+            .all(|s| s.len == 1)
+            .then(|| self.meta.shape());
+        let (model, meta, cache, ws) = (
+            &self.model,
+            &self.meta,
+            &mut self.cache,
+            &mut self.workspace,
+        );
+        model.backend().run_step(&mut self.graphs, shape, &mut || {
+            model.forward(meta, cache, ws)
+        });
         // Sample on the device: one (params, step) per logits row, in batch order.
         let sampling: Vec<_> = in_batch
             .iter()

@@ -40,6 +40,9 @@ pub struct StepMeta<B: Backend> {
     pub num_seqs: usize,
     /// Logits rows in this step.
     pub num_logits: usize,
+    /// The longest context (cached + new tokens) of a sequence in this step: what a device
+    /// splits long decode attention by.
+    pub max_context: usize,
     scratch: Vec<u32>,
 }
 
@@ -58,6 +61,7 @@ impl<B: Backend> StepMeta<B> {
             num_tokens: 0,
             num_seqs: 0,
             num_logits: 0,
+            max_context: 0,
             scratch: Vec::with_capacity(limits.max_seqs * limits.max_blocks_per_seq.max(3)),
         }
     }
@@ -65,6 +69,16 @@ impl<B: Backend> StepMeta<B> {
     /// The limits these buffers were sized for.
     pub fn limits(&self) -> StepLimits {
         self.limits
+    }
+
+    /// The current step's shape (what recorded launches depend on).
+    pub fn shape(&self) -> crate::backend::StepShape {
+        crate::backend::StepShape {
+            tokens: self.num_tokens,
+            seqs: self.num_seqs,
+            logits: self.num_logits,
+            max_context: self.max_context,
+        }
     }
 
     /// Entries per block table.
@@ -121,6 +135,12 @@ impl<B: Backend> StepMeta<B> {
         self.num_tokens = batch.num_tokens();
         self.num_seqs = batch.seqs.len();
         self.num_logits = batch.logits_rows.len();
+        self.max_context = batch
+            .seqs
+            .iter()
+            .map(|s| s.context_len())
+            .max()
+            .unwrap_or(0);
         Ok(())
     }
 }

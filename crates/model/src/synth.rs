@@ -1,4 +1,5 @@
-//! Random checkpoints of the `kda_hybrid` family (Kimi-Linear layout: KDA + MLA + MoE) for
+//! Random checkpoints for tests and benchmarks: Llama-family shapes ([`synth_llama`]) and the
+//! `kda_hybrid` family (Kimi-Linear layout: KDA + MLA + MoE) for
 //! tests and benchmarks, written exactly as a real checkpoint would be: `config.json` with
 //! `linear_attn_config`, MLA and MoE fields, and `model.safetensors` in BF16 — or, with
 //! `fp8`, the block-FP8 variant (128×128 tiles, `weight_scale_inv`, a `quantization_config`
@@ -428,6 +429,20 @@ pub fn synth_kda_hybrid(preset: &str, out: &Path, fp8: bool, seed: u64) -> Resul
             bytes.insert(name, (Dtype::BF16, shape, data));
         }
     }
+    let config = config_json(&p, fp8.then_some(ignored.as_slice()));
+    write_checkpoint(out, &bytes, &config)
+}
+
+/// Writes `model.safetensors`, `config.json` and a `generation_config.json` into `out`.
+fn write_checkpoint(
+    out: &Path,
+    bytes: &BTreeMap<String, (Dtype, Vec<usize>, Vec<u8>)>,
+    config: &Value,
+) -> Result<()> {
+    let io = |path: &Path, source| Error::Io {
+        path: path.to_path_buf(),
+        source,
+    };
     let views: Vec<(String, TensorView<'_>)> = bytes
         .iter()
         .map(|(n, (d, s, b))| {
@@ -439,9 +454,8 @@ pub fn synth_kda_hybrid(preset: &str, out: &Path, fp8: bool, seed: u64) -> Resul
     let st = out.join("model.safetensors");
     safetensors::serialize_to_file(views, None, &st)
         .map_err(|e| Error::Unsupported(format!("writing {}: {e}", st.display())))?;
-    let config = config_json(&p, fp8.then_some(ignored.as_slice()));
     let cfg_path = out.join("config.json");
-    let text = serde_json::to_string_pretty(&config).map_err(|source| Error::Json {
+    let text = serde_json::to_string_pretty(config).map_err(|source| Error::Json {
         path: cfg_path.clone(),
         source,
     })?;
@@ -453,6 +467,189 @@ pub fn synth_kda_hybrid(preset: &str, out: &Path, fp8: bool, seed: u64) -> Resul
     )
     .map_err(|e| io(&gen, e))?;
     Ok(())
+}
+
+/// Shape of a synthetic Llama-family checkpoint.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LlamaPreset {
+    /// Name (`tiny`, `smollm2`, `1b`, `8b`).
+    pub name: &'static str,
+    /// Vocabulary.
+    pub vocab: usize,
+    /// Model width.
+    pub hidden: usize,
+    /// Layers.
+    pub layers: usize,
+    /// Query heads.
+    pub heads: usize,
+    /// KV heads.
+    pub kv_heads: usize,
+    /// MLP width.
+    pub intermediate: usize,
+    /// Whether the LM head is the embedding table.
+    pub tied: bool,
+    /// RoPE base.
+    pub rope_theta: f64,
+    /// Longest context.
+    pub max_positions: usize,
+}
+
+/// The Llama presets: a test size and the shapes of SmolLM2-135M, Llama-3.2-1B and
+/// Llama-3.1-8B (plain RoPE: the real 1B/8B checkpoints' long-context RoPE scaling is left out).
+pub fn llama_presets() -> Vec<LlamaPreset> {
+    vec![
+        LlamaPreset {
+            name: "tiny",
+            vocab: 512,
+            hidden: 128,
+            layers: 2,
+            heads: 4,
+            kv_heads: 2,
+            intermediate: 256,
+            tied: false,
+            rope_theta: 10_000.0,
+            max_positions: 2048,
+        },
+        LlamaPreset {
+            name: "smollm2",
+            vocab: 49_152,
+            hidden: 576,
+            layers: 30,
+            heads: 9,
+            kv_heads: 3,
+            intermediate: 1536,
+            tied: true,
+            rope_theta: 100_000.0,
+            max_positions: 8192,
+        },
+        LlamaPreset {
+            name: "1b",
+            vocab: 128_256,
+            hidden: 2048,
+            layers: 16,
+            heads: 32,
+            kv_heads: 8,
+            intermediate: 8192,
+            tied: true,
+            rope_theta: 500_000.0,
+            max_positions: 131_072,
+        },
+        LlamaPreset {
+            name: "8b",
+            vocab: 128_256,
+            hidden: 4096,
+            layers: 32,
+            heads: 32,
+            kv_heads: 8,
+            intermediate: 14_336,
+            tied: false,
+            rope_theta: 500_000.0,
+            max_positions: 131_072,
+        },
+    ]
+}
+
+/// Writes Llama preset `preset` into `out` in BF16 (a `LlamaForCausalLM` checkpoint that
+/// transformers loads as it is).
+pub fn synth_llama(preset: &str, out: &Path, seed: u64) -> Result<()> {
+    let p = llama_presets()
+        .into_iter()
+        .find(|p| p.name == preset)
+        .ok_or_else(|| {
+            Error::Unsupported(format!(
+                "unknown llama preset {preset:?} (known: {})",
+                llama_presets()
+                    .iter()
+                    .map(|p| p.name)
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ))
+        })?;
+    let (h, hd) = (p.hidden, p.hidden / p.heads);
+    let mut specs: Vec<(String, Vec<usize>, Init)> = vec![
+        (
+            "model.embed_tokens.weight".into(),
+            vec![p.vocab, h],
+            Init::Uniform(1.0),
+        ),
+        ("model.norm.weight".into(), vec![h], Init::Norm),
+    ];
+    if !p.tied {
+        specs.push(("lm_head.weight".into(), vec![p.vocab, h], Init::Linear));
+    }
+    for i in 0..p.layers {
+        let l = format!("model.layers.{i}");
+        let a = format!("{l}.self_attn");
+        specs.extend([
+            (format!("{l}.input_layernorm.weight"), vec![h], Init::Norm),
+            (
+                format!("{l}.post_attention_layernorm.weight"),
+                vec![h],
+                Init::Norm,
+            ),
+            (
+                format!("{a}.q_proj.weight"),
+                vec![p.heads * hd, h],
+                Init::Linear,
+            ),
+            (
+                format!("{a}.k_proj.weight"),
+                vec![p.kv_heads * hd, h],
+                Init::Linear,
+            ),
+            (
+                format!("{a}.v_proj.weight"),
+                vec![p.kv_heads * hd, h],
+                Init::Linear,
+            ),
+            (
+                format!("{a}.o_proj.weight"),
+                vec![h, p.heads * hd],
+                Init::Linear,
+            ),
+            (
+                format!("{l}.mlp.gate_proj.weight"),
+                vec![p.intermediate, h],
+                Init::Linear,
+            ),
+            (
+                format!("{l}.mlp.up_proj.weight"),
+                vec![p.intermediate, h],
+                Init::Linear,
+            ),
+            (
+                format!("{l}.mlp.down_proj.weight"),
+                vec![h, p.intermediate],
+                Init::Linear,
+            ),
+        ]);
+    }
+    std::fs::create_dir_all(out).map_err(|source| Error::Io {
+        path: out.to_path_buf(),
+        source,
+    })?;
+    let bytes: BTreeMap<String, (Dtype, Vec<usize>, Vec<u8>)> = specs
+        .into_iter()
+        .map(|(name, shape, init)| {
+            let data = values(&name, &shape, init, seed)
+                .iter()
+                .flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())
+                .collect();
+            (name, (Dtype::BF16, shape, data))
+        })
+        .collect();
+    let config = json!({
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": p.vocab, "hidden_size": h, "num_hidden_layers": p.layers,
+        "num_attention_heads": p.heads, "num_key_value_heads": p.kv_heads, "head_dim": hd,
+        "intermediate_size": p.intermediate, "hidden_act": "silu", "rms_norm_eps": 1e-5,
+        "rope_theta": p.rope_theta, "max_position_embeddings": p.max_positions,
+        "tie_word_embeddings": p.tied, "attention_bias": false, "mlp_bias": false,
+        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+        "torch_dtype": "bfloat16", "dtype": "bfloat16",
+    });
+    write_checkpoint(out, &bytes, &config)
 }
 
 #[cfg(test)]

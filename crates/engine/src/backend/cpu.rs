@@ -119,6 +119,7 @@ fn token_slots(
 }
 
 impl Backend for CpuBackend {
+    type Graphs = ();
     type Storage = CpuStorage;
 
     fn name(&self) -> String {

@@ -57,10 +57,27 @@ impl QkvLayout {
     }
 }
 
+/// The shape of a step as far as recorded launches depend on it: a backend that records a
+/// step's work once and replays it (CUDA graphs) keys its recordings by this.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct StepShape {
+    /// Tokens in the step.
+    pub tokens: usize,
+    /// Sequences in the step.
+    pub seqs: usize,
+    /// Logits rows in the step.
+    pub logits: usize,
+    /// The longest context of a sequence in the step.
+    pub max_context: usize,
+}
+
 /// A device: allocation, typed transfers, synchronisation.
 pub trait Backend: Send + Sync + Sized + 'static {
     /// Device memory holding one tensor's elements.
     type Storage: Send + Sync;
+    /// Recorded steps, owned by whoever owns the buffers they read (an engine's workspace
+    /// and cache): `()` where the backend records nothing.
+    type Graphs: Default + Send;
 
     /// Short name for logs (`cpu (avx512, 2 threads)`, `cuda:0`).
     fn name(&self) -> String;
@@ -83,6 +100,19 @@ pub trait Backend: Send + Sync + Sized + 'static {
     fn write_u32(&self, dst: &mut Tensor<Self>, src: &[u32]);
     /// Waits for queued work to finish (no-op on the CPU, where every call is synchronous).
     fn synchronize(&self) {}
+    /// Runs `step`, which queues one forward pass over fixed buffers (workspace, cache, step
+    /// metadata uploaded beforehand). With a `shape`, a backend may record the work the
+    /// first times it sees that shape and replay the recording afterwards, so `step` must
+    /// queue the same launches for the same shape. The default runs it.
+    fn run_step(
+        &self,
+        graphs: &mut Self::Graphs,
+        shape: Option<StepShape>,
+        step: &mut dyn FnMut(),
+    ) {
+        let _ = (graphs, shape);
+        step();
+    }
 }
 
 /// The operations the models are written over.

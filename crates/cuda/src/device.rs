@@ -1,0 +1,386 @@
+//! The device: context, stream, cuBLAS handle, the compiled kernels, and the
+//! [`Backend`] half of the traits (allocation and typed transfers).
+
+use crate::{Error, Result};
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, LaunchConfig,
+};
+use parking_lot::Mutex;
+use std::sync::Arc;
+use tandem_engine::{Backend, DType, HostTensor, Tensor};
+
+/// cuBLAS workspace bytes (what it asks for on Hopper).
+const BLAS_WORKSPACE: usize = 32 << 20;
+
+/// One tensor's bytes in device memory, with its address kept at hand for kernel arguments.
+pub struct CudaStorage {
+    buf: CudaSlice<u8>,
+    ptr: u64,
+}
+
+impl CudaStorage {
+    /// The device address.
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+    /// Bytes allocated.
+    pub fn bytes(&self) -> usize {
+        self.buf.len()
+    }
+}
+
+macro_rules! kernels {
+    ($($name:ident),* $(,)?) => {
+        /// Every kernel of `kernels.cu`, looked up once.
+        pub(crate) struct Kernels { $(pub(crate) $name: CudaFunction,)* }
+        impl Kernels {
+            fn load(module: &Arc<CudaModule>) -> Result<Self> {
+                Ok(Self { $($name: module.load_function(stringify!($name))?,)* })
+            }
+        }
+    };
+}
+
+kernels!(
+    embed_f32,
+    embed_bf16,
+    rms_norm,
+    rope,
+    silu_mul,
+    gather_rows,
+    f32_to_bf16,
+    write_kv_f32,
+    write_kv_bf16,
+    copy_slots,
+    attention_f32,
+    attention_bf16,
+    attention_combine,
+    gemv_bf16_1,
+    gemv_bf16_2,
+    gemv_bf16_3,
+    gemv_bf16_4,
+    gemv_bf16_5,
+    gemv_bf16_6,
+    gemv_bf16_7,
+    gemv_bf16_8,
+    sample_rows,
+);
+
+/// Buffers operations borrow for one call (bf16 copies of activations for cuBLAS, sampling
+/// parameters and ids); they grow to the largest use and are then reused.
+#[derive(Default)]
+pub(crate) struct Scratch {
+    pub(crate) bf16: Option<CudaStorage>,
+    pub(crate) params: Option<CudaStorage>,
+    pub(crate) ids: Option<CudaStorage>,
+    pub(crate) attention: Option<CudaStorage>,
+    pub(crate) host_params: Vec<f32>,
+}
+
+pub(crate) struct Inner {
+    pub(crate) ordinal: usize,
+    pub(crate) device_name: String,
+    pub(crate) arch: (i32, i32),
+    pub(crate) ctx: Arc<CudaContext>,
+    pub(crate) stream: Arc<CudaStream>,
+    pub(crate) blas: CudaBlas,
+    _blas_workspace: CudaSlice<u8>,
+    pub(crate) kernels: Kernels,
+    pub(crate) scratch: Mutex<Scratch>,
+}
+
+/// A CUDA device running tandem's kernels. Cheap to clone (clones share the device).
+#[derive(Clone)]
+pub struct CudaBackend {
+    pub(crate) inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for CudaBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.name())
+    }
+}
+
+/// Panics with the operation's name on a driver error: inside a forward pass there is no
+/// caller to hand it to, and a failed launch leaves the stream unusable anyway.
+pub(crate) fn check<T, E: std::fmt::Display>(r: std::result::Result<T, E>, what: &str) -> T {
+    match r {
+        Ok(v) => v,
+        Err(e) => panic!("CUDA {what}: {e}"),
+    }
+}
+
+/// Why no CUDA device can be used here, if so: the driver and libraries load at run time.
+pub fn unavailable() -> Option<String> {
+    // SAFETY: these only try to open the shared libraries.
+    let (driver, nvrtc, blas) = unsafe {
+        (
+            cudarc::driver::sys::is_culib_present(),
+            cudarc::nvrtc::sys::is_culib_present(),
+            cudarc::cublas::sys::is_culib_present(),
+        )
+    };
+    if !driver {
+        return Some("no CUDA driver on this machine (libcuda.so not found)".into());
+    }
+    let missing: Vec<&str> = [(nvrtc, "libnvrtc"), (blas, "libcublas")]
+        .into_iter()
+        .filter(|(present, _)| !present)
+        .map(|(_, name)| name)
+        .collect();
+    (!missing.is_empty()).then(|| {
+        format!(
+            "the CUDA driver is here but {} is not (install the CUDA toolkit libraries)",
+            missing.join(" and ")
+        )
+    })
+}
+
+impl CudaBackend {
+    /// Opens device `ordinal`: creates a stream, a cuBLAS handle and compiles (or loads
+    /// cached) kernels for its architecture.
+    pub fn new(ordinal: usize) -> Result<Self> {
+        if let Some(why) = unavailable() {
+            return Err(Error::Unavailable(why));
+        }
+        let count = CudaContext::device_count()? as usize;
+        if ordinal >= count {
+            return Err(Error::NoSuchDevice { ordinal, count });
+        }
+        let ctx = CudaContext::new(ordinal)?;
+        // One stream per device and no cross-stream sharing: cudarc's per-buffer events
+        // would only add work (and cannot be recorded inside a graph capture).
+        // SAFETY: every buffer of this backend is used on `stream` only.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream()?;
+        let blas = CudaBlas::new(stream.clone())?;
+        // A workspace of its own, so cuBLAS never allocates inside a graph capture.
+        let blas_workspace = stream.alloc_zeros::<u8>(BLAS_WORKSPACE)?;
+        {
+            let (ws, _) = blas_workspace.device_ptr(&stream);
+            // SAFETY: the handle and buffer are live; the buffer outlives the handle (both
+            // are fields of `Inner`, the buffer declared after it is dropped after it).
+            let status = unsafe {
+                cudarc::cublas::sys::cublasSetWorkspace_v2(
+                    *blas.handle(),
+                    ws as *mut std::ffi::c_void,
+                    BLAS_WORKSPACE,
+                )
+            };
+            status.result()?;
+        }
+        let arch = ctx.compute_capability()?;
+        let bin = crate::compile::cubin(crate::compile::KERNELS, arch)?;
+        let module = ctx.load_module(cudarc::nvrtc::Ptx::from_binary(bin))?;
+        let kernels = Kernels::load(&module)?;
+        let device_name = ctx.name()?;
+        Ok(Self {
+            inner: Arc::new(Inner {
+                ordinal,
+                device_name,
+                arch,
+                ctx,
+                stream,
+                blas,
+                _blas_workspace: blas_workspace,
+                kernels,
+                scratch: Mutex::new(Scratch::default()),
+            }),
+        })
+    }
+
+    /// The device's compute capability.
+    pub fn arch(&self) -> (i32, i32) {
+        self.inner.arch
+    }
+
+    /// The stream every operation runs on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.inner.stream
+    }
+
+    /// `(free, total)` device memory in bytes.
+    pub fn memory(&self) -> (usize, usize) {
+        check(self.inner.ctx.mem_get_info(), "memory info")
+    }
+
+    pub(crate) fn alloc(&self, bytes: usize) -> CudaStorage {
+        // Never zero bytes: every tensor has an address (and 16-byte vector loads stay in
+        // bounds of something allocated).
+        let buf = check(
+            self.inner.stream.alloc_zeros::<u8>(bytes.max(16)),
+            "allocation",
+        );
+        let (ptr, _) = buf.device_ptr(&self.inner.stream);
+        assert!(
+            ptr % 16 == 0,
+            "device allocation at {ptr:#x} not 16-byte aligned"
+        );
+        CudaStorage { buf, ptr }
+    }
+
+    /// A scratch buffer of at least `bytes`, reallocated only when it must grow.
+    pub(crate) fn ensure(&self, slot: &mut Option<CudaStorage>, bytes: usize) -> u64 {
+        if slot.as_ref().is_none_or(|s| s.bytes() < bytes) {
+            *slot = Some(self.alloc(bytes.next_power_of_two()));
+        }
+        slot.as_ref().map_or(0, CudaStorage::ptr)
+    }
+
+    pub(crate) fn htod(&self, dst: &mut CudaStorage, bytes: &[u8]) {
+        assert!(
+            bytes.len() <= dst.bytes(),
+            "host copy larger than its buffer"
+        );
+        let mut view = dst.buf.slice_mut(..bytes.len());
+        check(
+            self.inner.stream.memcpy_htod(bytes, &mut view),
+            "host-to-device copy",
+        );
+    }
+
+    pub(crate) fn dtoh(&self, src: &CudaStorage, bytes: usize) -> Vec<u8> {
+        let view = src.buf.slice(..bytes);
+        check(self.inner.stream.clone_dtoh(&view), "device-to-host copy")
+    }
+
+    /// Launches `f` on the stream with `args`, in the order of the kernel's parameters.
+    pub(crate) fn launch(&self, f: &CudaFunction, cfg: LaunchConfig, args: &[Arg]) {
+        const MAX: usize = 16;
+        assert!(args.len() <= MAX, "kernel with more than {MAX} arguments");
+        // Each argument lives in a 64-bit word; the driver reads as many bytes as the
+        // parameter's type has (little-endian, so 32-bit values sit in the low half).
+        let mut words = [0u64; MAX];
+        for (w, a) in words.iter_mut().zip(args) {
+            *w = a.word();
+        }
+        let mut params: [*mut std::ffi::c_void; MAX] = [std::ptr::null_mut(); MAX];
+        for (p, w) in params.iter_mut().zip(words.iter_mut()) {
+            *p = (w as *mut u64).cast();
+        }
+        check(self.inner.ctx.bind_to_thread(), "context");
+        // SAFETY: every call site passes the argument list of its kernel's signature in
+        // kernels.cu, and the buffers it indexes are sized by the callers' assertions.
+        let r = unsafe {
+            cudarc::driver::result::launch_kernel(
+                f.cu_function(),
+                cfg.grid_dim,
+                cfg.block_dim,
+                cfg.shared_mem_bytes,
+                self.inner.stream.cu_stream(),
+                &mut params[..args.len()],
+            )
+        };
+        check(r, "kernel launch");
+    }
+}
+
+/// One kernel argument: a device address or a scalar.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Arg {
+    /// A device pointer.
+    Ptr(u64),
+    /// `int`.
+    I32(i32),
+    /// `long`.
+    I64(i64),
+    /// `float`.
+    F32(f32),
+}
+
+impl Arg {
+    fn word(self) -> u64 {
+        match self {
+            Arg::Ptr(p) => p,
+            Arg::I32(v) => u64::from(v as u32),
+            Arg::I64(v) => v as u64,
+            Arg::F32(v) => u64::from(v.to_bits()),
+        }
+    }
+}
+
+impl From<u64> for Arg {
+    fn from(v: u64) -> Self {
+        Arg::Ptr(v)
+    }
+}
+impl From<i32> for Arg {
+    fn from(v: i32) -> Self {
+        Arg::I32(v)
+    }
+}
+impl From<i64> for Arg {
+    fn from(v: i64) -> Self {
+        Arg::I64(v)
+    }
+}
+impl From<f32> for Arg {
+    fn from(v: f32) -> Self {
+        Arg::F32(v)
+    }
+}
+
+impl Backend for CudaBackend {
+    type Storage = CudaStorage;
+    type Graphs = crate::graph::StepGraphs;
+
+    fn name(&self) -> String {
+        format!(
+            "cuda:{} ({}, sm_{}{})",
+            self.inner.ordinal, self.inner.device_name, self.inner.arch.0, self.inner.arch.1
+        )
+    }
+
+    fn zeros(&self, dtype: DType, shape: &[usize]) -> Tensor<Self> {
+        let n: usize = shape.iter().product();
+        Tensor::from_storage(self.alloc(n * dtype.size()), dtype, shape)
+    }
+
+    fn upload(&self, host: &HostTensor) -> Tensor<Self> {
+        let bytes = host.to_le_bytes();
+        let mut s = self.alloc(bytes.len());
+        self.htod(&mut s, &bytes);
+        Tensor::from_storage(s, host.dtype(), host.shape())
+    }
+
+    fn download(&self, t: &Tensor<Self>) -> HostTensor {
+        let bytes = self.dtoh(t.storage(), t.size_bytes());
+        match HostTensor::from_le_bytes(t.dtype(), t.shape(), &bytes) {
+            Ok(h) => h,
+            Err(e) => panic!("download of {:?}: {e}", t.shape()),
+        }
+    }
+
+    fn overwrite(&self, dst: &mut Tensor<Self>, src: &HostTensor) -> tandem_engine::Result<()> {
+        if dst.dtype() != src.dtype() || dst.len() != src.len() {
+            return Err(tandem_engine::Error::InvalidRequest(format!(
+                "overwrite of a {} tensor of {} values with {} {}",
+                dst.dtype(),
+                dst.len(),
+                src.len(),
+                src.dtype()
+            )));
+        }
+        self.htod(dst.storage_mut(), &src.to_le_bytes());
+        Ok(())
+    }
+
+    fn write_u32(&self, dst: &mut Tensor<Self>, src: &[u32]) {
+        assert!(src.len() <= dst.len(), "metadata larger than its buffer");
+        self.htod(dst.storage_mut(), bytemuck::cast_slice(src));
+    }
+
+    fn synchronize(&self) {
+        check(self.inner.stream.synchronize(), "synchronize");
+    }
+
+    fn run_step(
+        &self,
+        graphs: &mut Self::Graphs,
+        shape: Option<tandem_engine::StepShape>,
+        step: &mut dyn FnMut(),
+    ) {
+        self.run_recorded(graphs, shape, step);
+    }
+}

@@ -1,0 +1,471 @@
+// tandem's CUDA kernels, compiled with NVRTC at start-up for the device's architecture.
+// Activations are f32; weights and K/V are f32 or bf16 (the `_bf16` variants); indices u32.
+// Every kernel works on the leading `rows` of buffers sized for the largest step, so the same
+// launches (with the same addresses) serve every step of a captured graph.
+
+#include <cuda_bf16.h>
+
+typedef unsigned int u32;
+
+// NVRTC has no <math.h>: infinity from its bit pattern.
+#define INFINITY __int_as_float(0x7f800000)
+
+__device__ __forceinline__ float load_f(const float* p, long i) { return p[i]; }
+__device__ __forceinline__ float load_f(const __nv_bfloat16* p, long i) { return __bfloat162float(p[i]); }
+__device__ __forceinline__ void store_f(float* p, long i, float v) { p[i] = v; }
+__device__ __forceinline__ void store_f(__nv_bfloat16* p, long i, float v) { p[i] = __float2bfloat16_rn(v); }
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Sum over a block of up to 1024 threads; every thread gets the total. `shared` holds 32 floats.
+__device__ float block_sum(float v, float* shared) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) shared[warp] = v;
+    __syncthreads();
+    int warps = (blockDim.x + 31) >> 5;
+    float t = lane < warps ? shared[lane] : 0.0f;
+    return warp_sum(t);
+}
+
+// ---- embedding, norms, elementwise ---------------------------------------------------------
+
+template <typename T>
+__device__ void embed_impl(const T* table, const u32* ids, int dim, float* out) {
+    long row = blockIdx.x;
+    long src = (long)ids[row] * dim;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) out[row * dim + i] = load_f(table, src + i);
+}
+extern "C" __global__ void embed_f32(const float* table, const u32* ids, int dim, float* out) {
+    embed_impl(table, ids, dim, out);
+}
+extern "C" __global__ void embed_bf16(const __nv_bfloat16* table, const u32* ids, int dim, float* out) {
+    embed_impl(table, ids, dim, out);
+}
+
+// One block per row: out = x / rms(x) * w.
+extern "C" __global__ void rms_norm(const float* x, const float* w, int dim, float eps, float* out) {
+    __shared__ float shared[32];
+    long row = blockIdx.x;
+    const float* xr = x + row * dim;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) ss += xr[i] * xr[i];
+    ss = block_sum(ss, shared);
+    float inv = rsqrtf(ss / (float)dim + eps);
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) out[row * dim + i] = xr[i] * inv * w[i];
+}
+
+// Rotate-half RoPE on the first `rot_heads` heads of each row of a fused QKV activation.
+extern "C" __global__ void rope(float* qkv, const u32* positions, int width, int rot_heads,
+                                int head_dim, float theta) {
+    long row = blockIdx.x;
+    int half = head_dim / 2;
+    float pos = (float)positions[row];
+    for (int t = threadIdx.x; t < rot_heads * half; t += blockDim.x) {
+        int h = t / half, i = t % half;
+        // The exponent is computed in double and rounded once, as a correctly rounded f32
+        // powf would (the CPU backend and the references use f32 pow): at positions in the
+        // tens of thousands an ulp of inv_freq is visible in the angle.
+        float inv_freq = 1.0f / (float)pow((double)theta, (double)((float)(2 * i) / (float)head_dim));
+        float s, c;
+        sincosf(pos * inv_freq, &s, &c);
+        float* head = qkv + row * width + (long)h * head_dim;
+        float a = head[i], b = head[i + half];
+        head[i] = a * c - b * s;
+        head[i + half] = b * c + a * s;
+    }
+}
+
+extern "C" __global__ void silu_mul(const float* gate_up, int width, float* out) {
+    long row = blockIdx.x;
+    const float* g = gate_up + row * 2 * width;
+    const float* u = g + width;
+    for (int i = threadIdx.x; i < width; i += blockDim.x) {
+        float x = g[i];
+        out[row * width + i] = x / (1.0f + expf(-x)) * u[i];
+    }
+}
+
+extern "C" __global__ void gather_rows(const float* x, int dim, const u32* index, float* out) {
+    long row = blockIdx.x;
+    long src = (long)index[row] * dim;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) out[row * dim + i] = x[src + i];
+}
+
+extern "C" __global__ void f32_to_bf16(const float* x, long n, __nv_bfloat16* out) {
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
+        out[i] = __float2bfloat16_rn(x[i]);
+}
+
+// ---- K/V cache -----------------------------------------------------------------------------
+
+template <typename T>
+__device__ void write_kv_impl(const float* qkv, int width, int k_off, int v_off, int kv_dim,
+                              const u32* slots, T* k, T* v) {
+    long row = blockIdx.x;
+    long at = (long)slots[row] * kv_dim;
+    const float* r = qkv + row * width;
+    for (int i = threadIdx.x; i < kv_dim; i += blockDim.x) {
+        store_f(k, at + i, r[k_off + i]);
+        store_f(v, at + i, r[v_off + i]);
+    }
+}
+extern "C" __global__ void write_kv_f32(const float* qkv, int width, int k_off, int v_off, int kv_dim,
+                                        const u32* slots, float* k, float* v) {
+    write_kv_impl(qkv, width, k_off, v_off, kv_dim, slots, k, v);
+}
+extern "C" __global__ void write_kv_bf16(const float* qkv, int width, int k_off, int v_off, int kv_dim,
+                                         const u32* slots, __nv_bfloat16* k, __nv_bfloat16* v) {
+    write_kv_impl(qkv, width, k_off, v_off, kv_dim, slots, k, v);
+}
+
+// Copies `n` rows of `row_words` 32-bit words between a slot-indexed cache and a dense buffer:
+// `to_dense` gathers cache rows `slots[i]` into row i, otherwise scatters row i into them.
+extern "C" __global__ void copy_slots(u32* cache, const u32* slots, int n, int row_words, u32* dense,
+                                      int to_dense) {
+    long i = blockIdx.x;
+    if (i >= n) return;
+    long c = (long)slots[i] * row_words, d = i * row_words;
+    for (int w = threadIdx.x; w < row_words; w += blockDim.x) {
+        if (to_dense) dense[d + w] = cache[c + w];
+        else cache[c + w] = dense[d + w];
+    }
+}
+
+// ---- attention -----------------------------------------------------------------------------
+//
+// One block per (token, kv head, split): the group of query heads sharing that kv head walks
+// its share of the token's causal context in the paged cache. Each warp takes every
+// `ATTN_WARPS`-th run of `ATTN_UNROLL` keys (their loads issued together, so a warp has
+// several cache reads in flight); its lanes split the head dimension; an online softmax per
+// query head runs in registers, and the warps merge through shared memory. With one split the
+// block writes the output; with several (decode: few tokens, long contexts) each block writes
+// its (max, sum, weighted values) to `partial` and `attention_combine` merges the splits.
+
+#define ATTN_WARPS 4
+#define ATTN_UNROLL 4
+#define MAX_GROUP 8
+#define MAX_HEAD_DIM 256
+
+template <typename T>
+__device__ void attention_impl(const float* qkv, int width, int num_heads, int num_kv_heads,
+                               int head_dim, const T* k_cache, const T* v_cache, int block_size,
+                               const u32* seq_info, int num_seqs, const u32* tables, int table_stride,
+                               float scale, int split_keys, float* partial, float* out) {
+    __shared__ float s_q[MAX_GROUP * MAX_HEAD_DIM];
+    __shared__ float s_m[ATTN_WARPS][MAX_GROUP];
+    __shared__ float s_l[ATTN_WARPS][MAX_GROUP];
+    __shared__ float s_acc[ATTN_WARPS][MAX_GROUP * MAX_HEAD_DIM];
+
+    int token = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
+    int group = num_heads / num_kv_heads;
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+
+    // The token's sequence: the one whose [start, start + len) holds it.
+    int seq = 0;
+    for (int s = 0; s < num_seqs; ++s) {
+        u32 start = seq_info[3 * s], len = seq_info[3 * s + 1];
+        if ((u32)token >= start && (u32)token < start + len) { seq = s; break; }
+    }
+    u32 start = seq_info[3 * seq], cached = seq_info[3 * seq + 2];
+    int ctx = (int)(cached + (token - start)) + 1;
+    int first = splits > 1 ? split * split_keys : 0;
+    int last = splits > 1 ? min(ctx, first + split_keys) : ctx;
+    const u32* table = tables + (long)seq * table_stride;
+    int kv_dim = num_kv_heads * head_dim;
+
+    for (int i = threadIdx.x; i < group * head_dim; i += blockDim.x) {
+        int g = i / head_dim, d = i % head_dim;
+        s_q[i] = qkv[(long)token * width + (long)(kvh * group + g) * head_dim + d] * scale;
+    }
+    __syncthreads();
+
+    const int per_lane = (head_dim + 31) / 32;  // <= 8
+    float m[MAX_GROUP], l[MAX_GROUP], acc[MAX_GROUP][8];
+    for (int g = 0; g < group; ++g) {
+        m[g] = -INFINITY; l[g] = 0.0f;
+        for (int j = 0; j < 8; ++j) acc[g][j] = 0.0f;
+    }
+    for (int base = first + warp * ATTN_UNROLL; base < last; base += ATTN_WARPS * ATTN_UNROLL) {
+        float kv[ATTN_UNROLL][8], vv[ATTN_UNROLL][8];
+        #pragma unroll
+        for (int u = 0; u < ATTN_UNROLL; ++u) {
+            int key = base + u;
+            if (key >= last) break;
+            long slot = (long)table[key / block_size] * block_size + key % block_size;
+            const T* kr = k_cache + slot * kv_dim + (long)kvh * head_dim;
+            const T* vr = v_cache + slot * kv_dim + (long)kvh * head_dim;
+            #pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                int d = lane + 32 * j;
+                bool in = j < per_lane && d < head_dim;
+                kv[u][j] = in ? load_f(kr, d) : 0.0f;
+                vv[u][j] = in ? load_f(vr, d) : 0.0f;
+            }
+        }
+        #pragma unroll
+        for (int u = 0; u < ATTN_UNROLL; ++u) {
+            if (base + u >= last) break;
+            for (int g = 0; g < group; ++g) {
+                float dot = 0.0f;
+                #pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    int d = lane + 32 * j;
+                    if (j < per_lane && d < head_dim) dot += s_q[g * head_dim + d] * kv[u][j];
+                }
+                dot = warp_sum(dot);
+                float mn = fmaxf(m[g], dot);
+                float corr = __expf(m[g] - mn);
+                float p = __expf(dot - mn);
+                l[g] = l[g] * corr + p;
+                #pragma unroll
+                for (int j = 0; j < 8; ++j) acc[g][j] = acc[g][j] * corr + p * vv[u][j];
+                m[g] = mn;
+            }
+        }
+    }
+    // Merge the warps.
+    if (lane == 0)
+        for (int g = 0; g < group; ++g) { s_m[warp][g] = m[g]; s_l[warp][g] = l[g]; }
+    __syncthreads();
+    for (int g = 0; g < group; ++g) {
+        float mt = -INFINITY;
+        for (int w = 0; w < ATTN_WARPS; ++w) mt = fmaxf(mt, s_m[w][g]);
+        float f = m[g] == -INFINITY ? 0.0f : __expf(m[g] - mt);
+        for (int j = 0; j < per_lane; ++j) {
+            int d = lane + 32 * j;
+            if (d < head_dim) s_acc[warp][g * head_dim + d] = acc[g][j] * f;
+        }
+        if (lane == 0) s_l[warp][g] = l[g] * f;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < group * head_dim; i += blockDim.x) {
+        int g = i / head_dim, d = i % head_dim;
+        float sum = 0.0f, lt = 0.0f;
+        for (int w = 0; w < ATTN_WARPS; ++w) { sum += s_acc[w][i]; lt += s_l[w][g]; }
+        int head = kvh * group + g;
+        if (splits == 1) {
+            out[(long)token * num_heads * head_dim + (long)head * head_dim + d] = sum / lt;
+        } else {
+            // partial[token][head][split] = (max, sum, values[head_dim])
+            float* p = partial + (((long)token * num_heads + head) * splits + split) * (head_dim + 2);
+            float mt = -INFINITY;
+            for (int w = 0; w < ATTN_WARPS; ++w) mt = fmaxf(mt, s_m[w][g]);
+            if (d == 0) { p[0] = mt; p[1] = lt; }
+            p[2 + d] = sum;
+        }
+    }
+}
+
+#define ATTENTION(NAME, T) \
+    extern "C" __global__ void NAME(const float* qkv, int width, int num_heads, int num_kv_heads, \
+                                    int head_dim, const T* k, const T* v, int block_size, \
+                                    const u32* seq_info, int num_seqs, const u32* tables, \
+                                    int table_stride, float scale, int split_keys, float* partial, \
+                                    float* out) { \
+        attention_impl(qkv, width, num_heads, num_kv_heads, head_dim, k, v, block_size, seq_info, \
+                       num_seqs, tables, table_stride, scale, split_keys, partial, out); \
+    }
+ATTENTION(attention_f32, float)
+ATTENTION(attention_bf16, __nv_bfloat16)
+
+// Merges the splits of `attention_*`: one block per (token, head), a thread per value.
+extern "C" __global__ void attention_combine(const float* partial, int splits, int head_dim, float* out) {
+    long token = blockIdx.x;
+    int head = blockIdx.y, num_heads = gridDim.y;
+    const float* p = partial + ((token * num_heads + head) * splits) * (long)(head_dim + 2);
+    float mt = -INFINITY;
+    for (int s = 0; s < splits; ++s) mt = fmaxf(mt, p[s * (head_dim + 2)]);
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float sum = 0.0f, lt = 0.0f;
+        for (int s = 0; s < splits; ++s) {
+            const float* q = p + s * (head_dim + 2);
+            float f = q[0] == -INFINITY ? 0.0f : __expf(q[0] - mt);
+            lt += q[1] * f;
+            sum += q[2 + d] * f;
+        }
+        out[(token * num_heads + head) * head_dim + d] = sum / lt;
+    }
+}
+
+// ---- small-M matmul (decode) ---------------------------------------------------------------
+//
+// out[r][n] (+)= sum_k x[r][k] * W[n][k] for R <= 8 rows, bf16 W. One warp per output feature:
+// the warp streams W's row once with 16-byte loads and applies it to all R activation rows
+// (small, served from L1/L2), so weights are read exactly once per call.
+
+template <int R>
+__device__ void gemv_bf16_impl(const float* x, int K, const __nv_bfloat16* W, int N, float* out,
+                               int accumulate) {
+    int lane = threadIdx.x & 31;
+    int n = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (n >= N) return;
+    const uint4* wrow = reinterpret_cast<const uint4*>(W + (long)n * K);
+    float acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = 0.0f;
+    int chunks = K / 8;
+    for (int c = lane; c < chunks; c += 32) {
+        uint4 pack = wrow[c];
+        const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&pack);
+        float w[8];
+        for (int j = 0; j < 4; ++j) {
+            float2 f = __bfloat1622float2(w2[j]);
+            w[2 * j] = f.x; w[2 * j + 1] = f.y;
+        }
+        for (int r = 0; r < R; ++r) {
+            const float4* xr = reinterpret_cast<const float4*>(x + (long)r * K + c * 8);
+            float4 a = xr[0], b = xr[1];
+            acc[r] += a.x * w[0] + a.y * w[1] + a.z * w[2] + a.w * w[3]
+                    + b.x * w[4] + b.y * w[5] + b.z * w[6] + b.w * w[7];
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        float s = warp_sum(acc[r]);
+        if (lane == 0) {
+            long at = (long)r * N + n;
+            out[at] = accumulate ? out[at] + s : s;
+        }
+    }
+}
+
+#define GEMV(R) \
+    extern "C" __global__ void gemv_bf16_##R(const float* x, int K, const __nv_bfloat16* W, int N, \
+                                             float* out, int accumulate) { \
+        gemv_bf16_impl<R>(x, K, W, N, out, accumulate); \
+    }
+GEMV(1) GEMV(2) GEMV(3) GEMV(4) GEMV(5) GEMV(6) GEMV(7) GEMV(8)
+
+// ---- sampling ------------------------------------------------------------------------------
+//
+// One block of 1024 threads per logits row. params[4 * row ..] = temperature, top_k (as bits),
+// top_p, and a uniform draw in [0, 1) made on the host from (seed, step). Greedy (temperature
+// <= 0 or top_k == 1) takes the first maximum. Otherwise the top-k and top-p cut-offs are found
+// by bisection over the logits' ordered bit patterns (counting and summing passes, no sort), and
+// the draw walks the surviving candidates in vocabulary order.
+
+__device__ __forceinline__ u32 ordered(float f) {
+    u32 b = __float_as_uint(f);
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+extern "C" __global__ void sample_rows(const float* logits, int vocab, const float* params, u32* out) {
+    __shared__ float shared[32];
+    __shared__ float s_best[32];
+    __shared__ int s_idx[32];
+    __shared__ float s_scan[1024];
+    long row = blockIdx.x;
+    const float* lr = logits + row * vocab;
+    float temperature = params[4 * row];
+    int top_k = (int)__float_as_uint(params[4 * row + 1]);
+    float top_p = params[4 * row + 2];
+    float draw = params[4 * row + 3];
+    int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+
+    // Block argmax (first index on ties).
+    float best = -INFINITY;
+    int idx = 0x7fffffff;
+    for (int i = tid; i < vocab; i += blockDim.x) {
+        float v = lr[i];
+        if (v > best) { best = v; idx = i; }
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        float ob = __shfl_xor_sync(0xffffffffu, best, o);
+        int oi = __shfl_xor_sync(0xffffffffu, idx, o);
+        if (ob > best || (ob == best && oi < idx)) { best = ob; idx = oi; }
+    }
+    if (lane == 0) { s_best[warp] = best; s_idx[warp] = idx; }
+    __syncthreads();
+    if (warp == 0) {
+        int warps = blockDim.x >> 5;
+        best = lane < warps ? s_best[lane] : -INFINITY;
+        idx = lane < warps ? s_idx[lane] : 0x7fffffff;
+        for (int o = 16; o > 0; o >>= 1) {
+            float ob = __shfl_xor_sync(0xffffffffu, best, o);
+            int oi = __shfl_xor_sync(0xffffffffu, idx, o);
+            if (ob > best || (ob == best && oi < idx)) { best = ob; idx = oi; }
+        }
+        if (lane == 0) { s_best[0] = best; s_idx[0] = idx; }
+    }
+    __syncthreads();
+    float max_logit = s_best[0];
+    if (temperature <= 0.0f || top_k == 1) {
+        if (tid == 0) out[row] = (u32)s_idx[0];
+        return;
+    }
+    float inv_t = 1.0f / temperature;
+    float max_s = max_logit * inv_t;
+
+    // Top-k: the largest threshold keeping at least k logits.
+    u32 lo = 0, hi = 0xffffffffu;  // answer in [lo, hi]
+    if (top_k > 0 && top_k < vocab) {
+        while (lo < hi) {
+            u32 mid = lo + (hi - lo) / 2 + 1;
+            float cnt = 0.0f;
+            for (int i = tid; i < vocab; i += blockDim.x) cnt += ordered(lr[i]) >= mid ? 1.0f : 0.0f;
+            cnt = block_sum(cnt, shared);
+            if (cnt >= (float)top_k) lo = mid; else hi = mid - 1;
+        }
+    }
+    u32 cut = lo;
+    float total = 0.0f;
+    for (int i = tid; i < vocab; i += blockDim.x)
+        if (ordered(lr[i]) >= cut) total += __expf(lr[i] * inv_t - max_s);
+    total = block_sum(total, shared);
+    // Top-p: the largest threshold whose kept mass reaches top_p.
+    if (top_p < 1.0f) {
+        u32 plo = cut, phi = 0xffffffffu;
+        while (plo < phi) {
+            u32 mid = plo + (phi - plo) / 2 + 1;
+            float mass = 0.0f;
+            for (int i = tid; i < vocab; i += blockDim.x)
+                if (ordered(lr[i]) >= mid) mass += __expf(lr[i] * inv_t - max_s);
+            mass = block_sum(mass, shared);
+            if (mass >= top_p * total) plo = mid; else phi = mid - 1;
+        }
+        cut = plo;
+    }
+    // Walk the candidates in vocabulary order: each thread owns a contiguous chunk.
+    int chunk = (vocab + blockDim.x - 1) / blockDim.x;
+    int begin = tid * chunk, end = min(vocab, begin + chunk);
+    float mine = 0.0f;
+    for (int i = begin; i < end; ++i)
+        if (ordered(lr[i]) >= cut) mine += __expf(lr[i] * inv_t - max_s);
+    s_scan[tid] = mine;
+    __syncthreads();
+    if (tid == 0) {
+        float acc = 0.0f;
+        for (int t = 0; t < (int)blockDim.x; ++t) { float v = s_scan[t]; s_scan[t] = acc; acc += v; }
+        shared[0] = acc;
+    }
+    __syncthreads();
+    float target = draw * shared[0];
+    float before = s_scan[tid];
+    // The owner is the thread whose prefix range holds the target; ties resolve to the first.
+    if (mine > 0.0f && target >= before && target < before + mine) {
+        float acc = before;
+        int pick = -1, last = -1;
+        for (int i = begin; i < end; ++i) {
+            if (ordered(lr[i]) < cut) continue;
+            last = i;
+            acc += __expf(lr[i] * inv_t - max_s);
+            if (target < acc) { pick = i; break; }
+        }
+        out[row] = (u32)(pick >= 0 ? pick : last);
+    }
+    // Rounding can leave the target at or past the total: take the last candidate.
+    if (tid == 0 && !(target < shared[0])) {
+        int last = s_idx[0];
+        for (int i = vocab - 1; i >= 0; --i)
+            if (ordered(lr[i]) >= cut) { last = i; break; }
+        out[row] = (u32)last;
+    }
+}

@@ -1,0 +1,580 @@
+//! The [`Ops`] half of the traits: each operation is one or two kernel launches (or a cuBLAS
+//! call) on the backend's stream over the leading `rows` of its buffers.
+
+use crate::device::{check, Arg as A, CudaBackend, CudaStorage};
+use cudarc::cublas::{result as blas, sys as blas_sys};
+use cudarc::driver::LaunchConfig;
+use tandem_core::{BlockId, SamplingParams};
+use tandem_engine::backend::QkvLayout;
+use tandem_engine::{DType, HostTensor, KvCache, Ops, StepMeta, Tensor};
+
+type T = Tensor<CudaBackend>;
+
+/// Keys per block when a decode step's attention is split over its contexts.
+const SPLIT_KEYS: usize = 64;
+/// Streaming multiprocessors to keep busy (an H200 has 132; a smaller GPU only queues more).
+const SMS: usize = 132;
+
+/// The power-of-two bucket of `SPLIT_KEYS` runs covering a context (1 up to `SPLIT_KEYS`).
+pub(crate) fn context_bucket(max_context: usize) -> usize {
+    max_context.div_ceil(SPLIT_KEYS).max(1).next_power_of_two()
+}
+
+/// How many blocks split each context in a step's attention: one where the step's (token,
+/// kv head) blocks already fill the GPU, else the context's bucket (so a recorded decode
+/// graph serves every context up to its bucket; splits past a context's end write empty
+/// partials that the merge skips).
+pub(crate) fn attention_splits(tokens: usize, kv_heads: usize, max_context: usize) -> usize {
+    if tokens.saturating_mul(kv_heads) >= 2 * SMS {
+        1
+    } else {
+        context_bucket(max_context)
+    }
+}
+
+/// Row counts up to this use the GEMV kernel for bf16 weights (decode); above, cuBLAS.
+const GEMV_MAX_ROWS: usize = 8;
+
+fn rows_cfg(rows: usize, threads: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (rows as u32, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+fn ptr(t: &T) -> u64 {
+    t.storage().ptr()
+}
+
+fn need(t: &T, dtype: DType, elems: usize, what: &str) {
+    assert!(
+        t.dtype() == dtype && t.len() >= elems,
+        "{what}: needs {elems} {dtype} values, has {} {}",
+        t.len(),
+        t.dtype()
+    );
+}
+
+fn threads_for(width: usize) -> u32 {
+    (width.next_power_of_two().clamp(32, 1024)) as u32
+}
+
+/// One `out (rows, n) (+)= x (rows, k) · W (n, k)ᵀ` on device addresses.
+#[derive(Clone, Copy)]
+struct Product {
+    x: u64,
+    rows: usize,
+    w: u64,
+    n: usize,
+    k: usize,
+    out: u64,
+    accumulate: bool,
+}
+
+impl CudaBackend {
+    /// cuBLAS, with `x` and `W` of the given types and f32 output and accumulation.
+    fn gemm(&self, p: Product, x_type: blas_sys::cudaDataType, w_type: blas_sys::cudaDataType) {
+        let (alpha, beta) = (1.0f32, if p.accumulate { 1.0f32 } else { 0.0f32 });
+        // Row-major out (rows, n) = x (rows, k) · Wᵀ is, column-major, out (n, rows) =
+        // W(k, n)ᵀ · x(k, rows).
+        // SAFETY: the pointers are live device buffers whose sizes the caller checked.
+        let r = unsafe {
+            blas::gemm_ex(
+                *self.inner.blas.handle(),
+                blas_sys::cublasOperation_t::CUBLAS_OP_T,
+                blas_sys::cublasOperation_t::CUBLAS_OP_N,
+                p.n as i32,
+                p.rows as i32,
+                p.k as i32,
+                (&alpha as *const f32).cast(),
+                p.w as *const _,
+                w_type,
+                p.k as i32,
+                p.x as *const _,
+                x_type,
+                p.k as i32,
+                (&beta as *const f32).cast(),
+                p.out as *mut _,
+                blas_sys::cudaDataType::CUDA_R_32F,
+                p.n as i32,
+                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        };
+        check(r, "GEMM");
+    }
+
+    /// The GEMV kernel: f32 activations (up to 8 rows), bf16 weights.
+    fn gemv_bf16(&self, p: Product) {
+        let kn = &self.inner.kernels;
+        let f = match p.rows {
+            1 => &kn.gemv_bf16_1,
+            2 => &kn.gemv_bf16_2,
+            3 => &kn.gemv_bf16_3,
+            4 => &kn.gemv_bf16_4,
+            5 => &kn.gemv_bf16_5,
+            6 => &kn.gemv_bf16_6,
+            7 => &kn.gemv_bf16_7,
+            _ => &kn.gemv_bf16_8,
+        };
+        const WARPS: usize = 8;
+        let cfg = LaunchConfig {
+            grid_dim: (p.n.div_ceil(WARPS) as u32, 1, 1),
+            block_dim: ((WARPS * 32) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (k32, n32, acc32) = (p.k as i32, p.n as i32, i32::from(p.accumulate));
+        self.launch(
+            f,
+            cfg,
+            &[
+                A::from(p.x),
+                A::from(k32),
+                A::from(p.w),
+                A::from(n32),
+                A::from(p.out),
+                A::from(acc32),
+            ],
+        );
+    }
+}
+
+impl Ops for CudaBackend {
+    fn embed(&self, table: &T, ids: &T, rows: usize, out: &mut T) {
+        let dim = table.shape()[1];
+        need(out, DType::F32, rows * dim, "embed output");
+        let f = match table.dtype() {
+            DType::F32 => &self.inner.kernels.embed_f32,
+            DType::BF16 => &self.inner.kernels.embed_bf16,
+            other => panic!("CUDA embedding tables are f32 or bf16, not {other}"),
+        };
+        let (t, i, o, d) = (ptr(table), ptr(ids), ptr(out), dim as i32);
+        self.launch(
+            f,
+            rows_cfg(rows, threads_for(dim).min(256)),
+            &[A::from(t), A::from(i), A::from(d), A::from(o)],
+        );
+    }
+
+    fn rms_norm(&self, x: &T, weight: &T, rows: usize, eps: f32, out: &mut T) {
+        let dim = weight.len();
+        need(x, DType::F32, rows * dim, "rms_norm input");
+        need(out, DType::F32, rows * dim, "rms_norm output");
+        let (xp, wp, op, d) = (ptr(x), ptr(weight), ptr(out), dim as i32);
+        let f = &self.inner.kernels.rms_norm;
+        self.launch(
+            f,
+            rows_cfg(rows, threads_for(dim).min(1024)),
+            &[
+                A::from(xp),
+                A::from(wp),
+                A::from(d),
+                A::from(eps),
+                A::from(op),
+            ],
+        );
+    }
+
+    fn matmul(
+        &self,
+        x: &T,
+        rows: usize,
+        w: &T,
+        out_features: usize,
+        in_features: usize,
+        out: &mut T,
+        accumulate: bool,
+    ) {
+        if rows == 0 {
+            return;
+        }
+        need(x, DType::F32, rows * in_features, "matmul input");
+        need(out, DType::F32, rows * out_features, "matmul output");
+        assert_eq!(w.len(), out_features * in_features, "matmul weight shape");
+        let p = Product {
+            x: ptr(x),
+            rows,
+            w: ptr(w),
+            n: out_features,
+            k: in_features,
+            out: ptr(out),
+            accumulate,
+        };
+        let (f32_t, bf16_t) = (
+            blas_sys::cudaDataType::CUDA_R_32F,
+            blas_sys::cudaDataType::CUDA_R_16BF,
+        );
+        match w.dtype() {
+            DType::F32 => self.gemm(p, f32_t, f32_t),
+            DType::BF16 if rows <= GEMV_MAX_ROWS && in_features.is_multiple_of(8) => {
+                self.gemv_bf16(p)
+            }
+            DType::BF16 => {
+                // cuBLAS has no f32 × bf16 product: round the activations to bf16 first.
+                let n = rows * in_features;
+                let mut scratch = self.inner.scratch.lock();
+                let xb = self.ensure(&mut scratch.bf16, n * 2);
+                let (xp, n64) = (p.x, n as i64);
+                let cfg = LaunchConfig {
+                    grid_dim: (n.div_ceil(256).min(4096) as u32, 1, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                self.launch(
+                    &self.inner.kernels.f32_to_bf16,
+                    cfg,
+                    &[A::from(xp), A::from(n64), A::from(xb)],
+                );
+                self.gemm(Product { x: xb, ..p }, bf16_t, bf16_t);
+            }
+            other => panic!("CUDA matmul takes f32 or bf16 weights, not {other}"),
+        }
+    }
+
+    fn rope(&self, qkv: &mut T, rows: usize, layout: QkvLayout, positions: &T, theta: f32) {
+        let width = layout.row_width();
+        need(qkv, DType::F32, rows * width, "rope input");
+        let rot = (layout.num_heads + layout.num_kv_heads) as i32;
+        let (q, p, w, hd) = (
+            ptr(qkv),
+            ptr(positions),
+            width as i32,
+            layout.head_dim as i32,
+        );
+        let threads = threads_for(rot as usize * layout.head_dim / 2).min(512);
+        self.launch(
+            &self.inner.kernels.rope,
+            rows_cfg(rows, threads),
+            &[
+                A::from(q),
+                A::from(p),
+                A::from(w),
+                A::from(rot),
+                A::from(hd),
+                A::from(theta),
+            ],
+        );
+    }
+
+    fn write_kv(
+        &self,
+        qkv: &T,
+        rows: usize,
+        layout: QkvLayout,
+        cache: &mut KvCache<Self>,
+        layer: usize,
+        slot_mapping: &T,
+    ) {
+        let width = layout.row_width();
+        need(qkv, DType::F32, rows * width, "write_kv input");
+        let kv_dim = layout.num_kv_heads * layout.head_dim;
+        let f = match cache.layout().dtype {
+            DType::F32 => &self.inner.kernels.write_kv_f32,
+            DType::BF16 => &self.inner.kernels.write_kv_bf16,
+            other => panic!("K/V caches are f32 or bf16, not {other}"),
+        };
+        let (q, s, k, v) = (
+            ptr(qkv),
+            ptr(slot_mapping),
+            ptr(&cache.k[layer]),
+            ptr(&cache.v[layer]),
+        );
+        let (w, ko, vo, kd) = (
+            width as i32,
+            layout.k_offset() as i32,
+            layout.v_offset() as i32,
+            kv_dim as i32,
+        );
+        self.launch(
+            f,
+            rows_cfg(rows, threads_for(kv_dim).min(256)),
+            &[
+                A::from(q),
+                A::from(w),
+                A::from(ko),
+                A::from(vo),
+                A::from(kd),
+                A::from(s),
+                A::from(k),
+                A::from(v),
+            ],
+        );
+    }
+
+    fn paged_attention(
+        &self,
+        qkv: &T,
+        layout: QkvLayout,
+        cache: &KvCache<Self>,
+        layer: usize,
+        meta: &StepMeta<Self>,
+        out: &mut T,
+    ) {
+        let rows = meta.num_tokens;
+        if rows == 0 {
+            return;
+        }
+        let group = layout.num_heads / layout.num_kv_heads;
+        assert!(
+            group <= 8
+                && layout.head_dim <= 256
+                && layout.num_heads.is_multiple_of(layout.num_kv_heads),
+            "CUDA attention supports up to 8 query heads per KV head and head_dim <= 256"
+        );
+        need(
+            out,
+            DType::F32,
+            rows * layout.num_heads * layout.head_dim,
+            "attention output",
+        );
+        let f = match cache.layout().dtype {
+            DType::F32 => &self.inner.kernels.attention_f32,
+            DType::BF16 => &self.inner.kernels.attention_bf16,
+            other => panic!("K/V caches are f32 or bf16, not {other}"),
+        };
+        // Few (token, kv head) blocks over long contexts leave the GPU idle: split each
+        // context into runs of SPLIT_KEYS keys, one block each, merged by a second kernel.
+        let splits = attention_splits(rows, layout.num_kv_heads, meta.max_context);
+        let mut scratch = self.inner.scratch.lock();
+        let partial = if splits > 1 {
+            let floats = rows * layout.num_heads * splits * (layout.head_dim + 2);
+            self.ensure(&mut scratch.attention, floats * 4)
+        } else {
+            0
+        };
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, layout.num_kv_heads as u32, splits as u32),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (q, k, v, info, tables, o) = (
+            ptr(qkv),
+            ptr(&cache.k[layer]),
+            ptr(&cache.v[layer]),
+            ptr(&meta.seq_info),
+            ptr(&meta.block_tables),
+            ptr(out),
+        );
+        let (w, nh, nkv, hd, bs, ns, ts) = (
+            layout.row_width() as i32,
+            layout.num_heads as i32,
+            layout.num_kv_heads as i32,
+            layout.head_dim as i32,
+            cache.layout().block_size as i32,
+            meta.num_seqs as i32,
+            meta.table_stride() as i32,
+        );
+        let scale = 1.0 / (layout.head_dim as f32).sqrt();
+        let split_keys = SPLIT_KEYS as i32;
+        self.launch(
+            f,
+            cfg,
+            &[
+                A::from(q),
+                A::from(w),
+                A::from(nh),
+                A::from(nkv),
+                A::from(hd),
+                A::from(k),
+                A::from(v),
+                A::from(bs),
+                A::from(info),
+                A::from(ns),
+                A::from(tables),
+                A::from(ts),
+                A::from(scale),
+                A::from(split_keys),
+                A::from(partial),
+                A::from(o),
+            ],
+        );
+        if splits > 1 {
+            let cfg = LaunchConfig {
+                grid_dim: (rows as u32, layout.num_heads as u32, 1),
+                block_dim: (threads_for(layout.head_dim).min(256), 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let s32 = splits as i32;
+            self.launch(
+                &self.inner.kernels.attention_combine,
+                cfg,
+                &[A::from(partial), A::from(s32), A::from(hd), A::from(o)],
+            );
+        }
+    }
+
+    fn silu_mul(&self, gate_up: &T, rows: usize, width: usize, out: &mut T) {
+        need(gate_up, DType::F32, rows * 2 * width, "silu_mul input");
+        need(out, DType::F32, rows * width, "silu_mul output");
+        let (g, o, w) = (ptr(gate_up), ptr(out), width as i32);
+        let f = &self.inner.kernels.silu_mul;
+        self.launch(
+            f,
+            rows_cfg(rows, threads_for(width).min(1024)),
+            &[A::from(g), A::from(w), A::from(o)],
+        );
+    }
+
+    fn gather_rows(&self, x: &T, dim: usize, index: &T, rows: usize, out: &mut T) {
+        need(out, DType::F32, rows * dim, "gather output");
+        let (xp, i, o, d) = (ptr(x), ptr(index), ptr(out), dim as i32);
+        let f = &self.inner.kernels.gather_rows;
+        self.launch(
+            f,
+            rows_cfg(rows, threads_for(dim).min(1024)),
+            &[A::from(xp), A::from(d), A::from(i), A::from(o)],
+        );
+    }
+
+    fn sample(
+        &self,
+        logits: &T,
+        vocab: usize,
+        rows: &[(&SamplingParams, u32)],
+        out: &mut Vec<u32>,
+    ) {
+        out.clear();
+        if rows.is_empty() {
+            return;
+        }
+        need(logits, DType::F32, rows.len() * vocab, "sampling logits");
+        let mut scratch = self.inner.scratch.lock();
+        let s = &mut *scratch;
+        s.host_params.clear();
+        for &(p, step) in rows {
+            s.host_params.extend([
+                p.temperature,
+                f32::from_bits(p.top_k),
+                p.top_p,
+                tandem_engine::sampling::uniform_draw(p.seed, step),
+            ]);
+        }
+        let bytes = s.host_params.len() * 4;
+        let params = self.ensure(&mut s.params, bytes);
+        let ids = self.ensure(&mut s.ids, rows.len() * 4);
+        if let Some(buf) = s.params.as_mut() {
+            self.htod(buf, bytemuck::cast_slice(&s.host_params));
+        }
+        let (l, v) = (ptr(logits), vocab as i32);
+        self.launch(
+            &self.inner.kernels.sample_rows,
+            rows_cfg(rows.len(), 1024),
+            &[A::from(l), A::from(v), A::from(params), A::from(ids)],
+        );
+        let host = s
+            .ids
+            .as_ref()
+            .map(|buf| self.dtoh(buf, rows.len() * 4))
+            .unwrap_or_default();
+        out.extend(
+            host.chunks_exact(4)
+                .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+        );
+    }
+
+    fn read_kv(&self, cache: &KvCache<Self>, blocks: &[BlockId], tokens: usize) -> HostTensor {
+        let l = cache.layout();
+        let row = l.kv_dim() * l.dtype.size();
+        let mut bytes = Vec::with_capacity(l.num_layers * 2 * tokens * row);
+        let mut dense = self.alloc(tokens * row);
+        let slots = self.slot_list(blocks, l.block_size, tokens);
+        for layer in 0..l.num_layers {
+            for part in [&cache.k[layer], &cache.v[layer]] {
+                self.copy_slots(part.storage(), &slots, tokens, row, &mut dense, true);
+                bytes.extend(self.dtoh(&dense, tokens * row));
+            }
+        }
+        let shape = [l.num_layers, 2, tokens, l.kv_dim()];
+        match HostTensor::from_le_bytes(l.dtype, &shape, &bytes) {
+            Ok(t) => t,
+            Err(e) => panic!("K/V read of {shape:?}: {e}"),
+        }
+    }
+
+    fn write_kv_host(
+        &self,
+        cache: &mut KvCache<Self>,
+        blocks: &[BlockId],
+        tokens: usize,
+        data: &HostTensor,
+    ) -> tandem_engine::Result<()> {
+        let l = cache.layout();
+        let shape = [l.num_layers, 2, tokens, l.kv_dim()];
+        if data.dtype() != l.dtype || data.shape() != shape {
+            return Err(tandem_engine::Error::InvalidRequest(format!(
+                "K/V of {:?} {} does not fit a cache of {shape:?} {}",
+                data.shape(),
+                data.dtype(),
+                l.dtype
+            )));
+        }
+        if blocks.len() < l.blocks_for(tokens) {
+            return Err(tandem_engine::Error::InvalidRequest(format!(
+                "{tokens} tokens need {} blocks, {} given",
+                l.blocks_for(tokens),
+                blocks.len()
+            )));
+        }
+        let row = l.kv_dim() * l.dtype.size();
+        let all = data.to_le_bytes();
+        let mut dense = self.alloc(tokens * row);
+        let slots = self.slot_list(blocks, l.block_size, tokens);
+        for layer in 0..l.num_layers {
+            for (p, part) in [&cache.k[layer], &cache.v[layer]].into_iter().enumerate() {
+                let at = (layer * 2 + p) * tokens * row;
+                self.htod(&mut dense, &all[at..at + tokens * row]);
+                self.copy_slots(part.storage(), &slots, tokens, row, &mut dense, false);
+            }
+        }
+        self.synchronize_checked();
+        Ok(())
+    }
+}
+
+impl CudaBackend {
+    fn slot_list(&self, blocks: &[BlockId], block_size: usize, tokens: usize) -> CudaStorage {
+        let slots: Vec<u32> = (0..tokens)
+            .map(|t| blocks[t / block_size].0 * block_size as u32 + (t % block_size) as u32)
+            .collect();
+        let mut s = self.alloc(tokens * 4);
+        self.htod(&mut s, bytemuck::cast_slice(&slots));
+        s
+    }
+
+    fn copy_slots(
+        &self,
+        cache: &CudaStorage,
+        slots: &CudaStorage,
+        n: usize,
+        row_bytes: usize,
+        dense: &mut CudaStorage,
+        to_dense: bool,
+    ) {
+        if n == 0 {
+            return;
+        }
+        assert!(
+            row_bytes.is_multiple_of(4),
+            "K/V rows are whole 32-bit words"
+        );
+        let (c, s, d) = (cache.ptr(), slots.ptr(), dense.ptr());
+        let (n32, words, dir) = (n as i32, (row_bytes / 4) as i32, i32::from(to_dense));
+        self.launch(
+            &self.inner.kernels.copy_slots,
+            rows_cfg(n, threads_for(row_bytes / 4).min(256)),
+            &[
+                A::from(c),
+                A::from(s),
+                A::from(n32),
+                A::from(words),
+                A::from(d),
+                A::from(dir),
+            ],
+        );
+    }
+
+    fn synchronize_checked(&self) {
+        check(self.inner.stream.synchronize(), "synchronize");
+    }
+}

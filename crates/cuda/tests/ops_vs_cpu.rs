@@ -1,0 +1,403 @@
+//! Every CUDA operation against the CPU backend on the same inputs. Without a usable GPU
+//! each test prints why and passes (CI has none; `make test-gpu` runs these on one).
+
+use tandem_core::{BlockId, SamplingParams};
+use tandem_cuda::CudaBackend;
+use tandem_engine::backend::QkvLayout;
+use tandem_engine::batch::ForwardBatch;
+use tandem_engine::{
+    Backend, CpuBackend, DType, HostTensor, KvCache, KvLayout, Ops, StepLimits, StepMeta,
+};
+
+/// The GPU, or `None` (the test passes) where this machine has none. Any other failure to
+/// start fails the test, and `TANDEM_REQUIRE_GPU=1` (set by the GPU run) fails it there too.
+fn gpu() -> Option<CudaBackend> {
+    match CudaBackend::new(0) {
+        Ok(b) => Some(b),
+        Err(e @ (tandem_cuda::Error::Unavailable(_) | tandem_cuda::Error::NoSuchDevice { .. }))
+            if std::env::var_os("TANDEM_REQUIRE_GPU").is_none() =>
+        {
+            eprintln!("skipping: no usable GPU ({e})");
+            None
+        }
+        Err(e) => panic!("CUDA backend did not start: {e}"),
+    }
+}
+
+fn noise(seed: u64, n: usize) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+fn host(shape: &[usize], data: Vec<f32>, dtype: DType) -> HostTensor {
+    HostTensor::from_f32(shape, data)
+        .expect("shape matches")
+        .to_dtype(dtype)
+        .expect("float dtype")
+}
+
+/// The same tensor on both devices.
+fn both<C: Ops, G: Ops>(
+    c: &C,
+    g: &G,
+    t: &HostTensor,
+) -> (tandem_engine::Tensor<C>, tandem_engine::Tensor<G>) {
+    (c.upload(t), g.upload(t))
+}
+
+fn close(what: &str, a: &[f32], b: &[f32], tol: f32) {
+    assert_eq!(a.len(), b.len(), "{what}: lengths");
+    let scale = a.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
+    let worst = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0f32, f32::max);
+    assert!(
+        worst <= tol * scale,
+        "{what}: max |cpu - cuda| = {worst} (scale {scale}, tolerance {tol})"
+    );
+}
+
+fn f32s<B: Backend>(b: &B, t: &tandem_engine::Tensor<B>, n: usize) -> Vec<f32> {
+    let mut v = b.download(t).to_f32_vec();
+    v.truncate(n);
+    v
+}
+
+#[test]
+fn elementwise_operations_match_the_cpu() {
+    let Some(g) = gpu() else { return };
+    let c = CpuBackend::new();
+    let (rows, dim) = (7, 96);
+    for dtype in [DType::F32, DType::BF16] {
+        // Embedding lookup from a table in the weights' dtype.
+        let table = host(&[50, dim], noise(1, 50 * dim), dtype);
+        let (tc, tg) = both(&c, &g, &table);
+        let ids = HostTensor::from_u32(vec![3, 49, 0, 7, 7, 21, 11]);
+        let (ic, ig) = both(&c, &g, &ids);
+        let (mut oc, mut og) = (
+            c.zeros(DType::F32, &[rows, dim]),
+            g.zeros(DType::F32, &[rows, dim]),
+        );
+        c.embed(&tc, &ic, rows, &mut oc);
+        g.embed(&tg, &ig, rows, &mut og);
+        close(
+            &format!("embed {dtype}"),
+            &f32s(&c, &oc, rows * dim),
+            &f32s(&g, &og, rows * dim),
+            0.0,
+        );
+    }
+    let x = host(&[rows, dim], noise(2, rows * dim), DType::F32);
+    let w = host(&[dim], noise(3, dim), DType::F32);
+    let (xc, xg) = both(&c, &g, &x);
+    let (wc, wg) = both(&c, &g, &w);
+    let (mut oc, mut og) = (
+        c.zeros(DType::F32, &[rows, dim]),
+        g.zeros(DType::F32, &[rows, dim]),
+    );
+    c.rms_norm(&xc, &wc, rows, 1e-5, &mut oc);
+    g.rms_norm(&xg, &wg, rows, 1e-5, &mut og);
+    close(
+        "rms_norm",
+        &f32s(&c, &oc, rows * dim),
+        &f32s(&g, &og, rows * dim),
+        1e-5,
+    );
+
+    let width = 48;
+    let gu = host(&[rows, 2 * width], noise(4, rows * 2 * width), DType::F32);
+    let (gc, gg) = both(&c, &g, &gu);
+    let (mut oc, mut og) = (
+        c.zeros(DType::F32, &[rows, width]),
+        g.zeros(DType::F32, &[rows, width]),
+    );
+    c.silu_mul(&gc, rows, width, &mut oc);
+    g.silu_mul(&gg, rows, width, &mut og);
+    close(
+        "silu_mul",
+        &f32s(&c, &oc, rows * width),
+        &f32s(&g, &og, rows * width),
+        1e-5,
+    );
+
+    let index = HostTensor::from_u32(vec![6, 0, 3]);
+    let (ic, ig) = both(&c, &g, &index);
+    let (mut oc, mut og) = (
+        c.zeros(DType::F32, &[3, dim]),
+        g.zeros(DType::F32, &[3, dim]),
+    );
+    c.gather_rows(&xc, dim, &ic, 3, &mut oc);
+    g.gather_rows(&xg, dim, &ig, 3, &mut og);
+    close(
+        "gather_rows",
+        &f32s(&c, &oc, 3 * dim),
+        &f32s(&g, &og, 3 * dim),
+        0.0,
+    );
+
+    for (nh, nkv, hd) in [(9, 3, 64), (8, 2, 128)] {
+        let layout = QkvLayout {
+            num_heads: nh,
+            num_kv_heads: nkv,
+            head_dim: hd,
+        };
+        let w = layout.row_width();
+        let qkv = host(&[rows, w], noise(5, rows * w), DType::F32);
+        let pos = HostTensor::from_u32(vec![0, 1, 2, 100, 4095, 7, 65_000]);
+        let (mut qc, mut qg) = both(&c, &g, &qkv);
+        let (pc, pg) = both(&c, &g, &pos);
+        c.rope(&mut qc, rows, layout, &pc, 500_000.0);
+        g.rope(&mut qg, rows, layout, &pg, 500_000.0);
+        close(
+            &format!("rope hd={hd}"),
+            &f32s(&c, &qc, rows * w),
+            &f32s(&g, &qg, rows * w),
+            2e-4,
+        );
+    }
+}
+
+#[test]
+fn matmul_matches_the_cpu_for_every_row_count_and_dtype() {
+    let Some(g) = gpu() else { return };
+    let c = CpuBackend::new();
+    // (out, in): in a multiple of 8 (the GEMV path for bf16) and not (cuBLAS for every M).
+    for (n, k) in [(72, 264), (40, 100)] {
+        for dtype in [DType::F32, DType::BF16] {
+            let w = host(&[n, k], noise(7, n * k), dtype);
+            let wc = c.upload_weight(&w);
+            let wg = g.upload_weight(&w);
+            for rows in [1, 2, 5, 8, 9, 33, 200] {
+                let x = host(&[rows, k], noise(rows as u64, rows * k), DType::F32);
+                let (xc, xg) = both(&c, &g, &x);
+                for accumulate in [false, true] {
+                    let start = host(&[rows, n], noise(99, rows * n), DType::F32);
+                    let (mut oc, mut og) = both(&c, &g, &start);
+                    c.matmul(&xc, rows, &wc, n, k, &mut oc, accumulate);
+                    g.matmul(&xg, rows, &wg, n, k, &mut og, accumulate);
+                    // cuBLAS takes bf16 activations above the GEMV rows: bf16 rounding.
+                    let tol = if dtype == DType::BF16 { 2e-2 } else { 1e-4 };
+                    close(
+                        &format!("matmul {dtype} {n}x{k} rows={rows} acc={accumulate}"),
+                        &f32s(&c, &oc, rows * n),
+                        &f32s(&g, &og, rows * n),
+                        tol,
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// A step mixing a fresh prefill, a decode and a chunk continuing a cached prompt.
+fn mixed_batch(block: usize) -> ForwardBatch {
+    let mut b = ForwardBatch::default();
+    let table = |first: u32, n: u32| -> Vec<BlockId> { (first..first + n).map(BlockId).collect() };
+    b.push(&[1; 37], 0, &table(0, 3), block, true);
+    b.push(&[2], 50, &table(3, 4), block, true);
+    b.push(&[3; 20], 16, &table(7, 3), block, true);
+    b
+}
+
+/// Decodes over long contexts (the split-context path): 300, 129 and 65 cached tokens.
+fn long_decodes(block: usize) -> ForwardBatch {
+    let mut b = ForwardBatch::default();
+    let table = |first: u32, n: u32| -> Vec<BlockId> { (first..first + n).map(BlockId).collect() };
+    b.push(&[4], 300, &table(0, 19), block, true);
+    b.push(&[5], 129, &table(19, 9), block, true);
+    b.push(&[6], 65, &table(28, 5), block, true);
+    b
+}
+
+#[test]
+fn paged_attention_and_kv_writes_match_the_cpu() {
+    let Some(g) = gpu() else { return };
+    let block = 16;
+    attention_case(&g, &mixed_batch(block), block);
+    attention_case(&g, &long_decodes(block), block);
+}
+
+fn attention_case(g: &CudaBackend, batch: &ForwardBatch, block: usize) {
+    let c = CpuBackend::new();
+    let rows = batch.num_tokens();
+    let limits = StepLimits {
+        max_tokens: rows,
+        max_seqs: batch.seqs.len(),
+        max_blocks_per_seq: batch
+            .seqs
+            .iter()
+            .map(|s| s.block_table.len())
+            .max()
+            .unwrap_or(1),
+    };
+    let num_blocks = 40;
+    for dtype in [DType::F32, DType::BF16] {
+        for (nh, nkv, hd) in [(9, 3, 64), (32, 8, 64), (8, 2, 128)] {
+            let layout = QkvLayout {
+                num_heads: nh,
+                num_kv_heads: nkv,
+                head_dim: hd,
+            };
+            let kv = KvLayout {
+                num_layers: 1,
+                num_kv_heads: nkv,
+                head_dim: hd,
+                block_size: block,
+                num_blocks,
+                dtype,
+            };
+            let (mut cc, mut cg) = (KvCache::new(&c, kv), KvCache::new(g, kv));
+            // Earlier tokens of the cached sequences: random K/V already in the cache.
+            let slots = kv.num_slots();
+            let prior = host(
+                &[1, 2, slots, kv.kv_dim()],
+                noise(11, 2 * slots * kv.kv_dim()),
+                dtype,
+            );
+            let all: Vec<BlockId> = (0..num_blocks as u32).map(BlockId).collect();
+            c.write_kv_host(&mut cc, &all, slots, &prior).expect("fits");
+            g.write_kv_host(&mut cg, &all, slots, &prior).expect("fits");
+            let (mut mc, mut mg) = (StepMeta::new(&c, limits), StepMeta::new(g, limits));
+            mc.upload(&c, batch).expect("fits");
+            mg.upload(g, batch).expect("fits");
+            let w = layout.row_width();
+            let qkv = host(&[rows, w], noise(12, rows * w), DType::F32);
+            let (qc, qg) = both(&c, g, &qkv);
+            c.write_kv(&qc, rows, layout, &mut cc, 0, &mc.slot_mapping);
+            g.write_kv(&qg, rows, layout, &mut cg, 0, &mg.slot_mapping);
+            let out = nh * hd;
+            let (mut oc, mut og) = (
+                c.zeros(DType::F32, &[rows, out]),
+                g.zeros(DType::F32, &[rows, out]),
+            );
+            c.paged_attention(&qc, layout, &cc, 0, &mc, &mut oc);
+            g.paged_attention(&qg, layout, &cg, 0, &mg, &mut og);
+            close(
+                &format!(
+                    "attention {dtype} {nh}/{nkv}x{hd} ({} seqs)",
+                    batch.seqs.len()
+                ),
+                &f32s(&c, &oc, rows * out),
+                &f32s(g, &og, rows * out),
+                1e-4,
+            );
+            // The transfer layout reads back the same bytes on both.
+            let read_c = c.read_kv(&cc, &all, slots);
+            let read_g = g.read_kv(&cg, &all, slots);
+            assert_eq!(read_c.dtype(), read_g.dtype());
+            assert_eq!(
+                read_c.to_le_bytes(),
+                read_g.to_le_bytes(),
+                "read_kv {dtype}: the caches differ after write_kv"
+            );
+        }
+    }
+}
+
+#[test]
+fn sampling_on_the_device_is_greedy_exact_seeded_and_restricted() {
+    let Some(g) = gpu() else { return };
+    let vocab = 50_000;
+    let rows = 4;
+    let mut logits = noise(21, rows * vocab);
+    // Row 1 has a tie for the maximum: the first index wins.
+    logits[vocab + 777] = 5.0;
+    logits[vocab + 9_000] = 5.0;
+    let t = g.upload(&host(&[rows, vocab], logits.clone(), DType::F32));
+    let greedy = SamplingParams::greedy(1);
+    let mut out = Vec::new();
+    let all: Vec<(&SamplingParams, u32)> = (0..rows).map(|_| (&greedy, 0)).collect();
+    g.sample(&t, vocab, &all, &mut out);
+    let expect: Vec<u32> = logits
+        .chunks_exact(vocab)
+        .map(tandem_engine::sampling::argmax)
+        .collect();
+    assert_eq!(out, expect, "greedy is the first argmax of each row");
+    assert_eq!(out[1], 777);
+
+    let hot = SamplingParams {
+        temperature: 1.0,
+        top_k: 0,
+        top_p: 1.0,
+        seed: 5,
+        ..SamplingParams::greedy(1)
+    };
+    let draws = |p: &SamplingParams| -> Vec<u32> {
+        let mut out = Vec::new();
+        let mut picks = Vec::new();
+        for step in 0..8 {
+            let rows: Vec<(&SamplingParams, u32)> = (0..rows).map(|_| (p, step)).collect();
+            g.sample(&t, vocab, &rows, &mut out);
+            picks.extend_from_slice(&out);
+        }
+        picks
+    };
+    let a = draws(&hot);
+    assert_eq!(a, draws(&hot), "same seed and steps, same tokens");
+    assert_ne!(
+        a,
+        draws(&SamplingParams {
+            seed: 6,
+            ..hot.clone()
+        }),
+        "another seed changes some token"
+    );
+    // Top-k = 3: only the three largest logits of each row can come out.
+    let k3 = SamplingParams {
+        top_k: 3,
+        ..hot.clone()
+    };
+    for (i, tok) in draws(&k3).into_iter().enumerate() {
+        let row = &logits[(i % rows) * vocab..(i % rows + 1) * vocab];
+        let mut sorted: Vec<f32> = row.to_vec();
+        sorted.sort_by(|x, y| y.total_cmp(x));
+        assert!(
+            row[tok as usize] >= sorted[2],
+            "top_k=3 sampled a logit below the third largest"
+        );
+    }
+    // A tiny top-p keeps only the maximum.
+    let p0 = SamplingParams {
+        top_p: 1e-6,
+        ..hot.clone()
+    };
+    let picks = draws(&p0);
+    for (i, tok) in picks.into_iter().enumerate() {
+        // Row 1's two equal maxima both survive a top-p cut (the device keeps ties at the
+        // threshold; the host's sort keeps the first): either is right there.
+        if i % rows != 1 {
+            assert_eq!(tok, expect[i % rows], "top_p≈0 is greedy");
+        } else {
+            assert!(
+                tok == 777 || tok == 9_000,
+                "top_p≈0 picked {tok} in the tie row"
+            );
+        }
+    }
+}
+
+#[test]
+fn weights_overwritten_in_place_keep_their_address() {
+    let Some(g) = gpu() else { return };
+    let a = host(&[4, 8], noise(1, 32), DType::BF16);
+    let b = host(&[4, 8], noise(2, 32), DType::BF16);
+    let mut t = g.upload_weight(&a);
+    let before = t.storage().ptr();
+    g.overwrite(&mut t, &b).expect("same shape and dtype");
+    assert_eq!(t.storage().ptr(), before);
+    assert_eq!(g.download(&t).to_le_bytes(), b.to_le_bytes());
+    let wrong = host(&[4, 8], noise(3, 32), DType::F32);
+    assert!(
+        g.overwrite(&mut t, &wrong).is_err(),
+        "a dtype change is refused"
+    );
+}

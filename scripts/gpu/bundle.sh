@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Builds what a GPU run needs here (the GPU machine has no Rust toolchain) and packs it into
+# .gpu/ (git-ignored; under the 64 MiB a run can carry): the release `tandem` binary, the CUDA
+# test executables, and the scripts that run them there. `make test-gpu` calls this; then
+# run `bash .gpu/run.sh` on the GPU machine, carrying `.gpu`.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+OUT=.gpu
+rm -rf "$OUT"
+mkdir -p "$OUT/bin"
+cargo build --release --bin tandem
+cp target/release/tandem "$OUT/bin/tandem"
+# Test executables (dev profile: the kernels are NVRTC-compiled at run time either way).
+cargo test -p tandem-cuda --no-run --message-format=json 2>/dev/null |
+  python3 -c '
+import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]:
+        print(m["target"]["name"], m["executable"])
+' | while read -r name exe; do cp "$exe" "$OUT/bin/test-$name"; done
+strip "$OUT"/bin/*
+cp scripts/gpu/run.sh scripts/gpu/hf_compare.py "$OUT/"
+du -sh "$OUT"
+ls -la "$OUT/bin"
