@@ -20,6 +20,10 @@ for line in sys.stdin:
         print(m["target"]["name"], m["executable"])
 ' | while read -r name exe; do cp "$exe" "$OUT/bin/test-$name"; done
 strip "$OUT"/bin/*
-cp scripts/gpu/run.sh scripts/gpu/hf_compare.py "$OUT/"
+# SmolLM2's tokenizer, for serving the SmolLM2-shaped random checkpoint through the router.
+SMOL="${TANDEM_HOME:-$HOME/.cache/tandem}/models/smollm2-135m-instruct"
+mkdir -p "$OUT/tokenizer"
+cp "$SMOL"/tokenizer.json "$SMOL"/tokenizer_config.json "$OUT/tokenizer/"
+cp scripts/gpu/run.sh scripts/gpu/hf_compare.py scripts/gpu/profile.sh "$OUT/"
 du -sh "$OUT"
 ls -la "$OUT/bin"

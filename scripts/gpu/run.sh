@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine from the repository root, with .gpu/ carried along (see bundle.sh).
-# Phases (default: tests): tests | bench | hf | all. Logs and JSON go to $OUT (or .gpu/out).
+# Phases (default: tests): tests | bench | hf | pd | all. Logs and JSON go to $OUT (or .gpu/out).
 set -uo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
 BIN="$HERE/bin"
@@ -43,11 +43,44 @@ phase_hf() {
   done
 }
 
+# Router + prefill + decode processes on loopback (tandem run) on the SmolLM2-shaped random
+# checkpoint with SmolLM2's tokenizer: GPU/GPU, CPU prefill → GPU decode, GPU prefill → CPU
+# decode (bf16 K/V across devices), each answer compared with a single-process GPU run.
+phase_pd() {
+  synth smollm2
+  local d="$MODELS/smollm2" prompt="The capital of France is" port=8011
+  cp "$HERE"/tokenizer/* "$d/"
+  "$BIN/tandem" generate --model "$d" --device cuda:0 --dtype bf16 --prompt "$prompt" \
+    --max-tokens 16 --json > "$OUT/pd-single.json" || { status=1; return; }
+  echo "single process (cuda:0): $(cat "$OUT/pd-single.json")"
+  for pair in "cuda:0 cuda:0" "cpu cuda:0" "cuda:0 cpu"; do
+    set -- $pair
+    port=$((port + 1))
+    "$BIN/tandem" run --model "$d" --dtype bf16 --prefill-device "$1" --decode-device "$2" \
+      --port "$port" > "$OUT/pd-run-$port.log" 2>&1 &
+    local pid=$!
+    for _ in $(seq 1 180); do curl -sf "localhost:$port/ready" >/dev/null && break; sleep 1; done
+    curl -s "localhost:$port/v1/completions" -H 'Content-Type: application/json' \
+      -d "{\"model\": \"smollm2\", \"prompt\": \"$prompt\", \"max_tokens\": 16, \"temperature\": 0}" > "$OUT/pd-$port.json"
+    kill "$pid"; wait "$pid" 2>/dev/null
+    python3 - "$OUT/pd-single.json" "$OUT/pd-$port.json" "$1" "$2" <<'PY' || status=1
+import json, sys
+single = json.load(open(sys.argv[1]))["text"]
+reply = json.load(open(sys.argv[2]))
+text = reply["choices"][0]["text"]
+same = text == single
+print(f"P {sys.argv[3]} -> D {sys.argv[4]} through the router: {'same text' if same else 'DIFFERENT'}: {text!r}")
+sys.exit(0 if same else 1)
+PY
+  done
+}
+
 case "${1:-tests}" in
   tests) phase_tests ;;
   bench) phase_bench ;;
   hf) phase_hf ;;
-  all) phase_tests; phase_bench; phase_hf ;;
-  *) echo "usage: run.sh tests|bench|hf|all"; exit 2 ;;
+  pd) phase_pd ;;
+  all) phase_tests; phase_bench; phase_hf; phase_pd ;;
+  *) echo "usage: run.sh tests|bench|hf|pd|all"; exit 2 ;;
 esac
 exit $status

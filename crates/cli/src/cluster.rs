@@ -31,6 +31,15 @@ pub struct RunArgs {
     /// Weights and K/V dtype of the workers.
     #[arg(long, value_enum, default_value_t = crate::DtypeArg::F32)]
     dtype: crate::DtypeArg,
+    /// Device of every worker: cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu", value_parser = crate::device::parse)]
+    device: crate::device::Device,
+    /// Device of the prefill worker (overrides --device).
+    #[arg(long, value_parser = crate::device::parse)]
+    prefill_device: Option<crate::device::Device>,
+    /// Device of the decode worker (overrides --device).
+    #[arg(long, value_parser = crate::device::parse)]
+    decode_device: Option<crate::device::Device>,
 }
 
 /// The `127.0.0.1:PORT` after `listen` in a worker's ready line.
@@ -55,8 +64,17 @@ fn spawn_worker(
 ) -> Result<(Child, tokio::sync::oneshot::Receiver<String>)> {
     use tokio::io::AsyncBufReadExt;
     eprintln!("starting {name}: tandem {}", args.join(" "));
+    // The address comes from the worker's "worker ready" log line: keep this binary's own
+    // info lines on whatever level the user chose for the rest.
+    let filter = std::env::var("TANDEM_LOG").unwrap_or_else(|_| "info".into());
+    let filter = if filter.contains("tandem=") {
+        filter
+    } else {
+        format!("{filter},tandem=info")
+    };
     let mut child = Command::new(exe)
         .args(args)
+        .env("TANDEM_LOG", filter)
         .stdin(Stdio::null())
         .stderr(Stdio::piped())
         .kill_on_drop(true)
@@ -148,7 +166,13 @@ pub fn run(args: RunArgs) -> Result<()> {
             crate::DtypeArg::Bf16 => "bf16",
         };
         let worker = |role: &str| -> Vec<String> {
-            ["worker", "--role", role, "--listen", "127.0.0.1:0", "--model", &dir_s, "--kv-blocks", &kv, "--dtype", dtype]
+            let device = match role {
+                "prefill" => args.prefill_device.unwrap_or(args.device),
+                "decode" => args.decode_device.unwrap_or(args.device),
+                _ => args.device,
+            }
+            .to_string();
+            ["worker", "--role", role, "--listen", "127.0.0.1:0", "--model", &dir_s, "--kv-blocks", &kv, "--dtype", dtype, "--device", &device]
                 .map(String::from)
                 .to_vec()
         };

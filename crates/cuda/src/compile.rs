@@ -106,7 +106,18 @@ fn store(path: &Path, bin: &[u8]) {
     }
 }
 
-fn compile(source: &str, arch: (i32, i32)) -> Result<Vec<u8>> {
+/// Why NVRTC cannot be used here, if so (it compiles without a GPU: only the library and the
+/// CUDA headers are needed).
+pub fn nvrtc_unavailable() -> Option<String> {
+    // SAFETY: only tries to open the shared library.
+    if !unsafe { sys::is_culib_present() } {
+        return Some("libnvrtc not found".into());
+    }
+    include_dir().err().map(|e| e.to_string())
+}
+
+/// Compiles `source` for `arch` now, bypassing the cache.
+pub fn compile(source: &str, arch: (i32, i32)) -> Result<Vec<u8>> {
     let include = include_dir()?;
     let src = CString::new(source).map_err(|_| Error::Compile("NUL in kernel source".into()))?;
     let name = CString::new("tandem_kernels.cu").map_err(|_| Error::Compile("name".into()))?;

@@ -38,6 +38,8 @@ macro_rules! kernels {
             fn load(module: &Arc<CudaModule>) -> Result<Self> {
                 Ok(Self { $($name: module.load_function(stringify!($name))?,)* })
             }
+            /// The kernels' names.
+            const NAMES: &'static [&'static str] = &[$(stringify!($name),)*];
         }
     };
 }
@@ -53,8 +55,6 @@ kernels!(
     write_kv_f32,
     write_kv_bf16,
     copy_slots,
-    attention_f32,
-    attention_bf16,
     attention_combine,
     gemv_bf16_1,
     gemv_bf16_2,
@@ -64,8 +64,54 @@ kernels!(
     gemv_bf16_6,
     gemv_bf16_7,
     gemv_bf16_8,
+    argmax_partial,
     sample_rows,
 );
+
+/// Query heads per KV head the attention kernels are built for (1..=this).
+pub(crate) const MAX_GROUP: usize = 8;
+/// Head widths the attention kernels are built for.
+pub(crate) const HEAD_DIMS: [usize; 2] = [64, 128];
+
+/// The attention kernels, one per (cache dtype, group size, head width).
+pub(crate) struct AttentionKernels(std::collections::HashMap<(DType, usize, usize), CudaFunction>);
+
+impl AttentionKernels {
+    fn variants() -> impl Iterator<Item = ((DType, usize, usize), String)> {
+        [DType::F32, DType::BF16].into_iter().flat_map(|dtype| {
+            (1..=MAX_GROUP).flat_map(move |group| {
+                HEAD_DIMS.into_iter().map(move |d| {
+                    (
+                        (dtype, group, d),
+                        format!("attention_{}_g{group}_d{d}", dtype.name()),
+                    )
+                })
+            })
+        })
+    }
+
+    fn load(module: &Arc<CudaModule>) -> Result<Self> {
+        let mut map = std::collections::HashMap::new();
+        for (key, name) in Self::variants() {
+            map.insert(key, module.load_function(&name)?);
+        }
+        Ok(Self(map))
+    }
+
+    /// The kernel for a cache dtype, query heads per KV head and head width, if built.
+    pub(crate) fn get(&self, dtype: DType, group: usize, head_dim: usize) -> Option<&CudaFunction> {
+        self.0.get(&(dtype, group, head_dim))
+    }
+}
+
+/// Every kernel the backend looks up in the compiled module.
+pub fn kernel_names() -> Vec<String> {
+    Kernels::NAMES
+        .iter()
+        .map(|n| n.to_string())
+        .chain(AttentionKernels::variants().map(|(_, name)| name))
+        .collect()
+}
 
 /// Buffers operations borrow for one call (bf16 copies of activations for cuBLAS, sampling
 /// parameters and ids); they grow to the largest use and are then reused.
@@ -75,6 +121,7 @@ pub(crate) struct Scratch {
     pub(crate) params: Option<CudaStorage>,
     pub(crate) ids: Option<CudaStorage>,
     pub(crate) attention: Option<CudaStorage>,
+    pub(crate) best: Option<CudaStorage>,
     pub(crate) host_params: Vec<f32>,
 }
 
@@ -87,6 +134,7 @@ pub(crate) struct Inner {
     pub(crate) blas: CudaBlas,
     _blas_workspace: CudaSlice<u8>,
     pub(crate) kernels: Kernels,
+    pub(crate) attention: AttentionKernels,
     pub(crate) scratch: Mutex<Scratch>,
 }
 
@@ -174,6 +222,7 @@ impl CudaBackend {
         let bin = crate::compile::cubin(crate::compile::KERNELS, arch)?;
         let module = ctx.load_module(cudarc::nvrtc::Ptx::from_binary(bin))?;
         let kernels = Kernels::load(&module)?;
+        let attention = AttentionKernels::load(&module)?;
         let device_name = ctx.name()?;
         Ok(Self {
             inner: Arc::new(Inner {
@@ -185,6 +234,7 @@ impl CudaBackend {
                 blas,
                 _blas_workspace: blas_workspace,
                 kernels,
+                attention,
                 scratch: Mutex::new(Scratch::default()),
             }),
         })

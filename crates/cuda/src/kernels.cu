@@ -37,6 +37,13 @@ __device__ float block_sum(float v, float* shared) {
     return warp_sum(t);
 }
 
+// A float's bits mapped so that unsigned order is float order (negative values flipped).
+__device__ __forceinline__ u32 ordered_bits(float f) {
+    u32 b = __float_as_uint(f);
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+#define ordered ordered_bits
+
 // ---- embedding, norms, elementwise ---------------------------------------------------------
 
 template <typename T>
@@ -64,35 +71,36 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, int dim, flo
     for (int i = threadIdx.x; i < dim; i += blockDim.x) out[row * dim + i] = xr[i] * inv * w[i];
 }
 
-// Rotate-half RoPE on the first `rot_heads` heads of each row of a fused QKV activation.
-extern "C" __global__ void rope(float* qkv, const u32* positions, int width, int rot_heads,
+// Rotate-half RoPE on the first `rot_heads` heads of each row of a fused QKV activation; one
+// thread per rotated pair over the whole step (a decode step is a handful of rows).
+extern "C" __global__ void rope(float* qkv, const u32* positions, int rows, int width, int rot_heads,
                                 int head_dim, float theta) {
-    long row = blockIdx.x;
     int half = head_dim / 2;
+    long pairs = (long)rot_heads * half;
+    long t = blockIdx.x * (long)blockDim.x + threadIdx.x;
+    if (t >= rows * pairs) return;
+    long row = t / pairs;
+    int h = (int)(t % pairs) / half, i = (int)(t % pairs) % half;
     float pos = (float)positions[row];
-    for (int t = threadIdx.x; t < rot_heads * half; t += blockDim.x) {
-        int h = t / half, i = t % half;
-        // The exponent is computed in double and rounded once, as a correctly rounded f32
-        // powf would (the CPU backend and the references use f32 pow): at positions in the
-        // tens of thousands an ulp of inv_freq is visible in the angle.
-        float inv_freq = 1.0f / (float)pow((double)theta, (double)((float)(2 * i) / (float)head_dim));
-        float s, c;
-        sincosf(pos * inv_freq, &s, &c);
-        float* head = qkv + row * width + (long)h * head_dim;
-        float a = head[i], b = head[i + half];
-        head[i] = a * c - b * s;
-        head[i + half] = b * c + a * s;
-    }
+    // The exponent is computed in double and rounded once, as a correctly rounded f32
+    // powf would (the CPU backend and the references use f32 pow): at positions in the
+    // tens of thousands an ulp of inv_freq is visible in the angle.
+    float inv_freq = 1.0f / (float)pow((double)theta, (double)((float)(2 * i) / (float)head_dim));
+    float s, c;
+    sincosf(pos * inv_freq, &s, &c);
+    float* head = qkv + row * width + (long)h * head_dim;
+    float a = head[i], b = head[i + half];
+    head[i] = a * c - b * s;
+    head[i + half] = b * c + a * s;
 }
 
-extern "C" __global__ void silu_mul(const float* gate_up, int width, float* out) {
-    long row = blockIdx.x;
-    const float* g = gate_up + row * 2 * width;
-    const float* u = g + width;
-    for (int i = threadIdx.x; i < width; i += blockDim.x) {
-        float x = g[i];
-        out[row * width + i] = x / (1.0f + expf(-x)) * u[i];
-    }
+extern "C" __global__ void silu_mul(const float* gate_up, long rows, int width, float* out) {
+    long t = blockIdx.x * (long)blockDim.x + threadIdx.x;
+    if (t >= rows * width) return;
+    long row = t / width;
+    int i = (int)(t % width);
+    float x = gate_up[row * 2 * width + i];
+    out[t] = x / (1.0f + expf(-x)) * gate_up[row * 2 * width + width + i];
 }
 
 extern "C" __global__ void gather_rows(const float* x, int dim, const u32* index, float* out) {
@@ -109,23 +117,24 @@ extern "C" __global__ void f32_to_bf16(const float* x, long n, __nv_bfloat16* ou
 // ---- K/V cache -----------------------------------------------------------------------------
 
 template <typename T>
-__device__ void write_kv_impl(const float* qkv, int width, int k_off, int v_off, int kv_dim,
+__device__ void write_kv_impl(const float* qkv, int rows, int width, int k_off, int v_off, int kv_dim,
                               const u32* slots, T* k, T* v) {
-    long row = blockIdx.x;
-    long at = (long)slots[row] * kv_dim;
+    long t = blockIdx.x * (long)blockDim.x + threadIdx.x;
+    if (t >= (long)rows * kv_dim) return;
+    long row = t / kv_dim;
+    int i = (int)(t % kv_dim);
+    long at = (long)slots[row] * kv_dim + i;
     const float* r = qkv + row * width;
-    for (int i = threadIdx.x; i < kv_dim; i += blockDim.x) {
-        store_f(k, at + i, r[k_off + i]);
-        store_f(v, at + i, r[v_off + i]);
-    }
+    store_f(k, at, r[k_off + i]);
+    store_f(v, at, r[v_off + i]);
 }
-extern "C" __global__ void write_kv_f32(const float* qkv, int width, int k_off, int v_off, int kv_dim,
-                                        const u32* slots, float* k, float* v) {
-    write_kv_impl(qkv, width, k_off, v_off, kv_dim, slots, k, v);
+extern "C" __global__ void write_kv_f32(const float* qkv, int rows, int width, int k_off, int v_off,
+                                        int kv_dim, const u32* slots, float* k, float* v) {
+    write_kv_impl(qkv, rows, width, k_off, v_off, kv_dim, slots, k, v);
 }
-extern "C" __global__ void write_kv_bf16(const float* qkv, int width, int k_off, int v_off, int kv_dim,
-                                         const u32* slots, __nv_bfloat16* k, __nv_bfloat16* v) {
-    write_kv_impl(qkv, width, k_off, v_off, kv_dim, slots, k, v);
+extern "C" __global__ void write_kv_bf16(const float* qkv, int rows, int width, int k_off, int v_off,
+                                         int kv_dim, const u32* slots, __nv_bfloat16* k, __nv_bfloat16* v) {
+    write_kv_impl(qkv, rows, width, k_off, v_off, kv_dim, slots, k, v);
 }
 
 // Copies `n` rows of `row_words` 32-bit words between a slot-indexed cache and a dense buffer:
@@ -152,22 +161,22 @@ extern "C" __global__ void copy_slots(u32* cache, const u32* slots, int n, int r
 // its (max, sum, weighted values) to `partial` and `attention_combine` merges the splits.
 
 #define ATTN_WARPS 4
-#define ATTN_UNROLL 4
-#define MAX_GROUP 8
-#define MAX_HEAD_DIM 256
+#define ATTN_UNROLL 8
 
-template <typename T>
+// G query heads per kv head and D = 32 * PL values per head are compile-time constants, so
+// every per-head array lives in registers (runtime-indexed arrays would go to local memory).
+template <typename T, int G, int PL>
 __device__ void attention_impl(const float* qkv, int width, int num_heads, int num_kv_heads,
-                               int head_dim, const T* k_cache, const T* v_cache, int block_size,
+                               const T* k_cache, const T* v_cache, int block_size,
                                const u32* seq_info, int num_seqs, const u32* tables, int table_stride,
                                float scale, int split_keys, float* partial, float* out) {
-    __shared__ float s_q[MAX_GROUP * MAX_HEAD_DIM];
-    __shared__ float s_m[ATTN_WARPS][MAX_GROUP];
-    __shared__ float s_l[ATTN_WARPS][MAX_GROUP];
-    __shared__ float s_acc[ATTN_WARPS][MAX_GROUP * MAX_HEAD_DIM];
+    constexpr int D = 32 * PL;
+    __shared__ float s_q[G * D];
+    __shared__ float s_m[ATTN_WARPS][G];
+    __shared__ float s_l[ATTN_WARPS][G];
+    __shared__ float s_acc[ATTN_WARPS][G * D];
 
     int token = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
-    int group = num_heads / num_kv_heads;
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 
     // The token's sequence: the one whose [start, start + len) holds it.
@@ -181,102 +190,113 @@ __device__ void attention_impl(const float* qkv, int width, int num_heads, int n
     int first = splits > 1 ? split * split_keys : 0;
     int last = splits > 1 ? min(ctx, first + split_keys) : ctx;
     const u32* table = tables + (long)seq * table_stride;
-    int kv_dim = num_kv_heads * head_dim;
+    int kv_dim = num_kv_heads * D;
 
-    for (int i = threadIdx.x; i < group * head_dim; i += blockDim.x) {
-        int g = i / head_dim, d = i % head_dim;
-        s_q[i] = qkv[(long)token * width + (long)(kvh * group + g) * head_dim + d] * scale;
+    for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
+        int g = i / D, d = i % D;
+        s_q[i] = qkv[(long)token * width + (long)(kvh * G + g) * D + d] * scale;
     }
     __syncthreads();
+    float q[G][PL];
+    #pragma unroll
+    for (int g = 0; g < G; ++g)
+        #pragma unroll
+        for (int j = 0; j < PL; ++j) q[g][j] = s_q[g * D + lane + 32 * j];
 
-    const int per_lane = (head_dim + 31) / 32;  // <= 8
-    float m[MAX_GROUP], l[MAX_GROUP], acc[MAX_GROUP][8];
-    for (int g = 0; g < group; ++g) {
+    float m[G], l[G], acc[G][PL];
+    #pragma unroll
+    for (int g = 0; g < G; ++g) {
         m[g] = -INFINITY; l[g] = 0.0f;
-        for (int j = 0; j < 8; ++j) acc[g][j] = 0.0f;
+        #pragma unroll
+        for (int j = 0; j < PL; ++j) acc[g][j] = 0.0f;
     }
     for (int base = first + warp * ATTN_UNROLL; base < last; base += ATTN_WARPS * ATTN_UNROLL) {
-        float kv[ATTN_UNROLL][8], vv[ATTN_UNROLL][8];
+        float kv[ATTN_UNROLL][PL], vv[ATTN_UNROLL][PL];
         #pragma unroll
         for (int u = 0; u < ATTN_UNROLL; ++u) {
-            int key = base + u;
-            if (key >= last) break;
+            int key = min(base + u, last - 1);  // past the end: reload the last key, unused
             long slot = (long)table[key / block_size] * block_size + key % block_size;
-            const T* kr = k_cache + slot * kv_dim + (long)kvh * head_dim;
-            const T* vr = v_cache + slot * kv_dim + (long)kvh * head_dim;
+            const T* kr = k_cache + slot * kv_dim + (long)kvh * D;
+            const T* vr = v_cache + slot * kv_dim + (long)kvh * D;
             #pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                int d = lane + 32 * j;
-                bool in = j < per_lane && d < head_dim;
-                kv[u][j] = in ? load_f(kr, d) : 0.0f;
-                vv[u][j] = in ? load_f(vr, d) : 0.0f;
+            for (int j = 0; j < PL; ++j) {
+                kv[u][j] = load_f(kr, lane + 32 * j);
+                vv[u][j] = load_f(vr, lane + 32 * j);
             }
         }
         #pragma unroll
         for (int u = 0; u < ATTN_UNROLL; ++u) {
             if (base + u >= last) break;
-            for (int g = 0; g < group; ++g) {
+            #pragma unroll
+            for (int g = 0; g < G; ++g) {
                 float dot = 0.0f;
                 #pragma unroll
-                for (int j = 0; j < 8; ++j) {
-                    int d = lane + 32 * j;
-                    if (j < per_lane && d < head_dim) dot += s_q[g * head_dim + d] * kv[u][j];
-                }
+                for (int j = 0; j < PL; ++j) dot += q[g][j] * kv[u][j];
                 dot = warp_sum(dot);
                 float mn = fmaxf(m[g], dot);
                 float corr = __expf(m[g] - mn);
                 float p = __expf(dot - mn);
                 l[g] = l[g] * corr + p;
                 #pragma unroll
-                for (int j = 0; j < 8; ++j) acc[g][j] = acc[g][j] * corr + p * vv[u][j];
+                for (int j = 0; j < PL; ++j) acc[g][j] = acc[g][j] * corr + p * vv[u][j];
                 m[g] = mn;
             }
         }
     }
     // Merge the warps.
-    if (lane == 0)
-        for (int g = 0; g < group; ++g) { s_m[warp][g] = m[g]; s_l[warp][g] = l[g]; }
+    if (lane == 0) {
+        #pragma unroll
+        for (int g = 0; g < G; ++g) { s_m[warp][g] = m[g]; s_l[warp][g] = l[g]; }
+    }
     __syncthreads();
-    for (int g = 0; g < group; ++g) {
+    #pragma unroll
+    for (int g = 0; g < G; ++g) {
         float mt = -INFINITY;
         for (int w = 0; w < ATTN_WARPS; ++w) mt = fmaxf(mt, s_m[w][g]);
         float f = m[g] == -INFINITY ? 0.0f : __expf(m[g] - mt);
-        for (int j = 0; j < per_lane; ++j) {
-            int d = lane + 32 * j;
-            if (d < head_dim) s_acc[warp][g * head_dim + d] = acc[g][j] * f;
-        }
+        #pragma unroll
+        for (int j = 0; j < PL; ++j) s_acc[warp][g * D + lane + 32 * j] = acc[g][j] * f;
         if (lane == 0) s_l[warp][g] = l[g] * f;
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < group * head_dim; i += blockDim.x) {
-        int g = i / head_dim, d = i % head_dim;
-        float sum = 0.0f, lt = 0.0f;
-        for (int w = 0; w < ATTN_WARPS; ++w) { sum += s_acc[w][i]; lt += s_l[w][g]; }
-        int head = kvh * group + g;
+    for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
+        int g = i / D, d = i % D;
+        float sum = 0.0f, lt = 0.0f, mt = -INFINITY;
+        for (int w = 0; w < ATTN_WARPS; ++w) {
+            sum += s_acc[w][i];
+            lt += s_l[w][g];
+            mt = fmaxf(mt, s_m[w][g]);
+        }
+        int head = kvh * G + g;
         if (splits == 1) {
-            out[(long)token * num_heads * head_dim + (long)head * head_dim + d] = sum / lt;
+            out[(long)token * num_heads * D + (long)head * D + d] = sum / lt;
         } else {
-            // partial[token][head][split] = (max, sum, values[head_dim])
-            float* p = partial + (((long)token * num_heads + head) * splits + split) * (head_dim + 2);
-            float mt = -INFINITY;
-            for (int w = 0; w < ATTN_WARPS; ++w) mt = fmaxf(mt, s_m[w][g]);
+            // partial[token][head][split] = (max, sum, values[D])
+            float* p = partial + (((long)token * num_heads + head) * splits + split) * (D + 2);
             if (d == 0) { p[0] = mt; p[1] = lt; }
             p[2 + d] = sum;
         }
     }
 }
 
-#define ATTENTION(NAME, T) \
-    extern "C" __global__ void NAME(const float* qkv, int width, int num_heads, int num_kv_heads, \
-                                    int head_dim, const T* k, const T* v, int block_size, \
-                                    const u32* seq_info, int num_seqs, const u32* tables, \
-                                    int table_stride, float scale, int split_keys, float* partial, \
-                                    float* out) { \
-        attention_impl(qkv, width, num_heads, num_kv_heads, head_dim, k, v, block_size, seq_info, \
-                       num_seqs, tables, table_stride, scale, split_keys, partial, out); \
+// attention_<dtype>_g<G>_d<D>: one kernel per cache dtype, group size and head width.
+#define ATTENTION(NAME, T, G, PL) \
+    extern "C" __global__ void __launch_bounds__(128) NAME( \
+            const float* qkv, int width, int num_heads, int num_kv_heads, const T* k, const T* v, \
+            int block_size, const u32* seq_info, int num_seqs, const u32* tables, int table_stride, \
+            float scale, int split_keys, float* partial, float* out) { \
+        attention_impl<T, G, PL>(qkv, width, num_heads, num_kv_heads, k, v, block_size, seq_info, \
+                                 num_seqs, tables, table_stride, scale, split_keys, partial, out); \
     }
-ATTENTION(attention_f32, float)
-ATTENTION(attention_bf16, __nv_bfloat16)
+#define ATTENTION_GROUPS(DT, T, D, PL) \
+    ATTENTION(attention_##DT##_g1_d##D, T, 1, PL) ATTENTION(attention_##DT##_g2_d##D, T, 2, PL) \
+    ATTENTION(attention_##DT##_g3_d##D, T, 3, PL) ATTENTION(attention_##DT##_g4_d##D, T, 4, PL) \
+    ATTENTION(attention_##DT##_g5_d##D, T, 5, PL) ATTENTION(attention_##DT##_g6_d##D, T, 6, PL) \
+    ATTENTION(attention_##DT##_g7_d##D, T, 7, PL) ATTENTION(attention_##DT##_g8_d##D, T, 8, PL)
+ATTENTION_GROUPS(f32, float, 64, 2)
+ATTENTION_GROUPS(f32, float, 128, 4)
+ATTENTION_GROUPS(bf16, __nv_bfloat16, 64, 2)
+ATTENTION_GROUPS(bf16, __nv_bfloat16, 128, 4)
 
 // Merges the splits of `attention_*`: one block per (token, head), a thread per value.
 extern "C" __global__ void attention_combine(const float* partial, int splits, int head_dim, float* out) {
@@ -304,6 +324,28 @@ extern "C" __global__ void attention_combine(const float* partial, int splits, i
 // (small, served from L1/L2), so weights are read exactly once per call.
 
 template <int R>
+__device__ __forceinline__ void gemv_chunk(const float* x, int K, int c, uint4 pack, float* acc) {
+    const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&pack);
+    float w[8];
+    #pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        float2 f = __bfloat1622float2(w2[j]);
+        w[2 * j] = f.x; w[2 * j + 1] = f.y;
+    }
+    #pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const float4* xr = reinterpret_cast<const float4*>(x + (long)r * K + c * 8);
+        float4 a = xr[0], b = xr[1];
+        acc[r] += a.x * w[0] + a.y * w[1] + a.z * w[2] + a.w * w[3]
+                + b.x * w[4] + b.y * w[5] + b.z * w[6] + b.w * w[7];
+    }
+}
+
+// GEMV_UNROLL 16-byte weight loads per lane are issued before any is used, so a warp keeps
+// 4 KiB of its row in flight (the loop is otherwise bound by memory latency, not bandwidth).
+#define GEMV_UNROLL 8
+
+template <int R>
 __device__ void gemv_bf16_impl(const float* x, int K, const __nv_bfloat16* W, int N, float* out,
                                int accumulate) {
     int lane = threadIdx.x & 31;
@@ -311,23 +353,19 @@ __device__ void gemv_bf16_impl(const float* x, int K, const __nv_bfloat16* W, in
     if (n >= N) return;
     const uint4* wrow = reinterpret_cast<const uint4*>(W + (long)n * K);
     float acc[R];
+    #pragma unroll
     for (int r = 0; r < R; ++r) acc[r] = 0.0f;
     int chunks = K / 8;
-    for (int c = lane; c < chunks; c += 32) {
-        uint4 pack = wrow[c];
-        const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&pack);
-        float w[8];
-        for (int j = 0; j < 4; ++j) {
-            float2 f = __bfloat1622float2(w2[j]);
-            w[2 * j] = f.x; w[2 * j + 1] = f.y;
-        }
-        for (int r = 0; r < R; ++r) {
-            const float4* xr = reinterpret_cast<const float4*>(x + (long)r * K + c * 8);
-            float4 a = xr[0], b = xr[1];
-            acc[r] += a.x * w[0] + a.y * w[1] + a.z * w[2] + a.w * w[3]
-                    + b.x * w[4] + b.y * w[5] + b.z * w[6] + b.w * w[7];
-        }
+    int c = lane;
+    for (; c + 32 * (GEMV_UNROLL - 1) < chunks; c += 32 * GEMV_UNROLL) {
+        uint4 pack[GEMV_UNROLL];
+        #pragma unroll
+        for (int u = 0; u < GEMV_UNROLL; ++u) pack[u] = __ldg(wrow + c + 32 * u);
+        #pragma unroll
+        for (int u = 0; u < GEMV_UNROLL; ++u) gemv_chunk<R>(x, K, c + 32 * u, pack[u], acc);
     }
+    for (; c < chunks; c += 32) gemv_chunk<R>(x, K, c, __ldg(wrow + c), acc);
+    #pragma unroll
     for (int r = 0; r < R; ++r) {
         float s = warp_sum(acc[r]);
         if (lane == 0) {
@@ -352,12 +390,36 @@ GEMV(1) GEMV(2) GEMV(3) GEMV(4) GEMV(5) GEMV(6) GEMV(7) GEMV(8)
 // by bisection over the logits' ordered bit patterns (counting and summing passes, no sort), and
 // the draw walks the surviving candidates in vocabulary order.
 
-__device__ __forceinline__ u32 ordered(float f) {
-    u32 b = __float_as_uint(f);
-    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+
+// Greedy rows: `best[row]` (zeroed beforehand) becomes the row's maximum as
+// (ordered value << 32 | ~index): atomicMax over blocks of a vocabulary slice each keeps the
+// largest value and, among equal ones, the first index.
+extern "C" __global__ void argmax_partial(const float* logits, int vocab, unsigned long long* best) {
+    __shared__ unsigned long long s_key[32];
+    long row = blockIdx.x;
+    int slice = (vocab + gridDim.y - 1) / gridDim.y;
+    int begin = blockIdx.y * slice, end = min(vocab, begin + slice);
+    const float* lr = logits + row * vocab;
+    unsigned long long key = 0;
+    for (int i = begin + threadIdx.x; i < end; i += blockDim.x) {
+        unsigned long long k = ((unsigned long long)ordered_bits(lr[i]) << 32) | (0xffffffffu - (u32)i);
+        key = k > key ? k : key;
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        unsigned long long other = __shfl_xor_sync(0xffffffffu, key, o);
+        key = other > key ? other : key;
+    }
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) s_key[warp] = key;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < (int)(blockDim.x >> 5); ++w) key = s_key[w] > key ? s_key[w] : key;
+        atomicMax(best + row, key);
+    }
 }
 
-extern "C" __global__ void sample_rows(const float* logits, int vocab, const float* params, u32* out) {
+extern "C" __global__ void sample_rows(const float* logits, int vocab, const float* params,
+                                       const unsigned long long* greedy, u32* out) {
     __shared__ float shared[32];
     __shared__ float s_best[32];
     __shared__ int s_idx[32];
@@ -369,6 +431,10 @@ extern "C" __global__ void sample_rows(const float* logits, int vocab, const flo
     float top_p = params[4 * row + 2];
     float draw = params[4 * row + 3];
     int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    if (temperature <= 0.0f || top_k == 1) {
+        if (tid == 0) out[row] = 0xffffffffu - (u32)(greedy[row] & 0xffffffffu);
+        return;
+    }
 
     // Block argmax (first index on ties).
     float best = -INFINITY;
@@ -397,10 +463,6 @@ extern "C" __global__ void sample_rows(const float* logits, int vocab, const flo
     }
     __syncthreads();
     float max_logit = s_best[0];
-    if (temperature <= 0.0f || top_k == 1) {
-        if (tid == 0) out[row] = (u32)s_idx[0];
-        return;
-    }
     float inv_t = 1.0f / temperature;
     float max_s = max_logit * inv_t;
 

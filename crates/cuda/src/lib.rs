@@ -26,7 +26,7 @@ mod device;
 pub mod graph;
 mod ops;
 
-pub use device::{CudaBackend, CudaStorage};
+pub use device::{kernel_names, CudaBackend, CudaStorage};
 
 /// Why the CUDA backend could not start or run.
 #[derive(Debug, thiserror::Error)]

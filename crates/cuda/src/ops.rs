@@ -56,6 +56,15 @@ fn need(t: &T, dtype: DType, elems: usize, what: &str) {
     );
 }
 
+/// One thread per element over `n` elements, 256 to a block.
+fn flat_cfg(n: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (n.div_ceil(256).max(1) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
 fn threads_for(width: usize) -> u32 {
     (width.next_power_of_two().clamp(32, 1024)) as u32
 }
@@ -141,6 +150,29 @@ impl CudaBackend {
 }
 
 impl Ops for CudaBackend {
+    fn check_attention(&self, layout: QkvLayout, kv_dtype: DType) -> tandem_engine::Result<()> {
+        let group = layout.num_heads / layout.num_kv_heads.max(1);
+        if layout.num_heads.is_multiple_of(layout.num_kv_heads.max(1))
+            && self
+                .inner
+                .attention
+                .get(kv_dtype, group, layout.head_dim)
+                .is_some()
+        {
+            return Ok(());
+        }
+        Err(tandem_engine::Error::InvalidRequest(format!(
+            "the CUDA backend has no attention kernel for {}/{} heads of width {} with {} K/V \
+             (built: 1..={} query heads per KV head, head_dim {:?}, f32 or bf16)",
+            layout.num_heads,
+            layout.num_kv_heads,
+            layout.head_dim,
+            kv_dtype,
+            crate::device::MAX_GROUP,
+            crate::device::HEAD_DIMS
+        )))
+    }
+
     fn embed(&self, table: &T, ids: &T, rows: usize, out: &mut T) {
         let dim = table.shape()[1];
         need(out, DType::F32, rows * dim, "embed output");
@@ -242,13 +274,14 @@ impl Ops for CudaBackend {
             width as i32,
             layout.head_dim as i32,
         );
-        let threads = threads_for(rot as usize * layout.head_dim / 2).min(512);
+        let r32 = rows as i32;
         self.launch(
             &self.inner.kernels.rope,
-            rows_cfg(rows, threads),
+            flat_cfg(rows * rot as usize * layout.head_dim / 2),
             &[
                 A::from(q),
                 A::from(p),
+                A::from(r32),
                 A::from(w),
                 A::from(rot),
                 A::from(hd),
@@ -286,11 +319,13 @@ impl Ops for CudaBackend {
             layout.v_offset() as i32,
             kv_dim as i32,
         );
+        let r32 = rows as i32;
         self.launch(
             f,
-            rows_cfg(rows, threads_for(kv_dim).min(256)),
+            flat_cfg(rows * kv_dim),
             &[
                 A::from(q),
+                A::from(r32),
                 A::from(w),
                 A::from(ko),
                 A::from(vo),
@@ -316,23 +351,26 @@ impl Ops for CudaBackend {
             return;
         }
         let group = layout.num_heads / layout.num_kv_heads;
-        assert!(
-            group <= 8
-                && layout.head_dim <= 256
-                && layout.num_heads.is_multiple_of(layout.num_kv_heads),
-            "CUDA attention supports up to 8 query heads per KV head and head_dim <= 256"
-        );
+        let dtype = cache.layout().dtype;
+        let f = match self.inner.attention.get(dtype, group, layout.head_dim) {
+            Some(f) if layout.num_heads.is_multiple_of(layout.num_kv_heads) => f,
+            _ => panic!(
+                "CUDA attention is built for {} K/V with 1..={} query heads per KV head and \
+                 head_dim in {:?}, not {}/{} heads of {}",
+                dtype,
+                crate::device::MAX_GROUP,
+                crate::device::HEAD_DIMS,
+                layout.num_heads,
+                layout.num_kv_heads,
+                layout.head_dim
+            ),
+        };
         need(
             out,
             DType::F32,
             rows * layout.num_heads * layout.head_dim,
             "attention output",
         );
-        let f = match cache.layout().dtype {
-            DType::F32 => &self.inner.kernels.attention_f32,
-            DType::BF16 => &self.inner.kernels.attention_bf16,
-            other => panic!("K/V caches are f32 or bf16, not {other}"),
-        };
         // Few (token, kv head) blocks over long contexts leave the GPU idle: split each
         // context into runs of SPLIT_KEYS keys, one block each, merged by a second kernel.
         let splits = attention_splits(rows, layout.num_kv_heads, meta.max_context);
@@ -375,7 +413,6 @@ impl Ops for CudaBackend {
                 A::from(w),
                 A::from(nh),
                 A::from(nkv),
-                A::from(hd),
                 A::from(k),
                 A::from(v),
                 A::from(bs),
@@ -407,12 +444,12 @@ impl Ops for CudaBackend {
     fn silu_mul(&self, gate_up: &T, rows: usize, width: usize, out: &mut T) {
         need(gate_up, DType::F32, rows * 2 * width, "silu_mul input");
         need(out, DType::F32, rows * width, "silu_mul output");
-        let (g, o, w) = (ptr(gate_up), ptr(out), width as i32);
+        let (g, o, w, r) = (ptr(gate_up), ptr(out), width as i32, rows as i64);
         let f = &self.inner.kernels.silu_mul;
         self.launch(
             f,
-            rows_cfg(rows, threads_for(width).min(1024)),
-            &[A::from(g), A::from(w), A::from(o)],
+            flat_cfg(rows * width),
+            &[A::from(g), A::from(r), A::from(w), A::from(o)],
         );
     }
 
@@ -457,10 +494,39 @@ impl Ops for CudaBackend {
             self.htod(buf, bytemuck::cast_slice(&s.host_params));
         }
         let (l, v) = (ptr(logits), vocab as i32);
+        // Greedy rows: a max over vocabulary slices, many blocks per row.
+        let best = self.ensure(&mut s.best, rows.len() * 8);
+        // SAFETY: `best` holds at least `rows * 8` bytes.
+        let zeroed = unsafe {
+            cudarc::driver::result::memset_d8_async(
+                best,
+                0,
+                rows.len() * 8,
+                self.stream().cu_stream(),
+            )
+        };
+        check(zeroed, "memset");
+        let slices = vocab.div_ceil(4096).clamp(1, 64) as u32;
+        let cfg = LaunchConfig {
+            grid_dim: (rows.len() as u32, slices, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        self.launch(
+            &self.inner.kernels.argmax_partial,
+            cfg,
+            &[A::from(l), A::from(v), A::from(best)],
+        );
         self.launch(
             &self.inner.kernels.sample_rows,
             rows_cfg(rows.len(), 1024),
-            &[A::from(l), A::from(v), A::from(params), A::from(ids)],
+            &[
+                A::from(l),
+                A::from(v),
+                A::from(params),
+                A::from(best),
+                A::from(ids),
+            ],
         );
         let host = s
             .ids

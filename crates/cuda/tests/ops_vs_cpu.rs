@@ -401,3 +401,28 @@ fn weights_overwritten_in_place_keep_their_address() {
         "a dtype change is refused"
     );
 }
+
+#[test]
+fn attention_shapes_without_a_kernel_are_refused_up_front() {
+    let Some(g) = gpu() else { return };
+    let ok = QkvLayout {
+        num_heads: 32,
+        num_kv_heads: 8,
+        head_dim: 128,
+    };
+    assert!(g.check_attention(ok, DType::BF16).is_ok());
+    for bad in [
+        QkvLayout { head_dim: 32, ..ok },
+        QkvLayout {
+            num_heads: 72,
+            ..ok
+        },
+        QkvLayout {
+            num_heads: 30,
+            ..ok
+        },
+    ] {
+        let e = g.check_attention(bad, DType::BF16).expect_err("no kernel");
+        assert!(e.to_string().contains("no attention kernel"), "{e}");
+    }
+}

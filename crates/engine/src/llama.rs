@@ -149,6 +149,14 @@ impl<B: Ops> LlamaModel<B> {
         );
         let hd = config.head_dim();
         let (nh, nkv) = (config.num_attention_heads, config.num_key_value_heads);
+        backend.check_attention(
+            QkvLayout {
+                num_heads: nh,
+                num_kv_heads: nkv,
+                head_dim: hd,
+            },
+            dtype,
+        )?;
         let upload =
             |backend: &B, shape: &[usize], data: Vec<f32>, dtype: DType| -> Result<Tensor<B>> {
                 Ok(backend.upload(&HostTensor::from_f32(shape, data)?.to_dtype(dtype)?))

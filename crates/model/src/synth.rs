@@ -501,11 +501,11 @@ pub fn llama_presets() -> Vec<LlamaPreset> {
         LlamaPreset {
             name: "tiny",
             vocab: 512,
-            hidden: 128,
+            hidden: 256,
             layers: 2,
             heads: 4,
             kv_heads: 2,
-            intermediate: 256,
+            intermediate: 512,
             tied: false,
             rope_theta: 10_000.0,
             max_positions: 2048,

@@ -117,6 +117,12 @@ pub trait Backend: Send + Sync + Sized + 'static {
 
 /// The operations the models are written over.
 pub trait Ops: Backend {
+    /// Refuses, at load, an attention shape or K/V dtype this backend has no kernel for (so
+    /// a model fails to start with the reason instead of failing its first step).
+    fn check_attention(&self, layout: QkvLayout, kv_dtype: DType) -> Result<()> {
+        let _ = (layout, kv_dtype);
+        Ok(())
+    }
     /// `out[i] = table[ids[i]]` for the first `rows` ids, rows of the table's width, as f32.
     fn embed(&self, table: &Tensor<Self>, ids: &Tensor<Self>, rows: usize, out: &mut Tensor<Self>);
     /// Row-wise RMSNorm of `rows` rows: `out = x / rms(x) * weight`.
