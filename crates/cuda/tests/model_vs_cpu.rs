@@ -42,7 +42,7 @@ fn logits<B: Ops>(model: &LlamaModel<B>, ids: &[u32]) -> Vec<f32> {
 
 /// Logits within `tol` of the largest logit, and the same greedy token wherever the CPU's
 /// top-2 margin is clear of twice that. In bf16 the CUDA path rounds activations to bf16
-/// for cuBLAS above 8 rows, where the CPU keeps them f32: the gap grows with depth.
+/// for cuBLAS above 2 rows, where the CPU keeps them f32: the gap grows with depth.
 fn compare(preset: &str, dtype: DType, tol: f32) {
     let Some(g) = gpu() else { return };
     let dir = synth(preset);
