@@ -94,23 +94,25 @@ impl WithBackend for StepBench<'_> {
             let rows: Vec<(&SamplingParams, u32)> = (0..batch).map(|_| (&greedy, 0)).collect();
             // Eager launches, then as the engine runs decode steps (recorded where the
             // backend records: CUDA graphs).
-            let mut timed = |recorded: bool| {
+            let mut timed = |recorded: bool| -> Result<f64> {
                 let mut times = Vec::with_capacity(self.steps);
                 for i in 0..self.steps + 3 {
                     let t = Instant::now();
                     let shape = recorded.then(|| meta.shape());
+                    let mut result = Ok(());
                     b.run_step(&mut graphs, shape, &mut || {
-                        model.forward(&meta, &mut cache, &mut ws)
+                        result = model.forward(&meta, &mut cache, &mut ws)
                     });
+                    result?;
                     b.sample(&ws.logits, c.vocab_size, &rows, &mut sampled);
                     if i >= 3 {
                         times.push(t.elapsed().as_secs_f64());
                     }
                 }
-                median(times)
+                Ok(median(times))
             };
-            let eager = timed(false);
-            let step = timed(true);
+            let eager = timed(false)?;
+            let step = timed(true)?;
             let bytes = weight_bytes + batch as f64 * self.context as f64 * kv_token_bytes;
             let floor = bytes / self.bandwidth;
             println!(
@@ -141,9 +143,11 @@ impl WithBackend for StepBench<'_> {
             let mut times = Vec::new();
             for i in 0..4 {
                 let t = Instant::now();
+                let mut result = Ok(());
                 b.run_step(&mut graphs, None, &mut || {
-                    model.forward(&meta, &mut cache, &mut ws)
+                    result = model.forward(&meta, &mut cache, &mut ws)
                 });
+                result?;
                 b.sample(&ws.logits, c.vocab_size, &rows, &mut sampled);
                 if i >= 1 {
                     times.push(t.elapsed().as_secs_f64());

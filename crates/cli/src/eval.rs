@@ -90,6 +90,23 @@ pub fn checked_layout(layout: LayoutArgs) -> Result<tandem_topology::Layout> {
         .map_err(|e| anyhow::anyhow!("bad layout: {e}"))
 }
 
+/// The tensor-parallel size of a layout for a Llama-family model (these shard by TP only),
+/// and whether `device` can run it.
+pub fn llama_tp(layout: LayoutArgs, device: crate::device::Device) -> Result<usize> {
+    let l = checked_layout(layout)?;
+    if l.dp() != 1 || layout.ep != 1 {
+        bail!("llama models shard by --tp only (--dp and --ep are for KDA-hybrid models)");
+    }
+    if l.tp() > 1 && device != crate::device::Device::Cpu {
+        bail!(
+            "--tp {} on {device}: GPU tensor parallelism needs the NCCL communicator, which is \
+             not built yet (CPU ranks: --device cpu)",
+            l.tp()
+        );
+    }
+    Ok(l.tp())
+}
+
 /// A KDA-hybrid model on one rank or sharded over a layout (ranks are threads here). Every
 /// attention-DP group runs the same sequence; group 0's result is reported and the others
 /// must agree with it.
@@ -212,12 +229,10 @@ pub fn logits(
     device: crate::device::Device,
 ) -> Result<Vec<Vec<f32>>> {
     let (flat, vocab) = match family(dir)? {
-        Family::Llama => {
-            if checked_layout(layout)?.tp() != 1 {
-                bail!("llama models run with tp=1 only so far");
-            }
-            device.run(LlamaLogits { dir, ids, dtype })?
-        }
+        Family::Llama => match llama_tp(layout, device)? {
+            1 => device.run(LlamaLogits { dir, ids, dtype })?,
+            tp => llama_logits_tp(dir, ids, dtype, tp)?,
+        },
         Family::KdaHybrid => {
             device.check_kda()?;
             crate::kda_dtype_check(dtype)?;
@@ -227,6 +242,36 @@ pub fn logits(
         }
     };
     Ok(flat.chunks_exact(vocab).map(<[f32]>::to_vec).collect())
+}
+
+/// Logits of a full forward on `tp` CPU ranks.
+fn llama_logits_tp(
+    dir: &Path,
+    ids: &[u32],
+    dtype: crate::DtypeArg,
+    tp: usize,
+) -> Result<(Vec<f32>, usize)> {
+    let shards = tandem_engine::llama_ranks::cpu_shards(dir, dtype.dtype(), tp)?;
+    let vocab = shards[0].config().vocab_size;
+    if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
+        bail!("token id {bad} is outside the vocabulary ({vocab})");
+    }
+    let block = 16;
+    let blocks = ids.len().div_ceil(block).max(1);
+    let limits = tandem_engine::StepLimits {
+        max_tokens: ids.len(),
+        max_seqs: ids.len(),
+        max_blocks_per_seq: blocks,
+    };
+    let mut ranks = tandem_engine::LlamaRanks::new(shards, limits, block, blocks)?;
+    let table: Vec<BlockId> = (0..blocks as u32).map(BlockId).collect();
+    let mut batch = ForwardBatch::default();
+    batch.push(ids, 0, &table, block, false);
+    batch.logits_rows = (0..ids.len()).collect();
+    ranks.step(&batch)?;
+    let mut logits = tandem_engine::Backend::download(ranks.backend(), ranks.logits()).to_f32_vec();
+    logits.truncate(ids.len() * vocab);
+    Ok((logits, vocab))
 }
 
 struct LlamaLogits<'a> {

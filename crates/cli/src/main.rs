@@ -198,7 +198,22 @@ impl EngineArgs {
         self.start_llama(&dir)
     }
 
+    fn engine_config(&self) -> EngineConfig {
+        EngineConfig {
+            num_blocks: self.kv_blocks,
+            max_batch_tokens: self.max_batch_tokens,
+            ..EngineConfig::default()
+        }
+    }
+
     fn start_llama(&self, dir: &std::path::Path) -> Result<Engine> {
+        let tp = eval::llama_tp(self.layout, self.device)?;
+        if tp > 1 {
+            let shards = tandem_engine::llama_ranks::cpu_shards(dir, self.dtype.dtype(), tp)
+                .with_context(|| format!("loading {} as {tp} shards", dir.display()))?;
+            tracing::info!(tp, dtype = %shards[0].dtype(), "model loaded on CPU ranks");
+            return Ok(Engine::start_sharded(shards, self.engine_config())?);
+        }
         struct Start<'a>(&'a EngineArgs, &'a std::path::Path);
         impl device::WithBackend for Start<'_> {
             type Out = Engine;
@@ -207,12 +222,7 @@ impl EngineArgs {
                 let model = LlamaModel::load(dir, backend, args.dtype.dtype())
                     .with_context(|| format!("loading {}", dir.display()))?;
                 tracing::info!(backend = %tandem_engine::Backend::name(model.backend()), dtype = %model.dtype(), "model loaded");
-                let config = EngineConfig {
-                    num_blocks: args.kv_blocks,
-                    max_batch_tokens: args.max_batch_tokens,
-                    ..EngineConfig::default()
-                };
-                Ok(Engine::start(model, config))
+                Ok(Engine::start(model, args.engine_config()))
             }
         }
         self.device.run(Start(self, dir))
@@ -225,9 +235,6 @@ impl EngineArgs {
             eval::Family::Llama => {
                 if self.lora.is_some() {
                     bail!("--lora is supported for KDA-hybrid models only");
-                }
-                if eval::checked_layout(self.layout)?.tp() != 1 {
-                    bail!("llama models run with tp=1 only so far");
                 }
                 tandem_worker::WorkerEngine::Llama(self.start_llama(&dir)?)
             }
@@ -525,9 +532,6 @@ fn generate(args: GenerateArgs) -> Result<()> {
             println!("{text}");
         }
         return Ok(());
-    }
-    if args.layout.tp * args.layout.dp * args.layout.ep != 1 {
-        bail!("llama models run with tp=1 only so far");
     }
     let engine = EngineArgs {
         model: dir.display().to_string(),

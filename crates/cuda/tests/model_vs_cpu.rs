@@ -177,13 +177,15 @@ fn decode_logits(
     let b = model.backend();
     steps.meta.upload(b, &fb).expect("fits");
     let Steps { meta, ws, graphs } = steps;
+    let mut result = Ok(());
     if recorded {
         b.run_step(graphs, Some(meta.shape()), &mut || {
-            model.forward(meta, cache, ws)
+            result = model.forward(meta, cache, ws)
         });
     } else {
-        model.forward(meta, cache, ws);
+        result = model.forward(meta, cache, ws);
     }
+    result.expect("forward");
     let vocab = model.config().vocab_size;
     let mut v = b.download(&ws.logits).to_f32_vec();
     v.truncate(batch * vocab);

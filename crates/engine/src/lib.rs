@@ -17,6 +17,8 @@ pub mod kda_runner;
 pub mod kv_pool;
 /// Llama-family model (GQA, RoPE, RMSNorm, SwiGLU, tied embeddings).
 pub mod llama;
+/// The ranks of one Llama engine (tensor parallelism: one thread per rank).
+pub mod llama_ranks;
 /// Token sampling: greedy, temperature, top-k, top-p, seeded.
 pub mod sampling;
 /// The engine thread: continuous batching with chunked prefill, and its async handle.
@@ -28,7 +30,8 @@ pub mod tensor;
 
 pub use backend::{Backend, CpuBackend, Ops, StepShape};
 pub use kv_pool::{BlockAllocation, BlockAllocator, KvCache, KvLayout};
-pub use llama::{LlamaModel, LlamaWorkspace};
+pub use llama::{LlamaModel, LlamaWorkspace, TpShard};
+pub use llama_ranks::LlamaRanks;
 pub use scheduler::{Engine, EngineConfig, EngineEvent, EngineStats, SeqKind};
 pub use step::{StepLimits, StepMeta};
 pub use tensor::{DType, HostData, HostTensor, Tensor};
@@ -66,6 +69,9 @@ pub enum Error {
     /// The engine thread is gone.
     #[error("engine stopped")]
     Stopped,
+    /// A collective between tensor-parallel ranks failed (a peer died or timed out).
+    #[error("collective between ranks failed: {0}")]
+    Collective(String),
 }
 
 impl Error {
@@ -76,7 +82,9 @@ impl Error {
             Error::CapacityExhausted { .. } => ErrorClass::CapacityExhausted,
             Error::InvalidRequest(_) => ErrorClass::InvalidRequest,
             Error::Stopped => ErrorClass::Unavailable,
-            Error::Model(_) | Error::Weights(_) | Error::Io { .. } => ErrorClass::Internal,
+            Error::Model(_) | Error::Weights(_) | Error::Io { .. } | Error::Collective(_) => {
+                ErrorClass::Internal
+            }
         }
     }
 }

@@ -4,7 +4,7 @@
 //! dtype asked for at load (f32 or bf16), activations in f32, and a forward pass runs in a
 //! [`LlamaWorkspace`] allocated for the largest step, so it allocates nothing.
 
-use crate::backend::{Linear, Ops, QkvLayout};
+use crate::backend::{Linear, Ops, QkvLayout, TensorComm};
 use crate::batch::ForwardBatch;
 use crate::kv_pool::{KvCache, KvLayout};
 use crate::step::{StepLimits, StepMeta};
@@ -24,10 +24,62 @@ struct Layer<B: Ops> {
     down: Linear<B>,
 }
 
-/// A loaded Llama-family model on backend `B`.
+/// Which tensor-parallel shard a model holds: `rank` of `size`. Query heads, MLP columns
+/// and the rows of o_proj/down_proj are split evenly; KV heads are split when there are at
+/// least as many as ranks, else each rank holds the one its query heads use (replicated).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TpShard {
+    /// This rank.
+    pub rank: usize,
+    /// Ranks in the tensor-parallel group.
+    pub size: usize,
+}
+
+impl TpShard {
+    /// The whole model on one rank.
+    pub const WHOLE: TpShard = TpShard { rank: 0, size: 1 };
+
+    /// The KV heads this rank holds (`first..first + count`) for `num_kv_heads` heads, after
+    /// checking the split works for `num_heads` query heads and an MLP of `intermediate`.
+    pub fn kv_heads(
+        self,
+        num_heads: usize,
+        num_kv_heads: usize,
+        intermediate: usize,
+    ) -> Result<std::ops::Range<usize>> {
+        let t = self.size;
+        let bad = |what: String| {
+            Err(Error::InvalidRequest(format!(
+                "tensor parallelism {t} does not fit this model: {what}"
+            )))
+        };
+        if t == 0 || self.rank >= t {
+            return bad(format!("rank {} of {t}", self.rank));
+        }
+        if !num_heads.is_multiple_of(t) {
+            return bad(format!("{num_heads} query heads"));
+        }
+        if !intermediate.is_multiple_of(t) {
+            return bad(format!("MLP width {intermediate}"));
+        }
+        if num_kv_heads.is_multiple_of(t) {
+            let per = num_kv_heads / t;
+            Ok(self.rank * per..(self.rank + 1) * per)
+        } else if t.is_multiple_of(num_kv_heads) {
+            let head = self.rank / (t / num_kv_heads);
+            Ok(head..head + 1)
+        } else {
+            bad(format!("{num_kv_heads} KV heads"))
+        }
+    }
+}
+
+/// A loaded Llama-family model (or one tensor-parallel shard of it) on backend `B`.
 pub struct LlamaModel<B: Ops> {
     backend: B,
     config: LlamaConfig,
+    shard: TpShard,
+    comm: Option<Box<dyn TensorComm<B>>>,
     dtype: DType,
     embed: Tensor<B>,
     lm_head: Linear<B>,
@@ -126,6 +178,18 @@ fn to_f32(dtype: Dtype, bytes: &[u8]) -> Option<Vec<f32>> {
     })
 }
 
+/// Rows `range` of a row-major matrix `cols` wide.
+fn rows(m: &[f32], cols: usize, range: std::ops::Range<usize>) -> Vec<f32> {
+    m[range.start * cols..range.end * cols].to_vec()
+}
+
+/// Columns `range` of every row of a row-major matrix `cols` wide.
+fn columns(m: &[f32], cols: usize, range: std::ops::Range<usize>) -> Vec<f32> {
+    m.chunks_exact(cols)
+        .flat_map(|row| row[range.clone()].iter().copied())
+        .collect()
+}
+
 /// The dtypes the CPU and GPU paths run weights and K/V in.
 pub fn check_dtype(dtype: DType) -> Result<()> {
     match dtype {
@@ -139,9 +203,21 @@ pub fn check_dtype(dtype: DType) -> Result<()> {
 impl<B: Ops> LlamaModel<B> {
     /// Loads a Hugging Face layout checkpoint directory with weights and K/V in `dtype`.
     pub fn load(dir: &Path, backend: B, dtype: DType) -> Result<Self> {
+        Self::load_shard(dir, backend, dtype, TpShard::WHOLE, None)
+    }
+
+    /// Loads tensor-parallel shard `shard` of a checkpoint; `comm` joins it to the other
+    /// ranks (required when `shard.size > 1`): each layer's o_proj and down_proj partial sums
+    /// are all-reduced, so every rank ends a layer with the full hidden state.
+    pub fn load_shard(
+        dir: &Path,
+        backend: B,
+        dtype: DType,
+        shard: TpShard,
+        comm: Option<Box<dyn TensorComm<B>>>,
+    ) -> Result<Self> {
         check_dtype(dtype)?;
         let config = LlamaConfig::from_dir(dir)?;
-        let mut host = HostTensors::load_dir(dir)?;
         let (d, i, v) = (
             config.hidden_size,
             config.intermediate_size,
@@ -149,14 +225,39 @@ impl<B: Ops> LlamaModel<B> {
         );
         let hd = config.head_dim();
         let (nh, nkv) = (config.num_attention_heads, config.num_key_value_heads);
+        let kv_heads = shard.kv_heads(nh, nkv, i)?;
+        match &comm {
+            Some(c) if c.size() != shard.size || c.rank() != shard.rank => {
+                return Err(Error::InvalidRequest(format!(
+                    "communicator is rank {} of {}, the shard {} of {}",
+                    c.rank(),
+                    c.size(),
+                    shard.rank,
+                    shard.size
+                )))
+            }
+            None if shard.size > 1 => {
+                return Err(Error::InvalidRequest(
+                    "a tensor-parallel shard needs a communicator".into(),
+                ))
+            }
+            _ => {}
+        }
+        // This rank's slice: query heads, KV heads, MLP columns.
+        let (nh_r, i_r) = (nh / shard.size, i / shard.size);
+        let q_rows = shard.rank * nh_r * hd..(shard.rank + 1) * nh_r * hd;
+        let kv_rows = kv_heads.start * hd..kv_heads.end * hd;
+        let mlp_rows = shard.rank * i_r..(shard.rank + 1) * i_r;
+        let nkv_r = kv_heads.len();
         backend.check_attention(
             QkvLayout {
-                num_heads: nh,
-                num_kv_heads: nkv,
+                num_heads: nh_r,
+                num_kv_heads: nkv_r,
                 head_dim: hd,
             },
             dtype,
         )?;
+        let mut host = HostTensors::load_dir(dir)?;
         let upload =
             |backend: &B, shape: &[usize], data: Vec<f32>, dtype: DType| -> Result<Tensor<B>> {
                 Ok(backend.upload(&HostTensor::from_f32(shape, data)?.to_dtype(dtype)?))
@@ -186,14 +287,33 @@ impl<B: Ops> LlamaModel<B> {
                     &backend,
                     host.take(&format!("{p}.input_layernorm.weight"), &[d])?,
                 )?,
-                qkv: linear(&backend, vec![q, k, vv], (nh + 2 * nkv) * hd, d)?,
-                o_proj: linear(&backend, vec![o], d, nh * hd)?,
+                qkv: linear(
+                    &backend,
+                    vec![
+                        rows(&q, d, q_rows.clone()),
+                        rows(&k, d, kv_rows.clone()),
+                        rows(&vv, d, kv_rows.clone()),
+                    ],
+                    (nh_r + 2 * nkv_r) * hd,
+                    d,
+                )?,
+                o_proj: linear(
+                    &backend,
+                    vec![columns(&o, nh * hd, q_rows.clone())],
+                    d,
+                    nh_r * hd,
+                )?,
                 post_norm: norm(
                     &backend,
                     host.take(&format!("{p}.post_attention_layernorm.weight"), &[d])?,
                 )?,
-                gate_up: linear(&backend, vec![g, u], 2 * i, d)?,
-                down: linear(&backend, vec![dn], d, i)?,
+                gate_up: linear(
+                    &backend,
+                    vec![rows(&g, d, mlp_rows.clone()), rows(&u, d, mlp_rows.clone())],
+                    2 * i_r,
+                    d,
+                )?,
+                down: linear(&backend, vec![columns(&dn, i, mlp_rows.clone())], d, i_r)?,
             });
         }
         let embed_host = host.take("model.embed_tokens.weight", &[v, d])?;
@@ -207,13 +327,15 @@ impl<B: Ops> LlamaModel<B> {
         let norm = norm(&backend, host.take("model.norm.weight", &[d])?)?;
         let embed = upload(&backend, &[v, d], embed_host, dtype)?;
         let qkv_layout = QkvLayout {
-            num_heads: nh,
-            num_kv_heads: nkv,
+            num_heads: nh_r,
+            num_kv_heads: nkv_r,
             head_dim: hd,
         };
         Ok(Self {
             backend,
             config,
+            shard,
+            comm,
             dtype,
             embed,
             lm_head,
@@ -238,23 +360,35 @@ impl<B: Ops> LlamaModel<B> {
         self.dtype
     }
 
-    /// Bytes of weights one decode step reads (every matrix once; the embedding table once
-    /// as the LM head; norms in f32).
+    /// The tensor-parallel shard this model holds.
+    pub fn shard(&self) -> TpShard {
+        self.shard
+    }
+
+    /// MLP width on this rank.
+    fn local_intermediate(&self) -> usize {
+        self.config.intermediate_size / self.shard.size
+    }
+
+    /// Bytes of weights one decode step reads on this rank (every matrix once; the embedding
+    /// table once as the LM head; norms in f32).
     pub fn weight_bytes(&self) -> usize {
         let c = &self.config;
-        let matrices = self.qkv_layout.row_width() * c.hidden_size
-            + c.hidden_size * c.num_attention_heads * c.head_dim()
-            + 3 * c.intermediate_size * c.hidden_size;
+        let ql = self.qkv_layout;
+        let matrices = ql.row_width() * c.hidden_size
+            + c.hidden_size * ql.num_heads * ql.head_dim
+            + 3 * self.local_intermediate() * c.hidden_size;
         let norms = 2 * c.hidden_size;
         (matrices * c.num_hidden_layers + c.vocab_size * c.hidden_size) * self.dtype.size()
             + (norms * c.num_hidden_layers + c.hidden_size) * 4
     }
 
-    /// The KV layout this model needs for a pool of `num_blocks` blocks of `block_size`.
+    /// The KV layout of this rank's cache (its KV heads) for a pool of `num_blocks` blocks of
+    /// `block_size`.
     pub fn kv_layout(&self, block_size: usize, num_blocks: usize) -> KvLayout {
         KvLayout {
             num_layers: self.config.num_hidden_layers,
-            num_kv_heads: self.config.num_key_value_heads,
+            num_kv_heads: self.qkv_layout.num_kv_heads,
             head_dim: self.config.head_dim(),
             block_size,
             num_blocks,
@@ -274,16 +408,23 @@ impl<B: Ops> LlamaModel<B> {
             h: f(n, c.hidden_size),
             qkv: f(n, self.qkv_layout.row_width()),
             attn: f(n, self.qkv_layout.num_heads * self.qkv_layout.head_dim),
-            gate_up: f(n, 2 * c.intermediate_size),
-            act: f(n, c.intermediate_size),
+            gate_up: f(n, 2 * self.local_intermediate()),
+            act: f(n, self.local_intermediate()),
             last: f(r, c.hidden_size),
             logits: f(r, c.vocab_size),
         }
     }
 
     /// Runs one step described by `meta`: writes every new token's K/V into `cache` and
-    /// leaves the logits of `meta.logits_rows` in `ws.logits`. Allocates nothing.
-    pub fn forward(&self, meta: &StepMeta<B>, cache: &mut KvCache<B>, ws: &mut LlamaWorkspace<B>) {
+    /// leaves the logits of `meta.logits_rows` in `ws.logits`. Allocates nothing. A
+    /// tensor-parallel shard all-reduces its partial sums with its peers, which must run the
+    /// same step; a failed peer fails the step.
+    pub fn forward(
+        &self,
+        meta: &StepMeta<B>,
+        cache: &mut KvCache<B>,
+        ws: &mut LlamaWorkspace<B>,
+    ) -> Result<()> {
         let b = &self.backend;
         let c = &self.config;
         let n = meta.num_tokens;
@@ -294,6 +435,14 @@ impl<B: Ops> LlamaModel<B> {
         let d = c.hidden_size;
         let eps = c.rms_norm_eps;
         let ql = self.qkv_layout;
+        // The residual add rides on the output projections (`accumulate`); under tensor
+        // parallelism only rank 0 adds it, the others contribute their partial product, and
+        // the all-reduce leaves residual + the full product on every rank.
+        let residual = self.shard.rank == 0;
+        let reduce = |x: &mut Tensor<B>| match &self.comm {
+            Some(comm) => comm.all_reduce_sum(b, x, n * d),
+            None => Ok(()),
+        };
         b.embed(&self.embed, &meta.token_ids, n, &mut ws.x);
         for (l, layer) in self.layers.iter().enumerate() {
             b.rms_norm(&ws.x, &layer.input_norm, n, eps, &mut ws.h);
@@ -301,19 +450,22 @@ impl<B: Ops> LlamaModel<B> {
             b.rope(&mut ws.qkv, n, ql, &meta.positions, c.rope_theta);
             b.write_kv(&ws.qkv, n, ql, cache, l, &meta.slot_mapping);
             b.paged_attention(&ws.qkv, ql, cache, l, meta, &mut ws.attn);
-            b.linear(&ws.attn, n, &layer.o_proj, &mut ws.x, true);
+            b.linear(&ws.attn, n, &layer.o_proj, &mut ws.x, residual);
+            reduce(&mut ws.x)?;
             b.rms_norm(&ws.x, &layer.post_norm, n, eps, &mut ws.h);
             b.linear(&ws.h, n, &layer.gate_up, &mut ws.gate_up, false);
-            b.silu_mul(&ws.gate_up, n, c.intermediate_size, &mut ws.act);
-            b.linear(&ws.act, n, &layer.down, &mut ws.x, true);
+            b.silu_mul(&ws.gate_up, n, self.local_intermediate(), &mut ws.act);
+            b.linear(&ws.act, n, &layer.down, &mut ws.x, residual);
+            reduce(&mut ws.x)?;
         }
         let rows = meta.num_logits;
         if rows == 0 {
-            return;
+            return Ok(());
         }
         b.gather_rows(&ws.x, d, &meta.logits_rows, rows, &mut ws.last);
         b.rms_norm(&ws.last, &self.norm, rows, eps, &mut ws.h);
         b.linear(&ws.h, rows, &self.lm_head, &mut ws.logits, false);
+        Ok(())
     }
 
     /// [`LlamaModel::forward`] of one batch with buffers made for it, returning the logits
@@ -332,7 +484,7 @@ impl<B: Ops> LlamaModel<B> {
         let mut meta = StepMeta::new(&self.backend, limits);
         meta.upload(&self.backend, batch)?;
         let mut ws = self.workspace(limits);
-        self.forward(&meta, cache, &mut ws);
+        self.forward(&meta, cache, &mut ws)?;
         let mut logits = self.backend.download(&ws.logits).to_f32_vec();
         logits.truncate(batch.logits_rows.len() * self.config.vocab_size);
         Ok(logits)

@@ -7,9 +7,10 @@
 
 use crate::backend::Ops;
 use crate::batch::ForwardBatch;
-use crate::kv_pool::{BlockAllocation, BlockAllocator, KvCache, KvLayout};
-use crate::llama::{LlamaModel, LlamaWorkspace};
-use crate::step::{StepLimits, StepMeta};
+use crate::kv_pool::{BlockAllocation, BlockAllocator, KvLayout};
+use crate::llama::LlamaModel;
+use crate::llama_ranks::LlamaRanks;
+use crate::step::StepLimits;
 use crate::tensor::HostTensor;
 use crate::{Error, Result};
 use parking_lot::Mutex;
@@ -169,33 +170,48 @@ impl std::fmt::Debug for Engine {
 impl Engine {
     /// Starts the engine thread for `model`.
     pub fn start<B: Ops>(model: LlamaModel<B>, config: EngineConfig) -> Self {
-        let layout = model.kv_layout(config.block_size, config.num_blocks);
+        match Self::start_sharded(vec![model], config) {
+            Ok(engine) => engine,
+            // One whole model always makes one rank.
+            Err(e) => panic!("starting the engine: {e}"),
+        }
+    }
+
+    /// Starts the engine thread for the tensor-parallel shards of one model (rank order,
+    /// joined by communicators): rank 0 runs in the engine thread, each other rank in its own.
+    pub fn start_sharded<B: Ops>(shards: Vec<LlamaModel<B>>, config: EngineConfig) -> Result<Self> {
+        let first = shards
+            .first()
+            .ok_or_else(|| Error::InvalidRequest("no model shards".into()))?;
         let allocator = BlockAllocator::new(config.num_blocks);
         let stats = Arc::new(Mutex::new(EngineStats::default()));
         let (tx, rx) = mpsc::channel();
-        let eos_ids = model.config().eos_token_ids();
-        let max_context = model.config().max_position_embeddings;
-        let vocab_size = model.config().vocab_size;
-        let weight_bytes = model.weight_bytes();
+        let eos_ids = first.config().eos_token_ids();
+        let max_context = first.config().max_position_embeddings;
+        let vocab_size = first.config().vocab_size;
+        let weight_bytes = first.weight_bytes() * shards.len();
+        let limits = StepLimits {
+            max_tokens: config.max_batch_tokens + config.max_running,
+            max_seqs: config.max_running,
+            max_blocks_per_seq: max_context.div_ceil(config.block_size),
+        };
         let thread_stats = stats.clone();
         let thread_alloc = allocator.clone();
+        let (ready_tx, ready_rx) = mpsc::channel();
         let handle = std::thread::Builder::new()
             .name("tandem-engine".into())
             .spawn(move || {
-                let cache = KvCache::new(model.backend(), layout);
-                let limits = StepLimits {
-                    max_tokens: config.max_batch_tokens + config.max_running,
-                    max_seqs: config.max_running,
-                    max_blocks_per_seq: max_context.div_ceil(config.block_size),
-                };
-                let meta = StepMeta::new(model.backend(), limits);
-                let workspace = model.workspace(limits);
+                let ranks =
+                    match LlamaRanks::new(shards, limits, config.block_size, config.num_blocks) {
+                        Ok(r) => r,
+                        Err(e) => {
+                            let _ = ready_tx.send(Err(e));
+                            return;
+                        }
+                    };
+                let _ = ready_tx.send(Ok(ranks.layout()));
                 let mut worker = Worker {
-                    model,
-                    cache,
-                    meta,
-                    workspace,
-                    graphs: B::Graphs::default(),
+                    ranks,
                     sampled: Vec::with_capacity(limits.max_seqs),
                     config,
                     rx,
@@ -206,8 +222,9 @@ impl Engine {
                 };
                 worker.run();
             })
-            .expect("spawning the engine thread");
-        Self {
+            .map_err(|e| Error::Collective(format!("spawning the engine thread: {e}")))?;
+        let layout = ready_rx.recv().map_err(|_| Error::Stopped)??;
+        Ok(Self {
             tx: tx.clone(),
             allocator,
             layout,
@@ -220,7 +237,7 @@ impl Engine {
                 tx,
                 handle: Mutex::new(Some(handle)),
             }),
-        }
+        })
     }
 
     /// Submits a sequence. Events arrive on the returned channel; dropping it cancels the
@@ -332,11 +349,7 @@ impl Engine {
 }
 
 struct Worker<B: Ops> {
-    model: LlamaModel<B>,
-    cache: KvCache<B>,
-    meta: StepMeta<B>,
-    workspace: LlamaWorkspace<B>,
-    graphs: B::Graphs,
+    ranks: LlamaRanks<B>,
     sampled: Vec<u32>,
     config: EngineConfig,
     rx: mpsc::Receiver<Command>,
@@ -400,12 +413,9 @@ impl<B: Ops> Worker<B> {
                 }
             }
             if let (Some(kv), Some(alloc)) = (seq.import.take(), seq.allocation.as_ref()) {
-                let imported = self.model.backend().write_kv_host(
-                    &mut self.cache,
-                    alloc.blocks(),
-                    seq.prompt_len,
-                    &kv,
-                );
+                let imported = self
+                    .ranks
+                    .write_kv_host(alloc.blocks(), seq.prompt_len, &kv);
                 if let Err(e) = imported {
                     // Checked at submission; dropping the sender fails the request.
                     tracing::warn!(error = %e, "KV import refused");
@@ -476,26 +486,17 @@ impl<B: Ops> Worker<B> {
         if batch.num_tokens() == 0 {
             return;
         }
-        if let Err(e) = self.meta.upload(self.model.backend(), &batch) {
-            // The buffers are sized from the same limits the batch is built under.
-            panic!("step metadata does not fit its buffers: {e}");
+        if let Err(e) = self.ranks.step(&batch) {
+            // A failed rank (or metadata that does not fit, which the limits rule out) fails
+            // every request in flight rather than leaving them waiting.
+            tracing::error!(error = %e, "engine step failed; failing the requests in flight");
+            self.running.clear();
+            self.waiting.clear();
+            let mut s = self.stats.lock();
+            s.running = 0;
+            s.waiting = 0;
+            return;
         }
-        // Decode-only steps repeat their shape step after step: those a backend may record
-        // once and replay (CUDA graphs).
-        let shape = batch
-            .seqs
-            .iter()
-            .all(|s| s.len == 1)
-            .then(|| self.meta.shape());
-        let (model, meta, cache, ws) = (
-            &self.model,
-            &self.meta,
-            &mut self.cache,
-            &mut self.workspace,
-        );
-        model.backend().run_step(&mut self.graphs, shape, &mut || {
-            model.forward(meta, cache, ws)
-        });
         // Sample on the device: one (params, step) per logits row, in batch order.
         let sampling: Vec<_> = in_batch
             .iter()
@@ -503,10 +504,10 @@ impl<B: Ops> Worker<B> {
             .filter(|(seq, n)| seq.cached + n == seq.tokens.len())
             .map(|(seq, _)| (&seq.params, seq.generated() as u32))
             .collect();
-        let vocab = self.model.config().vocab_size;
-        self.model
+        let vocab = self.ranks.model().config().vocab_size;
+        self.ranks
             .backend()
-            .sample(&self.workspace.logits, vocab, &sampling, &mut self.sampled);
+            .sample(self.ranks.logits(), vocab, &sampling, &mut self.sampled);
         drop(sampling);
         let mut rows = self.sampled.iter().copied();
         let mut finished = Vec::new();
@@ -538,10 +539,14 @@ impl<B: Ops> Worker<B> {
                     .as_ref()
                     .map(|a| a.blocks())
                     .unwrap_or_default();
-                let kv = self
-                    .model
-                    .backend()
-                    .read_kv(&self.cache, blocks, seq.prompt_len);
+                let kv = match self.ranks.read_kv(blocks, seq.prompt_len) {
+                    Ok(kv) => kv,
+                    Err(e) => {
+                        tracing::error!(error = %e, "reading a prompt's K/V failed");
+                        finished.push(i);
+                        continue;
+                    }
+                };
                 // Free the blocks before the caller hears of it, so accounting is exact.
                 seq.allocation = None;
                 leave();

@@ -83,14 +83,14 @@ fn forward_passes_do_not_allocate() {
         let counted = pool.install(|| {
             for batch in [&prefill, &decode] {
                 meta.upload(model.backend(), batch).expect("fits");
-                model.forward(&meta, &mut cache, &mut ws); // warm-up
+                model.forward(&meta, &mut cache, &mut ws).expect("forward"); // warm-up
             }
             ALLOCATIONS.store(0, Ordering::SeqCst);
             COUNTING.store(true, Ordering::SeqCst);
             for _ in 0..3 {
                 for batch in [&prefill, &decode] {
                     meta.upload(model.backend(), batch).expect("fits");
-                    model.forward(&meta, &mut cache, &mut ws);
+                    model.forward(&meta, &mut cache, &mut ws).expect("forward");
                 }
             }
             COUNTING.store(false, Ordering::SeqCst);

@@ -63,6 +63,22 @@ fn f32s_mut(t: &mut T) -> &mut [f32] {
     }
 }
 
+/// The f32 values of a CPU tensor, if it holds f32.
+pub(crate) fn f32_slice(t: &T) -> Option<&[f32]> {
+    match &t.storage {
+        CpuStorage::F32(v) => Some(v),
+        _ => None,
+    }
+}
+
+/// The f32 values of a CPU tensor, mutably, if it holds f32.
+pub(crate) fn f32_slice_mut(t: &mut T) -> Option<&mut [f32]> {
+    match &mut t.storage {
+        CpuStorage::F32(v) => Some(v),
+        _ => None,
+    }
+}
+
 fn u32s(t: &T) -> &[u32] {
     match &t.storage {
         CpuStorage::U32(v) => v,

@@ -9,9 +9,12 @@
 //! Model code names only these traits; the CPU backend ([`CpuBackend`]) implements them here,
 //! a CUDA backend in its own crate.
 
+/// Collectives over device tensors (tensor parallelism).
+pub mod comm;
 mod cpu;
 pub mod host;
 
+pub use comm::TensorComm;
 pub use cpu::{CpuBackend, CpuStorage};
 
 use crate::kv_pool::KvCache;
