@@ -413,6 +413,33 @@ fn bf16_prefill_and_decode_answer_through_the_router() {
     });
 }
 
+/// P/D across Llama layouts: a prefill worker on 3 tensor-parallel CPU ranks (SmolLM2's 9
+/// query and 3 KV heads split three ways) hands its K/V — gathered into the whole model's
+/// layout — to a single-rank decode worker; the answer is the single-rank one.
+#[test]
+fn a_tp3_prefill_worker_hands_off_to_a_tp1_decode_worker() {
+    let cluster = Cluster::start(ClusterOptions {
+        prefill_args: vec!["--tp".to_string(), "3".to_string()],
+        ..ClusterOptions::default()
+    });
+    let url = cluster.url.clone();
+    rt().block_on(async move {
+        let c = reqwest::Client::new();
+        let (status, body) = post(
+            &c,
+            &format!("{url}/v1/chat/completions"),
+            chat(FRANCE, 32, false),
+        )
+        .await;
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(
+            body["choices"][0]["message"]["content"],
+            "The capital of France is Paris."
+        );
+        assert_pools_full(&c, &url).await;
+    });
+}
+
 /// Aggregated serving: one worker runs prefill and decode with no transfer; the router sends
 /// it whole requests. Same greedy answers as P/D, streamed and not; nothing held afterwards.
 #[test]
