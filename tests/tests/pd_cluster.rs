@@ -413,6 +413,83 @@ fn bf16_prefill_and_decode_answer_through_the_router() {
     });
 }
 
+/// Fairness through the router: a short prompt sent while a long one is prefilling on the
+/// same prefill worker (16 tokens a step, so the long one needs 124 steps) gets its first
+/// token while the long one is still prefilling. Under an oldest-first budget the long prompt
+/// would hold every step and the short one's first token could only follow the end of the
+/// long prefill. (The order is observed on the prefill worker itself: the long request is
+/// still in its engine when the short one's first token reaches the client.)
+#[test]
+fn a_short_prompt_behind_a_long_one_gets_its_first_token_during_the_long_prefill() {
+    let cluster = Cluster::start(ClusterOptions {
+        prefill_args: vec!["--max-batch-tokens".to_string(), "16".to_string()],
+        ..ClusterOptions::default()
+    });
+    let url = cluster.url.clone();
+    let prefill = cluster.prefill_addr.clone();
+    rt().block_on(async move {
+        let c = reqwest::Client::new();
+        let in_engine = |worker: &mut tandem_proto::v1::worker_client::WorkerClient<
+            tonic::transport::Channel,
+        >| {
+            let mut worker = worker.clone();
+            async move {
+                worker
+                    .stats(tandem_proto::v1::StatsRequest { wait_idle_ms: 0 })
+                    .await
+                    .unwrap()
+                    .into_inner()
+                    .running_requests
+            }
+        };
+        let first_token = |prompt: Vec<u32>| {
+            let (c, url) = (c.clone(), url.clone());
+            let (first_tx, first_rx) = tokio::sync::oneshot::channel();
+            let task = tokio::spawn(async move {
+                let body = json!({"model": "smollm2-135m-instruct", "prompt": prompt,
+                                  "max_tokens": 1, "temperature": 0, "stream": true});
+                let resp = c
+                    .post(format!("{url}/v1/completions"))
+                    .json(&body)
+                    .send()
+                    .await
+                    .unwrap();
+                assert_eq!(resp.status().as_u16(), 200);
+                let mut stream = resp.bytes_stream();
+                let mut seen = String::new();
+                let mut first_tx = Some(first_tx);
+                while let Some(chunk) = stream.next().await {
+                    seen.push_str(&String::from_utf8_lossy(&chunk.unwrap()));
+                    if seen.contains("\"text\"") {
+                        if let Some(tx) = first_tx.take() {
+                            let _ = tx.send(());
+                        }
+                    }
+                }
+                assert!(seen.contains("[DONE]"), "{seen}");
+            });
+            (task, first_rx)
+        };
+        let mut worker = tandem_proto::v1::worker_client::WorkerClient::connect(prefill)
+            .await
+            .unwrap();
+        let (long, _) = first_token((0..124 * 16).map(|i| 100 + (i * 7) % 1000).collect());
+        // The short prompt goes in once the long one is in the prefill worker's engine.
+        while in_engine(&mut worker).await == 0 {
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        let (short, short_first) = first_token(vec![504, 3575, 282, 4649, 314]);
+        short_first.await.unwrap();
+        assert!(
+            in_engine(&mut worker).await >= 1,
+            "the long prompt had finished prefilling before the short one's first token"
+        );
+        short.await.unwrap();
+        long.await.unwrap();
+        assert_pools_full(&c, &url).await;
+    });
+}
+
 /// P/D across Llama layouts: a prefill worker on 3 tensor-parallel CPU ranks (SmolLM2's 9
 /// query and 3 KV heads split three ways) hands its K/V — gathered into the whole model's
 /// layout — to a single-rank decode worker; the answer is the single-rank one.
