@@ -226,3 +226,49 @@ fn graph_replays_equal_eager_steps_bit_for_bit() {
         assert_eq!(steps.graphs.len(), 2, "batch {batch}: recordings");
     }
 }
+
+#[test]
+fn a_recorded_step_replays_with_refreshed_weights_without_a_new_capture() {
+    use tandem_engine::{StepLimits, StepMeta};
+    let Some(g) = gpu() else { return };
+    let (a, b) = (synth("tiny"), tempfile::tempdir().expect("temp dir"));
+    tandem_model::synth::synth_llama("tiny", b.path(), 8).expect("synth");
+    let mut model = LlamaModel::load(a.path(), g.clone(), DType::BF16).expect("load a");
+    let fresh_b = LlamaModel::load(b.path(), g, DType::BF16).expect("load b");
+    let per_seq = 1024 / 16;
+    let limits = StepLimits {
+        max_tokens: 8,
+        max_seqs: 8,
+        max_blocks_per_seq: per_seq,
+    };
+    let layout = model.kv_layout(16, 8 * per_seq);
+    let (mut cache, mut cache_b) = (
+        KvCache::new(model.backend(), layout),
+        KvCache::new(fresh_b.backend(), layout),
+    );
+    let mut steps = Steps {
+        meta: StepMeta::new(model.backend(), limits),
+        ws: model.workspace(limits),
+        graphs: tandem_cuda::graph::StepGraphs::default(),
+    };
+    let mut steps_b = Steps {
+        meta: StepMeta::new(fresh_b.backend(), limits),
+        ws: fresh_b.workspace(limits),
+        graphs: tandem_cuda::graph::StepGraphs::default(),
+    };
+    // Record the step on checkpoint a (eager, capture, replay).
+    let mut on_a = Vec::new();
+    for _ in 0..3 {
+        on_a = decode_logits(&model, &mut steps, &mut cache, 4, 100, true);
+    }
+    assert_eq!(steps.graphs.len(), 1);
+    model.refresh(b.path()).expect("refresh");
+    let replayed = decode_logits(&model, &mut steps, &mut cache, 4, 100, true);
+    assert_eq!(steps.graphs.len(), 1, "the refresh needed no new capture");
+    let want = decode_logits(&fresh_b, &mut steps_b, &mut cache_b, 4, 100, false);
+    assert_ne!(on_a, want, "the checkpoints differ");
+    assert!(
+        replayed == want,
+        "the replay after the refresh did not use the new weights"
+    );
+}

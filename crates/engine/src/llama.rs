@@ -216,16 +216,6 @@ impl<B: Ops> LlamaModel<B> {
         shard: TpShard,
         comm: Option<Box<dyn TensorComm<B>>>,
     ) -> Result<Self> {
-        check_dtype(dtype)?;
-        let config = LlamaConfig::from_dir(dir)?;
-        let (d, i, v) = (
-            config.hidden_size,
-            config.intermediate_size,
-            config.vocab_size,
-        );
-        let hd = config.head_dim();
-        let (nh, nkv) = (config.num_attention_heads, config.num_key_value_heads);
-        let kv_heads = shard.kv_heads(nh, nkv, i)?;
         match &comm {
             Some(c) if c.size() != shard.size || c.rank() != shard.rank => {
                 return Err(Error::InvalidRequest(format!(
@@ -243,6 +233,58 @@ impl<B: Ops> LlamaModel<B> {
             }
             _ => {}
         }
+        let mut model = Self::load_weights(dir, backend, dtype, shard)?;
+        model.comm = comm;
+        Ok(model)
+    }
+
+    /// Replaces the weights with those of `dir`, which must be a checkpoint of the same
+    /// configuration: every tensor is overwritten in place, so its device address stays (a
+    /// recorded decode step replays with the new weights). The K/V already cached stays too;
+    /// the engine refreshes between steps.
+    pub fn refresh(&mut self, dir: &Path) -> Result<()> {
+        let fresh = Self::load_weights(dir, self.backend.clone(), self.dtype, self.shard)?;
+        if fresh.config != self.config {
+            return Err(Error::InvalidRequest(format!(
+                "{} has another configuration than the loaded model: a refresh keeps every \
+                 shape (restart the worker to change models)",
+                dir.display()
+            )));
+        }
+        let b = &self.backend;
+        let mut pairs: Vec<(&mut Tensor<B>, &Tensor<B>)> = vec![
+            (&mut self.embed, &fresh.embed),
+            (&mut self.lm_head.weight, &fresh.lm_head.weight),
+            (&mut self.norm, &fresh.norm),
+        ];
+        for (old, new) in self.layers.iter_mut().zip(&fresh.layers) {
+            pairs.extend([
+                (&mut old.input_norm, &new.input_norm),
+                (&mut old.qkv.weight, &new.qkv.weight),
+                (&mut old.o_proj.weight, &new.o_proj.weight),
+                (&mut old.post_norm, &new.post_norm),
+                (&mut old.gate_up.weight, &new.gate_up.weight),
+                (&mut old.down.weight, &new.down.weight),
+            ]);
+        }
+        for (old, new) in pairs {
+            b.overwrite(old, &b.download(new))?;
+        }
+        Ok(())
+    }
+
+    /// The weights of `shard`, with no communicator.
+    fn load_weights(dir: &Path, backend: B, dtype: DType, shard: TpShard) -> Result<Self> {
+        check_dtype(dtype)?;
+        let config = LlamaConfig::from_dir(dir)?;
+        let (d, i, v) = (
+            config.hidden_size,
+            config.intermediate_size,
+            config.vocab_size,
+        );
+        let hd = config.head_dim();
+        let (nh, nkv) = (config.num_attention_heads, config.num_key_value_heads);
+        let kv_heads = shard.kv_heads(nh, nkv, i)?;
         // This rank's slice: query heads, KV heads, MLP columns.
         let (nh_r, i_r) = (nh / shard.size, i / shard.size);
         let q_rows = shard.rank * nh_r * hd..(shard.rank + 1) * nh_r * hd;
@@ -335,7 +377,7 @@ impl<B: Ops> LlamaModel<B> {
             backend,
             config,
             shard,
-            comm,
+            comm: None,
             dtype,
             embed,
             lm_head,

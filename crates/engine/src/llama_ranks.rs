@@ -77,6 +77,7 @@ impl<B: Ops> Rank<B> {
 
 enum Job {
     Step(Arc<ForwardBatch>),
+    Refresh(Arc<std::path::PathBuf>),
     ReadKv(Arc<Vec<BlockId>>, usize),
     WriteKv(Arc<Vec<BlockId>>, usize, HostTensor),
 }
@@ -164,6 +165,7 @@ impl<B: Ops> LlamaRanks<B> {
                     for job in job_rx {
                         let reply = match job {
                             Job::Step(batch) => Reply::Done(rank.step(&batch)),
+                            Job::Refresh(dir) => Reply::Done(rank.model.refresh(&dir)),
                             Job::ReadKv(blocks, tokens) => Reply::Kv(rank.read_kv(&blocks, tokens)),
                             Job::WriteKv(blocks, tokens, kv) => {
                                 Reply::Done(rank.write_kv(&blocks, tokens, &kv))
@@ -255,6 +257,15 @@ impl<B: Ops> LlamaRanks<B> {
         let shared = Arc::new(batch.clone());
         self.send_all(|| Job::Step(shared.clone()))?;
         let lead = self.lead.step(batch);
+        let peers = self.done_all();
+        lead.and(peers)
+    }
+
+    /// Overwrites every rank's weights in place with those of `dir` (same configuration).
+    pub fn refresh(&mut self, dir: &std::path::Path) -> Result<()> {
+        let shared = Arc::new(dir.to_path_buf());
+        self.send_all(|| Job::Refresh(shared.clone()))?;
+        let lead = self.lead.model.refresh(dir);
         let peers = self.done_all();
         lead.and(peers)
     }

@@ -100,6 +100,7 @@ pub struct EngineStats {
 
 enum Command {
     Submit(Box<Seq>),
+    Refresh(std::path::PathBuf, mpsc::Sender<Result<()>>),
     Shutdown,
 }
 
@@ -240,6 +241,17 @@ impl Engine {
         })
     }
 
+    /// Replaces the weights with those of checkpoint `dir` (same configuration) between two
+    /// steps, in place: requests in flight continue on the new weights, recorded steps
+    /// replay with them. Blocks until done.
+    pub fn refresh_weights(&self, dir: &std::path::Path) -> Result<()> {
+        let (tx, rx) = mpsc::channel();
+        self.tx
+            .send(Command::Refresh(dir.to_path_buf(), tx))
+            .map_err(|_| Error::Stopped)?;
+        rx.recv().map_err(|_| Error::Stopped)?
+    }
+
     /// Submits a sequence. Events arrive on the returned channel; dropping it cancels the
     /// sequence and frees its KV.
     pub fn submit(
@@ -378,6 +390,18 @@ impl<B: Ops> Worker<B> {
             {
                 match cmd {
                     Command::Submit(seq) => self.waiting.push_back(seq),
+                    Command::Refresh(dir, reply) => {
+                        let result = self.ranks.refresh(&dir);
+                        match &result {
+                            Ok(()) => {
+                                tracing::info!(dir = %dir.display(), "weights refreshed in place")
+                            }
+                            Err(e) => {
+                                tracing::warn!(dir = %dir.display(), error = %e, "weight refresh failed")
+                            }
+                        }
+                        let _ = reply.send(result);
+                    }
                     Command::Shutdown => return,
                 }
             }

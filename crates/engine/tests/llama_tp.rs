@@ -158,3 +158,42 @@ fn kv_handed_from_tp1_prefill_to_a_tp2_decoder_continues_the_generation() {
     got.extend(rest);
     assert_eq!(got, want, "prefill tp1 + decode tp2 = generate tp1");
 }
+
+fn synth_seed(seed: u64) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().expect("temp dir");
+    tandem_model::synth::synth_llama("tiny", dir.path(), seed).expect("synth");
+    dir
+}
+
+fn generate(e: &Engine, p: &[u32]) -> Vec<u32> {
+    tokens(
+        e.submit(p.to_vec(), SamplingParams::greedy(8), SeqKind::Generate)
+            .expect("submit"),
+    )
+}
+
+#[test]
+fn refreshed_weights_answer_like_a_fresh_load_at_tp1_and_tp2() {
+    let (a, b) = (synth_seed(1), synth_seed(2));
+    let p = prompt(21, 5);
+    let fresh_b = generate(&engine(b.path(), 1), &p);
+    for tp in [1, 2] {
+        let e = engine(a.path(), tp);
+        let before = generate(&e, &p);
+        assert_ne!(
+            before, fresh_b,
+            "the two checkpoints should answer differently"
+        );
+        e.refresh_weights(b.path()).expect("refresh");
+        assert_eq!(generate(&e, &p), fresh_b, "tp{tp}: after the refresh");
+        // A checkpoint of another shape is refused, and the engine keeps serving.
+        let other = tempfile::tempdir().expect("temp dir");
+        tandem_model::synth::synth_llama("smollm2", other.path(), 1).expect("synth");
+        let err = e.refresh_weights(other.path()).expect_err("other shapes");
+        assert!(
+            matches!(err, tandem_engine::Error::InvalidRequest(_)),
+            "a refused refresh is the caller's error: {err}"
+        );
+        assert_eq!(generate(&e, &p), fresh_b, "tp{tp}: after a refused refresh");
+    }
+}

@@ -213,12 +213,10 @@ impl WorkerEngine {
         })
     }
 
-    /// Reloads weights from `dir` in place (KDA-hybrid models on one rank).
+    /// Reloads weights from `dir` in place (a checkpoint of the same configuration).
     pub fn refresh_weights(&self, dir: &std::path::Path) -> Result<()> {
         match self {
-            WorkerEngine::Llama(_) => Err(Error::InvalidRequest(
-                "weight refresh is implemented for KDA-hybrid models only".into(),
-            )),
+            WorkerEngine::Llama(e) => Ok(e.refresh_weights(dir)?),
             WorkerEngine::Kda(e) => Ok(e.refresh_weights(dir)?),
         }
     }

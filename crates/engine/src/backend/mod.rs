@@ -74,8 +74,8 @@ pub struct StepShape {
     pub max_context: usize,
 }
 
-/// A device: allocation, typed transfers, synchronisation.
-pub trait Backend: Send + Sync + Sized + 'static {
+/// A device: allocation, typed transfers, synchronisation. Clones share the device.
+pub trait Backend: Clone + Send + Sync + Sized + 'static {
     /// Device memory holding one tensor's elements.
     type Storage: Send + Sync;
     /// Recorded steps, owned by whoever owns the buffers they read (an engine's workspace
