@@ -19,6 +19,10 @@ const MAX_HEAD_DIM: usize = 256;
 const MAX_BLOCK: usize = 64;
 /// Most query heads sharing one KV head.
 const MAX_GROUP: usize = 16;
+/// Query vectors from which a tile takes the AVX-512 path (keys transposed once per block
+/// and scored 16 at a time against every query vector): below it, decode-sized tiles keep
+/// the row-by-row path, which does not pay for the transposition.
+const TILE_MIN_VECTORS: usize = 16;
 
 /// Shapes of one attention call.
 #[derive(Clone, Copy, Debug)]
@@ -161,6 +165,33 @@ pub fn paged_attention<W: WeightElem>(
         let r0 = qb * query_block;
         let r1 = (r0 + query_block).min(seq.len);
         let nq = (r1 - r0) * group;
+        #[cfg(target_arch = "x86_64")]
+        if nq >= TILE_MIN_VECTORS
+            && bs == 16
+            && hd.is_multiple_of(16)
+            && crate::isa::current() == crate::isa::Isa::Avx512
+        {
+            let tile = x86::Tile {
+                q,
+                q_stride,
+                kv_dim,
+                kvh,
+                hd,
+                group,
+                start: seq.start,
+                cached: seq.cached,
+                blocks: seq.blocks,
+                r0,
+                r1,
+                scale,
+                out_width,
+            };
+            // SAFETY: AVX-512 is present (checked above); every cache block, query row and
+            // output row the tile touches was bounds-checked before the tasks started, and
+            // the tile's output rows and heads belong to this task alone.
+            unsafe { x86::tile512(&tile, k_cache, v_cache, out_ptr.0) };
+            return;
+        }
         {
             let mut acc_buf = [0.0f32; QUERY_VECTORS * MAX_HEAD_DIM];
             let mut max_buf = [0.0f32; QUERY_VECTORS];
@@ -246,6 +277,224 @@ pub fn paged_attention<W: WeightElem>(
             }
         }
     });
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::{MAX_HEAD_DIM, QUERY_VECTORS};
+    use crate::matmul::WeightElem;
+    use crate::vector::x86::exp_ps;
+    use std::arch::x86_64::*;
+
+    /// One task's tile: query rows `r0..r1` of a sequence, every head of KV head `kvh`.
+    pub(super) struct Tile<'a> {
+        pub q: &'a [f32],
+        pub q_stride: usize,
+        pub kv_dim: usize,
+        pub kvh: usize,
+        pub hd: usize,
+        pub group: usize,
+        pub start: usize,
+        pub cached: usize,
+        pub blocks: &'a [u32],
+        pub r0: usize,
+        pub r1: usize,
+        pub scale: f32,
+        pub out_width: usize,
+    }
+
+    /// Scores of `N` consecutive query vectors from `first` against the 16 transposed keys:
+    /// `scores[u] = Σ_d q[first + u][d] · kt[d]`. Returns `N`.
+    ///
+    /// # Safety
+    /// AVX-512 F present; the query vectors and `hd` rows of `kt` are in bounds.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    unsafe fn scores_n<const N: usize>(
+        qbuf: &[f32],
+        first: usize,
+        hd: usize,
+        kt: &[f32],
+        scores: &mut [__m512; 4],
+    ) -> usize {
+        let q = qbuf.as_ptr().add(first * hd);
+        let k = kt.as_ptr();
+        // Two chains per vector hide the FMA latency.
+        let mut even = [_mm512_setzero_ps(); N];
+        let mut odd = [_mm512_setzero_ps(); N];
+        let mut d = 0;
+        while d < hd {
+            let k0 = _mm512_loadu_ps(k.add(d * 16));
+            let k1 = _mm512_loadu_ps(k.add((d + 1) * 16));
+            for u in 0..N {
+                even[u] = _mm512_fmadd_ps(_mm512_set1_ps(*q.add(u * hd + d)), k0, even[u]);
+                odd[u] = _mm512_fmadd_ps(_mm512_set1_ps(*q.add(u * hd + d + 1)), k1, odd[u]);
+            }
+            d += 2;
+        }
+        for u in 0..N {
+            scores[u] = _mm512_add_ps(even[u], odd[u]);
+        }
+        N
+    }
+
+    /// `acc[0..64] += Σ_j p[j] · v[j * stride ..][0..64]`, the 4 accumulator vectors in
+    /// registers across the rows.
+    ///
+    /// # Safety
+    /// AVX-512 F present; `acc` holds 64 values and each row of `v` 64 values.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    unsafe fn weighted4(acc: *mut f32, p: &[f32], v: *const f32, stride: usize) {
+        let mut a = [
+            _mm512_loadu_ps(acc),
+            _mm512_loadu_ps(acc.add(16)),
+            _mm512_loadu_ps(acc.add(32)),
+            _mm512_loadu_ps(acc.add(48)),
+        ];
+        for (j, &pj) in p.iter().enumerate() {
+            let b = _mm512_set1_ps(pj);
+            let row = v.add(j * stride);
+            a[0] = _mm512_fmadd_ps(b, _mm512_loadu_ps(row), a[0]);
+            a[1] = _mm512_fmadd_ps(b, _mm512_loadu_ps(row.add(16)), a[1]);
+            a[2] = _mm512_fmadd_ps(b, _mm512_loadu_ps(row.add(32)), a[2]);
+            a[3] = _mm512_fmadd_ps(b, _mm512_loadu_ps(row.add(48)), a[3]);
+        }
+        for (q, x) in a.iter().enumerate() {
+            _mm512_storeu_ps(acc.add(16 * q), *x);
+        }
+    }
+
+    /// Attention of a tile over its causal context in cache blocks of 16 keys: each block's
+    /// keys are transposed (and its values widened to f32) once, then every query vector
+    /// scores all 16 keys with broadcast FMAs (no horizontal sums), updates its online
+    /// softmax with one vector max and exp, and adds the weighted values.
+    ///
+    /// # Safety
+    /// AVX-512 F/BW/VL present; `t.hd` is a multiple of 16 and at most `MAX_HEAD_DIM`; the
+    /// tile has at most `QUERY_VECTORS` query vectors; every block of the context lies in
+    /// `k`/`v`; `out` is valid for the tile's rows and heads and written by no one else.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub(super) unsafe fn tile512<W: WeightElem>(t: &Tile<'_>, k: &[W], v: &[W], out: *mut f32) {
+        let (hd, group) = (t.hd, t.group);
+        let nvec = hd / 16;
+        let nq = (t.r1 - t.r0) * group;
+        debug_assert!(nq <= QUERY_VECTORS && hd <= MAX_HEAD_DIM && hd.is_multiple_of(16));
+        let mut qbuf = [0.0f32; QUERY_VECTORS * MAX_HEAD_DIM];
+        let mut acc = [0.0f32; QUERY_VECTORS * MAX_HEAD_DIM];
+        let mut m = [f32::NEG_INFINITY; QUERY_VECTORS];
+        let mut l = [0.0f32; QUERY_VECTORS];
+        for r in t.r0..t.r1 {
+            let row = t.start + r;
+            for g in 0..group {
+                let qi = (r - t.r0) * group + g;
+                let src = &t.q[row * t.q_stride + (t.kvh * group + g) * hd..][..hd];
+                for (d, &x) in qbuf[qi * hd..(qi + 1) * hd].iter_mut().zip(src) {
+                    *d = x * t.scale;
+                }
+            }
+        }
+        // Keys transposed: kt[d * 16 + j] is key j's value d; values widened: vb[j * hd + d].
+        let mut kt = [0.0f32; MAX_HEAD_DIM * 16];
+        let mut vb = [0.0f32; 16 * MAX_HEAD_DIM];
+        let mut probs = [0.0f32; 16];
+        let ctx_last = t.cached + t.r1;
+        let mut key = 0;
+        while key < ctx_last {
+            let kb = (ctx_last - key).min(16);
+            let base = t.blocks[key / 16] as usize * 16 * t.kv_dim + t.kvh * hd;
+            for j in 0..16 {
+                if j < kb {
+                    let kr = &k[base + j * t.kv_dim..][..hd];
+                    for (d, x) in kr.iter().enumerate() {
+                        kt[d * 16 + j] = x.to_f32();
+                    }
+                    let vr = &v[base + j * t.kv_dim..][..hd];
+                    for (dst, x) in vb[j * hd..(j + 1) * hd].iter_mut().zip(vr) {
+                        *dst = x.to_f32();
+                    }
+                } else {
+                    for d in 0..hd {
+                        kt[d * 16 + j] = 0.0;
+                    }
+                }
+            }
+            for r in t.r0..t.r1 {
+                // Causal: row r (position cached + r) sees keys up to cached + r.
+                let visible = (t.cached + r + 1).saturating_sub(key).min(kb);
+                if visible == 0 {
+                    continue;
+                }
+                let mask: __mmask16 = ((1u32 << visible) - 1) as u16;
+                let mut g0 = 0;
+                while g0 < group {
+                    // Up to four heads at once: each transposed key row is loaded once for all.
+                    let mut scores = [_mm512_setzero_ps(); 4];
+                    let first = (r - t.r0) * group + g0;
+                    let n = match group - g0 {
+                        1 => scores_n::<1>(&qbuf, first, hd, &kt, &mut scores),
+                        2 => scores_n::<2>(&qbuf, first, hd, &kt, &mut scores),
+                        3 => scores_n::<3>(&qbuf, first, hd, &kt, &mut scores),
+                        _ => scores_n::<4>(&qbuf, first, hd, &kt, &mut scores),
+                    };
+                    for (u, &sc) in scores.iter().enumerate().take(n) {
+                        let qi = first + u;
+                        let sc = _mm512_mask_blend_ps(mask, _mm512_set1_ps(f32::NEG_INFINITY), sc);
+                        let block_max = _mm512_mask_reduce_max_ps(mask, sc);
+                        let a = acc.as_mut_ptr().add(qi * hd);
+                        if block_max > m[qi] {
+                            let c = (m[qi] - block_max).exp();
+                            l[qi] *= c;
+                            let cv = _mm512_set1_ps(c);
+                            for q in 0..nvec {
+                                let x = _mm512_loadu_ps(a.add(16 * q));
+                                _mm512_storeu_ps(a.add(16 * q), _mm512_mul_ps(x, cv));
+                            }
+                            m[qi] = block_max;
+                        }
+                        let p = exp_ps(_mm512_sub_ps(sc, _mm512_set1_ps(m[qi])));
+                        l[qi] += _mm512_reduce_add_ps(p);
+                        _mm512_storeu_ps(probs.as_mut_ptr(), p);
+                        // acc += Σ_j p_j · v_j, four accumulator vectors at a time in registers.
+                        let mut q = 0;
+                        while q + 4 <= nvec {
+                            weighted4(
+                                a.add(16 * q),
+                                &probs[..visible],
+                                vb.as_ptr().add(16 * q),
+                                hd,
+                            );
+                            q += 4;
+                        }
+                        while q < nvec {
+                            let mut x = _mm512_loadu_ps(a.add(16 * q));
+                            for (j, &pj) in probs.iter().enumerate().take(visible) {
+                                let vj = _mm512_loadu_ps(vb.as_ptr().add(j * hd + 16 * q));
+                                x = _mm512_fmadd_ps(_mm512_set1_ps(pj), vj, x);
+                            }
+                            _mm512_storeu_ps(a.add(16 * q), x);
+                            q += 1;
+                        }
+                    }
+                    g0 += n;
+                }
+            }
+            key += kb;
+        }
+        for r in t.r0..t.r1 {
+            let row = t.start + r;
+            for g in 0..group {
+                let qi = (r - t.r0) * group + g;
+                let h = t.kvh * group + g;
+                let inv = _mm512_set1_ps(1.0 / l[qi]);
+                let dst = out.add(row * t.out_width + h * hd);
+                for q in 0..nvec {
+                    let x = _mm512_loadu_ps(acc.as_ptr().add(qi * hd + 16 * q));
+                    _mm512_storeu_ps(dst.add(16 * q), _mm512_mul_ps(x, inv));
+                }
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -361,6 +610,86 @@ mod tests {
             let want = reference(&q, &kr, &vr, s, sh);
             for (a, b) in out[s.start * w..(s.start + s.len) * w].iter().zip(&want) {
                 assert!((a - b).abs() < 1e-5);
+            }
+        }
+    }
+
+    /// The engine's shapes (block size 16, heads of 64 and 128): prompt and chunk tiles take
+    /// the AVX-512 tile path where the CPU has it, decodes the row path; all equal the full
+    /// softmax, for f32 and bf16 caches.
+    #[test]
+    fn engine_shaped_attention_equals_the_full_softmax() {
+        for (num_heads, num_kv_heads, head_dim) in [(9, 3, 64), (8, 2, 128), (4, 4, 64)] {
+            let sh = AttentionShape {
+                num_heads,
+                num_kv_heads,
+                head_dim,
+                q_stride: (num_heads + 2 * num_kv_heads) * head_dim,
+                block_size: 16,
+                scale: 1.0 / (head_dim as f32).sqrt(),
+            };
+            let kv_dim = num_kv_heads * head_dim;
+            let blocks = 24;
+            let slots = blocks * 16;
+            let k: Vec<f32> = (0..slots * kv_dim)
+                .map(|i| ((i * 31) % 17) as f32 / 17.0 - 0.5)
+                .collect();
+            let v: Vec<f32> = (0..slots * kv_dim)
+                .map(|i| ((i * 7) % 23) as f32 / 23.0 - 0.5)
+                .collect();
+            // A fresh prompt of 70 rows, a 40-row chunk after 33 cached tokens, one decode row
+            // after 50, on scattered blocks.
+            let info = [0u32, 70, 0, 70, 40, 33, 110, 1, 50];
+            let stride = 8;
+            let mut tables = vec![0u32; 3 * stride];
+            for (i, b) in [23u32, 1, 17, 5, 9, 2].iter().enumerate() {
+                tables[i] = *b;
+            }
+            for (i, b) in [4u32, 20, 11, 7, 0].iter().enumerate() {
+                tables[stride + i] = *b;
+            }
+            for (i, b) in [12u32, 3, 18, 6].iter().enumerate() {
+                tables[2 * stride + i] = *b;
+            }
+            let table = SeqTable {
+                info: &info,
+                tables: &tables,
+                stride,
+            };
+            let seqs: Vec<SeqBlocks<'_>> = table.iter().collect();
+            let rows = 111;
+            let q: Vec<f32> = (0..rows * sh.q_stride)
+                .map(|i| ((i * 13) % 29) as f32 / 29.0 - 0.5)
+                .collect();
+            let w = sh.num_heads * sh.head_dim;
+            let mut out = vec![f32::NAN; rows * w];
+            let kb: Vec<bf16> = k.iter().map(|&x| bf16::from_f32(x)).collect();
+            let vb: Vec<bf16> = v.iter().map(|&x| bf16::from_f32(x)).collect();
+            let (kr, vr): (Vec<f32>, Vec<f32>) = (
+                kb.iter().map(|x| x.to_f32()).collect(),
+                vb.iter().map(|x| x.to_f32()).collect(),
+            );
+            for bf in [false, true] {
+                if bf {
+                    paged_attention(&q, &kb, &vb, table, sh, &mut out);
+                } else {
+                    paged_attention(&q, &k, &v, table, sh, &mut out);
+                }
+                let (kk, vv) = if bf { (&kr, &vr) } else { (&k, &v) };
+                for s in &seqs {
+                    let want = reference(&q, kk, vv, s, sh);
+                    for (i, (a, b)) in out[s.start * w..(s.start + s.len) * w]
+                        .iter()
+                        .zip(&want)
+                        .enumerate()
+                    {
+                        assert!(
+                            (a - b).abs() < 1e-5,
+                            "{num_heads}/{num_kv_heads}x{head_dim} bf16={bf} seq at {} value {i}: {a} vs {b}",
+                            s.start
+                        );
+                    }
+                }
             }
         }
     }

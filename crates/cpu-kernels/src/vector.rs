@@ -106,7 +106,7 @@ fn portable_dot<W: WeightElem>(a: &[f32], b: &[W]) -> f32 {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod x86 {
+pub(crate) mod x86 {
     use crate::matmul::WeightElem;
     use std::any::TypeId;
     use std::arch::x86_64::*;
@@ -175,10 +175,13 @@ mod x86 {
         _mm512_reduce_add_ps(total)
     }
 
+    /// `e^v` lane by lane (see [`super::exp_inplace`]); `-inf` gives 0.
+    ///
     /// # Safety
-    /// `x` holds `n` writable values; AVX-512 F present.
+    /// AVX-512 F present.
+    #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-    pub(super) unsafe fn exp512(x: *mut f32, n: usize) {
+    pub(crate) unsafe fn exp_ps(v: __m512) -> __m512 {
         let log2e = _mm512_set1_ps(std::f32::consts::LOG2_E);
         let lo = _mm512_set1_ps(-126.0);
         let hi = _mm512_set1_ps(127.0);
@@ -192,28 +195,34 @@ mod x86 {
             0.001_333_355_8,
             0.000_154_035_3,
         ];
+        let t = _mm512_mul_ps(v, log2e);
+        // -inf (masked-out scores) and tiny values clamp to 2^-126 · 2^f, then flush to 0.
+        let underflow = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(t, lo);
+        let t = _mm512_min_ps(_mm512_max_ps(t, lo), hi);
+        let nf = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(t);
+        let f = _mm512_sub_ps(t, nf);
+        let mut p = _mm512_set1_ps(c[6]);
+        for &ck in c[..6].iter().rev() {
+            p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(ck));
+        }
+        let e = _mm512_slli_epi32::<23>(_mm512_add_epi32(
+            _mm512_cvtps_epi32(nf),
+            _mm512_set1_epi32(127),
+        ));
+        let r = _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+        _mm512_mask_blend_ps(underflow, r, _mm512_setzero_ps())
+    }
+
+    /// # Safety
+    /// `x` holds `n` writable values; AVX-512 F present.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub(super) unsafe fn exp512(x: *mut f32, n: usize) {
         let mut i = 0;
         while i < n {
             let left = (n - i).min(16);
             let mask: __mmask16 = ((1u32 << left) - 1) as u16;
             let v = _mm512_maskz_loadu_ps(mask, x.add(i));
-            let t = _mm512_mul_ps(v, log2e);
-            // -inf (masked-out scores) and tiny values clamp to 2^-126 · 2^f, then flush to 0.
-            let underflow = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(t, lo);
-            let t = _mm512_min_ps(_mm512_max_ps(t, lo), hi);
-            let nf = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(t);
-            let f = _mm512_sub_ps(t, nf);
-            let mut p = _mm512_set1_ps(c[6]);
-            for &ck in c[..6].iter().rev() {
-                p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(ck));
-            }
-            let e = _mm512_slli_epi32::<23>(_mm512_add_epi32(
-                _mm512_cvtps_epi32(nf),
-                _mm512_set1_epi32(127),
-            ));
-            let r = _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-            let r = _mm512_mask_blend_ps(underflow, r, _mm512_setzero_ps());
-            _mm512_mask_storeu_ps(x.add(i), mask, r);
+            _mm512_mask_storeu_ps(x.add(i), mask, exp_ps(v));
             i += left;
         }
     }
