@@ -117,7 +117,8 @@ enum ModelCommand {
         /// Output directory.
         #[arg(long)]
         out: PathBuf,
-        /// Block-FP8 weights (kda-hybrid; KDA projections stay BF16 and are listed as ignored).
+        /// Block-FP8 projections (kda-hybrid: KDA projections stay BF16 and are listed as
+        /// ignored; llama: every attention and MLP projection).
         #[arg(long)]
         fp8: bool,
         /// Seed of the values.
@@ -359,10 +360,7 @@ fn main() -> Result<()> {
                 },
         } => {
             let written = if arch == "llama" {
-                if fp8 {
-                    bail!("--fp8 is for --arch kda-hybrid");
-                }
-                tandem_model::synth::synth_llama(&preset, &out, seed)
+                tandem_model::synth::synth_llama_with(&preset, &out, seed, fp8)
             } else {
                 tandem_model::synth::synth_kda_hybrid(&preset, &out, fp8, seed)
             };

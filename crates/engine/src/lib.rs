@@ -9,6 +9,8 @@
 pub mod backend;
 /// Flattened batch description handed to a forward pass.
 pub mod batch;
+/// Block-FP8 checkpoints, dequantised at load.
+mod fp8_weights;
 /// KDA hybrid models (Kimi-Linear, GLM-5.3-Flash style): KDA + MLA layers, MoE FFN.
 pub mod kda_hybrid;
 /// Serving KDA-hybrid models: engine thread, state slots, state (de)serialisation.

@@ -131,6 +131,7 @@ impl HostTensors {
             )));
         }
         let mut map = HashMap::new();
+        let mut fp8 = std::collections::BTreeMap::new();
         for path in files {
             let bytes = std::fs::read(&path).map_err(|source| Error::Io {
                 path: path.clone(),
@@ -139,11 +140,34 @@ impl HostTensors {
             let st = SafeTensors::deserialize(&bytes)
                 .map_err(|e| Error::Weights(format!("{}: {e}", path.display())))?;
             for (name, view) in st.tensors() {
+                if view.dtype() == Dtype::F8_E4M3 {
+                    fp8.insert(name, (view.shape().to_vec(), view.data().to_vec()));
+                    continue;
+                }
                 let data = to_f32(view.dtype(), view.data()).ok_or_else(|| {
                     Error::Weights(format!("{name}: unsupported dtype {:?}", view.dtype()))
                 })?;
                 map.insert(name, (view.shape().to_vec(), data));
             }
+        }
+        if !fp8.is_empty() {
+            let config_path = dir.join("config.json");
+            let config: serde_json::Value = std::fs::read_to_string(&config_path)
+                .ok()
+                .and_then(|t| serde_json::from_str(&t).ok())
+                .ok_or_else(|| Error::Weights(format!("{}: unreadable", config_path.display())))?;
+            let block = crate::fp8_weights::block_size(&config)?;
+            let count = fp8.len();
+            for (name, shape, data) in
+                crate::fp8_weights::dequantize(fp8, block, |scale| map.remove(scale).map(|t| t.1))?
+            {
+                map.insert(name, (shape, data));
+            }
+            tracing::info!(
+                tensors = count,
+                block,
+                "block-FP8 weights dequantised at load (they run in the model's dtype)"
+            );
         }
         Ok(Self(map))
     }

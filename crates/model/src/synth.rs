@@ -550,8 +550,14 @@ pub fn llama_presets() -> Vec<LlamaPreset> {
 }
 
 /// Writes Llama preset `preset` into `out` in BF16 (a `LlamaForCausalLM` checkpoint that
-/// transformers loads as it is).
+/// transformers loads as it is); with `fp8`, the projections are block-FP8 (128×128 tiles
+/// with `weight_scale_inv`, a `quantization_config`), embeddings, norms and LM head BF16.
 pub fn synth_llama(preset: &str, out: &Path, seed: u64) -> Result<()> {
+    synth_llama_with(preset, out, seed, false)
+}
+
+/// [`synth_llama`] with the choice of block-FP8 projections.
+pub fn synth_llama_with(preset: &str, out: &Path, seed: u64, fp8: bool) -> Result<()> {
     let p = llama_presets()
         .into_iter()
         .find(|p| p.name == preset)
@@ -628,17 +634,32 @@ pub fn synth_llama(preset: &str, out: &Path, seed: u64) -> Result<()> {
         path: out.to_path_buf(),
         source,
     })?;
-    let bytes: BTreeMap<String, (Dtype, Vec<usize>, Vec<u8>)> = specs
-        .into_iter()
-        .map(|(name, shape, init)| {
-            let data = values(&name, &shape, init, seed)
+    let mut bytes: BTreeMap<String, (Dtype, Vec<usize>, Vec<u8>)> = BTreeMap::new();
+    for (name, shape, init) in specs {
+        let v = values(&name, &shape, init, seed);
+        let projection = name.contains("_proj.");
+        if fp8 && projection {
+            let module = name.strip_suffix(".weight").unwrap_or(&name).to_string();
+            let (codes, scales) = fp8::quantize_blocks(&v, shape[0], shape[1], 128);
+            let sshape = vec![shape[0].div_ceil(128), shape[1].div_ceil(128)];
+            bytes.insert(
+                format!("{module}.weight_scale_inv"),
+                (
+                    Dtype::F32,
+                    sshape,
+                    scales.iter().flat_map(|s| s.to_le_bytes()).collect(),
+                ),
+            );
+            bytes.insert(name, (Dtype::F8_E4M3, shape, codes));
+        } else {
+            let data = v
                 .iter()
                 .flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())
                 .collect();
-            (name, (Dtype::BF16, shape, data))
-        })
-        .collect();
-    let config = json!({
+            bytes.insert(name, (Dtype::BF16, shape, data));
+        }
+    }
+    let mut config = json!({
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "vocab_size": p.vocab, "hidden_size": h, "num_hidden_layers": p.layers,
@@ -649,6 +670,12 @@ pub fn synth_llama(preset: &str, out: &Path, seed: u64) -> Result<()> {
         "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
         "torch_dtype": "bfloat16", "dtype": "bfloat16",
     });
+    if fp8 {
+        config["quantization_config"] = json!({
+            "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+            "weight_block_size": [128, 128], "modules_to_not_convert": ["lm_head"],
+        });
+    }
     write_checkpoint(out, &bytes, &config)
 }
 

@@ -66,29 +66,11 @@ fn read_json(path: &Path) -> Result<serde_json::Value> {
     serde_json::from_str(&text).map_err(|e| Error::Weights(format!("{}: {e}", path.display())))
 }
 
-/// The FP8 tile size from `quantization_config.weight_block_size` (128 when absent).
-fn fp8_block(config: &serde_json::Value) -> Result<usize> {
-    let Some(bs) = config
-        .get("quantization_config")
-        .and_then(|q| q.get("weight_block_size"))
-        .and_then(|b| b.as_array())
-    else {
-        return Ok(128);
-    };
-    let sizes: Vec<u64> = bs.iter().filter_map(|v| v.as_u64()).collect();
-    match sizes.as_slice() {
-        [r, c] if r == c && *r > 0 => Ok(*r as usize),
-        _ => Err(Error::Weights(format!(
-            "weight_block_size {bs:?}: only square tiles are supported"
-        ))),
-    }
-}
-
 impl Checkpoint {
     /// Reads every `model*.safetensors` in `dir`, dequantising block-FP8 weights.
     pub fn load_dir(dir: &Path) -> Result<Self> {
         let config = read_json(&dir.join("config.json"))?;
-        let block = fp8_block(&config)?;
+        let block = crate::fp8_weights::block_size(&config)?;
         let mut files: Vec<_> = std::fs::read_dir(dir)
             .map_err(io_err(dir))?
             .filter_map(|e| e.ok().map(|e| e.path()))
@@ -129,27 +111,9 @@ impl Checkpoint {
                 tensors.insert(name, (view.shape().to_vec(), data));
             }
         }
-        for (name, (shape, codes)) in fp8 {
-            let module = name.strip_suffix(".weight").ok_or_else(|| {
-                Error::Weights(format!("{name}: FP8 tensor that is not a .weight"))
-            })?;
-            let scale_name = format!("{module}.weight_scale_inv");
-            let (_, scales) = tensors
-                .remove(&scale_name)
-                .ok_or_else(|| Error::Weights(format!("{name} is FP8 but has no {scale_name}")))?;
-            let [rows, cols] = shape[..] else {
-                return Err(Error::Weights(format!(
-                    "{name}: FP8 weight of shape {shape:?}"
-                )));
-            };
-            let tiles = rows.div_ceil(block) * cols.div_ceil(block);
-            if scales.len() != tiles {
-                return Err(Error::Weights(format!(
-                    "{scale_name}: {} scales, expected {tiles} for {block}×{block} tiles",
-                    scales.len()
-                )));
-            }
-            let data = tandem_model::fp8::dequantize_blocks(&codes, &scales, rows, cols, block);
+        for (name, shape, data) in
+            crate::fp8_weights::dequantize(fp8, block, |scale| tensors.remove(scale).map(|t| t.1))?
+        {
             tensors.insert(name, (shape, data));
         }
         let prefix = ["model.language_model.", "model."]
