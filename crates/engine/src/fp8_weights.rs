@@ -23,13 +23,16 @@ pub(crate) fn block_size(config: &serde_json::Value) -> Result<usize> {
     }
 }
 
+/// A dequantised tensor: name, shape, values.
+pub(crate) type Dequantised = (String, Vec<usize>, Vec<f32>);
+
 /// Dequantises each FP8 `name → (shape, codes)` with its `.weight_scale_inv`, which
 /// `take_scale` hands over (and removes from the f32 tensors); returns `(name, shape, values)`.
 pub(crate) fn dequantize(
     fp8: BTreeMap<String, (Vec<usize>, Vec<u8>)>,
     block: usize,
     mut take_scale: impl FnMut(&str) -> Option<Vec<f32>>,
-) -> Result<Vec<(String, Vec<usize>, Vec<f32>)>> {
+) -> Result<Vec<Dequantised>> {
     let mut out = Vec::with_capacity(fp8.len());
     for (name, (shape, codes)) in fp8 {
         let module = name
