@@ -124,6 +124,8 @@ pub struct ClusterOptions {
     pub pd_pair: bool,
     /// Also start an aggregated worker (`--role both`) and list it.
     pub aggregated: bool,
+    /// Extra YAML appended to the router's config (e.g. a `timeouts:` section).
+    pub router_config: String,
 }
 
 impl Default for ClusterOptions {
@@ -136,6 +138,7 @@ impl Default for ClusterOptions {
             decode_args: Vec::new(),
             dead_workers: false,
             decode_model: None,
+            router_config: String::new(),
             pd_pair: true,
             aggregated: false,
         }
@@ -265,6 +268,7 @@ impl Cluster {
                 cluster.aggregated_addr
             ));
         }
+        config.push_str(&opts.router_config);
         let config_path = cluster._dir.path().join("router.yaml");
         std::fs::write(&config_path, config).unwrap();
         let router = Command::new(&bin)
@@ -290,6 +294,21 @@ impl Cluster {
             cluster.logs()
         );
         cluster
+    }
+
+    /// Sends `signal` (e.g. `"STOP"`, `"CONT"`) to the process started as `name` (`prefill`,
+    /// `decode`, `both`, `router`): how tests stall a worker without killing it.
+    pub fn signal(&self, name: &str, signal: &str) {
+        let (_, child) = self
+            .children
+            .iter()
+            .find(|(n, _)| n == name)
+            .unwrap_or_else(|| panic!("no process {name}"));
+        let status = Command::new("kill")
+            .args([format!("-{signal}"), child.id().to_string()])
+            .status()
+            .expect("kill");
+        assert!(status.success(), "kill -{signal} {name}");
     }
 
     /// Keeps `child`; its log is teed to a file and its "… ready" line (logged once its

@@ -490,6 +490,79 @@ fn a_short_prompt_behind_a_long_one_gets_its_first_token_during_the_long_prefill
     });
 }
 
+/// The config's timeouts are enforced: a decode worker stopped (SIGSTOP, not killed) in the
+/// middle of a stream ends that stream with an in-band `deadline_exceeded` error after
+/// `inter_token` instead of holding it; while it stays stopped, a new request gets no first
+/// token, is retried (`first_token` each attempt) and fails with a 503 naming the stall; once
+/// the worker resumes, requests are answered again and nothing is held.
+#[test]
+fn a_stalled_decode_worker_hits_the_configured_timeouts() {
+    let cluster = Cluster::start(ClusterOptions {
+        router_config: "timeouts: {first_token: 2s, inter_token: 1s, request: 60s}\n".into(),
+        ..ClusterOptions::default()
+    });
+    let url = cluster.url.clone();
+    rt().block_on(async {
+        let c = reqwest::Client::new();
+        let body = json!({"model": "smollm2-135m-instruct", "prompt": "Once upon a time",
+                          "max_tokens": 400, "temperature": 0, "stream": true, "ignore_eos": true});
+        let resp = c
+            .post(format!("{url}/v1/completions"))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status().as_u16(), 200);
+        let mut stream = resp.bytes_stream();
+        let mut seen = String::new();
+        let mut stopped = false;
+        while let Some(chunk) = stream.next().await {
+            seen.push_str(&String::from_utf8_lossy(&chunk.unwrap()));
+            if !stopped && seen.contains("\"text\"") {
+                cluster.signal("decode", "STOP");
+                stopped = true;
+            }
+        }
+        assert!(stopped, "no token arrived: {seen}");
+        assert!(
+            !seen.contains("[DONE]"),
+            "the stalled stream claimed to finish"
+        );
+        assert!(
+            seen.contains("deadline_exceeded") && seen.contains("inter_token"),
+            "the stream should end with an inter-token timeout: {seen}"
+        );
+        // Still stopped: no first token on any attempt.
+        let (status, body) = post(
+            &c,
+            &format!("{url}/v1/chat/completions"),
+            chat(FRANCE, 8, false),
+        )
+        .await;
+        assert_eq!(status, 503, "{body}");
+        assert!(
+            body["error"]["message"]
+                .as_str()
+                .unwrap_or("")
+                .contains("no first token"),
+            "{body}"
+        );
+        cluster.signal("decode", "CONT");
+        let (status, body) = post(
+            &c,
+            &format!("{url}/v1/chat/completions"),
+            chat(FRANCE, 32, false),
+        )
+        .await;
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(
+            body["choices"][0]["message"]["content"],
+            "The capital of France is Paris."
+        );
+        assert_pools_full(&c, &url).await;
+    });
+}
+
 /// P/D across Llama layouts: a prefill worker on 3 tensor-parallel CPU ranks (SmolLM2's 9
 /// query and 3 KV heads split three ways) hands its K/V — gathered into the whole model's
 /// layout — to a single-rank decode worker; the answer is the single-rank one.

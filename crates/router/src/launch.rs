@@ -95,8 +95,10 @@ pub async fn run_from_config(
         .dir
         .clone()
         .ok_or("no model directory: set model.dir in the config or pass --model")?;
-    let handle =
-        |e: &crate::config::WorkerEndpoint| WorkerHandle::new(e.id.clone(), &e.address.to_string());
+    let connect = config.timeouts.connect;
+    let handle = |e: &crate::config::WorkerEndpoint| {
+        WorkerHandle::with_connect_timeout(e.id.clone(), &e.address.to_string(), connect)
+    };
     let prefill = config
         .prefill
         .iter()
@@ -112,12 +114,10 @@ pub async fn run_from_config(
         .iter()
         .map(handle)
         .collect::<Result<Vec<_>, _>>()?;
-    let pd = Arc::new(PdGenerator::with_aggregated(
-        prefill,
-        decode,
-        aggregated,
-        RetryPolicy::default(),
-    ));
+    let pd = Arc::new(
+        PdGenerator::with_aggregated(prefill, decode, aggregated, RetryPolicy::default())
+            .with_timeouts(config.timeouts),
+    );
     let state = RouterState::new(
         Arc::new(SharedPd(pd.clone())),
         &ModelInfo::new(config.model.served_name.clone(), dir),

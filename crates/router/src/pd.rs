@@ -49,8 +49,18 @@ impl Drop for DpSlot {
 }
 
 impl WorkerHandle {
-    /// A lazily connected handle to the worker at `address` (`http://host:port`).
+    /// A lazily connected handle to the worker at `address` (`http://host:port`), with the
+    /// default connect timeout.
     pub fn new(id: WorkerId, address: &str) -> Result<Self, GenerateError> {
+        Self::with_connect_timeout(id, address, crate::config::Timeouts::default().connect)
+    }
+
+    /// A lazily connected handle whose connection attempts give up after `connect`.
+    pub fn with_connect_timeout(
+        id: WorkerId,
+        address: &str,
+        connect: Duration,
+    ) -> Result<Self, GenerateError> {
         let endpoint = Endpoint::from_shared(address.to_string())
             .map_err(|e| {
                 GenerateError::new(
@@ -58,7 +68,7 @@ impl WorkerHandle {
                     format!("bad worker address {address}: {e}"),
                 )
             })?
-            .connect_timeout(Duration::from_secs(5))
+            .connect_timeout(connect)
             .tcp_nodelay(true);
         Ok(Self {
             id,
@@ -144,6 +154,7 @@ pub struct PdGenerator {
     aggregated: Vec<WorkerHandle>,
     next: AtomicUsize,
     retry: RetryPolicy,
+    timeouts: crate::config::Timeouts,
 }
 
 /// Maps a gRPC status to an error class: the worker's own classification when present.
@@ -171,7 +182,30 @@ pub fn classify_status(s: tonic::Status) -> GenerateError {
         tonic::Code::Unavailable | tonic::Code::Unknown => ErrorClass::Unavailable,
         _ => ErrorClass::Internal,
     });
-    GenerateError::new(class, s.message().to_string())
+    // A status the worker did not classify came from the transport (a reset connection, an
+    // HTTP/2 error, a refused connect): keep its details in the log, not in the API answer.
+    let message = if reported.is_none()
+        && matches!(
+            s.code(),
+            tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Internal
+        ) {
+        tracing::debug!(code = ?s.code(), detail = %s.message(), "worker transport error");
+        format!(
+            "the connection to a worker failed ({})",
+            transport_reason(s.code())
+        )
+    } else {
+        s.message().to_string()
+    };
+    GenerateError::new(class, message)
+}
+
+fn transport_reason(code: tonic::Code) -> &'static str {
+    match code {
+        tonic::Code::Unavailable => "unavailable",
+        tonic::Code::Unknown => "broken stream",
+        _ => "protocol error",
+    }
 }
 
 fn finish_from_pb(v: i32) -> Option<FinishReason> {
@@ -220,7 +254,15 @@ impl PdGenerator {
             aggregated,
             next: AtomicUsize::new(0),
             retry,
+            timeouts: crate::config::Timeouts::default(),
         }
+    }
+
+    /// The same generator enforcing `timeouts`: a first token (per attempt; a stalled pair is
+    /// retried elsewhere), every later token, and the whole request.
+    pub fn with_timeouts(mut self, timeouts: crate::config::Timeouts) -> Self {
+        self.timeouts = timeouts;
+        self
     }
 
     /// Every worker, prefill first, then decode, then aggregated.
@@ -263,9 +305,27 @@ impl PdGenerator {
             return Err(last);
         }
         let (mut pi, mut di, mut route) = (base, base, base % routes);
+        let t = self.timeouts;
+        let deadline = tokio::time::Instant::now() + t.request;
         for attempt in 0..self.retry.attempts.max(1) {
+            // Each attempt has until its first token: the first-token limit, or what is left
+            // of the request's.
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            if left.is_zero() {
+                return Err(request_deadline(t.request));
+            }
+            let budget = t.first_token.min(left);
+            let stalled = |who: String| {
+                GenerateError::new(
+                    ErrorClass::Unavailable,
+                    format!("no first token from {who} within {}", format!("{budget:?}")),
+                )
+            };
             let result = if let Some(w) = self.aggregated.get(route) {
-                try_aggregated(w, &req).await.inspect_err(|e| {
+                let attempt_result = tokio::time::timeout(budget, try_aggregated(w, &req))
+                    .await
+                    .unwrap_or_else(|_| Err(stalled(format!("worker {}", w.id))));
+                attempt_result.inspect_err(|e| {
                     tracing::warn!(request = %req.id, worker = %w.id, attempt,
                         class = e.class.as_str(), error = %e.message, "aggregated attempt failed");
                 })
@@ -273,7 +333,16 @@ impl PdGenerator {
                 let Some((p, d)) = self.pick(pi, di) else {
                     break;
                 };
-                try_pair(&p, &d, &req).await.map_err(|(leg, e)| {
+                let attempt_result = tokio::time::timeout(budget, try_pair(&p, &d, &req))
+                    .await
+                    .unwrap_or_else(|_| {
+                        // Which side stalled is not known: move both.
+                        Err((
+                            Leg::Both,
+                            stalled(format!("prefill {} and decode {}", p.id, d.id)),
+                        ))
+                    });
+                attempt_result.map_err(|(leg, e)| {
                     match leg {
                         Leg::Prefill => pi += 1,
                         Leg::Decode => di += 1,
@@ -288,7 +357,7 @@ impl PdGenerator {
                 })
             };
             match result {
-                Ok(stream) => return Ok(stream),
+                Ok(stream) => return Ok(paced(stream, t.inter_token, deadline, t.request)),
                 Err(e) => {
                     if !e.class.is_retryable() {
                         return Err(e);
@@ -301,6 +370,47 @@ impl PdGenerator {
         }
         Err(last)
     }
+}
+
+fn request_deadline(limit: Duration) -> GenerateError {
+    GenerateError::new(
+        ErrorClass::DeadlineExceeded,
+        format!(
+            "the request did not finish within {} (timeouts.request)",
+            format!("{limit:?}")
+        ),
+    )
+}
+
+/// `tokens` with a limit between two tokens and on the whole request: a stream that stalls
+/// ends with a `DeadlineExceeded` error instead of holding its client.
+fn paced(
+    tokens: TokenStream,
+    inter_token: Duration,
+    deadline: tokio::time::Instant,
+    request: Duration,
+) -> TokenStream {
+    futures::stream::unfold(Some(tokens), move |state| async move {
+        let mut tokens = state?;
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        let wait = inter_token.min(left);
+        match tokio::time::timeout(wait, tokens.next()).await {
+            Ok(Some(item)) => Some((item, Some(tokens))),
+            Ok(None) => None,
+            Err(_) if wait < inter_token => Some((Err(request_deadline(request)), None)),
+            Err(_) => Some((
+                Err(GenerateError::new(
+                    ErrorClass::DeadlineExceeded,
+                    format!(
+                        "no token for {} (timeouts.inter_token)",
+                        format!("{inter_token:?}")
+                    ),
+                )),
+                None,
+            )),
+        }
+    })
+    .boxed()
 }
 
 /// A whole request on one aggregated worker: resolves with its first token (so a failure
