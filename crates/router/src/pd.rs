@@ -318,7 +318,7 @@ impl PdGenerator {
             let stalled = |who: String| {
                 GenerateError::new(
                     ErrorClass::Unavailable,
-                    format!("no first token from {who} within {}", format!("{budget:?}")),
+                    format!("no first token from {who} within {budget:?}"),
                 )
             };
             let result = if let Some(w) = self.aggregated.get(route) {
@@ -375,10 +375,7 @@ impl PdGenerator {
 fn request_deadline(limit: Duration) -> GenerateError {
     GenerateError::new(
         ErrorClass::DeadlineExceeded,
-        format!(
-            "the request did not finish within {} (timeouts.request)",
-            format!("{limit:?}")
-        ),
+        format!("the request did not finish within {limit:?} (timeouts.request)"),
     )
 }
 
@@ -401,10 +398,7 @@ fn paced(
             Err(_) => Some((
                 Err(GenerateError::new(
                     ErrorClass::DeadlineExceeded,
-                    format!(
-                        "no token for {} (timeouts.inter_token)",
-                        format!("{inter_token:?}")
-                    ),
+                    format!("no token for {inter_token:?} (timeouts.inter_token)"),
                 )),
                 None,
             )),
