@@ -285,6 +285,7 @@ assert text == "The capital of France is Paris.", text
 /// /admin/workers names the dead ones.
 #[test]
 fn dead_workers_are_routed_around_and_nothing_is_lost() {
+    // Dead workers are listed first: the even-numbered requests' first attempts hit both.
     let cluster = Cluster::start(ClusterOptions {
         kv_blocks: 256,
         dead_workers: true,
@@ -324,6 +325,18 @@ fn dead_workers_are_routed_around_and_nothing_is_lost() {
             .filter(|w| w["error"].is_string())
             .collect();
         assert_eq!(dead.len(), 2, "{workers}");
+        // Each dead worker failed several attempts: its breaker took it out of rotation.
+        assert!(
+            dead.iter().all(|w| w["ejected"] == true),
+            "dead workers should be ejected: {workers}"
+        );
+        let live_ejected = workers["workers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|w| !w["error"].is_string() && w["ejected"] == true)
+            .count();
+        assert_eq!(live_ejected, 0, "{workers}");
         assert_eq!(
             c.get(format!("{url}/ready"))
                 .send()

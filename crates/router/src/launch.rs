@@ -40,9 +40,12 @@ async fn worker_report(pd: &PdGenerator, wait_idle: Duration) -> Vec<Value> {
                 "kv_bytes_transferred": s.kv_bytes_transferred,
                 "layout": s.layout, "dp_size": s.dp_size, "dp_free_slots": s.dp_free_slots,
                 "cancelled_requests": s.cancelled_requests,
+                "ejected": w.is_ejected(),
             }),
-            Ok(Err(e)) => json!({"id": w.id.0, "address": w.address, "error": e.message}),
-            Err(_) => json!({"id": w.id.0, "address": w.address, "error": "stats timed out"}),
+            Ok(Err(e)) => json!({"id": w.id.0, "address": w.address, "error": e.message,
+                                 "ejected": w.is_ejected()}),
+            Err(_) => json!({"id": w.id.0, "address": w.address, "error": "stats timed out",
+                             "ejected": w.is_ejected()}),
         }
     });
     futures::future::join_all(asks).await

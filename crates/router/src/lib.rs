@@ -16,6 +16,8 @@
 //! [`ApiError::status`].
 
 /// Compiling and rendering Hugging Face chat templates.
+/// Per-worker circuit breakers.
+pub mod breaker;
 pub mod chat_template;
 /// The `/v1/chat/completions` and `/v1/completions` handlers and their answer shapes.
 mod completions;

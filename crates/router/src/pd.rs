@@ -29,6 +29,16 @@ pub struct WorkerHandle {
     client: pb::worker_client::WorkerClient<Channel>,
     /// Requests in flight per attention-DP group (decode workers), learned on first use.
     dp_load: Arc<Mutex<Option<Vec<usize>>>>,
+    /// Ejects the worker from new routing after repeated failures of its own.
+    breaker: Arc<Mutex<crate::breaker::Breaker>>,
+}
+
+/// What an attempt says about one worker it was routed to.
+#[derive(Clone, Copy, Debug)]
+enum Outcome {
+    Ok,
+    Failed(ErrorClass),
+    Untested,
 }
 
 /// Holds a request's place on a decode worker's attention-DP group; released on drop.
@@ -75,6 +85,7 @@ impl WorkerHandle {
             address: address.to_string(),
             client: pb::worker_client::WorkerClient::new(endpoint.connect_lazy()),
             dp_load: Arc::new(Mutex::new(None)),
+            breaker: Arc::new(Mutex::new(crate::breaker::Breaker::default())),
         })
     }
 
@@ -110,6 +121,29 @@ impl WorkerHandle {
     }
 
     /// The worker's counters (KV pool, running requests).
+    /// Whether the worker's breaker keeps it out of rotation now.
+    pub fn is_ejected(&self) -> bool {
+        self.breaker
+            .lock()
+            .is_ok_and(|b| b.is_open(std::time::Instant::now()))
+    }
+
+    fn admit(&self) -> bool {
+        self.breaker
+            .lock()
+            .is_ok_and(|mut b| b.admit(std::time::Instant::now()) != crate::breaker::Admit::No)
+    }
+
+    fn report(&self, outcome: Outcome, policy: crate::breaker::BreakerPolicy) {
+        if let Ok(mut b) = self.breaker.lock() {
+            match outcome {
+                Outcome::Ok => b.on_success(),
+                Outcome::Failed(class) => b.on_failure(class, std::time::Instant::now(), policy),
+                Outcome::Untested => b.on_untested(),
+            }
+        }
+    }
+
     pub async fn stats(&self) -> Result<pb::StatsResponse, GenerateError> {
         self.stats_when_idle(Duration::ZERO).await
     }
@@ -155,6 +189,7 @@ pub struct PdGenerator {
     next: AtomicUsize,
     retry: RetryPolicy,
     timeouts: crate::config::Timeouts,
+    breaker: crate::breaker::BreakerPolicy,
 }
 
 /// Maps a gRPC status to an error class: the worker's own classification when present.
@@ -255,7 +290,14 @@ impl PdGenerator {
             next: AtomicUsize::new(0),
             retry,
             timeouts: crate::config::Timeouts::default(),
+            breaker: crate::breaker::BreakerPolicy::default(),
         }
+    }
+
+    /// The same generator with breaker settings `policy`.
+    pub fn with_breaker(mut self, policy: crate::breaker::BreakerPolicy) -> Self {
+        self.breaker = policy;
+        self
     }
 
     /// The same generator enforcing `timeouts`: a first token (per attempt; a stalled pair is
@@ -290,10 +332,7 @@ impl PdGenerator {
         if self.prefill.is_empty() || self.decode.is_empty() {
             return None;
         }
-        Some((
-            self.prefill[p % self.prefill.len()].clone(),
-            self.decode[d % self.decode.len()].clone(),
-        ))
+        Some((choose(&self.prefill, p), choose(&self.decode, d)))
     }
 
     async fn run(self: Arc<Self>, req: ValidGenerateRequest) -> Result<TokenStream, GenerateError> {
@@ -322,9 +361,16 @@ impl PdGenerator {
                 )
             };
             let result = if let Some(w) = self.aggregated.get(route) {
+                let _ = w.admit();
                 let attempt_result = tokio::time::timeout(budget, try_aggregated(w, &req))
                     .await
                     .unwrap_or_else(|_| Err(stalled(format!("worker {}", w.id))));
+                w.report(
+                    attempt_result
+                        .as_ref()
+                        .map_or_else(|e| Outcome::Failed(e.class), |_| Outcome::Ok),
+                    self.breaker,
+                );
                 attempt_result.inspect_err(|e| {
                     tracing::warn!(request = %req.id, worker = %w.id, attempt,
                         class = e.class.as_str(), error = %e.message, "aggregated attempt failed");
@@ -342,6 +388,14 @@ impl PdGenerator {
                             stalled(format!("prefill {} and decode {}", p.id, d.id)),
                         ))
                     });
+                let (p_out, d_out) = match &attempt_result {
+                    Ok(_) => (Outcome::Ok, Outcome::Ok),
+                    Err((Leg::Prefill, e)) => (Outcome::Failed(e.class), Outcome::Ok),
+                    Err((Leg::Decode, e)) => (Outcome::Untested, Outcome::Failed(e.class)),
+                    Err((Leg::Both, e)) => (Outcome::Failed(e.class), Outcome::Failed(e.class)),
+                };
+                p.report(p_out, self.breaker);
+                d.report(d_out, self.breaker);
                 attempt_result.map_err(|(leg, e)| {
                     match leg {
                         Leg::Prefill => pi += 1,
@@ -370,6 +424,17 @@ impl PdGenerator {
         }
         Err(last)
     }
+}
+
+/// The first worker from position `start` whose breaker admits a request; when every one is
+/// ejected, the one at `start` (requests are never refused for want of a healthy worker: the
+/// attempt fails and is retried, or reports the failure).
+fn choose(list: &[WorkerHandle], start: usize) -> WorkerHandle {
+    (0..list.len())
+        .map(|i| &list[(start + i) % list.len()])
+        .find(|w| w.admit())
+        .unwrap_or(&list[start % list.len()])
+        .clone()
 }
 
 fn request_deadline(limit: Duration) -> GenerateError {
@@ -569,5 +634,53 @@ pub struct SharedPd(pub Arc<PdGenerator>);
 impl Generator for SharedPd {
     fn generate(&self, request: ValidGenerateRequest) -> GenerateFuture {
         Box::pin(self.0.clone().run(request))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn handles(prefix: &str, n: usize) -> Vec<WorkerHandle> {
+        (0..n)
+            .map(|i| {
+                // Lazily connected: nothing listens, nothing is dialled by these tests.
+                WorkerHandle::new(WorkerId(format!("{prefix}-{i}")), "http://127.0.0.1:9")
+                    .expect("address")
+            })
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn an_ejected_worker_is_skipped_until_its_cooldown_ends() {
+        let policy = crate::breaker::BreakerPolicy {
+            threshold: 2,
+            cooldown: Duration::from_secs(3600),
+        };
+        let pd = PdGenerator::new(handles("p", 1), handles("d", 2), RetryPolicy::default())
+            .with_breaker(policy);
+        let (_, d) = pd.pick(0, 0).expect("pair");
+        assert_eq!(d.id.0, "d-0");
+        for _ in 0..2 {
+            pd.decode[0].report(Outcome::Failed(ErrorClass::Unavailable), policy);
+        }
+        assert!(pd.decode[0].is_ejected());
+        for start in 0..4 {
+            let (_, d) = pd.pick(0, start).expect("pair");
+            assert_eq!(
+                d.id.0, "d-1",
+                "start {start}: the ejected worker was chosen"
+            );
+        }
+        // A bad request is the client's fault: it never ejects a worker.
+        for _ in 0..5 {
+            pd.decode[1].report(Outcome::Failed(ErrorClass::InvalidRequest), policy);
+        }
+        assert!(!pd.decode[1].is_ejected());
+        // With every worker ejected, requests still go somewhere (and fail or probe there).
+        for _ in 0..2 {
+            pd.decode[1].report(Outcome::Failed(ErrorClass::Unavailable), policy);
+        }
+        assert!(pd.pick(0, 1).is_some());
     }
 }
