@@ -126,6 +126,8 @@ pub struct ClusterOptions {
     pub aggregated: bool,
     /// Extra YAML appended to the router's config (e.g. a `timeouts:` section).
     pub router_config: String,
+    /// Start a second decode worker (process name `decode2`), listed after the first.
+    pub second_decode: bool,
 }
 
 impl Default for ClusterOptions {
@@ -139,6 +141,7 @@ impl Default for ClusterOptions {
             dead_workers: false,
             decode_model: None,
             router_config: String::new(),
+            second_decode: false,
             pd_pair: true,
             aggregated: false,
         }
@@ -188,6 +191,9 @@ impl Cluster {
         let mut roles = Vec::new();
         if opts.pd_pair {
             roles.extend(["prefill", "decode"]);
+            if opts.second_decode {
+                roles.push("decode2");
+            }
         }
         if opts.aggregated {
             roles.push("both");
@@ -201,7 +207,7 @@ impl Cluster {
                 .args([
                     "worker",
                     "--role",
-                    role,
+                    if role == "decode2" { "decode" } else { role },
                     "--listen",
                     "127.0.0.1:0",
                     "--model",
@@ -211,7 +217,7 @@ impl Cluster {
                 ])
                 .args(match role {
                     "prefill" => &opts.prefill_args,
-                    "decode" => &opts.decode_args,
+                    "decode" | "decode2" => &opts.decode_args,
                     _ => &[][..],
                 })
                 .envs(
@@ -235,6 +241,7 @@ impl Cluster {
         };
         cluster.prefill_addr = addr("prefill");
         cluster.decode_addr = addr("decode");
+        let decode2_addr = addr("decode2");
         cluster.aggregated_addr = addr("both");
         // Dead workers: listed in the router's config; their ports are bound here but never
         // listened on, so connecting is refused and no other process can take them.
@@ -261,6 +268,9 @@ impl Cluster {
                 "prefill:\n{dead_p}  - id: prefill-0\n    address: {}\ndecode:\n  - id: decode-0\n    address: {}\n{dead_d}",
                 cluster.prefill_addr, cluster.decode_addr
             ));
+            if !decode2_addr.is_empty() {
+                config.push_str(&format!("  - id: decode-1\n    address: {decode2_addr}\n"));
+            }
         }
         if opts.aggregated {
             config.push_str(&format!(

@@ -576,6 +576,62 @@ fn a_stalled_decode_worker_hits_the_configured_timeouts() {
     });
 }
 
+/// Migration: the decode worker serving a stream is killed (-9) after a few tokens; the
+/// router runs the request again on the other decode worker, checks that the replay repeats
+/// the tokens already sent, and continues the same SSE stream — the client gets the whole
+/// answer once, ending in `[DONE]`, equal to an uninterrupted run.
+#[test]
+fn a_stream_survives_the_death_of_its_decode_worker() {
+    let cluster = Cluster::start(ClusterOptions {
+        second_decode: true,
+        ..ClusterOptions::default()
+    });
+    let url = cluster.url.clone();
+    rt().block_on(async {
+        let c = reqwest::Client::new();
+        let body = json!({"model": "smollm2-135m-instruct", "prompt": "Once upon a time",
+                          "max_tokens": 48, "temperature": 0, "stream": true, "ignore_eos": true});
+        // The first request goes to the first decode worker (round-robin from the start).
+        let resp = c
+            .post(format!("{url}/v1/completions"))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status().as_u16(), 200);
+        let mut stream = resp.bytes_stream();
+        let mut raw = String::new();
+        let mut killed = false;
+        while let Some(chunk) = stream.next().await {
+            raw.push_str(&String::from_utf8_lossy(&chunk.unwrap()));
+            if !killed && raw.matches("\"text\"").count() >= 4 {
+                cluster.signal("decode", "KILL");
+                killed = true;
+            }
+        }
+        assert!(killed, "the stream ended before the kill: {raw}");
+        assert!(raw.contains("[DONE]"), "the stream did not finish: {raw}");
+        let text = |raw: &str| -> String {
+            raw.lines()
+                .filter_map(|l| l.strip_prefix("data: "))
+                .filter(|d| *d != "[DONE]")
+                .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+                .filter_map(|v| v["choices"][0]["text"].as_str().map(str::to_owned))
+                .collect()
+        };
+        // The same request, uninterrupted (the surviving decode worker serves it).
+        let (status, whole) = post(
+            &c,
+            &format!("{url}/v1/completions"),
+            json!({"model": "smollm2-135m-instruct", "prompt": "Once upon a time",
+                   "max_tokens": 48, "temperature": 0, "ignore_eos": true}),
+        )
+        .await;
+        assert_eq!(status, 200, "{whole}");
+        assert_eq!(text(&raw), whole["choices"][0]["text"].as_str().unwrap());
+    });
+}
+
 /// P/D across Llama layouts: a prefill worker on 3 tensor-parallel CPU ranks (SmolLM2's 9
 /// query and 3 KV heads split three ways) hands its K/V — gathered into the whole model's
 /// layout — to a single-rank decode worker; the answer is the single-rank one.

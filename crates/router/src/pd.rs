@@ -337,15 +337,38 @@ impl PdGenerator {
 
     async fn run(self: Arc<Self>, req: ValidGenerateRequest) -> Result<TokenStream, GenerateError> {
         let base = self.next.fetch_add(1, Ordering::Relaxed);
-        let mut last = GenerateError::new(ErrorClass::Unavailable, "no workers configured");
         let pairs = usize::from(!self.prefill.is_empty() && !self.decode.is_empty());
         let routes = self.aggregated.len() + pairs;
         if routes == 0 {
-            return Err(last);
+            return Err(GenerateError::new(
+                ErrorClass::Unavailable,
+                "no workers configured",
+            ));
         }
-        let (mut pi, mut di, mut route) = (base, base, base % routes);
+        let mut cursor = Cursor {
+            pi: base,
+            di: base,
+            route: base % routes,
+            routes,
+        };
         let t = self.timeouts;
         let deadline = tokio::time::Instant::now() + t.request;
+        let stream = self.first_stream(&req, &mut cursor, deadline).await?;
+        let resumed = resuming(self.clone(), req, cursor, deadline, stream);
+        Ok(paced(resumed, t.inter_token, deadline, t.request))
+    }
+
+    /// Attempts until one yields a first token (or the retry budget, a non-retryable error
+    /// or the request deadline ends it), moving `cursor` past the routes that failed.
+    async fn first_stream(
+        &self,
+        req: &ValidGenerateRequest,
+        cursor: &mut Cursor,
+        deadline: tokio::time::Instant,
+    ) -> Result<TokenStream, GenerateError> {
+        let mut last = GenerateError::new(ErrorClass::Unavailable, "no workers configured");
+        let t = self.timeouts;
+        let routes = cursor.routes;
         for attempt in 0..self.retry.attempts.max(1) {
             // Each attempt has until its first token: the first-token limit, or what is left
             // of the request's.
@@ -360,9 +383,9 @@ impl PdGenerator {
                     format!("no first token from {who} within {budget:?}"),
                 )
             };
-            let result = if let Some(w) = self.aggregated.get(route) {
+            let result = if let Some(w) = self.aggregated.get(cursor.route) {
                 let _ = w.admit();
-                let attempt_result = tokio::time::timeout(budget, try_aggregated(w, &req))
+                let attempt_result = tokio::time::timeout(budget, try_aggregated(w, req))
                     .await
                     .unwrap_or_else(|_| Err(stalled(format!("worker {}", w.id))));
                 w.report(
@@ -376,10 +399,10 @@ impl PdGenerator {
                         class = e.class.as_str(), error = %e.message, "aggregated attempt failed");
                 })
             } else {
-                let Some((p, d)) = self.pick(pi, di) else {
+                let Some((p, d)) = self.pick(cursor.pi, cursor.di) else {
                     break;
                 };
-                let attempt_result = tokio::time::timeout(budget, try_pair(&p, &d, &req))
+                let attempt_result = tokio::time::timeout(budget, try_pair(&p, &d, req))
                     .await
                     .unwrap_or_else(|_| {
                         // Which side stalled is not known: move both.
@@ -398,11 +421,11 @@ impl PdGenerator {
                 d.report(d_out, self.breaker);
                 attempt_result.map_err(|(leg, e)| {
                     match leg {
-                        Leg::Prefill => pi += 1,
-                        Leg::Decode => di += 1,
+                        Leg::Prefill => cursor.pi += 1,
+                        Leg::Decode => cursor.di += 1,
                         Leg::Both => {
-                            pi += 1;
-                            di += 1;
+                            cursor.pi += 1;
+                            cursor.di += 1;
                         }
                     }
                     tracing::warn!(request = %req.id, prefill = %p.id, decode = %d.id, attempt,
@@ -411,19 +434,119 @@ impl PdGenerator {
                 })
             };
             match result {
-                Ok(stream) => return Ok(paced(stream, t.inter_token, deadline, t.request)),
+                Ok(stream) => return Ok(stream),
                 Err(e) => {
                     if !e.class.is_retryable() {
                         return Err(e);
                     }
                     last = e;
-                    route = (route + 1) % routes;
+                    cursor.route = (cursor.route + 1) % routes;
                     tokio::time::sleep(self.retry.backoff * 2u32.pow(attempt)).await;
                 }
             }
         }
         Err(last)
     }
+}
+
+/// Where a request's next attempt goes: round-robin positions per pool and route.
+#[derive(Clone, Copy, Debug)]
+struct Cursor {
+    pi: usize,
+    di: usize,
+    route: usize,
+    routes: usize,
+}
+
+/// How many times one request may move to another pair after tokens were streamed.
+const MIGRATION_LIMIT: u32 = 3;
+
+/// `tokens` continued on another pair when its stream breaks with a retryable error after
+/// some tokens were sent: the request is run again from its prompt on the next route, the
+/// replay's first tokens are checked against those already sent (sampling is a function of
+/// the seed and the step, so they repeat) and skipped, and the stream goes on from there.
+/// A replay that diverges ends the stream with an error rather than send different text.
+fn resuming(
+    generator: Arc<PdGenerator>,
+    req: ValidGenerateRequest,
+    cursor: Cursor,
+    deadline: tokio::time::Instant,
+    tokens: TokenStream,
+) -> TokenStream {
+    struct State {
+        generator: Arc<PdGenerator>,
+        req: ValidGenerateRequest,
+        cursor: Cursor,
+        deadline: tokio::time::Instant,
+        tokens: TokenStream,
+        sent: Vec<u32>,
+        migrations: u32,
+    }
+    let state = State {
+        generator,
+        req,
+        cursor,
+        deadline,
+        tokens,
+        sent: Vec::new(),
+        migrations: 0,
+    };
+    futures::stream::unfold(Some(state), |state| async move {
+        let mut s = state?;
+        loop {
+            match s.tokens.next().await {
+                Some(Ok(tok)) => {
+                    s.sent.push(tok.token_id);
+                    let more = tok.finish_reason.is_none();
+                    return Some((Ok(tok), more.then_some(s)));
+                }
+                None => return None,
+                Some(Err(e))
+                    if e.class.is_retryable()
+                        && !s.sent.is_empty()
+                        && s.migrations < MIGRATION_LIMIT =>
+                {
+                    s.migrations += 1;
+                    tracing::warn!(request = %s.req.id, tokens = s.sent.len(),
+                        migration = s.migrations, class = e.class.as_str(), error = %e.message,
+                        "stream broke after tokens were sent: continuing on another pair");
+                    // The decode leg broke: move it (and the route) on.
+                    s.cursor.di += 1;
+                    s.cursor.route = (s.cursor.route + 1) % s.cursor.routes;
+                    let mut next = match s
+                        .generator
+                        .first_stream(&s.req, &mut s.cursor, s.deadline)
+                        .await
+                    {
+                        Ok(t) => t,
+                        Err(e) => return Some((Err(e), None)),
+                    };
+                    for (i, &want) in s.sent.iter().enumerate() {
+                        match next.next().await {
+                            Some(Ok(tok)) if tok.token_id == want => {}
+                            Some(Err(e)) => return Some((Err(e), None)),
+                            _ => {
+                                return Some((
+                                    Err(GenerateError::new(
+                                        ErrorClass::Internal,
+                                        format!(
+                                            "the request moved to another pair after its stream \
+                                             broke, and the replay diverged at token {i}: stopped \
+                                             rather than send different text"
+                                        ),
+                                    )),
+                                    None,
+                                ))
+                            }
+                        }
+                    }
+                    s.tokens = next;
+                }
+                Some(Err(e)) => return Some((Err(e), None)),
+            }
+        }
+    })
+    .boxed()
 }
 
 /// The first worker from position `start` whose breaker admits a request; when every one is
