@@ -54,6 +54,23 @@ fn chat(content: &str, max_tokens: u32, stream: bool) -> Value {
            "max_tokens": max_tokens, "temperature": 0, "stream": stream})
 }
 
+/// The reference question answered non-streamed with the reference answer, and every live
+/// pool whole afterwards.
+async fn assert_answers_paris_and_holds_nothing(client: &reqwest::Client, url: &str) {
+    let (status, body) = post(
+        client,
+        &format!("{url}/v1/chat/completions"),
+        chat(FRANCE, 32, false),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(
+        body["choices"][0]["message"]["content"],
+        "The capital of France is Paris."
+    );
+    assert_pools_full(client, url).await;
+}
+
 fn chat_deltas(events: &[Value]) -> (String, Option<String>) {
     let mut text = String::new();
     let mut finish = None;
@@ -561,18 +578,7 @@ fn a_stalled_decode_worker_hits_the_configured_timeouts() {
             "{body}"
         );
         cluster.signal("decode", "CONT");
-        let (status, body) = post(
-            &c,
-            &format!("{url}/v1/chat/completions"),
-            chat(FRANCE, 32, false),
-        )
-        .await;
-        assert_eq!(status, 200, "{body}");
-        assert_eq!(
-            body["choices"][0]["message"]["content"],
-            "The capital of France is Paris."
-        );
-        assert_pools_full(&c, &url).await;
+        assert_answers_paris_and_holds_nothing(&c, &url).await;
     });
 }
 
@@ -644,18 +650,7 @@ fn a_tp3_prefill_worker_hands_off_to_a_tp1_decode_worker() {
     let url = cluster.url.clone();
     rt().block_on(async move {
         let c = reqwest::Client::new();
-        let (status, body) = post(
-            &c,
-            &format!("{url}/v1/chat/completions"),
-            chat(FRANCE, 32, false),
-        )
-        .await;
-        assert_eq!(status, 200, "{body}");
-        assert_eq!(
-            body["choices"][0]["message"]["content"],
-            "The capital of France is Paris."
-        );
-        assert_pools_full(&c, &url).await;
+        assert_answers_paris_and_holds_nothing(&c, &url).await;
     });
 }
 

@@ -1,27 +1,15 @@
 //! Whole Llama-family models on CUDA against the CPU backend on the same random checkpoint,
 //! and the engine (scheduler, continuous batching) on CUDA. Skips without a usable GPU.
 
+mod common;
+use common::gpu;
+
 use tandem_core::{BlockId, SamplingParams};
 use tandem_cuda::CudaBackend;
 use tandem_engine::batch::ForwardBatch;
 use tandem_engine::{
     CpuBackend, DType, Engine, EngineConfig, EngineEvent, KvCache, LlamaModel, Ops, SeqKind,
 };
-
-/// The GPU, or `None` (the test passes) where this machine has none. Any other failure to
-/// start fails the test, and `TANDEM_REQUIRE_GPU=1` (set by the GPU run) fails it there too.
-fn gpu() -> Option<CudaBackend> {
-    match CudaBackend::new(0) {
-        Ok(b) => Some(b),
-        Err(e @ (tandem_cuda::Error::Unavailable(_) | tandem_cuda::Error::NoSuchDevice { .. }))
-            if std::env::var_os("TANDEM_REQUIRE_GPU").is_none() =>
-        {
-            eprintln!("skipping: no usable GPU ({e})");
-            None
-        }
-        Err(e) => panic!("CUDA backend did not start: {e}"),
-    }
-}
 
 fn synth(preset: &str) -> tempfile::TempDir {
     let dir = tempfile::tempdir().expect("temp dir");

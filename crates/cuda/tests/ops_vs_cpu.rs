@@ -1,6 +1,9 @@
 //! Every CUDA operation against the CPU backend on the same inputs. Without a usable GPU
 //! each test prints why and passes (CI has none; `make test-gpu` runs these on one).
 
+mod common;
+use common::gpu;
+
 use tandem_core::{BlockId, SamplingParams};
 use tandem_cuda::CudaBackend;
 use tandem_engine::backend::QkvLayout;
@@ -8,21 +11,6 @@ use tandem_engine::batch::ForwardBatch;
 use tandem_engine::{
     Backend, CpuBackend, DType, HostTensor, KvCache, KvLayout, Ops, StepLimits, StepMeta,
 };
-
-/// The GPU, or `None` (the test passes) where this machine has none. Any other failure to
-/// start fails the test, and `TANDEM_REQUIRE_GPU=1` (set by the GPU run) fails it there too.
-fn gpu() -> Option<CudaBackend> {
-    match CudaBackend::new(0) {
-        Ok(b) => Some(b),
-        Err(e @ (tandem_cuda::Error::Unavailable(_) | tandem_cuda::Error::NoSuchDevice { .. }))
-            if std::env::var_os("TANDEM_REQUIRE_GPU").is_none() =>
-        {
-            eprintln!("skipping: no usable GPU ({e})");
-            None
-        }
-        Err(e) => panic!("CUDA backend did not start: {e}"),
-    }
-}
 
 fn noise(seed: u64, n: usize) -> Vec<f32> {
     let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;

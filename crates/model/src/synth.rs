@@ -409,28 +409,41 @@ pub fn synth_kda_hybrid(preset: &str, out: &Path, fp8: bool, seed: u64) -> Resul
             && !name.starts_with("lm_head")
             && !name.ends_with("gate.weight")
             && !ignored.iter().any(|i| i == module);
-        if quantize {
-            let (codes, scales) = fp8::quantize_blocks(&v, shape[0], shape[1], 128);
-            let sshape = vec![shape[0].div_ceil(128), shape[1].div_ceil(128)];
-            bytes.insert(
-                format!("{module}.weight_scale_inv"),
-                (
-                    Dtype::F32,
-                    sshape,
-                    scales.iter().flat_map(|s| s.to_le_bytes()).collect(),
-                ),
-            );
-            bytes.insert(name, (Dtype::F8_E4M3, shape, codes));
-        } else {
-            let data = v
-                .iter()
-                .flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())
-                .collect();
-            bytes.insert(name, (Dtype::BF16, shape, data));
-        }
+        insert_weight(&mut bytes, name, shape, &v, quantize);
     }
     let config = config_json(&p, fp8.then_some(ignored.as_slice()));
     write_checkpoint(out, &bytes, &config)
+}
+
+/// Adds tensor `name` of `values`: as block-FP8 codes plus its `weight_scale_inv` (128×128
+/// tiles) when `quantize`, else as BF16.
+fn insert_weight(
+    bytes: &mut BTreeMap<String, (Dtype, Vec<usize>, Vec<u8>)>,
+    name: String,
+    shape: Vec<usize>,
+    values: &[f32],
+    quantize: bool,
+) {
+    if quantize {
+        let module = name.strip_suffix(".weight").unwrap_or(&name).to_string();
+        let (codes, scales) = fp8::quantize_blocks(values, shape[0], shape[1], 128);
+        let sshape = vec![shape[0].div_ceil(128), shape[1].div_ceil(128)];
+        bytes.insert(
+            format!("{module}.weight_scale_inv"),
+            (
+                Dtype::F32,
+                sshape,
+                scales.iter().flat_map(|s| s.to_le_bytes()).collect(),
+            ),
+        );
+        bytes.insert(name, (Dtype::F8_E4M3, shape, codes));
+    } else {
+        let data = values
+            .iter()
+            .flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())
+            .collect();
+        bytes.insert(name, (Dtype::BF16, shape, data));
+    }
 }
 
 /// Writes `model.safetensors`, `config.json` and a `generation_config.json` into `out`.
@@ -638,26 +651,7 @@ pub fn synth_llama_with(preset: &str, out: &Path, seed: u64, fp8: bool) -> Resul
     for (name, shape, init) in specs {
         let v = values(&name, &shape, init, seed);
         let projection = name.contains("_proj.");
-        if fp8 && projection {
-            let module = name.strip_suffix(".weight").unwrap_or(&name).to_string();
-            let (codes, scales) = fp8::quantize_blocks(&v, shape[0], shape[1], 128);
-            let sshape = vec![shape[0].div_ceil(128), shape[1].div_ceil(128)];
-            bytes.insert(
-                format!("{module}.weight_scale_inv"),
-                (
-                    Dtype::F32,
-                    sshape,
-                    scales.iter().flat_map(|s| s.to_le_bytes()).collect(),
-                ),
-            );
-            bytes.insert(name, (Dtype::F8_E4M3, shape, codes));
-        } else {
-            let data = v
-                .iter()
-                .flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())
-                .collect();
-            bytes.insert(name, (Dtype::BF16, shape, data));
-        }
+        insert_weight(&mut bytes, name, shape, &v, fp8 && projection);
     }
     let mut config = json!({
         "architectures": ["LlamaForCausalLM"],
