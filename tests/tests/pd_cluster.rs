@@ -447,8 +447,9 @@ fn bf16_prefill_and_decode_answer_through_the_router() {
 /// same prefill worker (16 tokens a step, so the long one needs 124 steps) gets its first
 /// token while the long one is still prefilling. Under an oldest-first budget the long prompt
 /// would hold every step and the short one's first token could only follow the end of the
-/// long prefill. (The order is observed on the prefill worker itself: the long request is
-/// still in its engine when the short one's first token reaches the client.)
+/// long prefill. (The order is observed on the prefill worker itself: the long prompt still
+/// holds its KV blocks there — a prompt frees them when its prefill ends — when the short
+/// one's first token reaches the client.)
 #[test]
 fn a_short_prompt_behind_a_long_one_gets_its_first_token_during_the_long_prefill() {
     let cluster = Cluster::start(ClusterOptions {
@@ -459,17 +460,23 @@ fn a_short_prompt_behind_a_long_one_gets_its_first_token_during_the_long_prefill
     let prefill = cluster.prefill_addr.clone();
     rt().block_on(async move {
         let c = reqwest::Client::new();
+        // KV blocks held on the prefill worker; with `wait_busy_ms`, once some are.
         let in_engine = |worker: &mut tandem_proto::v1::worker_client::WorkerClient<
             tonic::transport::Channel,
-        >| {
+        >,
+                         wait_busy_ms: u32| {
             let mut worker = worker.clone();
             async move {
-                worker
-                    .stats(tandem_proto::v1::StatsRequest { wait_idle_ms: 0 })
+                let stats = worker
+                    .stats(tandem_proto::v1::StatsRequest {
+                        wait_idle_ms: 0,
+                        wait_busy_ms,
+                    })
                     .await
                     .unwrap()
-                    .into_inner()
-                    .running_requests
+                    .into_inner();
+                // KV blocks held: a prompt holds its blocks until its prefill is done.
+                stats.kv_blocks_total - stats.kv_blocks_free
             }
         };
         let first_token = |prompt: Vec<u32>| {
@@ -505,13 +512,14 @@ fn a_short_prompt_behind_a_long_one_gets_its_first_token_during_the_long_prefill
             .unwrap();
         let (long, _) = first_token((0..124 * 16).map(|i| 100 + (i * 7) % 1000).collect());
         // The short prompt goes in once the long one is in the prefill worker's engine.
-        while in_engine(&mut worker).await == 0 {
-            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-        }
+        assert!(
+            in_engine(&mut worker, 60_000).await > 0,
+            "the long prompt never reached the engine"
+        );
         let (short, short_first) = first_token(vec![504, 3575, 282, 4649, 314]);
         short_first.await.unwrap();
         assert!(
-            in_engine(&mut worker).await >= 1,
+            in_engine(&mut worker, 0).await >= 1,
             "the long prompt had finished prefilling before the short one's first token"
         );
         short.await.unwrap();

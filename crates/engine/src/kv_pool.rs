@@ -154,6 +154,13 @@ impl BlockAllocator {
         self.used.send_replace(list.total - list.free.len());
     }
 
+    /// Resolves once some block is in use (at once if one is).
+    pub async fn wait_any_used(&self) {
+        let mut rx = self.used.subscribe();
+        // The sender lives as long as `self`, so the wait cannot fail.
+        let _ = rx.wait_for(|&used| used > 0).await;
+    }
+
     /// Resolves once every block is free (at once if they are).
     pub async fn wait_all_free(&self) {
         let mut rx = self.used.subscribe();

@@ -143,6 +143,7 @@ pub struct Engine {
     max_context: usize,
     vocab_size: usize,
     weight_bytes: usize,
+    tp: usize,
     _thread: Arc<ThreadGuard>,
 }
 
@@ -191,6 +192,7 @@ impl Engine {
         let max_context = first.config().max_position_embeddings;
         let vocab_size = first.config().vocab_size;
         let weight_bytes = first.weight_bytes() * shards.len();
+        let tp = shards.len();
         let limits = StepLimits {
             max_tokens: config.max_batch_tokens + config.max_running,
             max_seqs: config.max_running,
@@ -234,6 +236,7 @@ impl Engine {
             max_context,
             vocab_size,
             weight_bytes,
+            tp,
             _thread: Arc::new(ThreadGuard {
                 tx,
                 handle: Mutex::new(Some(handle)),
@@ -250,6 +253,11 @@ impl Engine {
             .send(Command::Refresh(dir.to_path_buf(), tx))
             .map_err(|_| Error::Stopped)?;
         rx.recv().map_err(|_| Error::Stopped)?
+    }
+
+    /// Tensor-parallel ranks of the model.
+    pub fn tp(&self) -> usize {
+        self.tp
     }
 
     /// Submits a sequence. Events arrive on the returned channel; dropping it cancels the

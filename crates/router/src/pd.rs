@@ -155,10 +155,13 @@ impl WorkerHandle {
     ) -> Result<pb::StatsResponse, GenerateError> {
         let mut c = self.client.clone();
         let wait_idle_ms = u32::try_from(wait.as_millis()).unwrap_or(u32::MAX);
-        Ok(c.stats(pb::StatsRequest { wait_idle_ms })
-            .await
-            .map_err(classify_status)?
-            .into_inner())
+        Ok(c.stats(pb::StatsRequest {
+            wait_idle_ms,
+            wait_busy_ms: 0,
+        })
+        .await
+        .map_err(classify_status)?
+        .into_inner())
     }
 }
 

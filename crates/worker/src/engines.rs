@@ -229,10 +229,18 @@ impl WorkerEngine {
         }
     }
 
+    /// Resolves once some request holds KV blocks or state slots.
+    pub async fn wait_busy(&self) {
+        match self {
+            WorkerEngine::Llama(e) => e.allocator().wait_any_used().await,
+            WorkerEngine::Kda(e) => e.slots().wait_any_used().await,
+        }
+    }
+
     /// `(layout, dp size, free slots per DP group)` for the stats endpoint.
     pub fn layout_info(&self) -> (String, usize, Vec<usize>) {
         match self {
-            WorkerEngine::Llama(_) => ("tp1 dp1 ep1".into(), 1, Vec::new()),
+            WorkerEngine::Llama(e) => (format!("tp{} dp1 ep1", e.tp()), 1, Vec::new()),
             WorkerEngine::Kda(e) => {
                 let l = e.layout();
                 (

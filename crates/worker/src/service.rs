@@ -472,11 +472,15 @@ impl pb::worker_server::Worker for WorkerService {
         request: Request<pb::StatsRequest>,
     ) -> std::result::Result<Response<pb::StatsResponse>, Status> {
         let s = &self.shared;
-        let wait = request.into_inner().wait_idle_ms;
-        if wait > 0 {
-            // Not idle within the limit: report the state as it is; the caller judges.
-            let limit = Duration::from_millis(u64::from(wait));
+        let ask = request.into_inner();
+        // Not idle (or busy) within the limit: report the state as it is; the caller judges.
+        if ask.wait_idle_ms > 0 {
+            let limit = Duration::from_millis(u64::from(ask.wait_idle_ms));
             let _ = tokio::time::timeout(limit, s.engine.wait_idle()).await;
+        }
+        if ask.wait_busy_ms > 0 {
+            let limit = Duration::from_millis(u64::from(ask.wait_busy_ms));
+            let _ = tokio::time::timeout(limit, s.engine.wait_busy()).await;
         }
         let (kv_total, kv_free) = s.engine.kv_blocks();
         let (layout, dp_size, dp_free) = s.engine.layout_info();
