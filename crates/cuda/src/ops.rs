@@ -546,14 +546,14 @@ impl Ops for CudaBackend {
         let row = l.kv_dim() * l.dtype.size();
         let mut bytes = Vec::with_capacity(l.num_layers * 2 * tokens * row);
         let mut dense = self.alloc(tokens * row);
-        let slots = self.slot_list(blocks, l.block_size, tokens);
+        let slots = self.slot_list(l.token_slots(blocks, tokens));
         for layer in 0..l.num_layers {
             for part in [&cache.k[layer], &cache.v[layer]] {
                 self.copy_slots(part.storage(), &slots, tokens, row, &mut dense, true);
                 bytes.extend(self.dtoh(&dense, tokens * row));
             }
         }
-        let shape = [l.num_layers, 2, tokens, l.kv_dim()];
+        let shape = l.transfer_shape(tokens);
         match HostTensor::from_le_bytes(l.dtype, &shape, &bytes) {
             Ok(t) => t,
             Err(e) => panic!("K/V read of {shape:?}: {e}"),
@@ -568,26 +568,11 @@ impl Ops for CudaBackend {
         data: &HostTensor,
     ) -> tandem_engine::Result<()> {
         let l = cache.layout();
-        let shape = [l.num_layers, 2, tokens, l.kv_dim()];
-        if data.dtype() != l.dtype || data.shape() != shape {
-            return Err(tandem_engine::Error::InvalidRequest(format!(
-                "K/V of {:?} {} does not fit a cache of {shape:?} {}",
-                data.shape(),
-                data.dtype(),
-                l.dtype
-            )));
-        }
-        if blocks.len() < l.blocks_for(tokens) {
-            return Err(tandem_engine::Error::InvalidRequest(format!(
-                "{tokens} tokens need {} blocks, {} given",
-                l.blocks_for(tokens),
-                blocks.len()
-            )));
-        }
+        l.check_transfer(data, tokens, blocks.len())?;
         let row = l.kv_dim() * l.dtype.size();
         let all = data.to_le_bytes();
         let mut dense = self.alloc(tokens * row);
-        let slots = self.slot_list(blocks, l.block_size, tokens);
+        let slots = self.slot_list(l.token_slots(blocks, tokens));
         for layer in 0..l.num_layers {
             for (p, part) in [&cache.k[layer], &cache.v[layer]].into_iter().enumerate() {
                 let at = (layer * 2 + p) * tokens * row;
@@ -601,11 +586,10 @@ impl Ops for CudaBackend {
 }
 
 impl CudaBackend {
-    fn slot_list(&self, blocks: &[BlockId], block_size: usize, tokens: usize) -> CudaStorage {
-        let slots: Vec<u32> = (0..tokens)
-            .map(|t| blocks[t / block_size].0 * block_size as u32 + (t % block_size) as u32)
-            .collect();
-        let mut s = self.alloc(tokens * 4);
+    /// `slots` uploaded as a u32 buffer (the gather/scatter index of a K/V transfer).
+    fn slot_list(&self, slots: impl Iterator<Item = usize>) -> CudaStorage {
+        let slots: Vec<u32> = slots.map(|s| s as u32).collect();
+        let mut s = self.alloc(slots.len() * 4);
         self.htod(&mut s, bytemuck::cast_slice(&slots));
         s
     }

@@ -52,6 +52,47 @@ impl KvLayout {
     pub fn num_slots(&self) -> usize {
         self.num_blocks * self.block_size
     }
+
+    /// The shape of `tokens` tokens' K/V in the transfer layout `[layer][k, v][token][kv_dim]`.
+    pub fn transfer_shape(&self, tokens: usize) -> [usize; 4] {
+        [self.num_layers, 2, tokens, self.kv_dim()]
+    }
+
+    /// Refuses K/V `data` for `tokens` tokens into `blocks` blocks unless it is in this
+    /// cache's dtype and transfer shape and the blocks can hold it.
+    pub fn check_transfer(
+        &self,
+        data: &crate::tensor::HostTensor,
+        tokens: usize,
+        blocks: usize,
+    ) -> crate::Result<()> {
+        let shape = self.transfer_shape(tokens);
+        if data.dtype() != self.dtype || data.shape() != shape {
+            return Err(crate::Error::InvalidRequest(format!(
+                "K/V of {} {:?} does not fit a {} cache needing {shape:?}",
+                data.dtype(),
+                data.shape(),
+                self.dtype
+            )));
+        }
+        if blocks < self.blocks_for(tokens) {
+            return Err(crate::Error::InvalidRequest(format!(
+                "{tokens} tokens need {} blocks, {blocks} given",
+                self.blocks_for(tokens)
+            )));
+        }
+        Ok(())
+    }
+
+    /// The cache slot of each of the first `tokens` positions of a block table.
+    pub fn token_slots<'a>(
+        &self,
+        blocks: &'a [BlockId],
+        tokens: usize,
+    ) -> impl Iterator<Item = usize> + 'a {
+        let bs = self.block_size;
+        (0..tokens).map(move |t| blocks[t / bs].0 as usize * bs + t % bs)
+    }
 }
 
 /// Paged K/V for every layer on a device: per layer one K and one V tensor of shape

@@ -306,7 +306,7 @@ impl<B: Ops> LlamaRanks<B> {
                 out.extend_from_slice(&bytes[r][at..at + head]);
             }
         }
-        HostTensor::from_le_bytes(l.dtype, &[l.num_layers, 2, tokens, l.kv_dim()], &out)
+        HostTensor::from_le_bytes(l.dtype, &l.transfer_shape(tokens), &out)
     }
 
     /// The inverse of [`LlamaRanks::read_kv`]: each rank takes its KV heads of `kv`.
@@ -320,15 +320,7 @@ impl<B: Ops> LlamaRanks<B> {
             return self.lead.write_kv(blocks, tokens, kv);
         }
         let l = self.layout;
-        let shape = [l.num_layers, 2, tokens, l.kv_dim()];
-        if kv.dtype() != l.dtype || kv.shape() != shape {
-            return Err(Error::InvalidRequest(format!(
-                "K/V of {:?} {} does not fit {shape:?} {}",
-                kv.shape(),
-                kv.dtype(),
-                l.dtype
-            )));
-        }
+        l.check_transfer(kv, tokens, blocks.len())?;
         let esize = l.dtype.size();
         let head = l.head_dim * esize;
         let rows = l.num_layers * 2 * tokens;

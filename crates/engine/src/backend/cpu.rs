@@ -126,14 +126,6 @@ fn rotate_half(x: &mut [f32], cs: &[(f32, f32)]) {
 const MAX_HEAD_DIM: usize = 512;
 
 /// Token-major K/V rows of one layer: `(slot, kv_dim)` for every token of a block table.
-fn token_slots(
-    blocks: &[BlockId],
-    block_size: usize,
-    tokens: usize,
-) -> impl Iterator<Item = usize> + '_ {
-    (0..tokens).map(move |t| blocks[t / block_size].0 as usize * block_size + t % block_size)
-}
-
 impl Backend for CpuBackend {
     type Graphs = ();
     type Storage = CpuStorage;
@@ -434,7 +426,7 @@ impl Ops for CpuBackend {
                 }
             }
         }
-        let slots: Vec<usize> = token_slots(blocks, l.block_size, tokens).collect();
+        let slots: Vec<usize> = l.token_slots(blocks, tokens).collect();
         let n = l.num_layers * 2 * tokens * kv_dim;
         let data = match l.dtype {
             DType::F32 => {
@@ -475,21 +467,7 @@ impl Ops for CpuBackend {
     ) -> Result<()> {
         let l = cache.layout();
         let kv_dim = l.kv_dim();
-        let shape = [l.num_layers, 2, tokens, kv_dim];
-        if data.dtype() != l.dtype || data.shape() != shape {
-            return Err(Error::InvalidRequest(format!(
-                "KV of {} {:?} does not fit a {} cache needing {shape:?}",
-                data.dtype(),
-                data.shape(),
-                l.dtype
-            )));
-        }
-        if blocks.len() * l.block_size < tokens {
-            return Err(Error::InvalidRequest(format!(
-                "{} blocks cannot hold {tokens} tokens",
-                blocks.len()
-            )));
-        }
+        l.check_transfer(data, tokens, blocks.len())?;
         fn scatter<E: Copy>(
             parts: [&mut [E]; 2],
             slots: &[usize],
@@ -504,7 +482,7 @@ impl Ops for CpuBackend {
                 }
             }
         }
-        let slots: Vec<usize> = token_slots(blocks, l.block_size, tokens).collect();
+        let slots: Vec<usize> = l.token_slots(blocks, tokens).collect();
         let (ks, vs) = (&mut cache.k, &mut cache.v);
         match data.data() {
             HostData::F32(d) => {
