@@ -14,7 +14,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 use std::path::PathBuf;
 use std::time::Duration;
 use tandem_core::SamplingParams;
-use tandem_engine::{DType, Engine, EngineConfig, EngineEvent, LlamaModel, Ops, SeqKind};
+use tandem_engine::{DType, Engine, EngineConfig, LlamaModel, Ops, SeqKind};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -542,20 +542,11 @@ fn generate(args: GenerateArgs) -> Result<()> {
         device: args.device,
     }
     .start()?;
-    let mut rx = engine.submit(
+    let ids = tandem_engine::blocking_tokens(engine.submit(
         prompt,
         SamplingParams::greedy(args.max_tokens),
         SeqKind::Generate,
-    )?;
-    let mut ids = Vec::new();
-    while let Some(ev) = rx.blocking_recv() {
-        if let EngineEvent::Token { token_id, finish } = ev {
-            ids.push(token_id);
-            if finish.is_some() {
-                break;
-            }
-        }
-    }
+    )?);
     let text = decode(&ids)?;
     if args.json {
         println!("{}", serde_json::json!({ "token_ids": ids, "text": text }));

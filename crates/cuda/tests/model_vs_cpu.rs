@@ -93,19 +93,6 @@ fn run(
         .expect("submitted")
 }
 
-fn collect(mut rx: tokio::sync::mpsc::UnboundedReceiver<EngineEvent>) -> Vec<u32> {
-    let mut ids = Vec::new();
-    while let Some(ev) = rx.blocking_recv() {
-        if let EngineEvent::Token { token_id, finish } = ev {
-            ids.push(token_id);
-            if finish.is_some() {
-                break;
-            }
-        }
-    }
-    ids
-}
-
 #[test]
 fn the_engine_on_cuda_gives_each_request_the_tokens_it_gets_alone() {
     let Some(g) = gpu() else { return };
@@ -121,13 +108,16 @@ fn the_engine_on_cuda_gives_each_request_the_tokens_it_gets_alone() {
         .collect();
     let alone: Vec<Vec<u32>> = prompts
         .iter()
-        .map(|p| collect(run(&engine, p.clone(), 12)))
+        .map(|p| tandem_engine::blocking_tokens(run(&engine, p.clone(), 12)))
         .collect();
     let streams: Vec<_> = prompts
         .iter()
         .map(|p| run(&engine, p.clone(), 12))
         .collect();
-    let together: Vec<Vec<u32>> = streams.into_iter().map(collect).collect();
+    let together: Vec<Vec<u32>> = streams
+        .into_iter()
+        .map(tandem_engine::blocking_tokens)
+        .collect();
     assert_eq!(
         alone, together,
         "batch composition changed a request's greedy tokens"

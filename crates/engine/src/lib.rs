@@ -34,7 +34,7 @@ pub use backend::{Backend, CpuBackend, Ops, StepShape};
 pub use kv_pool::{BlockAllocation, BlockAllocator, KvCache, KvLayout};
 pub use llama::{LlamaModel, LlamaWorkspace, TpShard};
 pub use llama_ranks::LlamaRanks;
-pub use scheduler::{Engine, EngineConfig, EngineEvent, EngineStats, SeqKind};
+pub use scheduler::{blocking_tokens, Engine, EngineConfig, EngineEvent, EngineStats, SeqKind};
 pub use step::{StepLimits, StepMeta};
 pub use tensor::{DType, HostData, HostTensor, Tensor};
 

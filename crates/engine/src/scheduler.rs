@@ -132,6 +132,21 @@ impl Seq {
     }
 }
 
+/// The generated token ids of one request's event stream, until it finishes (or ends),
+/// waiting on the calling thread: for command-line tools and tests, not async code.
+pub fn blocking_tokens(mut events: UnboundedReceiver<EngineEvent>) -> Vec<u32> {
+    let mut out = Vec::new();
+    while let Some(ev) = events.blocking_recv() {
+        if let EngineEvent::Token { token_id, finish } = ev {
+            out.push(token_id);
+            if finish.is_some() {
+                break;
+            }
+        }
+    }
+    out
+}
+
 /// Handle to a running engine thread. Cloning shares the thread.
 #[derive(Clone)]
 pub struct Engine {

@@ -83,19 +83,6 @@ fn engine(dir: &std::path::Path, tp: usize) -> Engine {
     .expect("engine")
 }
 
-fn tokens(mut rx: tokio::sync::mpsc::UnboundedReceiver<EngineEvent>) -> Vec<u32> {
-    let mut out = Vec::new();
-    while let Some(ev) = rx.blocking_recv() {
-        if let EngineEvent::Token { token_id, finish } = ev {
-            out.push(token_id);
-            if finish.is_some() {
-                break;
-            }
-        }
-    }
-    out
-}
-
 #[test]
 fn greedy_generation_is_the_same_at_every_tp() {
     let dir = synth();
@@ -110,7 +97,9 @@ fn greedy_generation_is_the_same_at_every_tp() {
                     .expect("submit")
             })
             .collect();
-        rxs.into_iter().map(tokens).collect()
+        rxs.into_iter()
+            .map(tandem_engine::blocking_tokens)
+            .collect()
     };
     let tp1 = run(1);
     assert!(tp1.iter().all(|t| t.len() == 10));
@@ -123,7 +112,7 @@ fn kv_handed_from_tp1_prefill_to_a_tp2_decoder_continues_the_generation() {
     let dir = synth();
     let p = prompt(29, 7);
     let whole = engine(dir.path(), 1);
-    let want = tokens(
+    let want = tandem_engine::blocking_tokens(
         whole
             .submit(p.clone(), SamplingParams::greedy(8), SeqKind::Generate)
             .expect("submit"),
@@ -141,7 +130,7 @@ fn kv_handed_from_tp1_prefill_to_a_tp2_decoder_continues_the_generation() {
     };
     let decoder = engine(dir.path(), 2);
     let allocation = decoder.reserve(p.len() + 8).expect("reserve");
-    let rest = tokens(
+    let rest = tandem_engine::blocking_tokens(
         decoder
             .submit(
                 p,
@@ -166,7 +155,7 @@ fn synth_seed(seed: u64) -> tempfile::TempDir {
 }
 
 fn generate(e: &Engine, p: &[u32]) -> Vec<u32> {
-    tokens(
+    tandem_engine::blocking_tokens(
         e.submit(p.to_vec(), SamplingParams::greedy(8), SeqKind::Generate)
             .expect("submit"),
     )

@@ -15,23 +15,14 @@ fn ids(v: &serde_json::Value) -> Vec<u32> {
 }
 
 fn generate(engine: &Engine, prompt: Vec<u32>, max_tokens: u32) -> Vec<u32> {
-    let mut rx = engine
+    let rx = engine
         .submit(
             prompt,
             SamplingParams::greedy(max_tokens),
             SeqKind::Generate,
         )
         .expect("submit");
-    let mut out = Vec::new();
-    while let Some(ev) = rx.blocking_recv() {
-        if let EngineEvent::Token { token_id, finish } = ev {
-            out.push(token_id);
-            if finish.is_some() {
-                break;
-            }
-        }
-    }
-    out
+    tandem_engine::blocking_tokens(rx)
 }
 
 #[test]
