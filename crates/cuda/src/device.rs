@@ -66,7 +66,13 @@ kernels!(
     gemv_bf16_8,
     argmax_partial,
     sample_rows,
+    prefill_attention_bf16_d64,
+    prefill_attention_bf16_d128,
 );
+
+/// Queries per block of the tensor-core prefill attention (`PF_M` in kernels.cu).
+pub(crate) const PREFILL_TILE: usize = 64;
+
 
 /// Query heads per KV head the attention kernels are built for (1..=this).
 pub(crate) const MAX_GROUP: usize = 8;

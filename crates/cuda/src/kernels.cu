@@ -531,3 +531,205 @@ extern "C" __global__ void sample_rows(const float* logits, int vocab, const flo
         out[row] = (u32)last;
     }
 }
+
+// ---- prefill attention on tensor cores -----------------------------------------------------
+//
+// For steps with many new tokens per sequence (prompts), over a bf16 cache. One block of four
+// warps per (tile of PF_M queries of one sequence, query head); each warp owns 16 query rows,
+// kept in registers as bf16 MMA fragments. The block walks the keys up to its last query's
+// position in tiles of PF_N, gathered from the paged cache into shared memory; each warp
+// computes its scores S = Q·Kᵀ with `mma.sync` m16n8k16 (bf16 in, f32 accumulation), masks
+// them causally, runs an online softmax in registers (a row's four owning lanes exchange
+// maxima by shuffles; sums stay per lane until the end), and adds P·V, reusing the score
+// registers as the A operand. V's B fragments come transposed out of shared memory with
+// `ldmatrix.trans`. Accumulator layout of m16n8k16 (PTX ISA): lane = 4·g + t holds rows g and
+// g + 8, columns 2t and 2t + 1.
+
+#define PF_M 64
+#define PF_N 64
+
+__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x (lo) in the low half
+    return *reinterpret_cast<u32*>(&v);
+}
+
+// d += a · b for one m16n8k16 tile.
+__device__ __forceinline__ void mma_bf16(float* d, const u32* a, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <int D>
+__device__ void prefill_attention_impl(const float* qkv, int width, int num_heads, int num_kv_heads,
+                                       const __nv_bfloat16* k_cache, const __nv_bfloat16* v_cache,
+                                       int block_size, const u32* seq_info, int num_seqs,
+                                       const u32* tables, int table_stride, float scale, float* out) {
+    constexpr int LD = D + 8;  // padded rows: fragment loads of nearby rows hit different banks
+    __shared__ __align__(16) __nv_bfloat16 s_k[PF_N * LD];
+    __shared__ __align__(16) __nv_bfloat16 s_v[PF_N * LD];
+
+    // This block's sequence and query tile (a sequence's longest tiles first).
+    int t = blockIdx.x, seq = -1;
+    for (int s = 0; s < num_seqs; ++s) {
+        int tiles = (int)((seq_info[3 * s + 1] + PF_M - 1) / PF_M);
+        if (t < tiles) { seq = s; t = tiles - 1 - t; break; }
+        t -= tiles;
+    }
+    if (seq < 0) return;
+    u32 start = seq_info[3 * seq], len = seq_info[3 * seq + 1], cached = seq_info[3 * seq + 2];
+    int head = blockIdx.y, kvh = head / (num_heads / num_kv_heads);
+    int q0 = t * PF_M, nq = min(PF_M, (int)len - q0);
+    int keys = (int)cached + q0 + nq;  // the block's last query's context
+    const u32* table = tables + (long)seq * table_stride;
+    long kv_dim = (long)num_kv_heads * D;
+    int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    int g = lane >> 2, tq = lane & 3;
+
+    // This lane's two rows (of the tile) and their positions; rows past the prompt are
+    // computed on a copy of the last row and never written.
+    int ra = warp * 16 + g, rb = ra + 8;
+    int pos_a = (int)cached + q0 + ra, pos_b = (int)cached + q0 + rb;
+    bool ok_a = ra < nq, ok_b = rb < nq;
+    int warp_last = (int)cached + q0 + min(warp * 16 + 15, nq - 1);
+
+    u32 qf[D / 16][4];
+    {
+        const float* qa = qkv + (long)(start + q0 + min(ra, nq - 1)) * width + (long)head * D;
+        const float* qb = qkv + (long)(start + q0 + min(rb, nq - 1)) * width + (long)head * D;
+        #pragma unroll
+        for (int ks = 0; ks < D / 16; ++ks) {
+            int c = ks * 16 + 2 * tq;
+            qf[ks][0] = pack_bf16(qa[c] * scale, qa[c + 1] * scale);
+            qf[ks][1] = pack_bf16(qb[c] * scale, qb[c + 1] * scale);
+            qf[ks][2] = pack_bf16(qa[c + 8] * scale, qa[c + 9] * scale);
+            qf[ks][3] = pack_bf16(qb[c + 8] * scale, qb[c + 9] * scale);
+        }
+    }
+    float o[D / 8][4];
+    #pragma unroll
+    for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    float m_a = -INFINITY, m_b = -INFINITY, l_a = 0.0f, l_b = 0.0f;
+
+    for (int k0 = 0; k0 < keys; k0 += PF_N) {
+        __syncthreads();  // every warp is done with the previous tile
+        constexpr int CHUNKS = D / 8;  // 16-byte chunks per row
+        for (int c = tid; c < PF_N * CHUNKS; c += blockDim.x) {
+            int key = c / CHUNKS, part = c % CHUNKS, kk = k0 + key;
+            uint4 kz = make_uint4(0, 0, 0, 0), vz = kz;
+            if (kk < keys) {
+                long slot = (long)table[kk / block_size] * block_size + kk % block_size;
+                long at = slot * kv_dim + (long)kvh * D + part * 8;
+                kz = *reinterpret_cast<const uint4*>(k_cache + at);
+                vz = *reinterpret_cast<const uint4*>(v_cache + at);
+            }
+            *reinterpret_cast<uint4*>(s_k + key * LD + part * 8) = kz;
+            *reinterpret_cast<uint4*>(s_v + key * LD + part * 8) = vz;
+        }
+        __syncthreads();
+        if (k0 > warp_last) continue;  // every key of the tile is after this warp's rows
+
+        float s[PF_N / 8][4];
+        #pragma unroll
+        for (int j = 0; j < PF_N / 8; ++j) {
+            s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+            const __nv_bfloat16* kr = s_k + (j * 8 + g) * LD + 2 * tq;
+            #pragma unroll
+            for (int ks = 0; ks < D / 16; ++ks) {
+                u32 b0 = *reinterpret_cast<const u32*>(kr + ks * 16);
+                u32 b1 = *reinterpret_cast<const u32*>(kr + ks * 16 + 8);
+                mma_bf16(s[j], qf[ks], b0, b1);
+            }
+        }
+        // Causal mask, then the tile's row maxima over the row's four lanes.
+        float mx_a = -INFINITY, mx_b = -INFINITY;
+        #pragma unroll
+        for (int j = 0; j < PF_N / 8; ++j) {
+            #pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                int key = k0 + j * 8 + 2 * tq + e;
+                if (!ok_a || key > pos_a) s[j][e] = -INFINITY;
+                if (!ok_b || key > pos_b) s[j][2 + e] = -INFINITY;
+                mx_a = fmaxf(mx_a, s[j][e]);
+                mx_b = fmaxf(mx_b, s[j][2 + e]);
+            }
+        }
+        #pragma unroll
+        for (int x = 1; x <= 2; x <<= 1) {
+            mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, x));
+            mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, x));
+        }
+        float new_a = fmaxf(m_a, mx_a), new_b = fmaxf(m_b, mx_b);
+        float use_a = new_a == -INFINITY ? 0.0f : new_a;  // a row that has seen nothing yet
+        float use_b = new_b == -INFINITY ? 0.0f : new_b;
+        float corr_a = __expf(m_a - use_a), corr_b = __expf(m_b - use_b);
+        m_a = new_a;
+        m_b = new_b;
+        float sum_a = 0.0f, sum_b = 0.0f;
+        #pragma unroll
+        for (int j = 0; j < PF_N / 8; ++j) {
+            s[j][0] = __expf(s[j][0] - use_a);
+            s[j][1] = __expf(s[j][1] - use_a);
+            s[j][2] = __expf(s[j][2] - use_b);
+            s[j][3] = __expf(s[j][3] - use_b);
+            sum_a += s[j][0] + s[j][1];
+            sum_b += s[j][2] + s[j][3];
+        }
+        l_a = l_a * corr_a + sum_a;
+        l_b = l_b * corr_b + sum_b;
+        #pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+            o[n][0] *= corr_a; o[n][1] *= corr_a;
+            o[n][2] *= corr_b; o[n][3] *= corr_b;
+        }
+        // O += P V, 16 keys at a time: two score tiles make one A fragment.
+        #pragma unroll
+        for (int kk = 0; kk < PF_N / 16; ++kk) {
+            u32 pa[4] = {pack_bf16(s[2 * kk][0], s[2 * kk][1]), pack_bf16(s[2 * kk][2], s[2 * kk][3]),
+                         pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                         pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+            // ldmatrix.x4.trans: lanes 0-15 address keys kk*16 + 0..15 at dims n0..n0+7, lanes
+            // 16-31 the same keys at n0+8..n0+15; registers 0/1 are the B fragment of
+            // columns n0.., 2/3 that of n0+8...
+            const __nv_bfloat16* vrow = s_v + (kk * 16 + (lane & 15)) * LD + (lane >> 4) * 8;
+            #pragma unroll
+            for (int n = 0; n < D / 8; n += 2) {
+                u32 b0, b1, b2, b3;
+                unsigned addr = (unsigned)__cvta_generic_to_shared(vrow + n * 8);
+                asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                             : "=r"(b0), "=r"(b1), "=r"(b2), "=r"(b3)
+                             : "r"(addr));
+                mma_bf16(o[n], pa, b0, b1);
+                mma_bf16(o[n + 1], pa, b2, b3);
+            }
+        }
+    }
+    // Row sums over the row's four lanes, then the output rows.
+    #pragma unroll
+    for (int x = 1; x <= 2; x <<= 1) {
+        l_a += __shfl_xor_sync(0xffffffffu, l_a, x);
+        l_b += __shfl_xor_sync(0xffffffffu, l_b, x);
+    }
+    long stride = (long)num_heads * D;
+    float* oa = out + (long)(start + q0 + ra) * stride + (long)head * D;
+    float* ob = out + (long)(start + q0 + rb) * stride + (long)head * D;
+    #pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+        int c = n * 8 + 2 * tq;
+        if (ok_a) { oa[c] = o[n][0] / l_a; oa[c + 1] = o[n][1] / l_a; }
+        if (ok_b) { ob[c] = o[n][2] / l_b; ob[c + 1] = o[n][3] / l_b; }
+    }
+}
+
+#define PREFILL_ATTENTION(D) \
+    extern "C" __global__ void __launch_bounds__(128) prefill_attention_bf16_d##D( \
+            const float* qkv, int width, int num_heads, int num_kv_heads, const __nv_bfloat16* k, \
+            const __nv_bfloat16* v, int block_size, const u32* seq_info, int num_seqs, \
+            const u32* tables, int table_stride, float scale, float* out) { \
+        prefill_attention_impl<D>(qkv, width, num_heads, num_kv_heads, k, v, block_size, seq_info, \
+                                  num_seqs, tables, table_stride, scale, out); \
+    }
+PREFILL_ATTENTION(64)
+PREFILL_ATTENTION(128)

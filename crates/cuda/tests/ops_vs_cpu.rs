@@ -206,15 +206,29 @@ fn long_decodes(block: usize) -> ForwardBatch {
     b
 }
 
+/// A prompt-shaped step (the tensor-core prefill path over a bf16 cache): a fresh prompt of
+/// 150 tokens, a 90-token chunk continuing a prompt with 40 cached, and one decode.
+fn prompts(block: usize) -> ForwardBatch {
+    let mut b = ForwardBatch::default();
+    let table = |first: u32, n: u32| -> Vec<BlockId> { (first..first + n).map(BlockId).collect() };
+    b.push(&[7; 150], 0, &table(0, 10), block, true);
+    b.push(&[8; 90], 40, &table(10, 9), block, true);
+    b.push(&[9], 50, &table(19, 4), block, true);
+    b
+}
+
 #[test]
 fn paged_attention_and_kv_writes_match_the_cpu() {
     let Some(g) = gpu() else { return };
     let block = 16;
-    attention_case(&g, &mixed_batch(block), block);
-    attention_case(&g, &long_decodes(block), block);
+    attention_case(&g, &mixed_batch(block), block, 1e-4);
+    attention_case(&g, &long_decodes(block), block, 1e-4);
+    // Tensor cores take bf16 queries and probabilities: bf16 rounding of those.
+    attention_case(&g, &prompts(block), block, 2e-2);
 }
 
-fn attention_case(g: &CudaBackend, batch: &ForwardBatch, block: usize) {
+/// Attention on both backends; `bf16_tol` bounds the difference over a bf16 cache.
+fn attention_case(g: &CudaBackend, batch: &ForwardBatch, block: usize, bf16_tol: f32) {
     let c = CpuBackend::new();
     let rows = batch.num_tokens();
     let limits = StepLimits {
@@ -276,7 +290,7 @@ fn attention_case(g: &CudaBackend, batch: &ForwardBatch, block: usize) {
                 ),
                 &f32s(&c, &oc, rows * out),
                 &f32s(g, &og, rows * out),
-                1e-4,
+                if dtype == DType::BF16 { bf16_tol } else { 1e-4 },
             );
             // The transfer layout reads back the same bytes on both.
             let read_c = c.read_kv(&cc, &all, slots);
