@@ -74,3 +74,6 @@ pub fn noise(seed: u64, len: usize) -> Vec<f32> {
         })
         .collect()
 }
+
+mod etcd;
+pub use etcd::Etcd;
