@@ -128,6 +128,9 @@ pub struct ClusterOptions {
     pub router_config: String,
     /// Start a second decode worker (process name `decode2`), listed after the first.
     pub second_decode: bool,
+    /// Start an etcd; workers register there and the router finds them through it (no
+    /// static lists).
+    pub discovery: bool,
 }
 
 impl Default for ClusterOptions {
@@ -144,6 +147,7 @@ impl Default for ClusterOptions {
             second_decode: false,
             pd_pair: true,
             aggregated: false,
+            discovery: false,
         }
     }
 }
@@ -160,6 +164,15 @@ pub struct Cluster {
     /// Aggregated worker's gRPC address (empty without one).
     pub aggregated_addr: String,
     _dead: Vec<DeadPort>,
+    /// The etcd of a discovery cluster.
+    pub etcd: Option<tandem_testkit::Etcd>,
+    /// Arguments every worker gets (model, KV blocks, discovery).
+    worker_args: Vec<String>,
+    worker_env: Vec<(String, String)>,
+    tx: mpsc::Sender<StartEvent>,
+    events: mpsc::Receiver<StartEvent>,
+    /// Processes whose exit was seen while waiting for another's.
+    exited: std::collections::HashSet<String>,
     _dir: tempfile::TempDir,
 }
 
@@ -177,6 +190,23 @@ impl Cluster {
         // Every process binds port 0 and names its address in its ready line, so concurrent
         // tests never race for a port.
         let (tx, events) = mpsc::channel();
+        let etcd = opts.discovery.then(tandem_testkit::Etcd::start);
+        let mut worker_args = vec![
+            "--listen".to_string(),
+            "127.0.0.1:0".into(),
+            "--kv-blocks".into(),
+            kv,
+        ];
+        if let Some(e) = &etcd {
+            worker_args.extend([
+                "--discovery".to_string(),
+                e.url(),
+                "--discovery-prefix".into(),
+                "/e2e".into(),
+                "--lease-ttl".into(),
+                "3s".into(),
+            ]);
+        }
         let mut cluster = Self {
             children: Vec::new(),
             url: String::new(),
@@ -184,6 +214,12 @@ impl Cluster {
             decode_addr: String::new(),
             aggregated_addr: String::new(),
             _dead: Vec::new(),
+            etcd,
+            worker_args,
+            worker_env: opts.worker_env.clone(),
+            tx,
+            events,
+            exited: std::collections::HashSet::new(),
             _dir: dir,
         };
         let deadline = Instant::now() + Duration::from_secs(120);
@@ -203,36 +239,19 @@ impl Cluster {
                 ("decode", Some(d)) => d,
                 _ => &model_s,
             };
-            let child = Command::new(&bin)
-                .args([
-                    "worker",
-                    "--role",
-                    if role == "decode2" { "decode" } else { role },
-                    "--listen",
-                    "127.0.0.1:0",
-                    "--model",
-                    model_s,
-                    "--kv-blocks",
-                    &kv,
-                ])
-                .args(match role {
-                    "prefill" => &opts.prefill_args,
-                    "decode" | "decode2" => &opts.decode_args,
-                    _ => &[][..],
-                })
-                .envs(
-                    opts.worker_env
-                        .iter()
-                        .map(|(k, v)| (k.as_str(), v.as_str())),
-                )
-                .env("UCX_NET_DEVICES", "lo")
-                .stdout(Stdio::null())
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap();
-            cluster.adopt(role, child, &tx);
+            let extra = match role {
+                "prefill" => &opts.prefill_args,
+                "decode" | "decode2" => &opts.decode_args,
+                _ => &[][..],
+            };
+            let mut args = vec!["--model".to_string(), model_s.clone()];
+            args.extend(extra.iter().cloned());
+            if cluster.etcd.is_some() {
+                args.extend(["--worker-id".to_string(), role.to_string()]);
+            }
+            cluster.spawn_worker(role, if role == "decode2" { "decode" } else { role }, &args);
         }
-        let mut addrs = cluster.wait_ready(&events, roles.len(), deadline);
+        let mut addrs = cluster.wait_ready(roles.len(), deadline);
         let mut addr = |role: &str| {
             addrs
                 .remove(role)
@@ -263,7 +282,12 @@ impl Cluster {
             (String::new(), String::new())
         };
         let mut config = format!("listen: 127.0.0.1:0\nmodel:\n  served_name: {served}\n");
-        if opts.pd_pair {
+        if let Some(e) = &cluster.etcd {
+            config.push_str(&format!(
+                "discovery:\n  etcd:\n    endpoints: ['{}']\n    prefix: /e2e\n",
+                e.url()
+            ));
+        } else if opts.pd_pair {
             config.push_str(&format!(
                 "prefill:\n{dead_p}  - id: prefill-0\n    address: {}\ndecode:\n  - id: decode-0\n    address: {}\n{dead_d}",
                 cluster.prefill_addr, cluster.decode_addr
@@ -272,7 +296,7 @@ impl Cluster {
                 config.push_str(&format!("  - id: decode-1\n    address: {decode2_addr}\n"));
             }
         }
-        if opts.aggregated {
+        if opts.aggregated && cluster.etcd.is_none() {
             config.push_str(&format!(
                 "aggregated:\n  - id: both-0\n    address: {}\n",
                 cluster.aggregated_addr
@@ -293,8 +317,8 @@ impl Cluster {
             .stderr(Stdio::piped())
             .spawn()
             .unwrap();
-        cluster.adopt("router", router, &tx);
-        let mut addrs = cluster.wait_ready(&events, 1, deadline);
+        cluster.adopt("router", router);
+        let mut addrs = cluster.wait_ready(1, deadline);
         cluster.url = format!("http://{}", addrs.remove("router").unwrap_or_default());
         // Every listener is bound: the router must now reach both workers.
         let client = probe::blocking_free_client();
@@ -321,19 +345,78 @@ impl Cluster {
         assert!(status.success(), "kill -{signal} {name}");
     }
 
+    /// Starts a worker process named `name` in `role` with the cluster's common arguments
+    /// and `args` (it is adopted; wait for it with [`Cluster::wait_ready`]).
+    fn spawn_worker(&mut self, name: &str, role: &str, args: &[String]) {
+        let child = Command::new(tandem_bin())
+            .args(["worker", "--role", role])
+            .args(&self.worker_args)
+            .args(args)
+            .envs(
+                self.worker_env
+                    .iter()
+                    .map(|(k, v)| (k.as_str(), v.as_str())),
+            )
+            .env("UCX_NET_DEVICES", "lo")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        self.adopt(name, child);
+    }
+
+    /// Starts one more worker (`role` `prefill`, `decode` or `both`) on the reference model,
+    /// registered in the cluster's etcd under id `name`; returns its gRPC URL once it is
+    /// ready (registered).
+    pub fn add_worker(&mut self, name: &str, role: &str) -> String {
+        assert!(self.etcd.is_some(), "add_worker needs a discovery cluster");
+        let model = tandem_testkit::smollm2_dir().display().to_string();
+        let args = [
+            "--model".to_string(),
+            model,
+            "--worker-id".into(),
+            name.into(),
+        ];
+        self.spawn_worker(name, role, &args);
+        let mut addrs = self.wait_ready(1, Instant::now() + Duration::from_secs(120));
+        format!("http://{}", addrs.remove(name).unwrap_or_default())
+    }
+
+    /// Waits (up to `limit`) until the process started as `name` exits; its exit status.
+    pub fn wait_exit(&mut self, name: &str, limit: Duration) -> std::process::ExitStatus {
+        let deadline = Instant::now() + limit;
+        while !self.exited.contains(name) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.events.recv_timeout(left) {
+                Ok(StartEvent::Exited(n)) => {
+                    self.exited.insert(n);
+                }
+                Ok(_) => {}
+                Err(_) => panic!("{name} did not exit within {limit:?}\n{}", self.logs()),
+            }
+        }
+        let (_, child) = self
+            .children
+            .iter_mut()
+            .find(|(n, _)| n == name)
+            .unwrap_or_else(|| panic!("no process {name}"));
+        child.wait().expect("wait")
+    }
+
     /// Keeps `child`; its log is teed to a file and its "… ready" line (logged once its
-    /// listener is bound, with the address) or the end of its output arrives on `tx`.
-    fn adopt(&mut self, name: &str, mut child: Child, tx: &mpsc::Sender<StartEvent>) {
+    /// listener is bound, with the address) or the end of its output arrives on the
+    /// cluster's event channel.
+    fn adopt(&mut self, name: &str, mut child: Child) {
         let stderr = child.stderr.take().expect("stderr is piped");
         let log = std::fs::File::create(self._dir.path().join(format!("{name}.log"))).unwrap();
-        let (owned, tx) = (name.to_string(), tx.clone());
+        let (owned, tx) = (name.to_string(), self.tx.clone());
         std::thread::spawn(move || tee_log(stderr, log, &owned, &tx));
         self.children.push((name.to_string(), child));
     }
 
     fn logs(&self) -> String {
         let mut out = String::new();
-        for name in ["prefill", "decode", "both", "router"] {
+        for (name, _) in &self.children {
             let text = std::fs::read_to_string(self._dir.path().join(format!("{name}.log")))
                 .unwrap_or_default();
             let tail: Vec<&str> = text.lines().rev().take(30).collect();
@@ -349,14 +432,13 @@ impl Cluster {
     /// Waits for `count` ready lines; returns each process's bound address by name.
     fn wait_ready(
         &self,
-        events: &mpsc::Receiver<StartEvent>,
         count: usize,
         deadline: Instant,
     ) -> std::collections::HashMap<String, String> {
         let mut addrs = std::collections::HashMap::new();
         while addrs.len() < count {
             let left = deadline.saturating_duration_since(Instant::now());
-            match events.recv_timeout(left) {
+            match self.events.recv_timeout(left) {
                 Ok(StartEvent::Ready(name, addr)) => {
                     addrs.insert(name, addr);
                 }
@@ -367,6 +449,11 @@ impl Cluster {
             }
         }
         addrs
+    }
+
+    /// The whole log of the process started as `name`.
+    pub fn log(&self, name: &str) -> String {
+        std::fs::read_to_string(self._dir.path().join(format!("{name}.log"))).unwrap_or_default()
     }
 
     /// Prints the processes' logs (for failing tests).

@@ -71,6 +71,17 @@ enum AdminCommand {
         #[arg(long)]
         model_dir: PathBuf,
     },
+    /// Drain a worker: it stops taking new requests, deregisters from discovery, finishes
+    /// what it has in flight and exits 0 (what still runs at the deadline is migrated by
+    /// the router).
+    Drain {
+        /// The worker's gRPC address, `http://host:port`.
+        #[arg(long)]
+        worker: String,
+        /// How long the worker waits for its requests; its own `--drain-deadline` when absent.
+        #[arg(long, value_parser = humantime::parse_duration)]
+        deadline: Option<Duration>,
+    },
 }
 
 #[derive(Subcommand, Debug)]
@@ -280,6 +291,27 @@ struct WorkerArgs {
     /// Prefill role: the longest one KV push may take.
     #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
     transfer_timeout: Duration,
+    /// On SIGTERM or `tandem admin drain`: how long to wait for in-flight requests before
+    /// exiting anyway.
+    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+    drain_deadline: Duration,
+    /// Register in etcd for routers to find: `etcd://host:port[,host:port…]`.
+    #[arg(long, env = "TANDEM_DISCOVERY")]
+    discovery: Option<String>,
+    /// Key prefix of this deployment in etcd.
+    #[arg(long, default_value = "/tandem")]
+    discovery_prefix: String,
+    /// Lease TTL of the etcd registration: a worker killed without deregistering disappears
+    /// after this long.
+    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+    lease_ttl: Duration,
+    /// The gRPC URL routers should use (`http://host:port`); from the bound address when
+    /// absent (which must then not be a wildcard address).
+    #[arg(long)]
+    advertise: Option<String>,
+    /// This worker's id in discovery; `ROLE-HOST-PORT` when absent.
+    #[arg(long)]
+    worker_id: Option<String>,
     #[command(flatten)]
     engine: EngineArgs,
 }
@@ -393,6 +425,22 @@ fn main() -> Result<()> {
             println!("{}", reply.into_inner().message);
             Ok(())
         }),
+        Command::Admin {
+            command: AdminCommand::Drain { worker, deadline },
+        } => runtime()?.block_on(async move {
+            let mut client = tandem_proto::v1::worker_client::WorkerClient::connect(worker.clone())
+                .await
+                .with_context(|| format!("connecting to {worker}"))?;
+            let deadline_ms = deadline.map_or(0, |d| {
+                u32::try_from(d.as_millis()).unwrap_or(u32::MAX).max(1)
+            });
+            let reply = client
+                .drain(tandem_proto::v1::DrainRequest { deadline_ms })
+                .await
+                .map_err(|s| anyhow::anyhow!("{worker}: {}", s.message()))?;
+            println!("{}", reply.into_inner().message);
+            Ok(())
+        }),
         Command::Eval {
             command:
                 EvalCommand::Logits {
@@ -456,15 +504,61 @@ async fn worker(args: WorkerArgs) -> Result<()> {
     let listener = tokio::net::TcpListener::bind(&args.listen)
         .await
         .with_context(|| format!("binding {}", args.listen))?;
-    tracing::info!(role = role.as_str(), listen = %listener.local_addr()?, "worker ready");
+    let bound = listener.local_addr()?;
+    let registration = match &args.discovery {
+        Some(url) => {
+            let config = tandem_discovery::EtcdConfig::from_url(
+                url,
+                &args.discovery_prefix,
+                args.lease_ttl,
+            )?;
+            let address = match &args.advertise {
+                Some(a) => a.clone(),
+                None if bound.ip().is_unspecified() => anyhow::bail!(
+                    "--listen {bound} is a wildcard address: pass --advertise http://HOST:PORT for discovery"
+                ),
+                None => format!("http://{bound}"),
+            };
+            let host = address
+                .split("://")
+                .nth(1)
+                .unwrap_or(&address)
+                .replace([':', '.', '/'], "-");
+            let record = tandem_discovery::WorkerRecord {
+                id: args
+                    .worker_id
+                    .clone()
+                    .unwrap_or_else(|| format!("{}-{host}", role.as_str())),
+                role: match role {
+                    tandem_worker::Role::Prefill => tandem_discovery::WorkerRole::Prefill,
+                    tandem_worker::Role::Decode => tandem_discovery::WorkerRole::Decode,
+                    tandem_worker::Role::Both => tandem_discovery::WorkerRole::Both,
+                },
+                address,
+                layout: engine.layout_info().0,
+                model_id: format!("{model_id:016x}"),
+                capacity: engine.kv_blocks().0 as u64,
+                state: tandem_discovery::WorkerState::Active,
+            };
+            Some(
+                tandem_discovery::Registration::start(config, record)
+                    .await
+                    .with_context(|| format!("registering in etcd at {url}"))?,
+            )
+        }
+        None => None,
+    };
+    tracing::info!(role = role.as_str(), listen = %bound, "worker ready");
     let opts = tandem_worker::WorkerOptions {
         role,
         transfer_bind: args.transfer_listen,
         kv_lease: args.kv_lease,
         transfer_timeout: args.transfer_timeout,
         model_id,
+        drain_deadline: args.drain_deadline,
     };
-    tandem_worker::serve(engine, opts, listener, shutdown_signal()).await?;
+    tandem_worker::serve_registered(engine, opts, listener, shutdown_signal(), registration)
+        .await?;
     tracing::info!("worker stopped");
     Ok(())
 }

@@ -39,6 +39,32 @@ pub struct RawConfig {
     /// Time limits; defaults when absent.
     #[serde(default)]
     pub timeouts: Timeouts,
+    /// Where to find workers besides the static lists (which may then be empty).
+    #[serde(default)]
+    pub discovery: Option<DiscoveryConfig>,
+}
+
+/// Worker discovery.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct DiscoveryConfig {
+    /// Workers registered in etcd (`tandem worker --discovery etcd://…`).
+    pub etcd: EtcdDiscoveryConfig,
+}
+
+/// The etcd the workers register in.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct EtcdDiscoveryConfig {
+    /// Client URLs, `http://host:port`.
+    pub endpoints: Vec<String>,
+    /// Key prefix of this deployment (the workers' `--discovery-prefix`).
+    #[serde(default = "default_prefix")]
+    pub prefix: String,
+}
+
+fn default_prefix() -> String {
+    "/tandem".into()
 }
 
 /// The served model.
@@ -117,6 +143,8 @@ pub struct RouterConfig {
     pub policy: PolicyConfig,
     /// Time limits; all non-zero.
     pub timeouts: Timeouts,
+    /// Discovery, when workers are found in etcd.
+    pub discovery: Option<DiscoveryConfig>,
 }
 
 /// A worker the router may send requests to.
@@ -191,8 +219,24 @@ impl RawConfig {
         }
         let mut ids = HashSet::new();
         // Either P/D pairs (both lists non-empty), aggregated workers, or both kinds.
-        let pd_needed =
-            self.aggregated.is_empty() || !self.prefill.is_empty() || !self.decode.is_empty();
+        let pd_needed = self.discovery.is_none()
+            && (self.aggregated.is_empty() || !self.prefill.is_empty() || !self.decode.is_empty());
+        if let Some(d) = &self.discovery {
+            if d.etcd.endpoints.is_empty() {
+                problems.push("discovery.etcd.endpoints must list at least one URL".to_owned());
+            }
+            for e in &d.etcd.endpoints {
+                if let Err(p) = WorkerAddress::parse(e) {
+                    problems.push(format!("discovery.etcd.endpoints: {p}"));
+                }
+            }
+            if !d.etcd.prefix.starts_with('/') {
+                problems.push(format!(
+                    "discovery.etcd.prefix `{}` must start with /",
+                    d.etcd.prefix
+                ));
+            }
+        }
         let prefill = check_workers("prefill", self.prefill, pd_needed, &mut ids, &mut problems);
         let decode = check_workers("decode", self.decode, pd_needed, &mut ids, &mut problems);
         let aggregated = check_workers(
@@ -221,6 +265,7 @@ impl RawConfig {
                 aggregated,
                 policy: self.policy,
                 timeouts: self.timeouts,
+                discovery: self.discovery,
             }),
             _ => Err(Error::InvalidConfig(problems.join("; "))),
         }
@@ -394,6 +439,31 @@ timeouts: {connect: 0s}
         let none = "listen: 127.0.0.1:8000\nmodel: {served_name: m}\n";
         assert!(invalid(none).contains("prefill: at least one worker"));
         assert!(invalid(&both.replace("id: a0", "id: p0")).contains("aggregated[0].id `p0`"));
+    }
+
+    #[test]
+    fn discovery_alone_needs_no_static_workers_and_checks_its_endpoints() {
+        let base = "listen: 127.0.0.1:8000\nmodel: {served_name: m}\n";
+        let c = RouterConfig::from_yaml(&format!(
+            "{base}discovery: {{etcd: {{endpoints: ['http://127.0.0.1:2379']}}}}\n"
+        ))
+        .expect("etcd discovery alone");
+        let d = c.discovery.expect("discovery kept");
+        assert_eq!(d.etcd.prefix, "/tandem", "default prefix");
+        assert!(c.prefill.is_empty() && c.decode.is_empty());
+        let message = invalid(&format!(
+            "{base}discovery: {{etcd: {{endpoints: ['127.0.0.1:2379', 'http://h:1'], prefix: x}}}}\n"
+        ));
+        assert!(
+            message.contains("discovery.etcd.endpoints: `127.0.0.1:2379`"),
+            "{message}"
+        );
+        assert!(
+            message.contains("prefix `x` must start with /"),
+            "{message}"
+        );
+        let message = invalid(&format!("{base}discovery: {{etcd: {{endpoints: []}}}}\n"));
+        assert!(message.contains("at least one URL"), "{message}");
     }
 
     #[test]

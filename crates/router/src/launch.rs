@@ -16,6 +16,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+/// How often the router asks each worker whether it drains.
+const HEALTH_INTERVAL: Duration = Duration::from_secs(1);
+
 /// Boxed error of process start-up.
 pub type LaunchError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -30,7 +33,7 @@ pub fn worker_routes(pd: Arc<PdGenerator>) -> Router {
 /// Every worker's counters, asked concurrently. With `wait_idle` > 0 each worker answers once
 /// it holds no KV or state (or when the wait runs out).
 async fn worker_report(pd: &PdGenerator, wait_idle: Duration) -> Vec<Value> {
-    let asks = pd.workers().map(|w| async move {
+    let asks = pd.workers().into_iter().map(|w| async move {
         let stats = tokio::time::timeout(wait_idle + Duration::from_secs(2), w.stats_when_idle(wait_idle)).await;
         match stats {
             Ok(Ok(s)) => json!({
@@ -40,12 +43,13 @@ async fn worker_report(pd: &PdGenerator, wait_idle: Duration) -> Vec<Value> {
                 "kv_bytes_transferred": s.kv_bytes_transferred,
                 "layout": s.layout, "dp_size": s.dp_size, "dp_free_slots": s.dp_free_slots,
                 "cancelled_requests": s.cancelled_requests,
-                "ejected": w.is_ejected(),
+                "in_flight": s.in_flight,
+                "ejected": w.is_ejected(), "state": w.state(),
             }),
             Ok(Err(e)) => json!({"id": w.id.0, "address": w.address, "error": e.message,
-                                 "ejected": w.is_ejected()}),
+                                 "ejected": w.is_ejected(), "state": w.state()}),
             Err(_) => json!({"id": w.id.0, "address": w.address, "error": "stats timed out",
-                             "ejected": w.is_ejected()}),
+                             "ejected": w.is_ejected(), "state": w.state()}),
         }
     });
     futures::future::join_all(asks).await
@@ -121,6 +125,32 @@ pub async fn run_from_config(
         PdGenerator::with_aggregated(prefill, decode, aggregated, RetryPolicy::default())
             .with_timeouts(config.timeouts),
     );
+    if let Some(d) = &config.discovery {
+        let etcd = tandem_discovery::EtcdConfig {
+            endpoints: d.etcd.endpoints.clone(),
+            prefix: d.etcd.prefix.clone(),
+            ttl: Duration::from_secs(10),
+        };
+        tracing::info!(endpoints = %etcd.endpoints.join(","), prefix = %etcd.prefix,
+            "finding workers through etcd");
+        let source: Arc<dyn tandem_discovery::Discovery> =
+            Arc::new(tandem_discovery::EtcdDiscovery::start(etcd)?);
+        // Ready means knowing the workers: wait (a while) for the first list.
+        let mut first = source.subscribe();
+        let listed = tokio::time::timeout(
+            Duration::from_secs(10),
+            first.wait_for(|set| set.revision > 0),
+        )
+        .await;
+        match listed {
+            Ok(Ok(set)) => pd.set_workers(&set),
+            _ => tracing::warn!(
+                "etcd did not answer within 10 s: starting with no workers (they appear once it does)"
+            ),
+        }
+        tokio::spawn(pd.clone().follow(source));
+    }
+    tokio::spawn(pd.clone().poll_health(HEALTH_INTERVAL));
     let state = RouterState::new(
         Arc::new(SharedPd(pd.clone())),
         &ModelInfo::new(config.model.served_name.clone(), dir),

@@ -9,8 +9,8 @@ use crate::generator::{
     GenerateError, GenerateFuture, GeneratedToken, Generator, TokenStream, ValidGenerateRequest,
 };
 use futures::StreamExt;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 use tandem_core::{ErrorClass, FinishReason, WorkerId};
 use tandem_proto::v1 as pb;
@@ -31,6 +31,9 @@ pub struct WorkerHandle {
     dp_load: Arc<Mutex<Option<Vec<usize>>>>,
     /// Ejects the worker from new routing after repeated failures of its own.
     breaker: Arc<Mutex<crate::breaker::Breaker>>,
+    /// Set while the worker drains (its stats or its discovery record say so): it gets no
+    /// new requests.
+    draining: Arc<AtomicBool>,
 }
 
 /// What an attempt says about one worker it was routed to.
@@ -86,7 +89,31 @@ impl WorkerHandle {
             client: pb::worker_client::WorkerClient::new(endpoint.connect_lazy()),
             dp_load: Arc::new(Mutex::new(None)),
             breaker: Arc::new(Mutex::new(crate::breaker::Breaker::default())),
+            draining: Arc::new(AtomicBool::new(false)),
         })
+    }
+
+    /// Whether the worker drains (no new requests go to it).
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::Relaxed)
+    }
+
+    /// Marks the worker draining or not.
+    pub fn set_draining(&self, draining: bool) {
+        if self.draining.swap(draining, Ordering::Relaxed) != draining {
+            tracing::info!(worker = %self.id, draining, "worker state changed");
+        }
+    }
+
+    /// `active`, `draining` or `ejected`.
+    pub fn state(&self) -> &'static str {
+        if self.is_draining() {
+            "draining"
+        } else if self.is_ejected() {
+            "ejected"
+        } else {
+            "active"
+        }
     }
 
     /// Picks the least-loaded attention-DP group of this (decode) worker and holds a place
@@ -183,12 +210,35 @@ impl Default for RetryPolicy {
     }
 }
 
+/// The workers requests can go to, by role; replaced whole when discovery reports a change.
+#[derive(Debug, Default)]
+pub struct Pools {
+    /// Prefill workers.
+    pub prefill: Vec<WorkerHandle>,
+    /// Decode workers.
+    pub decode: Vec<WorkerHandle>,
+    /// Aggregated workers.
+    pub aggregated: Vec<WorkerHandle>,
+}
+
+impl Pools {
+    /// Routes: each aggregated worker is one, the P/D pairs together another.
+    fn routes(&self) -> usize {
+        self.aggregated.len() + usize::from(!self.prefill.is_empty() && !self.decode.is_empty())
+    }
+
+    fn all(&self) -> impl Iterator<Item = &WorkerHandle> {
+        self.prefill
+            .iter()
+            .chain(&self.decode)
+            .chain(&self.aggregated)
+    }
+}
+
 /// Generator that runs each request on a prefill worker and a decode worker.
 #[derive(Debug)]
 pub struct PdGenerator {
-    prefill: Vec<WorkerHandle>,
-    decode: Vec<WorkerHandle>,
-    aggregated: Vec<WorkerHandle>,
+    pools: RwLock<Arc<Pools>>,
     next: AtomicUsize,
     retry: RetryPolicy,
     timeouts: crate::config::Timeouts,
@@ -287,9 +337,11 @@ impl PdGenerator {
         retry: RetryPolicy,
     ) -> Self {
         Self {
-            prefill,
-            decode,
-            aggregated,
+            pools: RwLock::new(Arc::new(Pools {
+                prefill,
+                decode,
+                aggregated,
+            })),
             next: AtomicUsize::new(0),
             retry,
             timeouts: crate::config::Timeouts::default(),
@@ -310,43 +362,112 @@ impl PdGenerator {
         self
     }
 
+    /// The pools now (new requests see later changes; running ones keep their workers).
+    pub fn pools(&self) -> Arc<Pools> {
+        self.pools
+            .read()
+            .map(|p| p.clone())
+            .unwrap_or_else(|e| e.into_inner().clone())
+    }
+
     /// Every worker, prefill first, then decode, then aggregated.
-    pub fn workers(&self) -> impl Iterator<Item = &WorkerHandle> {
-        self.prefill
-            .iter()
-            .chain(&self.decode)
-            .chain(&self.aggregated)
+    pub fn workers(&self) -> Vec<WorkerHandle> {
+        self.pools().all().cloned().collect()
     }
 
-    /// Prefill workers.
-    pub fn prefill_workers(&self) -> &[WorkerHandle] {
-        &self.prefill
+    /// Replaces the pools with the workers of `set`. A worker already known (same id and
+    /// address) keeps its handle: its connection, breaker and DP accounting. Records marked
+    /// draining stay listed but get no new requests.
+    pub fn set_workers(&self, set: &tandem_discovery::WorkerSet) {
+        use tandem_discovery::{WorkerRole, WorkerState};
+        let old = self.pools();
+        let known = |id: &str, address: &str| {
+            old.all()
+                .find(|w| w.id.0 == id && w.address == address)
+                .cloned()
+        };
+        let mut pools = Pools::default();
+        for r in set.workers.values() {
+            let handle = match known(&r.id, &r.address) {
+                Some(h) => h,
+                None => match WorkerHandle::with_connect_timeout(
+                    WorkerId(r.id.clone()),
+                    &r.address,
+                    self.timeouts.connect,
+                ) {
+                    Ok(h) => {
+                        tracing::info!(worker = %r.id, role = r.role.as_str(), address = %r.address,
+                            "worker added");
+                        h
+                    }
+                    Err(e) => {
+                        tracing::warn!(worker = %r.id, error = %e.message, "worker record ignored");
+                        continue;
+                    }
+                },
+            };
+            handle.set_draining(r.state == WorkerState::Draining);
+            match r.role {
+                WorkerRole::Prefill => pools.prefill.push(handle),
+                WorkerRole::Decode => pools.decode.push(handle),
+                WorkerRole::Both => pools.aggregated.push(handle),
+            }
+        }
+        for w in old.all() {
+            if !pools.all().any(|n| n.id == w.id && n.address == w.address) {
+                tracing::info!(worker = %w.id, address = %w.address, "worker removed");
+            }
+        }
+        let pools = Arc::new(pools);
+        match self.pools.write() {
+            Ok(mut p) => *p = pools,
+            Err(e) => *e.into_inner() = pools,
+        }
     }
 
-    /// Decode workers.
-    pub fn decode_workers(&self) -> &[WorkerHandle] {
-        &self.decode
+    /// Keeps the pools equal to what `discovery` reports, until the source goes away.
+    pub async fn follow(self: Arc<Self>, discovery: Arc<dyn tandem_discovery::Discovery>) {
+        let mut rx = discovery.subscribe();
+        loop {
+            let set = rx.borrow_and_update().clone();
+            self.set_workers(&set);
+            if rx.changed().await.is_err() {
+                return;
+            }
+        }
+    }
+
+    /// Asks every worker for its stats every `interval` and marks those that report
+    /// draining (how a drain is seen with static worker lists). Runs forever.
+    pub async fn poll_health(self: Arc<Self>, interval: Duration) {
+        let mut tick = tokio::time::interval(interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let asks = self.workers().into_iter().map(|w| async move {
+                if let Ok(Ok(s)) = tokio::time::timeout(interval, w.stats()).await {
+                    w.set_draining(s.draining);
+                }
+            });
+            futures::future::join_all(asks).await;
+        }
     }
 
     /// The pair at round-robin positions `(p, d)`. A retry advances only the leg that failed
     /// (both when the transfer between them failed), so a dead worker on one side does not
     /// take its healthy partner out of the rotation.
-    fn pick(&self, p: usize, d: usize) -> Option<(WorkerHandle, WorkerHandle)> {
-        if self.prefill.is_empty() || self.decode.is_empty() {
+    fn pick(pools: &Pools, p: usize, d: usize) -> Option<(WorkerHandle, WorkerHandle)> {
+        if pools.prefill.is_empty() || pools.decode.is_empty() {
             return None;
         }
-        Some((choose(&self.prefill, p), choose(&self.decode, d)))
+        Some((choose(&pools.prefill, p), choose(&pools.decode, d)))
     }
 
     async fn run(self: Arc<Self>, req: ValidGenerateRequest) -> Result<TokenStream, GenerateError> {
         let base = self.next.fetch_add(1, Ordering::Relaxed);
-        let pairs = usize::from(!self.prefill.is_empty() && !self.decode.is_empty());
-        let routes = self.aggregated.len() + pairs;
+        let routes = self.pools().routes();
         if routes == 0 {
-            return Err(GenerateError::new(
-                ErrorClass::Unavailable,
-                "no workers configured",
-            ));
+            return Err(no_workers());
         }
         let mut cursor = Cursor {
             pi: base,
@@ -369,9 +490,16 @@ impl PdGenerator {
         cursor: &mut Cursor,
         deadline: tokio::time::Instant,
     ) -> Result<TokenStream, GenerateError> {
-        let mut last = GenerateError::new(ErrorClass::Unavailable, "no workers configured");
+        let mut last = no_workers();
         let t = self.timeouts;
-        let routes = cursor.routes;
+        // The pools as they are now: a migration after a scale change sees the new ones.
+        let pools = self.pools();
+        let routes = pools.routes();
+        if routes == 0 {
+            return Err(last);
+        }
+        cursor.routes = routes;
+        cursor.route %= routes;
         for attempt in 0..self.retry.attempts.max(1) {
             // Each attempt has until its first token: the first-token limit, or what is left
             // of the request's.
@@ -386,7 +514,7 @@ impl PdGenerator {
                     format!("no first token from {who} within {budget:?}"),
                 )
             };
-            let result = if let Some(w) = self.aggregated.get(cursor.route) {
+            let result = if let Some(w) = pools.aggregated.get(cursor.route) {
                 let _ = w.admit();
                 let attempt_result = tokio::time::timeout(budget, try_aggregated(w, req))
                     .await
@@ -402,7 +530,7 @@ impl PdGenerator {
                         class = e.class.as_str(), error = %e.message, "aggregated attempt failed");
                 })
             } else {
-                let Some((p, d)) = self.pick(cursor.pi, cursor.di) else {
+                let Some((p, d)) = Self::pick(&pools, cursor.pi, cursor.di) else {
                     break;
                 };
                 let attempt_result = tokio::time::timeout(budget, try_pair(&p, &d, req))
@@ -558,9 +686,16 @@ fn resuming(
 fn choose(list: &[WorkerHandle], start: usize) -> WorkerHandle {
     (0..list.len())
         .map(|i| &list[(start + i) % list.len()])
-        .find(|w| w.admit())
+        .find(|w| !w.is_draining() && w.admit())
         .unwrap_or(&list[start % list.len()])
         .clone()
+}
+
+fn no_workers() -> GenerateError {
+    GenerateError::new(
+        ErrorClass::Unavailable,
+        "no workers available (none configured, or discovery lists none)",
+    )
 }
 
 fn request_deadline(limit: Duration) -> GenerateError {
@@ -785,14 +920,15 @@ mod tests {
         };
         let pd = PdGenerator::new(handles("p", 1), handles("d", 2), RetryPolicy::default())
             .with_breaker(policy);
-        let (_, d) = pd.pick(0, 0).expect("pair");
+        let pools = pd.pools();
+        let (_, d) = PdGenerator::pick(&pools, 0, 0).expect("pair");
         assert_eq!(d.id.0, "d-0");
         for _ in 0..2 {
-            pd.decode[0].report(Outcome::Failed(ErrorClass::Unavailable), policy);
+            pools.decode[0].report(Outcome::Failed(ErrorClass::Unavailable), policy);
         }
-        assert!(pd.decode[0].is_ejected());
+        assert!(pools.decode[0].is_ejected());
         for start in 0..4 {
-            let (_, d) = pd.pick(0, start).expect("pair");
+            let (_, d) = PdGenerator::pick(&pools, 0, start).expect("pair");
             assert_eq!(
                 d.id.0, "d-1",
                 "start {start}: the ejected worker was chosen"
@@ -800,13 +936,89 @@ mod tests {
         }
         // A bad request is the client's fault: it never ejects a worker.
         for _ in 0..5 {
-            pd.decode[1].report(Outcome::Failed(ErrorClass::InvalidRequest), policy);
+            pools.decode[1].report(Outcome::Failed(ErrorClass::InvalidRequest), policy);
         }
-        assert!(!pd.decode[1].is_ejected());
+        assert!(!pools.decode[1].is_ejected());
         // With every worker ejected, requests still go somewhere (and fail or probe there).
         for _ in 0..2 {
-            pd.decode[1].report(Outcome::Failed(ErrorClass::Unavailable), policy);
+            pools.decode[1].report(Outcome::Failed(ErrorClass::Unavailable), policy);
         }
-        assert!(pd.pick(0, 1).is_some());
+        assert!(PdGenerator::pick(&pools, 0, 1).is_some());
+    }
+
+    fn record(
+        id: &str,
+        role: tandem_discovery::WorkerRole,
+        draining: bool,
+    ) -> tandem_discovery::WorkerRecord {
+        tandem_discovery::WorkerRecord {
+            id: id.into(),
+            role,
+            address: format!("http://127.0.0.{}:9", id.len()),
+            layout: String::new(),
+            model_id: String::new(),
+            capacity: 0,
+            state: if draining {
+                tandem_discovery::WorkerState::Draining
+            } else {
+                tandem_discovery::WorkerState::Active
+            },
+        }
+    }
+
+    #[tokio::test]
+    async fn discovered_workers_join_leave_and_drain_keeping_the_handles_of_known_ones() {
+        use tandem_discovery::{WorkerRole, WorkerSet};
+        let pd = PdGenerator::new(Vec::new(), Vec::new(), RetryPolicy::default());
+        assert_eq!(pd.pools().routes(), 0, "nothing to route to yet");
+        let set = |records: Vec<tandem_discovery::WorkerRecord>| WorkerSet {
+            workers: records.into_iter().map(|r| (r.id.clone(), r)).collect(),
+            revision: 1,
+        };
+        pd.set_workers(&set(vec![
+            record("p", WorkerRole::Prefill, false),
+            record("d0", WorkerRole::Decode, false),
+        ]));
+        let first = pd.pools();
+        assert_eq!(first.routes(), 1);
+        first.decode[0].report(
+            Outcome::Failed(ErrorClass::Unavailable),
+            crate::breaker::BreakerPolicy::default(),
+        );
+        // A scale-up: d1 joins; d0 keeps its handle (the failure it had is still counted).
+        pd.set_workers(&set(vec![
+            record("p", WorkerRole::Prefill, false),
+            record("d0", WorkerRole::Decode, false),
+            record("d1", WorkerRole::Decode, false),
+            record("both", WorkerRole::Both, false),
+        ]));
+        let second = pd.pools();
+        assert_eq!(second.decode.len(), 2);
+        assert_eq!(second.routes(), 2, "the pairs and one aggregated worker");
+        assert!(Arc::ptr_eq(
+            &second.decode[0].breaker,
+            &first.decode[0].breaker
+        ));
+        // d0 drains: it stays listed but is never picked.
+        pd.set_workers(&set(vec![
+            record("p", WorkerRole::Prefill, false),
+            record("d0", WorkerRole::Decode, true),
+            record("d1", WorkerRole::Decode, false),
+        ]));
+        let third = pd.pools();
+        assert_eq!(third.decode[0].state(), "draining");
+        for start in 0..4 {
+            let (_, d) = PdGenerator::pick(&third, 0, start).expect("pair");
+            assert_eq!(d.id.0, "d1", "start {start}: a draining worker was chosen");
+        }
+        // d0 leaves.
+        pd.set_workers(&set(vec![
+            record("p", WorkerRole::Prefill, false),
+            record("d1", WorkerRole::Decode, false),
+        ]));
+        let ids: Vec<String> = pd.workers().into_iter().map(|w| w.id.0).collect();
+        assert_eq!(ids, ["p", "d1"]);
+        // Running requests keep the pools they started with.
+        assert_eq!(third.decode.len(), 2);
     }
 }

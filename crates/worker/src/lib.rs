@@ -4,6 +4,8 @@
 //! over the transport, and streams the remaining tokens. Reservations are leases: one that is
 //! not fed in time is released, and every allocation frees itself when its request ends.
 
+/// Admission and draining: what is in flight, and when the worker may exit.
+mod drain;
 /// The engines a worker serves (Llama, KDA hybrid) behind one surface.
 pub mod engines;
 /// The KV handoff message format (header, checksum, body).
@@ -14,7 +16,7 @@ pub mod reservations;
 pub mod service;
 
 pub use engines::WorkerEngine;
-pub use service::{serve, Role, WorkerOptions};
+pub use service::{serve, serve_registered, Role, WorkerOptions};
 
 use tandem_core::ErrorClass;
 
@@ -40,6 +42,10 @@ pub enum Error {
     /// Serving gRPC failed.
     #[error(transparent)]
     Grpc(#[from] tonic::transport::Error),
+    /// The worker takes no new work now (draining, or not registered in discovery): the
+    /// router retries elsewhere.
+    #[error("{0}")]
+    NotAdmitting(String),
 }
 
 impl Error {
@@ -51,7 +57,7 @@ impl Error {
             Error::Handoff(_) => ErrorClass::TransferFailed,
             Error::InvalidRequest(_) => ErrorClass::InvalidRequest,
             Error::Deadline(_) => ErrorClass::DeadlineExceeded,
-            Error::Grpc(_) => ErrorClass::Unavailable,
+            Error::Grpc(_) | Error::NotAdmitting(_) => ErrorClass::Unavailable,
         }
     }
 }

@@ -50,6 +50,8 @@ pub struct WorkerOptions {
     /// Identity of the served checkpoint (`tandem_model::model_identity`): handoffs between
     /// workers of different identities are refused.
     pub model_id: u64,
+    /// How long a drain waits for in-flight requests before the process exits anyway.
+    pub drain_deadline: Duration,
 }
 
 struct Shared {
@@ -62,6 +64,7 @@ struct Shared {
     kv_bytes_sent: AtomicU64,
     /// Decode requests whose caller went away before they finished.
     cancelled: AtomicU64,
+    admission: crate::drain::Admission,
 }
 
 /// The gRPC `Worker` service over an engine.
@@ -70,12 +73,27 @@ struct WorkerService {
     shared: Arc<Shared>,
 }
 
-/// Serves `engine` in `opts.role` on `listener` until `shutdown` resolves.
+/// Serves `engine` in `opts.role` on `listener`; when `shutdown` resolves (or a `Drain` call
+/// arrives) it drains: takes no new requests, finishes those in flight (up to the drain
+/// deadline), then returns.
 pub async fn serve(
     engine: WorkerEngine,
     opts: WorkerOptions,
     listener: tokio::net::TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<()> {
+    serve_registered(engine, opts, listener, shutdown, None).await
+}
+
+/// [`serve`] for a worker registered in discovery: it takes no work while the registration
+/// is lost, announces itself draining when the drain starts, and deregisters before it
+/// returns.
+pub async fn serve_registered(
+    engine: WorkerEngine,
+    opts: WorkerOptions,
+    listener: tokio::net::TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+    registration: Option<tandem_discovery::Registration>,
 ) -> Result<()> {
     let reservations = Arc::new(Reservations::default());
     let (receiver, sender, transfer_address) = match opts.role {
@@ -92,22 +110,64 @@ pub async fn serve(
         Role::Prefill => (None, Some(UcxSender::new()?), String::new()),
         Role::Both => (None, None, String::new()),
     };
+    let admission = crate::drain::Admission::new(registration.as_ref().map(|r| r.registered()));
+    let shared = Arc::new(Shared {
+        opts,
+        engine,
+        reservations,
+        transfer_address,
+        receiver,
+        sender,
+        kv_bytes_sent: AtomicU64::new(0),
+        cancelled: AtomicU64::new(0),
+        admission,
+    });
     let service = WorkerService {
-        shared: Arc::new(Shared {
-            opts,
-            engine,
-            reservations,
-            transfer_address,
-            receiver,
-            sender,
-            kv_bytes_sent: AtomicU64::new(0),
-            cancelled: AtomicU64::new(0),
-        }),
+        shared: shared.clone(),
     };
-    tonic::transport::Server::builder()
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = tonic::transport::Server::builder()
         .add_service(pb::worker_server::WorkerServer::new(service))
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
-        .await?;
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async {
+            let _ = stopped.await;
+        });
+    tokio::pin!(server);
+    let admission = &shared.admission;
+    let deadline = tokio::select! {
+        r = &mut server => return r.map_err(Into::into),
+        _ = shutdown => {
+            admission.start_drain(shared.opts.drain_deadline);
+            shared.opts.drain_deadline
+        }
+        d = admission.drain_started() => d,
+    };
+    tracing::info!(
+        in_flight = admission.in_flight(),
+        ?deadline,
+        "draining: no new requests; finishing those in flight"
+    );
+    if let Some(r) = &registration {
+        r.set_state(tandem_discovery::WorkerState::Draining);
+    }
+    let finished = async {
+        admission.wait_done().await;
+        shared.engine.wait_idle().await;
+    };
+    tokio::select! {
+        r = &mut server => return r.map_err(Into::into),
+        _ = finished => tracing::info!("drained: every request finished"),
+        _ = tokio::time::sleep(deadline) => tracing::warn!(
+            in_flight = admission.in_flight(),
+            "drain deadline reached with requests still running; stopping (the router migrates them)"
+        ),
+    }
+    if let Some(r) = registration {
+        r.deregister().await;
+    }
+    // Streams still open past the deadline would hold a graceful stop forever: give it a
+    // moment, then return and let the process end.
+    let _ = stop.send(());
+    let _ = tokio::time::timeout(Duration::from_secs(2), server).await;
     Ok(())
 }
 
@@ -390,9 +450,11 @@ impl pb::worker_server::Worker for WorkerService {
     ) -> std::result::Result<Response<GenerateStream>, Status> {
         let shared = self.shared.clone();
         shared.check_role(Role::Both)?;
+        let claim = shared.admission.admit()?;
         let (prompt, params) = shared.checked_request(Some(request.into_inner()))?;
         let (tx, rx) = mpsc::channel(64);
         tokio::spawn(async move {
+            let _claim = claim;
             if let Err(e) = shared.generate_all(prompt, params, &tx).await {
                 tracing::warn!(error = %e, "generate failed");
                 let _ = tx.send(Err(Status::from(e))).await;
@@ -407,6 +469,7 @@ impl pb::worker_server::Worker for WorkerService {
     ) -> std::result::Result<Response<DecodeStream>, Status> {
         let shared = self.shared.clone();
         shared.check_role(Role::Decode)?;
+        let claim = shared.admission.admit()?;
         let request = request.into_inner();
         let dp_rank = request.dp_rank.map(|r| r as usize);
         let (prompt, params) = shared.checked_request(request.request)?;
@@ -428,6 +491,7 @@ impl pb::worker_server::Worker for WorkerService {
             .await
             .map_err(|_| Status::cancelled("client went away"))?;
         tokio::spawn(async move {
+            let _claim = claim;
             if let Err(e) = shared
                 .clone()
                 .decode_rest(prompt, params, allocation, pending, &tx)
@@ -444,7 +508,10 @@ impl pb::worker_server::Worker for WorkerService {
         &self,
         request: Request<pb::PrefillRequest>,
     ) -> std::result::Result<Response<pb::PrefillResponse>, Status> {
-        let res = self.shared.prefill(request.into_inner()).await;
+        let res = match self.shared.admission.admit() {
+            Ok(_claim) => self.shared.prefill(request.into_inner()).await,
+            Err(e) => Err(e),
+        };
         if let Err(e) = &res {
             tracing::warn!(error = %e, "prefill failed");
         }
@@ -496,6 +563,29 @@ impl pb::worker_server::Worker for WorkerService {
             cancelled_requests: s.cancelled.load(Ordering::Relaxed),
             pending_reservations: s.reservations.len() as u32,
             kv_bytes_transferred: s.kv_bytes_sent.load(Ordering::Relaxed) + received,
+            draining: s.admission.is_draining(),
+            in_flight: s.admission.in_flight() as u32,
         }))
+    }
+
+    async fn drain(
+        &self,
+        request: Request<pb::DrainRequest>,
+    ) -> std::result::Result<Response<pb::DrainResponse>, Status> {
+        let s = &self.shared;
+        let ms = request.into_inner().deadline_ms;
+        let deadline = if ms == 0 {
+            s.opts.drain_deadline
+        } else {
+            Duration::from_millis(u64::from(ms))
+        };
+        let in_flight = s.admission.in_flight() as u32;
+        let message = if s.admission.start_drain(deadline) {
+            format!("draining: {in_flight} requests in flight, exiting when they finish or after {deadline:?}")
+        } else {
+            format!("already draining: {in_flight} requests in flight")
+        };
+        tracing::info!(%message, "drain requested");
+        Ok(Response::new(pb::DrainResponse { in_flight, message }))
     }
 }

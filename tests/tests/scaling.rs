@@ -1,0 +1,281 @@
+//! Pools that change under load: workers found through a real etcd, a worker added while
+//! requests run, and workers drained (`tandem admin drain`, SIGTERM) mid-stream with nothing
+//! lost and each drained process exiting 0.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use futures::StreamExt;
+use serde_json::{json, Value};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use tandem_e2e::{tandem_bin, Cluster, ClusterOptions};
+use tandem_proto::v1 as pb;
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+fn completion(prompt: &str, max_tokens: u32, stream: bool) -> Value {
+    json!({"model": "smollm2-135m-instruct", "prompt": prompt, "max_tokens": max_tokens,
+           "temperature": 0, "ignore_eos": true, "stream": stream})
+}
+
+/// The text of a completion, streamed (SSE) or not; `None` if a stream did not end with
+/// `[DONE]`.
+async fn text_of(resp: reqwest::Response, stream: bool) -> Option<String> {
+    if !stream {
+        let v: Value = resp.json().await.ok()?;
+        return v["choices"][0]["text"].as_str().map(str::to_owned);
+    }
+    let mut raw = String::new();
+    let mut body = resp.bytes_stream();
+    while let Some(chunk) = body.next().await {
+        raw.push_str(&String::from_utf8_lossy(&chunk.ok()?));
+    }
+    raw.contains("data: [DONE]").then(|| {
+        raw.lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .filter(|d| *d != "[DONE]")
+            .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+            .filter_map(|v| v["choices"][0]["text"].as_str().map(str::to_owned))
+            .collect()
+    })
+}
+
+/// Requests sent in a loop by `workers` tasks until `stop`; every answer is checked against
+/// the fault-free `expected` text.
+struct Load {
+    stop: Arc<AtomicBool>,
+    sent: Arc<AtomicUsize>,
+    failed: Arc<std::sync::Mutex<Vec<String>>>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Load {
+    fn start(url: &str, workers: usize, prompt: &'static str, expected: String) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let sent = Arc::new(AtomicUsize::new(0));
+        let failed = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let tasks = (0..workers)
+            .map(|i| {
+                let (stop, sent, failed) = (stop.clone(), sent.clone(), failed.clone());
+                let (url, expected) = (url.to_string(), expected.clone());
+                tokio::spawn(async move {
+                    let c = reqwest::Client::new();
+                    while !stop.load(Ordering::Relaxed) {
+                        let stream = i % 2 == 0;
+                        sent.fetch_add(1, Ordering::Relaxed);
+                        let resp = c
+                            .post(format!("{url}/v1/completions"))
+                            .json(&completion(prompt, 8, stream))
+                            .send()
+                            .await;
+                        let outcome = match resp {
+                            Ok(r) if r.status().is_success() => match text_of(r, stream).await {
+                                Some(t) if t == expected => None,
+                                Some(t) => Some(format!("different text: {t:?}")),
+                                None => Some("a stream without [DONE]".into()),
+                            },
+                            Ok(r) => Some(format!(
+                                "HTTP {}: {}",
+                                r.status(),
+                                r.text().await.unwrap_or_default()
+                            )),
+                            Err(e) => Some(format!("request error: {e}")),
+                        };
+                        if let Some(why) = outcome {
+                            failed.lock().unwrap().push(why);
+                        }
+                    }
+                })
+            })
+            .collect();
+        Self {
+            stop,
+            sent,
+            failed,
+            tasks,
+        }
+    }
+
+    /// Stops the load; (requests sent, failures).
+    async fn finish(self) -> (usize, Vec<String>) {
+        self.stop.store(true, Ordering::Relaxed);
+        for t in self.tasks {
+            t.await.unwrap();
+        }
+        let failed = self.failed.lock().unwrap().clone();
+        (self.sent.load(Ordering::Relaxed), failed)
+    }
+}
+
+async fn worker_client(addr: &str) -> pb::worker_client::WorkerClient<tonic::transport::Channel> {
+    pb::worker_client::WorkerClient::connect(addr.to_string())
+        .await
+        .unwrap()
+}
+
+/// Resolves once the worker at `addr` holds KV for some request (it answers the stats call
+/// at that moment), or after 60 s; whether it was busy.
+async fn until_busy(addr: &str) -> bool {
+    let s = worker_client(addr)
+        .await
+        .stats(pb::StatsRequest {
+            wait_idle_ms: 0,
+            wait_busy_ms: 60_000,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    s.kv_blocks_free < s.kv_blocks_total
+}
+
+async fn fault_free(c: &reqwest::Client, url: &str, prompt: &str, max_tokens: u32) -> String {
+    let resp = c
+        .post(format!("{url}/v1/completions"))
+        .json(&completion(prompt, max_tokens, false))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 200);
+    text_of(resp, false).await.expect("a completion")
+}
+
+#[test]
+fn workers_found_through_etcd_serve_and_a_new_decode_worker_takes_traffic_under_load() {
+    let mut cluster = Cluster::start(ClusterOptions {
+        discovery: true,
+        ..ClusterOptions::default()
+    });
+    let url = cluster.url.clone();
+    let runtime = rt();
+    let c = reqwest::Client::new();
+    let expected = runtime.block_on(fault_free(&c, &url, "The weather today", 8));
+    let load = runtime.block_on(async { Load::start(&url, 3, "The weather today", expected) });
+    // Scale up while the load runs: the new worker registers and the router sends it work.
+    let late = cluster.add_worker("decode-late", "decode");
+    let busy = runtime.block_on(until_busy(&late));
+    let (sent, failed) = runtime.block_on(load.finish());
+    assert!(busy, "the new decode worker never received a request");
+    assert!(
+        failed.is_empty(),
+        "{} of {sent} failed: {failed:?}",
+        failed.len()
+    );
+    let workers = runtime.block_on(tandem_e2e::workers_when_idle(&c, &url));
+    let ids: Vec<&str> = workers["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| w["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["prefill", "decode", "decode-late"], "{workers}");
+    assert!(tandem_e2e::pools_full(&workers, None), "{workers}");
+}
+
+#[test]
+fn draining_a_decode_and_a_prefill_worker_under_load_loses_nothing_and_both_exit_0() {
+    let mut cluster = Cluster::start(ClusterOptions {
+        discovery: true,
+        second_decode: true,
+        ..ClusterOptions::default()
+    });
+    let url = cluster.url.clone();
+    let decode = cluster.decode_addr.clone();
+    cluster.add_worker("prefill-2", "prefill");
+    let runtime = rt();
+    let c = reqwest::Client::new();
+    let prompt = "Once upon a time";
+    let long = runtime.block_on(fault_free(&c, &url, prompt, 40));
+    let short = runtime.block_on(fault_free(&c, &url, "The weather today", 8));
+    // Long streams in flight on both decode workers when the drains start.
+    let streams: Vec<_> = (0..4)
+        .map(|_| {
+            let (c, url) = (c.clone(), url.clone());
+            runtime.spawn(async move {
+                let resp = c
+                    .post(format!("{url}/v1/completions"))
+                    .json(&completion(prompt, 40, true))
+                    .send()
+                    .await
+                    .unwrap();
+                text_of(resp, true).await
+            })
+        })
+        .collect();
+    let load = runtime.block_on(async { Load::start(&url, 2, "The weather today", short) });
+    assert!(
+        runtime.block_on(until_busy(&decode)),
+        "no stream reached the first decode worker"
+    );
+    // Scale-down: the operator's command for the decode worker, SIGTERM for a prefill worker.
+    let out = std::process::Command::new(tandem_bin())
+        .args(["admin", "drain", "--worker", &decode])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("draining"),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    cluster.signal("prefill", "TERM");
+    let decode_exit = cluster.wait_exit("decode", Duration::from_secs(60));
+    let prefill_exit = cluster.wait_exit("prefill", Duration::from_secs(60));
+    let texts: Vec<Option<String>> = runtime.block_on(async {
+        let mut out = Vec::new();
+        for s in streams {
+            out.push(s.await.unwrap());
+        }
+        out
+    });
+    let (sent, failed) = runtime.block_on(load.finish());
+    assert!(
+        decode_exit.success(),
+        "the drained decode worker exited with {decode_exit}"
+    );
+    assert!(
+        prefill_exit.success(),
+        "the drained prefill worker exited with {prefill_exit}"
+    );
+    for (i, t) in texts.iter().enumerate() {
+        assert_eq!(t.as_deref(), Some(long.as_str()), "stream {i}");
+    }
+    // The drained workers finished their requests themselves: nothing had to migrate.
+    let router = cluster.log("router");
+    assert!(
+        !router.contains("continuing on another pair"),
+        "a stream was migrated instead of drained:\n{router}"
+    );
+    assert!(cluster
+        .log("decode")
+        .contains("drained: every request finished"));
+    assert!(
+        failed.is_empty(),
+        "{} of {sent} failed: {failed:?}",
+        failed.len()
+    );
+    // What is left serves, and holds nothing.
+    assert_eq!(runtime.block_on(fault_free(&c, &url, prompt, 40)), long);
+    let workers = runtime.block_on(tandem_e2e::workers_when_idle(&c, &url));
+    let ids: Vec<&str> = workers["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| w["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        ids,
+        ["prefill-2", "decode2"],
+        "the drained workers deregistered: {workers}"
+    );
+    assert!(tandem_e2e::pools_full(&workers, None), "{workers}");
+}
