@@ -3,7 +3,7 @@ SHELL := /bin/bash
 CARGO ?= cargo
 TARGET_DIR := $(or $(CARGO_TARGET_DIR),target)
 BIN := $(TARGET_DIR)/release/tandem
-APT_PACKAGES := protobuf-compiler libprotobuf-dev libucx-dev libclang-dev pkg-config ucx-utils
+APT_PACKAGES := protobuf-compiler libprotobuf-dev libucx-dev libclang-dev pkg-config ucx-utils etcd-server
 export UCX_NET_DEVICES ?= lo
 # NVRTC + CUDA headers from PyPI: the CUDA kernels compile (and are tested) without a GPU.
 NVRTC_HOME := $(or $(TANDEM_HOME),$(HOME)/.cache/tandem)/nvrtc
