@@ -150,11 +150,13 @@ pub async fn run_from_config(
         }
         tokio::spawn(pd.clone().follow(source));
     }
-    tokio::spawn(pd.clone().poll_health(HEALTH_INTERVAL));
+
     let state = RouterState::new(
         Arc::new(SharedPd(pd.clone())),
         &ModelInfo::new(config.model.served_name.clone(), dir),
     )?;
+    let pool_metrics = crate::pool_metrics::PoolMetrics::register(state.metrics().registry());
+    tokio::spawn(pd.clone().poll_health(HEALTH_INTERVAL, Some(pool_metrics)));
     let addr = match listen {
         Some(l) => l.parse()?,
         None => config.listen,

@@ -437,19 +437,44 @@ impl PdGenerator {
         }
     }
 
-    /// Asks every worker for its stats every `interval` and marks those that report
-    /// draining (how a drain is seen with static worker lists). Runs forever.
-    pub async fn poll_health(self: Arc<Self>, interval: Duration) {
+    /// Asks every worker for its stats every `interval`, marks those that report draining
+    /// (how a drain is seen with static worker lists) and, with `metrics`, sets the pool
+    /// gauges. Runs forever.
+    pub async fn poll_health(
+        self: Arc<Self>,
+        interval: Duration,
+        metrics: Option<crate::pool_metrics::PoolMetrics>,
+    ) {
         let mut tick = tokio::time::interval(interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tick.tick().await;
-            let asks = self.workers().into_iter().map(|w| async move {
-                if let Ok(Ok(s)) = tokio::time::timeout(interval, w.stats()).await {
-                    w.set_draining(s.draining);
-                }
+            let pools = self.pools();
+            let roles = [
+                ("prefill", &pools.prefill),
+                ("decode", &pools.decode),
+                ("both", &pools.aggregated),
+            ];
+            let asks = roles.iter().flat_map(|(role, list)| {
+                list.iter().map(move |w| async move {
+                    let stats = match tokio::time::timeout(interval, w.stats()).await {
+                        Ok(Ok(s)) => {
+                            w.set_draining(s.draining);
+                            Some(s)
+                        }
+                        _ => None,
+                    };
+                    crate::pool_metrics::WorkerSample {
+                        role,
+                        state: w.state(),
+                        stats,
+                    }
+                })
             });
-            futures::future::join_all(asks).await;
+            let samples = futures::future::join_all(asks).await;
+            if let Some(m) = &metrics {
+                m.observe(&samples);
+            }
         }
     }
 
