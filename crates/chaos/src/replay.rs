@@ -63,9 +63,9 @@ pub fn synth_trace(n: usize, seed: u64, model: &str) -> Vec<TraceEntry> {
         .map(|i| {
             let k = (i as u64).wrapping_mul(2654435761).wrapping_add(seed) as usize;
             let prompt = PROMPTS[k % PROMPTS.len()];
-            let stream = (k / 7) % 2 == 0;
+            let stream = (k / 7).is_multiple_of(2);
             let max_tokens = [4, 8, 16, 24][(k / 3) % 4];
-            if (k / 5) % 2 == 0 {
+            if (k / 5).is_multiple_of(2) {
                 TraceEntry {
                     path: "/v1/completions".into(),
                     body: json!({"model": model, "prompt": prompt, "max_tokens": max_tokens,
