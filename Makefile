@@ -9,13 +9,14 @@ export UCX_NET_DEVICES ?= lo
 NVRTC_HOME := $(or $(TANDEM_HOME),$(HOME)/.cache/tandem)/nvrtc
 
 
-.PHONY: test-gpu
+.PHONY: test-gpu helm-check
 .PHONY: run run-aggregated test deps build build-debug lint fmt bench-engine bench-engine-compare bench-kda bench-kv model clean help
 
 help:
 	@echo "make run           local cluster (router + prefill + decode, CPU, SmolLM2)"
 	@echo "make test          the whole test suite (what CI runs)"
 	@echo "make lint          cargo fmt --check and clippy -D warnings"
+	@echo "make helm-check    lint, render and validate the Helm chart (helm/tandem), offline"
 	@echo "make run-aggregated  router + one worker doing prefill and decode (no KV transfer)"
 	@echo "make bench-engine  engine prefill/decode throughput vs the memory-bandwidth floor"
 	@echo "make bench-engine-compare  tandem vs llama.cpp on the same weights, same run (builds llama.cpp once, ~8 min)"
@@ -53,6 +54,12 @@ test: deps
 	@bash scripts/fetch-nvrtc.sh "$(NVRTC_HOME)" || echo "NVRTC not fetched: the CUDA kernel compile test will skip"
 	LD_LIBRARY_PATH="$(NVRTC_HOME)/nvidia/cu13/lib$${LD_LIBRARY_PATH:+:$$LD_LIBRARY_PATH}" CUDA_HOME="$(NVRTC_HOME)/nvidia/cu13" \
 	  $(CARGO) nextest run --workspace --no-tests=pass --no-fail-fast
+	$(MAKE) helm-check
+
+# The Helm chart: helm lint, helm template of every example, strict schema validation and
+# scripts/helm/test_chart.py; tools are fetched once into ~/.cache/tandem/helm.
+helm-check:
+	bash scripts/helm/check.sh
 
 # The GPU machine has no Rust toolchain: build here, pack into .gpu/, run there.
 test-gpu: deps
