@@ -131,6 +131,9 @@ pub struct ClusterOptions {
     /// Start an etcd; workers register there and the router finds them through it (no
     /// static lists).
     pub discovery: bool,
+    /// Put a `tandem chaos proxy` (no faults until its admin port says so) between the
+    /// router and each of the prefill and decode workers.
+    pub proxies: bool,
 }
 
 impl Default for ClusterOptions {
@@ -148,6 +151,7 @@ impl Default for ClusterOptions {
             pd_pair: true,
             aggregated: false,
             discovery: false,
+            proxies: false,
         }
     }
 }
@@ -163,6 +167,9 @@ pub struct Cluster {
     pub decode_addr: String,
     /// Aggregated worker's gRPC address (empty without one).
     pub aggregated_addr: String,
+    /// Admin URLs of the chaos proxies (`proxies`), prefill's then decode's.
+    pub proxy_admins: Vec<String>,
+    admin_addrs: std::collections::HashMap<String, String>,
     _dead: Vec<DeadPort>,
     /// The etcd of a discovery cluster.
     pub etcd: Option<tandem_testkit::Etcd>,
@@ -213,6 +220,8 @@ impl Cluster {
             prefill_addr: String::new(),
             decode_addr: String::new(),
             aggregated_addr: String::new(),
+            proxy_admins: Vec::new(),
+            admin_addrs: std::collections::HashMap::new(),
             _dead: Vec::new(),
             etcd,
             worker_args,
@@ -262,6 +271,38 @@ impl Cluster {
         cluster.decode_addr = addr("decode");
         let decode2_addr = addr("decode2");
         cluster.aggregated_addr = addr("both");
+        if opts.proxies {
+            for (name, upstream) in [
+                ("proxy-prefill", cluster.prefill_addr.clone()),
+                ("proxy-decode", cluster.decode_addr.clone()),
+            ] {
+                let child = Command::new(&bin)
+                    .args([
+                        "chaos",
+                        "proxy",
+                        "--listen",
+                        "127.0.0.1:0",
+                        "--admin",
+                        "127.0.0.1:0",
+                    ])
+                    .args(["--upstream", &upstream])
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::piped())
+                    .spawn()
+                    .unwrap();
+                cluster.adopt(name, child);
+            }
+            let mut addrs = cluster.wait_ready(2, deadline);
+            for (name, field) in [("proxy-prefill", "prefill"), ("proxy-decode", "decode")] {
+                let addr = format!("http://{}", addrs.remove(name).unwrap_or_default());
+                match field {
+                    "prefill" => cluster.prefill_addr = addr,
+                    _ => cluster.decode_addr = addr,
+                }
+                let admin = cluster.admin_addrs.remove(name).unwrap_or_default();
+                cluster.proxy_admins.push(format!("http://{admin}"));
+            }
+        }
         // Dead workers: listed in the router's config; their ports are bound here but never
         // listened on, so connecting is refused and no other process can take them.
         let (dead_p, dead_d) = if opts.dead_workers {
@@ -431,7 +472,7 @@ impl Cluster {
 
     /// Waits for `count` ready lines; returns each process's bound address by name.
     fn wait_ready(
-        &self,
+        &mut self,
         count: usize,
         deadline: Instant,
     ) -> std::collections::HashMap<String, String> {
@@ -439,7 +480,10 @@ impl Cluster {
         while addrs.len() < count {
             let left = deadline.saturating_duration_since(Instant::now());
             match self.events.recv_timeout(left) {
-                Ok(StartEvent::Ready(name, addr)) => {
+                Ok(StartEvent::Ready(name, addr, admin)) => {
+                    if !admin.is_empty() {
+                        self.admin_addrs.insert(name.clone(), admin);
+                    }
                     addrs.insert(name, addr);
                 }
                 Ok(StartEvent::Exited(name)) => {
@@ -492,8 +536,9 @@ impl Drop for Cluster {
 
 /// What a starting process reported.
 enum StartEvent {
-    /// Its "… ready" log line: (name, the `host:port` it listens on).
-    Ready(String, String),
+    /// Its "… ready" log line: (name, the `host:port` it listens on, its admin `host:port`
+    /// if it has one).
+    Ready(String, String, String),
     /// Its output ended: it exited.
     Exited(String),
 }
@@ -561,9 +606,23 @@ fn tee_log(
         .map_while(Result::ok)
     {
         let _ = writeln!(log, "{line}");
-        if !announced && (line.contains("worker ready") || line.contains("router ready")) {
+        if !announced
+            && (line.contains("worker ready")
+                || line.contains("router ready")
+                || line.contains("proxy ready"))
+        {
             announced = true;
-            let _ = tx.send(StartEvent::Ready(name.to_string(), listen_addr(&line)));
+            let admin = line
+                .split("admin=Some(")
+                .nth(1)
+                .and_then(|r| r.split(')').next())
+                .unwrap_or_default()
+                .to_string();
+            let _ = tx.send(StartEvent::Ready(
+                name.to_string(),
+                listen_addr(&line),
+                admin,
+            ));
         }
     }
     let _ = tx.send(StartEvent::Exited(name.to_string()));

@@ -29,6 +29,7 @@ mod slot {
     pub const RESET: usize = 3;
     pub const CLOSE: usize = 4;
     pub const STALL: usize = 5;
+    pub const HTTP_RESET: usize = 6;
 }
 
 /// Counts of what went through and what was injected.
@@ -107,6 +108,7 @@ impl Proxy {
             ("connection.reset", slot::RESET),
             ("connection.close", slot::CLOSE),
             ("connection.stall", slot::STALL),
+            ("http.reset", slot::HTTP_RESET),
         ]
         .into_iter()
         .map(|(n, s)| (n, f.injector.count(s)))
@@ -175,6 +177,10 @@ impl Proxy {
             // Closing a socket with a zero linger sends RST instead of FIN.
             socket2::SockRef::from(&stream).set_linger(Some(Duration::ZERO))?;
         }
+        // A second handle on the socket, for breaking the connection from a request.
+        let std = stream.into_std()?;
+        let breaker = Arc::new(std.try_clone()?);
+        let stream = TcpStream::from_std(std)?;
         faulty.inner = Some(stream);
         let upstream = match TcpStream::connect(&self.upstream).await {
             Ok(up) => {
@@ -196,8 +202,8 @@ impl Proxy {
         };
         let proxy = self.clone();
         let service = hyper::service::service_fn(move |req: Request<Incoming>| {
-            let (proxy, upstream) = (proxy.clone(), upstream.clone());
-            async move { Ok::<_, hyper::Error>(proxy.request(req, upstream).await) }
+            let (proxy, upstream, breaker) = (proxy.clone(), upstream.clone(), breaker.clone());
+            async move { Ok::<_, hyper::Error>(proxy.request(req, upstream, &breaker).await) }
         });
         hyper::server::conn::http2::Builder::new(TokioExecutor::new())
             .serve_connection(TokioIo::new(faulty), service)
@@ -209,10 +215,17 @@ impl Proxy {
         &self,
         req: Request<Incoming>,
         upstream: Option<hyper::client::conn::http2::SendRequest<Incoming>>,
+        connection: &std::net::TcpStream,
     ) -> Response<Body> {
         self.counters.requests.fetch_add(1, Ordering::Relaxed);
         let f = self.faults();
         let (h, i) = (&f.http, &f.injector);
+        if i.fires(slot::HTTP_RESET, &h.reset) {
+            // Zero linger: the close is an RST; shutting down now breaks every stream on it.
+            let _ = socket2::SockRef::from(connection).set_linger(Some(Duration::ZERO));
+            let _ = connection.shutdown(std::net::Shutdown::Both);
+            return status(StatusCode::BAD_GATEWAY, "chaos: connection reset");
+        }
         if i.fires(slot::S502, &h.status_502) {
             return status(StatusCode::BAD_GATEWAY, "chaos: injected 502");
         }

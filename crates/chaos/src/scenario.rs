@@ -7,6 +7,7 @@
 //!   status_502: 0.05         # answer 502 instead of forwarding (a bare number: probability)
 //!   status_503: {probability: 0.01, limit: 3}
 //!   delay: {probability: 0.1, duration: 200ms}
+//!   reset: {probability: 0.01, limit: 2}   # break the request's whole connection
 //! connection:                # per accepted connection
 //!   reset: {probability: 0.02, after_bytes: 4096}   # RST once this many bytes went through
 //!   close: {probability: 0.0, after_bytes: 4096}    # FIN instead
@@ -108,6 +109,9 @@ pub struct HttpFaults {
     pub status_503: Fault,
     /// Hold the request for `duration` before forwarding.
     pub delay: Fault,
+    /// Break the whole connection the request arrived on (every request multiplexed on it
+    /// fails): what one reset of a router's HTTP/2 connection to a worker does.
+    pub reset: Fault,
 }
 
 /// Faults of TCP connections through the proxy.
@@ -174,11 +178,12 @@ impl Scenario {
         Self::from_yaml(&text, &shown)
     }
 
-    fn faults(&self) -> [(&'static str, &Fault); 10] {
+    fn faults(&self) -> [(&'static str, &Fault); 11] {
         [
             ("http.status_502", &self.http.status_502),
             ("http.status_503", &self.http.status_503),
             ("http.delay", &self.http.delay),
+            ("http.reset", &self.http.reset),
             ("connection.reset", &self.connection.reset),
             ("connection.close", &self.connection.close),
             ("connection.stall", &self.connection.stall),

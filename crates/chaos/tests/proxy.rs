@@ -141,3 +141,19 @@ async fn garbage_ends_only_its_own_connection() {
     drop(s);
     assert_eq!(get(&addr).await.unwrap().0, 200);
 }
+
+#[tokio::test]
+async fn a_request_level_reset_breaks_its_connection_for_every_stream_on_it() {
+    let (p, addr) = proxy("http: {reset: {probability: 1, limit: 1}}\n").await;
+    let first = get(&addr).await;
+    assert!(
+        !matches!(first, Ok((200, _))),
+        "the reset request was answered: {first:?}"
+    );
+    assert!(p.injected().contains(&("http.reset", 1)));
+    assert_eq!(
+        get(&addr).await.unwrap().0,
+        200,
+        "the next connection is clean"
+    );
+}

@@ -4,6 +4,7 @@
 mod bench;
 mod bench_kda;
 mod bench_step;
+mod chaos;
 mod cluster;
 mod device;
 mod eval;
@@ -51,6 +52,11 @@ enum Command {
     Admin {
         #[command(subcommand)]
         command: AdminCommand,
+    },
+    /// Fault injection: a proxy, synthetic traces, replays with a verdict.
+    Chaos {
+        #[command(subcommand)]
+        command: chaos::ChaosCommand,
     },
     /// Benchmarks.
     Bench {
@@ -312,6 +318,10 @@ struct WorkerArgs {
     /// This worker's id in discovery; `ROLE-HOST-PORT` when absent.
     #[arg(long)]
     worker_id: Option<String>,
+    /// Prefill role, testing only: inject the `transfer` faults of this chaos scenario into
+    /// KV pushes (`tandem chaos`).
+    #[arg(long)]
+    chaos_scenario: Option<PathBuf>,
     #[command(flatten)]
     engine: EngineArgs,
 }
@@ -461,6 +471,7 @@ fn main() -> Result<()> {
         Command::Router(args) => runtime()?.block_on(router(args)),
         Command::Run(args) => cluster::run(args),
         Command::Bench { command } => bench::run(command),
+        Command::Chaos { command } => chaos::run(command, runtime()?),
     }
 }
 
@@ -556,6 +567,14 @@ async fn worker(args: WorkerArgs) -> Result<()> {
         transfer_timeout: args.transfer_timeout,
         model_id,
         drain_deadline: args.drain_deadline,
+        transfer_chaos: match &args.chaos_scenario {
+            Some(p) => {
+                let s = tandem_chaos::Scenario::load(p)?;
+                tracing::warn!(scenario = %p.display(), "chaos: transfer faults are injected into this worker's KV pushes");
+                Some(std::sync::Arc::new(tandem_chaos::TransferChaos::new(&s)))
+            }
+            None => None,
+        },
     };
     tandem_worker::serve_registered(engine, opts, listener, shutdown_signal(), registration)
         .await?;

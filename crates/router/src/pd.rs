@@ -267,7 +267,12 @@ pub fn classify_status(s: tonic::Status) -> GenerateError {
         tonic::Code::Aborted => ErrorClass::TransferFailed,
         tonic::Code::Cancelled => ErrorClass::Cancelled,
         tonic::Code::DeadlineExceeded => ErrorClass::DeadlineExceeded,
-        tonic::Code::Unavailable | tonic::Code::Unknown => ErrorClass::Unavailable,
+        // Not classified by a worker: the transport or something between (a sidecar's HTTP
+        // 502 with a non-gRPC body reaches tonic as a protocol error, `Internal`). Another
+        // worker may well succeed, so these are retried.
+        tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Internal => {
+            ErrorClass::Unavailable
+        }
         _ => ErrorClass::Internal,
     });
     // A status the worker did not classify came from the transport (a reset connection, an
@@ -935,6 +940,30 @@ mod tests {
                     .expect("address")
             })
             .collect()
+    }
+
+    #[test]
+    fn statuses_no_worker_classified_are_transport_failures_and_retried() {
+        // What tonic makes of a sidecar's HTTP 502 with a text body.
+        let e = classify_status(tonic::Status::internal(
+            "protocol error: received message with invalid compression flag: 99",
+        ));
+        assert_eq!(e.class, ErrorClass::Unavailable);
+        assert!(e.class.is_retryable());
+        assert!(
+            !e.message.contains("compression"),
+            "transport details leak: {}",
+            e.message
+        );
+        // A worker's own classification wins.
+        let mut s = tonic::Status::internal("engine failed");
+        s.metadata_mut()
+            .insert(ERROR_CLASS_HEADER, "internal".parse().expect("ascii"));
+        assert_eq!(classify_status(s).class, ErrorClass::Internal);
+        assert_eq!(
+            classify_status(tonic::Status::invalid_argument("bad")).class,
+            ErrorClass::InvalidRequest
+        );
     }
 
     #[tokio::test]

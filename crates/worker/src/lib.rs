@@ -42,6 +42,13 @@ pub enum Error {
     /// Serving gRPC failed.
     #[error(transparent)]
     Grpc(#[from] tonic::transport::Error),
+    /// The KV of a reserved request never arrived (its prefill died, or the push was lost):
+    /// retryable on another pair.
+    #[error("{0}")]
+    KvNotArrived(String),
+    /// A transfer fault injected by a chaos scenario (`--chaos-scenario`).
+    #[error("chaos: {0}")]
+    InjectedTransferFault(String),
     /// The worker takes no new work now (draining, or not registered in discovery): the
     /// router retries elsewhere.
     #[error("{0}")]
@@ -58,6 +65,7 @@ impl Error {
             Error::InvalidRequest(_) => ErrorClass::InvalidRequest,
             Error::Deadline(_) => ErrorClass::DeadlineExceeded,
             Error::Grpc(_) | Error::NotAdmitting(_) => ErrorClass::Unavailable,
+            Error::KvNotArrived(_) | Error::InjectedTransferFault(_) => ErrorClass::TransferFailed,
         }
     }
 }

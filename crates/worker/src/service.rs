@@ -52,6 +52,9 @@ pub struct WorkerOptions {
     pub model_id: u64,
     /// How long a drain waits for in-flight requests before the process exits anyway.
     pub drain_deadline: Duration,
+    /// Prefill role: transfer faults of a chaos scenario, injected into KV pushes (testing
+    /// only; `tandem worker --chaos-scenario`).
+    pub transfer_chaos: Option<Arc<tandem_chaos::TransferChaos>>,
 }
 
 struct Shared {
@@ -306,6 +309,7 @@ impl Shared {
         if finish.is_none() {
             let reservation = tandem_core::ReservationId(target.reservation_id);
             let epoch = tandem_core::Epoch(target.epoch);
+            let body_len = body.len();
             let segments = self.engine.body_segments(prompt_len, body.len());
             let model_id = self.opts.model_id;
             let payload = tokio::task::spawn_blocking(move || {
@@ -321,19 +325,44 @@ impl Shared {
             })
             .await
             .map_err(|e| Error::InvalidRequest(format!("encoding task failed: {e}")))?;
+            let mut payload = payload;
+            let mut dropped = false;
+            if let Some(chaos) = &self.opts.transfer_chaos {
+                use tandem_chaos::TransferFault;
+                let fault = chaos.next();
+                if let Some(f) = fault {
+                    tracing::warn!(fault = ?f, reservation = %reservation, "chaos: injecting a transfer fault");
+                }
+                match fault {
+                    Some(TransferFault::Abort) => {
+                        return Err(Error::InjectedTransferFault("KV push aborted".into()))
+                    }
+                    Some(TransferFault::Corrupt(i)) => {
+                        // In the body, past the header and manifest: what the checksum covers.
+                        let n = body_len.max(1);
+                        let at = payload.len() - n + i % n;
+                        payload[at] ^= 0x5a;
+                    }
+                    Some(TransferFault::Delay(d)) => tokio::time::sleep(d).await,
+                    Some(TransferFault::Drop) => dropped = true,
+                    None => {}
+                }
+            }
             sent = payload.len() as u64;
             let sender = self
                 .sender
                 .as_ref()
                 .ok_or_else(|| Error::InvalidRequest("no transport".into()))?;
-            sender
-                .send(
-                    &target.transfer_address,
-                    target.reservation_id,
-                    payload,
-                    self.opts.transfer_timeout,
-                )
-                .await?;
+            if !dropped {
+                sender
+                    .send(
+                        &target.transfer_address,
+                        target.reservation_id,
+                        payload,
+                        self.opts.transfer_timeout,
+                    )
+                    .await?;
+            }
             self.kv_bytes_sent.fetch_add(sent, Ordering::Relaxed);
         }
         Ok(pb::PrefillResponse {
@@ -357,7 +386,7 @@ impl Shared {
         let message = tokio::select! {
             m = &mut pending.kv => m.map_err(|_| Error::Deadline("reservation dropped".into()))?,
             _ = tokio::time::sleep(lease) => {
-                return Err(Error::Deadline(format!("no KV arrived within the {lease:?} lease")));
+                return Err(Error::KvNotArrived(format!("no KV arrived within the {lease:?} lease")));
             }
             _ = tx.closed() => return self.note_cancelled(),
         };
