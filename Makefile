@@ -10,7 +10,7 @@ NVRTC_HOME := $(or $(TANDEM_HOME),$(HOME)/.cache/tandem)/nvrtc
 
 
 .PHONY: test-gpu helm-check
-.PHONY: run run-aggregated test deps build build-debug lint fmt bench-engine bench-engine-compare bench-kda bench-kv model clean help
+.PHONY: chaos run run-aggregated test deps build build-debug lint fmt bench-engine bench-engine-compare bench-kda bench-kv model clean help
 
 help:
 	@echo "make run           local cluster (router + prefill + decode, CPU, SmolLM2)"
@@ -22,6 +22,7 @@ help:
 	@echo "make bench-engine-compare  tandem vs llama.cpp on the same weights, same run (builds llama.cpp once, ~8 min)"
 	@echo "make bench-kda     KDA projections fused/unfused, decode step, chunked/recurrent"
 	@echo "make bench-kv      KV transfer bandwidth vs ucx_perftest"
+	@echo "make chaos         chaos replays at scale (2,000 requests at C128 under 502s/resets/transfer faults; 512 at C128 with one 502)"
 	@echo "make test-gpu      build the CUDA tests and tandem into .gpu/ for a GPU machine (then: bash .gpu/run.sh all there)"
 
 # Installs the system packages the build needs (Debian/Ubuntu), only when something is missing.
@@ -89,3 +90,9 @@ bench-kv: deps
 
 clean:
 	$(CARGO) clean
+
+# The chaos replays of the e2e suite at full scale (CI runs them small); prints each verdict.
+chaos: deps
+	$(CARGO) build --bin tandem
+	$(TARGET_DIR)/debug/tandem model pull smollm2-135m-instruct
+	TANDEM_CHAOS_SCALE=full $(CARGO) nextest run -p tandem-e2e --test chaos --no-capture --test-threads 1

@@ -261,27 +261,20 @@ pub fn classify_status(s: tonic::Status) -> GenerateError {
             "internal" => Some(ErrorClass::Internal),
             _ => None,
         });
+    // Not classified by a worker (every worker error carries its class): the status came
+    // from the transport or something in between — a sidecar's HTTP 502 with a non-gRPC body
+    // reaches tonic as a protocol error (`Internal`), a reset HTTP/2 connection as
+    // `Cancelled` or `Unknown`. Another worker may well succeed, so those are retried.
     let class = reported.unwrap_or(match s.code() {
         tonic::Code::InvalidArgument => ErrorClass::InvalidRequest,
         tonic::Code::ResourceExhausted => ErrorClass::CapacityExhausted,
         tonic::Code::Aborted => ErrorClass::TransferFailed,
-        tonic::Code::Cancelled => ErrorClass::Cancelled,
         tonic::Code::DeadlineExceeded => ErrorClass::DeadlineExceeded,
-        // Not classified by a worker: the transport or something between (a sidecar's HTTP
-        // 502 with a non-gRPC body reaches tonic as a protocol error, `Internal`). Another
-        // worker may well succeed, so these are retried.
-        tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Internal => {
-            ErrorClass::Unavailable
-        }
-        _ => ErrorClass::Internal,
+        _ => ErrorClass::Unavailable,
     });
     // A status the worker did not classify came from the transport (a reset connection, an
     // HTTP/2 error, a refused connect): keep its details in the log, not in the API answer.
-    let message = if reported.is_none()
-        && matches!(
-            s.code(),
-            tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Internal
-        ) {
+    let message = if reported.is_none() && class == ErrorClass::Unavailable {
         tracing::debug!(code = ?s.code(), detail = %s.message(), "worker transport error");
         format!(
             "the connection to a worker failed ({})",
@@ -296,7 +289,7 @@ pub fn classify_status(s: tonic::Status) -> GenerateError {
 fn transport_reason(code: tonic::Code) -> &'static str {
     match code {
         tonic::Code::Unavailable => "unavailable",
-        tonic::Code::Unknown => "broken stream",
+        tonic::Code::Unknown | tonic::Code::Cancelled => "broken stream",
         _ => "protocol error",
     }
 }
@@ -964,6 +957,15 @@ mod tests {
             classify_status(tonic::Status::invalid_argument("bad")).class,
             ErrorClass::InvalidRequest
         );
+        // A stream cancelled by a reset connection, not by the worker.
+        assert_eq!(
+            classify_status(tonic::Status::cancelled("h2 protocol error")).class,
+            ErrorClass::Unavailable
+        );
+        let mut s = tonic::Status::cancelled("client went away");
+        s.metadata_mut()
+            .insert(ERROR_CLASS_HEADER, "cancelled".parse().expect("ascii"));
+        assert_eq!(classify_status(s).class, ErrorClass::Cancelled);
     }
 
     #[tokio::test]
