@@ -54,8 +54,9 @@ kernels!(
     f32_to_bf16,
     write_kv_f32,
     write_kv_bf16,
+    rope_write_kv_f32,
+    rope_write_kv_bf16,
     copy_slots,
-    attention_combine,
     gemv_bf16_1,
     gemv_bf16_2,
     gemv_bf16_3,
@@ -64,6 +65,23 @@ kernels!(
     gemv_bf16_6,
     gemv_bf16_7,
     gemv_bf16_8,
+    gemv_norm_bf16_1,
+    gemv_norm_bf16_2,
+    gemv_norm_bf16_3,
+    gemv_norm_bf16_4,
+    gemv_norm_bf16_5,
+    gemv_norm_bf16_6,
+    gemv_norm_bf16_7,
+    gemv_norm_bf16_8,
+    gemv_norm_silu_bf16_1,
+    gemv_norm_silu_bf16_2,
+    gemv_norm_silu_bf16_3,
+    gemv_norm_silu_bf16_4,
+    gemv_norm_silu_bf16_5,
+    gemv_norm_silu_bf16_6,
+    gemv_norm_silu_bf16_7,
+    gemv_norm_silu_bf16_8,
+    pdl_probe,
     argmax_partial,
     sample_rows,
     prefill_attention_bf16_d64,
@@ -72,7 +90,8 @@ kernels!(
 
 /// Queries per block of the tensor-core prefill attention (`PF_M` in kernels.cu).
 pub(crate) const PREFILL_TILE: usize = 64;
-
+/// Dynamic shared memory the RMSNorm-fused GEMVs may use for their normalised rows.
+const GEMV_SMEM: usize = 96 << 10;
 
 /// Query heads per KV head the attention kernels are built for (1..=this).
 pub(crate) const MAX_GROUP: usize = 8;
@@ -119,16 +138,21 @@ pub fn kernel_names() -> Vec<String> {
         .collect()
 }
 
-/// Buffers operations borrow for one call (bf16 copies of activations for cuBLAS, sampling
-/// parameters and ids); they grow to the largest use and are then reused.
+/// Buffers operations borrow for one call (bf16 copies of activations for cuBLAS, attention
+/// partials and split counters, sampling parameters and ids); they grow to the largest use
+/// and are then reused.
 #[derive(Default)]
 pub(crate) struct Scratch {
     pub(crate) bf16: Option<CudaStorage>,
     pub(crate) params: Option<CudaStorage>,
     pub(crate) ids: Option<CudaStorage>,
     pub(crate) attention: Option<CudaStorage>,
+    /// Zeroed u32 per (token, kv head); the attention kernel leaves them zero.
+    pub(crate) split_counters: Option<CudaStorage>,
     pub(crate) best: Option<CudaStorage>,
     pub(crate) host_params: Vec<f32>,
+    /// Buffers outgrown: recorded graphs of smaller shapes still use their addresses.
+    pub(crate) retired: Vec<CudaStorage>,
 }
 
 pub(crate) struct Inner {
@@ -142,6 +166,24 @@ pub(crate) struct Inner {
     pub(crate) kernels: Kernels,
     pub(crate) attention: AttentionKernels,
     pub(crate) scratch: Mutex<Scratch>,
+    /// Streaming multiprocessors.
+    pub(crate) sms: usize,
+    /// Dynamic shared memory the RMSNorm-fused GEMVs may take.
+    pub(crate) gemv_smem: usize,
+    /// Row counts up to this take the GEMV kernels for bf16 weights.
+    pub(crate) gemv_rows: usize,
+    /// GEMV blocks per SM (0: a warp per feature).
+    pub(crate) gemv_blocks_per_sm: usize,
+    /// Decode attention blocks per SM that splitting aims at.
+    pub(crate) attention_blocks_per_sm: usize,
+    /// Whether kernels launch with programmatic dependencies (see kernels.cu).
+    pdl: bool,
+    /// Whether decode attention does the step's RoPE and K/V write itself.
+    pub(crate) decode_rope: bool,
+    /// The most of a [`tandem_engine::Ops::prefetch_weights`] hint pulled into L2.
+    pub(crate) l2_prefetch_bytes: usize,
+    /// The pending hint: (address, bytes) for the next product.
+    pub(crate) prefetch: Mutex<Option<(u64, usize)>>,
 }
 
 /// A CUDA device running tandem's kernels. Cheap to clone (clones share the device).
@@ -230,6 +272,20 @@ impl CudaBackend {
         let kernels = Kernels::load(&module)?;
         let attention = AttentionKernels::load(&module)?;
         let device_name = ctx.name()?;
+        let sms = ctx.attribute(
+            cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+        )? as usize;
+        let gemv_smem = gemv_shared_memory(&kernels);
+        let pdl = crate::env::programmatic_launches() && arch.0 >= 9 && {
+            match probe_programmatic_launches(&ctx, &stream, &kernels.pdl_probe) {
+                Ok(()) => true,
+                Err(why) => {
+                    tracing::warn!(%why, "programmatic dependent launches unavailable");
+                    false
+                }
+            }
+        };
+        tracing::debug!(sms, gemv_smem, pdl, "CUDA device ready");
         Ok(Self {
             inner: Arc::new(Inner {
                 ordinal,
@@ -242,8 +298,22 @@ impl CudaBackend {
                 kernels,
                 attention,
                 scratch: Mutex::new(Scratch::default()),
+                sms,
+                gemv_smem,
+                gemv_rows: crate::env::gemv_rows(),
+                gemv_blocks_per_sm: crate::env::gemv_blocks_per_sm(),
+                attention_blocks_per_sm: crate::env::attention_blocks_per_sm(),
+                decode_rope: crate::env::decode_rope(),
+                l2_prefetch_bytes: crate::env::l2_prefetch_mib() << 20,
+                prefetch: Mutex::new(None),
+                pdl,
             }),
         })
+    }
+
+    /// Whether kernels launch with programmatic dependencies.
+    pub fn programmatic_launches(&self) -> bool {
+        self.inner.pdl
     }
 
     /// The device's compute capability.
@@ -276,10 +346,18 @@ impl CudaBackend {
         CudaStorage { buf, ptr }
     }
 
-    /// A scratch buffer of at least `bytes`, reallocated only when it must grow.
-    pub(crate) fn ensure(&self, slot: &mut Option<CudaStorage>, bytes: usize) -> u64 {
+    /// A scratch buffer of at least `bytes` (zeroed when new), reallocated only when it must
+    /// grow. An outgrown buffer is kept: graphs recorded over it replay later.
+    pub(crate) fn ensure(
+        &self,
+        retired: &mut Vec<CudaStorage>,
+        slot: &mut Option<CudaStorage>,
+        bytes: usize,
+    ) -> u64 {
         if slot.as_ref().is_none_or(|s| s.bytes() < bytes) {
-            *slot = Some(self.alloc(bytes.next_power_of_two()));
+            if let Some(old) = slot.replace(self.alloc(bytes.next_power_of_two())) {
+                retired.push(old);
+            }
         }
         slot.as_ref().map_or(0, CudaStorage::ptr)
     }
@@ -303,32 +381,157 @@ impl CudaBackend {
 
     /// Launches `f` on the stream with `args`, in the order of the kernel's parameters.
     pub(crate) fn launch(&self, f: &CudaFunction, cfg: LaunchConfig, args: &[Arg]) {
-        const MAX: usize = 16;
-        assert!(args.len() <= MAX, "kernel with more than {MAX} arguments");
-        // Each argument lives in a 64-bit word; the driver reads as many bytes as the
-        // parameter's type has (little-endian, so 32-bit values sit in the low half).
-        let mut words = [0u64; MAX];
-        for (w, a) in words.iter_mut().zip(args) {
-            *w = a.word();
-        }
-        let mut params: [*mut std::ffi::c_void; MAX] = [std::ptr::null_mut(); MAX];
-        for (p, w) in params.iter_mut().zip(words.iter_mut()) {
-            *p = (w as *mut u64).cast();
-        }
         check(self.inner.ctx.bind_to_thread(), "context");
         // SAFETY: every call site passes the argument list of its kernel's signature in
         // kernels.cu, and the buffers it indexes are sized by the callers' assertions.
-        let r = unsafe {
+        let r = unsafe { launch_on(&self.inner.stream, f, cfg, args, self.inner.pdl) };
+        check(r, "kernel launch");
+    }
+}
+
+/// Launches `f` on `stream`; with `programmatic`, it may start before the kernel ahead of it
+/// has finished (every kernel waits for that in `pdl_start`, kernels.cu).
+///
+/// # Safety
+/// `args` must be the kernel's parameters in order, and the memory they point to sized for
+/// the launch.
+unsafe fn launch_on(
+    stream: &CudaStream,
+    f: &CudaFunction,
+    cfg: LaunchConfig,
+    args: &[Arg],
+    programmatic: bool,
+) -> std::result::Result<(), cudarc::driver::DriverError> {
+    use cudarc::driver::sys;
+    const MAX: usize = 24;
+    assert!(args.len() <= MAX, "kernel with more than {MAX} arguments");
+    // Each argument lives in a 64-bit word; the driver reads as many bytes as the
+    // parameter's type has (little-endian, so 32-bit values sit in the low half).
+    let mut words = [0u64; MAX];
+    for (w, a) in words.iter_mut().zip(args) {
+        *w = a.word();
+    }
+    let mut params: [*mut std::ffi::c_void; MAX] = [std::ptr::null_mut(); MAX];
+    for (p, w) in params.iter_mut().zip(words.iter_mut()) {
+        *p = (w as *mut u64).cast();
+    }
+    if !programmatic {
+        // SAFETY: as the caller promises.
+        return unsafe {
             cudarc::driver::result::launch_kernel(
                 f.cu_function(),
                 cfg.grid_dim,
                 cfg.block_dim,
                 cfg.shared_mem_bytes,
-                self.inner.stream.cu_stream(),
+                stream.cu_stream(),
                 &mut params[..args.len()],
             )
         };
-        check(r, "kernel launch");
+    }
+    // SAFETY: a plain-data C struct (an id and a union of plain values); all zeros is valid.
+    let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attr.value.programmaticStreamSerializationAllowed = 1;
+    let config = sys::CUlaunchConfig {
+        gridDimX: cfg.grid_dim.0,
+        gridDimY: cfg.grid_dim.1,
+        gridDimZ: cfg.grid_dim.2,
+        blockDimX: cfg.block_dim.0,
+        blockDimY: cfg.block_dim.1,
+        blockDimZ: cfg.block_dim.2,
+        sharedMemBytes: cfg.shared_mem_bytes,
+        hStream: stream.cu_stream(),
+        attrs: &mut attr,
+        numAttrs: 1,
+    };
+    // SAFETY: `config` and `attr` outlive the call; the parameters as the caller promises.
+    unsafe {
+        sys::cuLaunchKernelEx(
+            &config,
+            f.cu_function(),
+            params.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+    }
+    .result()
+}
+
+/// Lets the RMSNorm-fused GEMVs take up to [`GEMV_SMEM`] of dynamic shared memory; where the
+/// device refuses, they keep the default 48 KiB.
+fn gemv_shared_memory(k: &Kernels) -> usize {
+    use cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_DYNAMIC;
+    let all = [
+        &k.gemv_norm_bf16_1,
+        &k.gemv_norm_bf16_2,
+        &k.gemv_norm_bf16_3,
+        &k.gemv_norm_bf16_4,
+        &k.gemv_norm_bf16_5,
+        &k.gemv_norm_bf16_6,
+        &k.gemv_norm_bf16_7,
+        &k.gemv_norm_bf16_8,
+        &k.gemv_norm_silu_bf16_1,
+        &k.gemv_norm_silu_bf16_2,
+        &k.gemv_norm_silu_bf16_3,
+        &k.gemv_norm_silu_bf16_4,
+        &k.gemv_norm_silu_bf16_5,
+        &k.gemv_norm_silu_bf16_6,
+        &k.gemv_norm_silu_bf16_7,
+        &k.gemv_norm_silu_bf16_8,
+    ];
+    if all
+        .iter()
+        .all(|f| f.set_attribute(MAX_DYNAMIC, GEMV_SMEM as i32).is_ok())
+    {
+        GEMV_SMEM
+    } else {
+        48 << 10
+    }
+}
+
+/// Two programmatic launches of a counting kernel, eagerly and captured in a graph: whether
+/// the driver takes them (CUDA 12.3 or later for graphs) and they count to four.
+fn probe_programmatic_launches(
+    ctx: &Arc<CudaContext>,
+    stream: &Arc<CudaStream>,
+    probe: &CudaFunction,
+) -> std::result::Result<(), String> {
+    use cudarc::driver::sys;
+    let e = |what: &str, err: cudarc::driver::DriverError| format!("{what}: {err}");
+    ctx.bind_to_thread().map_err(|err| e("context", err))?;
+    let count = stream
+        .alloc_zeros::<u32>(1)
+        .map_err(|err| e("allocation", err))?;
+    let (ptr, _) = count.device_ptr(stream);
+    let cfg = LaunchConfig {
+        grid_dim: (1, 1, 1),
+        block_dim: (32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let twice = || -> std::result::Result<(), cudarc::driver::DriverError> {
+        for _ in 0..2 {
+            // SAFETY: `pdl_probe(u32*)` gets a live one-word buffer.
+            unsafe { launch_on(stream, probe, cfg, &[Arg::Ptr(ptr)], true) }?;
+        }
+        Ok(())
+    };
+    twice().map_err(|err| e("launch", err))?;
+    stream
+        .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .map_err(|err| e("begin capture", err))?;
+    let launched = twice();
+    let graph = stream.end_capture(sys::CUgraphInstantiate_flags(0));
+    launched.map_err(|err| e("launch in a capture", err))?;
+    let graph = graph
+        .map_err(|err| e("end capture", err))?
+        .ok_or("the capture recorded nothing")?;
+    graph.launch().map_err(|err| e("graph launch", err))?;
+    stream.synchronize().map_err(|err| e("synchronize", err))?;
+    let seen = stream
+        .clone_dtoh(&count)
+        .map_err(|err| e("copy back", err))?;
+    match seen.first() {
+        Some(4) => Ok(()),
+        other => Err(format!("the probe counted {other:?}, not 4")),
     }
 }
 

@@ -47,11 +47,6 @@ struct Key {
     context: usize,
 }
 
-/// Whether graphs are on (`TANDEM_CUDA_GRAPHS=0` turns them off, e.g. to profile kernels).
-fn enabled() -> bool {
-    std::env::var("TANDEM_CUDA_GRAPHS").map_or(true, |v| v != "0")
-}
-
 impl CudaBackend {
     pub(crate) fn run_recorded(
         &self,
@@ -59,7 +54,7 @@ impl CudaBackend {
         shape: Option<StepShape>,
         step: &mut dyn FnMut(),
     ) {
-        let Some(shape) = shape.filter(|_| !graphs.disabled && enabled()) else {
+        let Some(shape) = shape.filter(|_| !graphs.disabled && crate::env::graphs()) else {
             return step();
         };
         let key = Key {

@@ -2,6 +2,12 @@
 // Activations are f32; weights and K/V are f32 or bf16 (the `_bf16` variants); indices u32.
 // Every kernel works on the leading `rows` of buffers sized for the largest step, so the same
 // launches (with the same addresses) serve every step of a captured graph.
+//
+// Every kernel may be launched before the one ahead of it has finished (programmatic
+// dependent launch, Hopper on): each calls `pdl_start` before it reads anything earlier
+// kernels write and before it returns, so a kernel never ends before the one ahead of it.
+// Before that call a kernel may only read what no kernel of the step writes: weights, the
+// step's metadata (uploaded before the step) and K/V of earlier steps.
 
 #include <cuda_bf16.h>
 
@@ -44,10 +50,35 @@ __device__ __forceinline__ u32 ordered_bits(float f) {
 }
 #define ordered ordered_bits
 
+// Waits until the previous kernel on the stream has finished and its writes are visible (a
+// no-op without a programmatic dependency), then lets the next kernel launch: its blocks take
+// only the room this one leaves and wait in their own `pdl_start`.
+__device__ __forceinline__ void pdl_start() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Checks at start-up that launches with programmatic dependencies work here (also in a graph).
+extern "C" __global__ void pdl_probe(u32* count) {
+    pdl_start();
+    if (threadIdx.x == 0) atomicAdd(count, 1u);
+}
+
 // ---- embedding, norms, elementwise ---------------------------------------------------------
+
+// The inverse frequency of RoPE pair i: the exponent in double, rounded once, as a correctly
+// rounded f32 powf would give (the CPU backend and the references use f32 pow; at positions in
+// the tens of thousands an ulp of inv_freq is visible in the angle).
+__device__ __forceinline__ float rope_inv_freq(float theta, int i, int head_dim) {
+    return 1.0f / (float)pow((double)theta, (double)((float)(2 * i) / (float)head_dim));
+}
+
 
 template <typename T>
 __device__ void embed_impl(const T* table, const u32* ids, int dim, float* out) {
+    pdl_start();
     long row = blockIdx.x;
     long src = (long)ids[row] * dim;
     for (int i = threadIdx.x; i < dim; i += blockDim.x) out[row * dim + i] = load_f(table, src + i);
@@ -61,6 +92,7 @@ extern "C" __global__ void embed_bf16(const __nv_bfloat16* table, const u32* ids
 
 // One block per row: out = x / rms(x) * w.
 extern "C" __global__ void rms_norm(const float* x, const float* w, int dim, float eps, float* out) {
+    pdl_start();
     __shared__ float shared[32];
     long row = blockIdx.x;
     const float* xr = x + row * dim;
@@ -75,6 +107,7 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, int dim, flo
 // thread per rotated pair over the whole step (a decode step is a handful of rows).
 extern "C" __global__ void rope(float* qkv, const u32* positions, int rows, int width, int rot_heads,
                                 int head_dim, float theta) {
+    pdl_start();
     int half = head_dim / 2;
     long pairs = (long)rot_heads * half;
     long t = blockIdx.x * (long)blockDim.x + threadIdx.x;
@@ -82,12 +115,8 @@ extern "C" __global__ void rope(float* qkv, const u32* positions, int rows, int 
     long row = t / pairs;
     int h = (int)(t % pairs) / half, i = (int)(t % pairs) % half;
     float pos = (float)positions[row];
-    // The exponent is computed in double and rounded once, as a correctly rounded f32
-    // powf would (the CPU backend and the references use f32 pow): at positions in the
-    // tens of thousands an ulp of inv_freq is visible in the angle.
-    float inv_freq = 1.0f / (float)pow((double)theta, (double)((float)(2 * i) / (float)head_dim));
     float s, c;
-    sincosf(pos * inv_freq, &s, &c);
+    sincosf(pos * rope_inv_freq(theta, i, head_dim), &s, &c);
     float* head = qkv + row * width + (long)h * head_dim;
     float a = head[i], b = head[i + half];
     head[i] = a * c - b * s;
@@ -95,6 +124,7 @@ extern "C" __global__ void rope(float* qkv, const u32* positions, int rows, int 
 }
 
 extern "C" __global__ void silu_mul(const float* gate_up, long rows, int width, float* out) {
+    pdl_start();
     long t = blockIdx.x * (long)blockDim.x + threadIdx.x;
     if (t >= rows * width) return;
     long row = t / width;
@@ -104,12 +134,14 @@ extern "C" __global__ void silu_mul(const float* gate_up, long rows, int width, 
 }
 
 extern "C" __global__ void gather_rows(const float* x, int dim, const u32* index, float* out) {
+    pdl_start();
     long row = blockIdx.x;
     long src = (long)index[row] * dim;
     for (int i = threadIdx.x; i < dim; i += blockDim.x) out[row * dim + i] = x[src + i];
 }
 
 extern "C" __global__ void f32_to_bf16(const float* x, long n, __nv_bfloat16* out) {
+    pdl_start();
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
         out[i] = __float2bfloat16_rn(x[i]);
 }
@@ -119,6 +151,7 @@ extern "C" __global__ void f32_to_bf16(const float* x, long n, __nv_bfloat16* ou
 template <typename T>
 __device__ void write_kv_impl(const float* qkv, int rows, int width, int k_off, int v_off, int kv_dim,
                               const u32* slots, T* k, T* v) {
+    pdl_start();
     long t = blockIdx.x * (long)blockDim.x + threadIdx.x;
     if (t >= (long)rows * kv_dim) return;
     long row = t / kv_dim;
@@ -137,10 +170,57 @@ extern "C" __global__ void write_kv_bf16(const float* qkv, int rows, int width, 
     write_kv_impl(qkv, rows, width, k_off, v_off, kv_dim, slots, k, v);
 }
 
+// RoPE and the K/V write in one pass: one thread per (row, head, pair (i, i + half)) over every
+// head of the fused QKV row. Query and key heads are rotated in place (attention reads the
+// queries from there); key heads are also stored rotated into the cache at the row's slot, and
+// value heads are only stored.
+template <typename T>
+__device__ void rope_write_kv_impl(float* qkv, const u32* positions, int rows, int num_heads,
+                                   int num_kv_heads, int head_dim, float theta, const u32* slots, T* k,
+                                   T* v) {
+    pdl_start();
+    int half = head_dim / 2, heads = num_heads + 2 * num_kv_heads;
+    long pairs = (long)heads * half;
+    long t = blockIdx.x * (long)blockDim.x + threadIdx.x;
+    if (t >= rows * pairs) return;
+    long row = t / pairs;
+    int h = (int)(t % pairs) / half, i = (int)(t % pairs) % half;
+    float* head = qkv + row * heads * head_dim + (long)h * head_dim;
+    float a = head[i], b = head[i + half];
+    if (h < num_heads + num_kv_heads) {
+        float pos = (float)positions[row];
+        float s, c;
+        sincosf(pos * rope_inv_freq(theta, i, head_dim), &s, &c);
+        float ra = a * c - b * s, rb = b * c + a * s;
+        head[i] = ra;
+        head[i + half] = rb;
+        a = ra;
+        b = rb;
+    }
+    if (h >= num_heads) {
+        int kv = h - num_heads;  // 0 .. 2 * num_kv_heads: keys, then values
+        T* dst = kv < num_kv_heads ? k : v;
+        long at = (long)slots[row] * num_kv_heads * head_dim + (long)(kv % num_kv_heads) * head_dim;
+        store_f(dst, at + i, a);
+        store_f(dst, at + i + half, b);
+    }
+}
+extern "C" __global__ void rope_write_kv_f32(float* qkv, const u32* positions, int rows, int num_heads,
+                                             int num_kv_heads, int head_dim, float theta,
+                                             const u32* slots, float* k, float* v) {
+    rope_write_kv_impl(qkv, positions, rows, num_heads, num_kv_heads, head_dim, theta, slots, k, v);
+}
+extern "C" __global__ void rope_write_kv_bf16(float* qkv, const u32* positions, int rows, int num_heads,
+                                              int num_kv_heads, int head_dim, float theta,
+                                              const u32* slots, __nv_bfloat16* k, __nv_bfloat16* v) {
+    rope_write_kv_impl(qkv, positions, rows, num_heads, num_kv_heads, head_dim, theta, slots, k, v);
+}
+
 // Copies `n` rows of `row_words` 32-bit words between a slot-indexed cache and a dense buffer:
 // `to_dense` gathers cache rows `slots[i]` into row i, otherwise scatters row i into them.
 extern "C" __global__ void copy_slots(u32* cache, const u32* slots, int n, int row_words, u32* dense,
                                       int to_dense) {
+    pdl_start();
     long i = blockIdx.x;
     if (i >= n) return;
     long c = (long)slots[i] * row_words, d = i * row_words;
@@ -152,120 +232,261 @@ extern "C" __global__ void copy_slots(u32* cache, const u32* slots, int n, int r
 
 // ---- attention -----------------------------------------------------------------------------
 //
-// One block per (token, kv head, split): the group of query heads sharing that kv head walks
-// its share of the token's causal context in the paged cache. Each warp takes every
-// `ATTN_WARPS`-th run of `ATTN_UNROLL` keys (their loads issued together, so a warp has
-// several cache reads in flight); its lanes split the head dimension; an online softmax per
-// query head runs in registers, and the warps merge through shared memory. With one split the
-// block writes the output; with several (decode: few tokens, long contexts) each block writes
-// its (max, sum, weighted values) to `partial` and `attention_combine` merges the splits.
+// One block of four warps per (token, kv head, split): the group of G query heads sharing
+// that kv head walks its split of the token's causal context in the paged cache. Eight lanes
+// share a key's row (coalesced 16-byte loads, CPL chunks each), so a warp reads 4 keys per
+// load and its lane groups hold J keys each: KB keys per block pass, every K and V load of a
+// pass issued before any is used. Scores reduce over the 8 lanes; the softmax is online per
+// pass (the maximum warp-wide, sums and values per lane group), and the warps merge through
+// shared memory at the end. The first pass's keys from earlier steps are loaded before
+// `pdl_start`, while the kernel writing this step's keys is still running.
+//
+// With one split the block writes the output. With several (decode: few tokens, long
+// contexts) each block writes its (max, sum, weighted values) per head to `partial`, and the
+// last block of a (token, kv head) to finish — counted in `counters`, which it sets back to
+// zero — merges them: no second kernel.
 
 #define ATTN_WARPS 4
-#define ATTN_UNROLL 8
 
-// G query heads per kv head and D = 32 * PL values per head are compile-time constants, so
-// every per-head array lives in registers (runtime-indexed arrays would go to local memory).
-template <typename T, int G, int PL>
+template <typename T> __device__ __forceinline__ void unpack16(uint4 v, float* f);
+template <> __device__ __forceinline__ void unpack16<float>(uint4 v, float* f) {
+    f[0] = __uint_as_float(v.x); f[1] = __uint_as_float(v.y);
+    f[2] = __uint_as_float(v.z); f[3] = __uint_as_float(v.w);
+}
+template <> __device__ __forceinline__ void unpack16<__nv_bfloat16>(uint4 v, float* f) {
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+    #pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        float2 p = __bfloat1622float2(h[j]);
+        f[2 * j] = p.x; f[2 * j + 1] = p.y;
+    }
+}
+
+// Loads the K and V rows of keys `wb + kq + 4 j` that lie in [lo, hi). The block-table
+// entries are read first, all together (keys past `hi` read that of `hi - 1`), then the rows.
+template <typename T, int D, int J, int CPL>
+__device__ __forceinline__ void attn_load(uint4 (&kr)[J][CPL], uint4 (&vr)[J][CPL], const T* kc,
+                                          const T* vc, const u32* table, int block_size, long kv_dim,
+                                          int wb, int lo, int hi, int kq, int dc) {
+    if (lo >= hi) return;
+    u32 blk[J];
+    #pragma unroll
+    for (int j = 0; j < J; ++j) blk[j] = table[min(wb + kq + 4 * j, hi - 1) / block_size];
+    #pragma unroll
+    for (int j = 0; j < J; ++j) {
+        int key = wb + kq + 4 * j;
+        if (key >= lo && key < hi) {
+            long slot = (long)blk[j] * block_size + key % block_size;
+            const uint4* kp = reinterpret_cast<const uint4*>(kc + slot * kv_dim);
+            const uint4* vp = reinterpret_cast<const uint4*>(vc + slot * kv_dim);
+            #pragma unroll
+            for (int cc = 0; cc < CPL; ++cc) {
+                kr[j][cc] = kp[dc + 8 * cc];
+                vr[j][cc] = vp[dc + 8 * cc];
+            }
+        }
+    }
+}
+
+// `decode_rope` (theta > 0; a decode step: every sequence has one new token, at position
+// `cached`): the queries come unrotated and are rotated here, and the block whose split holds
+// the new position rotates the token's key and writes it and its value into the cache before
+// reading its keys (the step's `rope_write_kv`, folded in).
+template <typename T, int G, int D>
 __device__ void attention_impl(const float* qkv, int width, int num_heads, int num_kv_heads,
-                               const T* k_cache, const T* v_cache, int block_size,
+                               T* k_cache, T* v_cache, int block_size,
                                const u32* seq_info, int num_seqs, const u32* tables, int table_stride,
-                               float scale, int split_keys, float* partial, float* out) {
-    constexpr int D = 32 * PL;
-    __shared__ float s_q[G * D];
+                               float scale, int split_keys, float* partial, u32* counters, float* out,
+                               const u32* positions, const u32* slots, float decode_rope) {
+    constexpr int V16 = 16 / sizeof(T);           // values per 16-byte chunk
+    constexpr int CPL = D / V16 / 8;              // chunks per lane of a row
+    constexpr int J = CPL >= 4 ? 1 : 4 / CPL;     // keys per lane group per pass
+    constexpr int KW = 4 * J, KB = ATTN_WARPS * KW;
+    constexpr int VL = CPL * V16;                 // dims per lane
+    __shared__ __align__(16) float s_q[G * D];
     __shared__ float s_m[ATTN_WARPS][G];
     __shared__ float s_l[ATTN_WARPS][G];
-    __shared__ float s_acc[ATTN_WARPS][G * D];
+    __shared__ __align__(16) float s_acc[ATTN_WARPS][G * D];
+    __shared__ int s_last;
 
     int token = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, kq = lane >> 3, dc = lane & 7;
 
-    // The token's sequence: the one whose [start, start + len) holds it.
-    int seq = 0;
-    for (int s = 0; s < num_seqs; ++s) {
-        u32 start = seq_info[3 * s], len = seq_info[3 * s + 1];
-        if ((u32)token >= start && (u32)token < start + len) { seq = s; break; }
+    // The token's sequence: the one whose [start, start + len) holds it (in a decode step,
+    // sequence `token`).
+    int seq = min(token, num_seqs - 1);
+    if (!((u32)token >= seq_info[3 * seq] && (u32)token < seq_info[3 * seq] + seq_info[3 * seq + 1])) {
+        for (int s = 0; s < num_seqs; ++s) {
+            u32 start = seq_info[3 * s], len = seq_info[3 * s + 1];
+            if ((u32)token >= start && (u32)token < start + len) { seq = s; break; }
+        }
     }
     u32 start = seq_info[3 * seq], cached = seq_info[3 * seq + 2];
     int ctx = (int)(cached + (token - start)) + 1;
-    int first = splits > 1 ? split * split_keys : 0;
-    int last = splits > 1 ? min(ctx, first + split_keys) : ctx;
+    int first = split * split_keys;
+    int last = min(ctx, first + split_keys);
     const u32* table = tables + (long)seq * table_stride;
-    int kv_dim = num_kv_heads * D;
+    long kv_dim = (long)num_kv_heads * D;
+    const T* kc = k_cache + (long)kvh * D;
+    const T* vc = v_cache + (long)kvh * D;
 
-    for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
-        int g = i / D, d = i % D;
-        s_q[i] = qkv[(long)token * width + (long)(kvh * G + g) * D + d] * scale;
-    }
-    __syncthreads();
-    float q[G][PL];
+    uint4 kr[J][CPL], vr[J][CPL];
     #pragma unroll
-    for (int g = 0; g < G; ++g)
+    for (int j = 0; j < J; ++j)
         #pragma unroll
-        for (int j = 0; j < PL; ++j) q[g][j] = s_q[g * D + lane + 32 * j];
+        for (int cc = 0; cc < CPL; ++cc) kr[j][cc] = vr[j][cc] = make_uint4(0u, 0u, 0u, 0u);
+    // The first pass's keys of earlier steps: no kernel of this step writes them.
+    attn_load<T, D, J, CPL>(kr, vr, kc, vc, table, block_size, kv_dim, first + warp * KW, first,
+                            min(last, (int)cached), kq, dc);
+    pdl_start();
 
-    float m[G], l[G], acc[G][PL];
+    const float* row = qkv + (long)token * width;
+    if (decode_rope > 0.0f) {
+        constexpr int H = D / 2;
+        float pos = (float)positions[token];
+        for (int i = threadIdx.x; i < G * H; i += blockDim.x) {
+            int g = i / H, j = i % H;
+            float sn, cs;
+            sincosf(pos * rope_inv_freq(decode_rope, j, D), &sn, &cs);
+            const float* q = row + (long)(kvh * G + g) * D;
+            float a = q[j], b = q[j + H];
+            s_q[g * D + j] = (a * cs - b * sn) * scale;
+            s_q[g * D + j + H] = (b * cs + a * sn) * scale;
+        }
+        if (first <= (int)cached && (int)cached < last) {
+            const float* k = row + (long)(num_heads + kvh) * D;
+            const float* v = row + (long)(num_heads + num_kv_heads + kvh) * D;
+            long at = (long)slots[token] * kv_dim + (long)kvh * D;
+            for (int j = threadIdx.x; j < H; j += blockDim.x) {
+                float sn, cs;
+                sincosf(pos * rope_inv_freq(decode_rope, j, D), &sn, &cs);
+                float a = k[j], b = k[j + H];
+                store_f(k_cache, at + j, a * cs - b * sn);
+                store_f(k_cache, at + j + H, b * cs + a * sn);
+            }
+            for (int d = threadIdx.x; d < D; d += blockDim.x) store_f(v_cache, at + d, v[d]);
+        }
+    } else {
+        for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
+            int g = i / D, d = i % D;
+            s_q[i] = row[(long)(kvh * G + g) * D + d] * scale;
+        }
+    }
+    __syncthreads();  // the queries, and the new key and value (stored by this block), are in
+
+    float m[G], l[G], acc[G][VL];
     #pragma unroll
     for (int g = 0; g < G; ++g) {
         m[g] = -INFINITY; l[g] = 0.0f;
         #pragma unroll
-        for (int j = 0; j < PL; ++j) acc[g][j] = 0.0f;
+        for (int v = 0; v < VL; ++v) acc[g][v] = 0.0f;
     }
-    for (int base = first + warp * ATTN_UNROLL; base < last; base += ATTN_WARPS * ATTN_UNROLL) {
-        float kv[ATTN_UNROLL][PL], vv[ATTN_UNROLL][PL];
-        #pragma unroll
-        for (int u = 0; u < ATTN_UNROLL; ++u) {
-            int key = min(base + u, last - 1);  // past the end: reload the last key, unused
-            long slot = (long)table[key / block_size] * block_size + key % block_size;
-            const T* kr = k_cache + slot * kv_dim + (long)kvh * D;
-            const T* vr = v_cache + slot * kv_dim + (long)kvh * D;
-            #pragma unroll
-            for (int j = 0; j < PL; ++j) {
-                kv[u][j] = load_f(kr, lane + 32 * j);
-                vv[u][j] = load_f(vr, lane + 32 * j);
-            }
+    for (int base = first; base < last; base += KB) {
+        int wb = base + warp * KW;
+        if (base == first) {
+            // This step's keys (written by the kernel before).
+            attn_load<T, D, J, CPL>(kr, vr, kc, vc, table, block_size, kv_dim, wb, (int)cached, last,
+                                    kq, dc);
+        } else {
+            attn_load<T, D, J, CPL>(kr, vr, kc, vc, table, block_size, kv_dim, wb, base, last, kq, dc);
         }
+        float s[J][G];
         #pragma unroll
-        for (int u = 0; u < ATTN_UNROLL; ++u) {
-            if (base + u >= last) break;
+        for (int j = 0; j < J; ++j) {
+            float kf[CPL][V16];
+            #pragma unroll
+            for (int cc = 0; cc < CPL; ++cc) unpack16<T>(kr[j][cc], kf[cc]);
+            bool valid = wb + kq + 4 * j < last;
             #pragma unroll
             for (int g = 0; g < G; ++g) {
                 float dot = 0.0f;
                 #pragma unroll
-                for (int j = 0; j < PL; ++j) dot += q[g][j] * kv[u][j];
-                dot = warp_sum(dot);
-                float mn = fmaxf(m[g], dot);
-                float corr = __expf(m[g] - mn);
-                float p = __expf(dot - mn);
-                l[g] = l[g] * corr + p;
-                #pragma unroll
-                for (int j = 0; j < PL; ++j) acc[g][j] = acc[g][j] * corr + p * vv[u][j];
-                m[g] = mn;
+                for (int cc = 0; cc < CPL; ++cc) {
+                    const float4* q4 = reinterpret_cast<const float4*>(s_q + g * D + (dc + 8 * cc) * V16);
+                    #pragma unroll
+                    for (int e = 0; e < V16 / 4; ++e) {
+                        float4 qv = q4[e];
+                        dot += qv.x * kf[cc][4 * e] + qv.y * kf[cc][4 * e + 1] + qv.z * kf[cc][4 * e + 2] +
+                               qv.w * kf[cc][4 * e + 3];
+                    }
+                }
+                dot += __shfl_xor_sync(0xffffffffu, dot, 1);
+                dot += __shfl_xor_sync(0xffffffffu, dot, 2);
+                dot += __shfl_xor_sync(0xffffffffu, dot, 4);
+                s[j][g] = valid ? dot : -INFINITY;
             }
         }
+        #pragma unroll
+        for (int g = 0; g < G; ++g) {
+            float mx = s[0][g];
+            #pragma unroll
+            for (int j = 1; j < J; ++j) mx = fmaxf(mx, s[j][g]);
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
+            float mn = fmaxf(m[g], mx);
+            float use = mn == -INFINITY ? 0.0f : mn;  // nothing seen yet
+            float corr = __expf(m[g] - use);
+            float ps = 0.0f;
+            #pragma unroll
+            for (int j = 0; j < J; ++j) {
+                float p = __expf(s[j][g] - use);
+                s[j][g] = p;
+                ps += p;
+            }
+            l[g] = l[g] * corr + ps;
+            #pragma unroll
+            for (int v = 0; v < VL; ++v) acc[g][v] *= corr;
+            m[g] = mn;
+        }
+        #pragma unroll
+        for (int j = 0; j < J; ++j) {
+            float vf[CPL][V16];
+            #pragma unroll
+            for (int cc = 0; cc < CPL; ++cc) unpack16<T>(vr[j][cc], vf[cc]);
+            #pragma unroll
+            for (int g = 0; g < G; ++g)
+                #pragma unroll
+                for (int cc = 0; cc < CPL; ++cc)
+                    #pragma unroll
+                    for (int e = 0; e < V16; ++e) acc[g][cc * V16 + e] += s[j][g] * vf[cc][e];
+        }
     }
-    // Merge the warps.
+    // The warp's four lane groups hold sums over their own keys: add them up.
+    #pragma unroll
+    for (int g = 0; g < G; ++g) {
+        l[g] += __shfl_xor_sync(0xffffffffu, l[g], 8);
+        l[g] += __shfl_xor_sync(0xffffffffu, l[g], 16);
+        #pragma unroll
+        for (int v = 0; v < VL; ++v) {
+            acc[g][v] += __shfl_xor_sync(0xffffffffu, acc[g][v], 8);
+            acc[g][v] += __shfl_xor_sync(0xffffffffu, acc[g][v], 16);
+        }
+    }
+    if (kq == 0) {
+        #pragma unroll
+        for (int g = 0; g < G; ++g)
+            #pragma unroll
+            for (int cc = 0; cc < CPL; ++cc)
+                #pragma unroll
+                for (int e = 0; e < V16; ++e) s_acc[warp][g * D + (dc + 8 * cc) * V16 + e] = acc[g][cc * V16 + e];
+    }
     if (lane == 0) {
         #pragma unroll
         for (int g = 0; g < G; ++g) { s_m[warp][g] = m[g]; s_l[warp][g] = l[g]; }
     }
     __syncthreads();
-    #pragma unroll
-    for (int g = 0; g < G; ++g) {
-        float mt = -INFINITY;
-        for (int w = 0; w < ATTN_WARPS; ++w) mt = fmaxf(mt, s_m[w][g]);
-        float f = m[g] == -INFINITY ? 0.0f : __expf(m[g] - mt);
-        #pragma unroll
-        for (int j = 0; j < PL; ++j) s_acc[warp][g * D + lane + 32 * j] = acc[g][j] * f;
-        if (lane == 0) s_l[warp][g] = l[g] * f;
-    }
-    __syncthreads();
+    // Merge the warps: a thread per (head, dim).
     for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
         int g = i / D, d = i % D;
-        float sum = 0.0f, lt = 0.0f, mt = -INFINITY;
+        float mt = -INFINITY;
+        #pragma unroll
+        for (int w = 0; w < ATTN_WARPS; ++w) mt = fmaxf(mt, s_m[w][g]);
+        float sum = 0.0f, lt = 0.0f;
+        #pragma unroll
         for (int w = 0; w < ATTN_WARPS; ++w) {
-            sum += s_acc[w][i];
-            lt += s_l[w][g];
-            mt = fmaxf(mt, s_m[w][g]);
+            float f = s_m[w][g] == -INFINITY ? 0.0f : __expf(s_m[w][g] - mt);
+            sum += s_acc[w][i] * f;
+            lt += s_l[w][g] * f;
         }
         int head = kvh * G + g;
         if (splits == 1) {
@@ -277,108 +498,279 @@ __device__ void attention_impl(const float* qkv, int width, int num_heads, int n
             p[2 + d] = sum;
         }
     }
+    if (splits == 1) return;
+    // The last split block of this (token, kv head) to finish merges every split.
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        u32* count = counters + (long)token * num_kv_heads + kvh;
+        bool last_block = atomicAdd(count, 1u) == (u32)(splits - 1);
+        if (last_block) *count = 0;  // every other split block is done with it
+        s_last = last_block;
+    }
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
+    for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
+        int g = i / D, d = i % D, head = kvh * G + g;
+        const float* p = partial + ((long)token * num_heads + head) * splits * (long)(D + 2);
+        // One pass, online (unrolled: the loads of several splits are in flight at once).
+        float mt = -INFINITY, sum = 0.0f, lt = 0.0f;
+        #pragma unroll 8
+        for (int s = 0; s < splits; ++s) {
+            const float* q = p + s * (D + 2);
+            float ms = __ldcg(q), ls = __ldcg(q + 1), vs = __ldcg(q + 2 + d);
+            if (ms > -INFINITY) {  // an empty split adds nothing
+                float mn = fmaxf(mt, ms);
+                float a = __expf(mt - mn), b = __expf(ms - mn);
+                lt = lt * a + ls * b;
+                sum = sum * a + vs * b;
+                mt = mn;
+            }
+        }
+        out[(long)token * num_heads * D + (long)head * D + d] = sum / lt;
+    }
 }
 
 // attention_<dtype>_g<G>_d<D>: one kernel per cache dtype, group size and head width.
-#define ATTENTION(NAME, T, G, PL) \
+#define ATTENTION(NAME, T, G, D) \
     extern "C" __global__ void __launch_bounds__(128) NAME( \
-            const float* qkv, int width, int num_heads, int num_kv_heads, const T* k, const T* v, \
+            const float* qkv, int width, int num_heads, int num_kv_heads, T* k, T* v, \
             int block_size, const u32* seq_info, int num_seqs, const u32* tables, int table_stride, \
-            float scale, int split_keys, float* partial, float* out) { \
-        attention_impl<T, G, PL>(qkv, width, num_heads, num_kv_heads, k, v, block_size, seq_info, \
-                                 num_seqs, tables, table_stride, scale, split_keys, partial, out); \
+            float scale, int split_keys, float* partial, u32* counters, float* out, \
+            const u32* positions, const u32* slots, float decode_rope) { \
+        attention_impl<T, G, D>(qkv, width, num_heads, num_kv_heads, k, v, block_size, seq_info, \
+                                num_seqs, tables, table_stride, scale, split_keys, partial, counters, \
+                                out, positions, slots, decode_rope); \
     }
-#define ATTENTION_GROUPS(DT, T, D, PL) \
-    ATTENTION(attention_##DT##_g1_d##D, T, 1, PL) ATTENTION(attention_##DT##_g2_d##D, T, 2, PL) \
-    ATTENTION(attention_##DT##_g3_d##D, T, 3, PL) ATTENTION(attention_##DT##_g4_d##D, T, 4, PL) \
-    ATTENTION(attention_##DT##_g5_d##D, T, 5, PL) ATTENTION(attention_##DT##_g6_d##D, T, 6, PL) \
-    ATTENTION(attention_##DT##_g7_d##D, T, 7, PL) ATTENTION(attention_##DT##_g8_d##D, T, 8, PL)
-ATTENTION_GROUPS(f32, float, 64, 2)
-ATTENTION_GROUPS(f32, float, 128, 4)
-ATTENTION_GROUPS(bf16, __nv_bfloat16, 64, 2)
-ATTENTION_GROUPS(bf16, __nv_bfloat16, 128, 4)
-
-// Merges the splits of `attention_*`: one block per (token, head), a thread per value.
-extern "C" __global__ void attention_combine(const float* partial, int splits, int head_dim, float* out) {
-    long token = blockIdx.x;
-    int head = blockIdx.y, num_heads = gridDim.y;
-    const float* p = partial + ((token * num_heads + head) * splits) * (long)(head_dim + 2);
-    float mt = -INFINITY;
-    for (int s = 0; s < splits; ++s) mt = fmaxf(mt, p[s * (head_dim + 2)]);
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-        float sum = 0.0f, lt = 0.0f;
-        for (int s = 0; s < splits; ++s) {
-            const float* q = p + s * (head_dim + 2);
-            float f = q[0] == -INFINITY ? 0.0f : __expf(q[0] - mt);
-            lt += q[1] * f;
-            sum += q[2 + d] * f;
-        }
-        out[(token * num_heads + head) * head_dim + d] = sum / lt;
-    }
-}
+#define ATTENTION_GROUPS(DT, T, D) \
+    ATTENTION(attention_##DT##_g1_d##D, T, 1, D) ATTENTION(attention_##DT##_g2_d##D, T, 2, D) \
+    ATTENTION(attention_##DT##_g3_d##D, T, 3, D) ATTENTION(attention_##DT##_g4_d##D, T, 4, D) \
+    ATTENTION(attention_##DT##_g5_d##D, T, 5, D) ATTENTION(attention_##DT##_g6_d##D, T, 6, D) \
+    ATTENTION(attention_##DT##_g7_d##D, T, 7, D) ATTENTION(attention_##DT##_g8_d##D, T, 8, D)
+ATTENTION_GROUPS(f32, float, 64)
+ATTENTION_GROUPS(f32, float, 128)
+ATTENTION_GROUPS(bf16, __nv_bfloat16, 64)
+ATTENTION_GROUPS(bf16, __nv_bfloat16, 128)
 
 // ---- small-M matmul (decode) ---------------------------------------------------------------
 //
-// out[r][n] (+)= sum_k x[r][k] * W[n][k] for R <= 8 rows, bf16 W. One warp per output feature:
-// the warp streams W's row once with 16-byte loads and applies it to all R activation rows
-// (small, served from L1/L2), so weights are read exactly once per call.
+// out[r][n] (+)= sum_k x[r][k] * W[n][k] for R <= 8 rows, bf16 W. Each warp owns whole output
+// features — P weight rows at a time, which share every activation load — and streams their
+// rows with 16-byte loads, U per lane per row in a batch; the loop is unrolled by two so one
+// batch is in flight while the other is summed. At most two blocks per SM: warp `gw` takes
+// features gw, gw + all warps, ... . The first batch is loaded before `pdl_start` (weights are
+// never written during a step), so a GEMV is already streaming while the kernel before it
+// finishes (and the plain variant may start pulling a later kernel's weights into L2). Variants:
+// plain (activations from global memory, an optional residual add),
+// RMSNorm first (each block normalises the R rows into shared memory), and RMSNorm + SiLU gate
+// (P = 2: gate row j and up row `width + j` of a fused gate/up matrix give silu(g) * u).
 
-template <int R>
-__device__ __forceinline__ void gemv_chunk(const float* x, int K, int c, uint4 pack, float* acc) {
-    const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&pack);
-    float w[8];
-    #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        float2 f = __bfloat1622float2(w2[j]);
-        w[2 * j] = f.x; w[2 * j + 1] = f.y;
-    }
-    #pragma unroll
-    for (int r = 0; r < R; ++r) {
-        const float4* xr = reinterpret_cast<const float4*>(x + (long)r * K + c * 8);
-        float4 a = xr[0], b = xr[1];
-        acc[r] += a.x * w[0] + a.y * w[1] + a.z * w[2] + a.w * w[3]
-                + b.x * w[4] + b.y * w[5] + b.z * w[6] + b.w * w[7];
-    }
+#define GEMV_WARPS 8
+
+// A 16-byte weight load that bypasses L1 (weights are read once; L1 keeps the activations).
+__device__ __forceinline__ uint4 ld_weights(const uint4* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
 }
 
-// GEMV_UNROLL 16-byte weight loads per lane are issued before any is used, so a warp keeps
-// 4 KiB of its row in flight (the loop is otherwise bound by memory latency, not bandwidth).
-#define GEMV_UNROLL 8
+// Where a warp is in its work: item `it / batches` of its own, batch `it % batches` of it.
+struct GemvWalk {
+    const uint4* w;  // the weights as 16-byte chunks
+    int chunks;      // chunks per weight row (K / 8)
+    int items;       // output features (P = 1) or gate/up pairs (P = 2)
+    int batches;     // batches per item
+    int gw, stride;  // this warp's first item, and the step to its next
+    int lane;
+    __device__ __forceinline__ int item(int it) const { return gw + (it / batches) * stride; }
+};
 
-template <int R>
-__device__ void gemv_bf16_impl(const float* x, int K, const __nv_bfloat16* W, int N, float* out,
-                               int accumulate) {
-    int lane = threadIdx.x & 31;
-    int n = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (n >= N) return;
-    const uint4* wrow = reinterpret_cast<const uint4*>(W + (long)n * K);
-    float acc[R];
+// Loads batch `it` of the walk: chunks base + lane + 32 u of rows item + p * items.
+template <int P, int U>
+__device__ __forceinline__ void gemv_load(uint4 (&pk)[P][U], const GemvWalk& g, int it) {
+    int item = g.item(it), base = (it % g.batches) * 32 * U + g.lane;
     #pragma unroll
-    for (int r = 0; r < R; ++r) acc[r] = 0.0f;
-    int chunks = K / 8;
-    int c = lane;
-    for (; c + 32 * (GEMV_UNROLL - 1) < chunks; c += 32 * GEMV_UNROLL) {
-        uint4 pack[GEMV_UNROLL];
+    for (int p = 0; p < P; ++p) {
+        const uint4* row = g.w + (long)(item + p * g.items) * g.chunks;
         #pragma unroll
-        for (int u = 0; u < GEMV_UNROLL; ++u) pack[u] = __ldg(wrow + c + 32 * u);
-        #pragma unroll
-        for (int u = 0; u < GEMV_UNROLL; ++u) gemv_chunk<R>(x, K, c + 32 * u, pack[u], acc);
-    }
-    for (; c < chunks; c += 32) gemv_chunk<R>(x, K, c, __ldg(wrow + c), acc);
-    #pragma unroll
-    for (int r = 0; r < R; ++r) {
-        float s = warp_sum(acc[r]);
-        if (lane == 0) {
-            long at = (long)r * N + n;
-            out[at] = accumulate ? out[at] + s : s;
+        for (int u = 0; u < U; ++u) {
+            int c = base + 32 * u;
+            pk[p][u] = c < g.chunks ? ld_weights(row + c) : make_uint4(0u, 0u, 0u, 0u);
         }
     }
 }
 
+// Adds batch `it` (loaded in `pk`) to the sums; after an item's last batch, reduces the warp's
+// sums and writes the item: EPI 0 out[r][n] (+)= s, EPI 1 out[r][j] = silu(s_gate) * s_up.
+// acc[p][r] += chunk c of weight row p · chunk c of activation row r.
+template <int R, int P, int U>
+__device__ __forceinline__ void gemv_fma(const uint4 (&pk)[P][U], int u, int c, const float* x, int K,
+                                         float (&acc)[P][R]) {
+    float w[P][8];
+    #pragma unroll
+    for (int p = 0; p < P; ++p) unpack16<__nv_bfloat16>(pk[p][u], w[p]);
+    #pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const float4* xr = reinterpret_cast<const float4*>(x + (long)r * K + c * 8);
+        float4 a = xr[0], e = xr[1];
+        #pragma unroll
+        for (int p = 0; p < P; ++p)
+            acc[p][r] += a.x * w[p][0] + a.y * w[p][1] + a.z * w[p][2] + a.w * w[p][3] +
+                         e.x * w[p][4] + e.y * w[p][5] + e.z * w[p][6] + e.w * w[p][7];
+    }
+}
+
+template <int R, int P, int U, int EPI>
+__device__ __forceinline__ void gemv_step(const uint4 (&pk)[P][U], const GemvWalk& g, int it,
+                                          const float* x, int K, float (&acc)[P][R], float* out,
+                                          int accumulate) {
+    int b = it % g.batches, base = b * 32 * U + g.lane;
+    if (base + 32 * (U - 1) < g.chunks) {
+        // A whole batch: no branch between the chunks, so their activation loads issue
+        // together instead of one after another.
+        #pragma unroll
+        for (int u = 0; u < U; ++u) gemv_fma<R, P, U>(pk, u, base + 32 * u, x, K, acc);
+    } else {
+        #pragma unroll
+        for (int u = 0; u < U; ++u)
+            if (base + 32 * u < g.chunks) gemv_fma<R, P, U>(pk, u, base + 32 * u, x, K, acc);
+    }
+    if (b != g.batches - 1) return;
+    int item = g.item(it);
+    #pragma unroll
+    for (int r = 0; r < R; ++r) {
+        float s[P];
+        #pragma unroll
+        for (int p = 0; p < P; ++p) {
+            s[p] = warp_sum(acc[p][r]);
+            acc[p][r] = 0.0f;
+        }
+        if (g.lane == 0) {
+            long at = (long)r * g.items + item;
+            if constexpr (EPI == 1) {
+                out[at] = s[0] / (1.0f + expf(-s[0])) * s[1];
+            } else {
+                out[at] = accumulate ? out[at] + s[0] : s[0];
+            }
+        }
+    }
+}
+
+// The walk of this warp over `items` features of a K-wide matrix.
+template <int U>
+__device__ __forceinline__ GemvWalk gemv_walk(const __nv_bfloat16* W, int K, int items) {
+    GemvWalk g;
+    g.w = reinterpret_cast<const uint4*>(W);
+    g.chunks = K >> 3;
+    g.items = items;
+    g.batches = (g.chunks + 32 * U - 1) / (32 * U);
+    int warps = blockDim.x >> 5;
+    g.gw = blockIdx.x * warps + (threadIdx.x >> 5);
+    g.stride = gridDim.x * warps;
+    g.lane = threadIdx.x & 31;
+    return g;
+}
+
+// Batches of the walk's items.
+__device__ __forceinline__ int gemv_total(const GemvWalk& g) {
+    return g.gw < g.items ? ((g.items - 1 - g.gw) / g.stride + 1) * g.batches : 0;
+}
+
+// Streams the walk from batch 0 (already in `a`).
+template <int R, int P, int U, int EPI>
+__device__ __forceinline__ void gemv_stream(const GemvWalk& g, uint4 (&a)[P][U], int total,
+                                            const float* x, int K, float* out, int accumulate) {
+    float acc[P][R];
+    #pragma unroll
+    for (int p = 0; p < P; ++p)
+        #pragma unroll
+        for (int r = 0; r < R; ++r) acc[p][r] = 0.0f;
+    uint4 b[P][U];
+    for (int it = 0; it < total; it += 2) {
+        if (it + 1 < total) gemv_load<P, U>(b, g, it + 1);
+        gemv_step<R, P, U, EPI>(a, g, it, x, K, acc, out, accumulate);
+        if (it + 2 < total) gemv_load<P, U>(a, g, it + 2);
+        if (it + 1 < total) gemv_step<R, P, U, EPI>(b, g, it + 1, x, K, acc, out, accumulate);
+    }
+}
+
+// Starts reading `bytes` at `p` into L2 (each warp of the grid an equal slice): the weights of
+// a later kernel, while this one and the kernel before it leave HBM idle.
+__device__ __forceinline__ void prefetch_l2(const char* p, long bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (bytes <= 0 || (threadIdx.x & 31) != 0) return;
+    long warps = (long)gridDim.x * (blockDim.x >> 5);
+    long w = (long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    long per = ((bytes + warps - 1) / warps + 15) & ~15L;
+    long at = w * per;
+    long n = (bytes - at < per ? bytes - at : per) & ~15L;
+    if (n > 0)
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p + at), "r"((u32)n) : "memory");
+#endif
+}
+
+template <int R>
+__device__ void gemv_bf16_impl(const float* x, int K, const __nv_bfloat16* W, int N, float* out,
+                               int accumulate, const char* prefetch, long prefetch_bytes) {
+    constexpr int P = 1, U = 8;
+    GemvWalk g = gemv_walk<U>(W, K, N);
+    int total = gemv_total(g);
+    uint4 a[P][U];
+    if (total > 0) gemv_load<P, U>(a, g, 0);
+    prefetch_l2(prefetch, prefetch_bytes);
+    pdl_start();
+    gemv_stream<R, P, U, 0>(g, a, total, x, K, out, accumulate);
+}
+
+// RMSNorm of the R rows of x into dynamic shared memory (R * K floats), then the product.
+template <int R, int P, int EPI>
+__device__ void gemv_norm_impl(const float* x, const float* norm, float eps, int K,
+                               const __nv_bfloat16* W, int items, float* out) {
+    constexpr int U = 8 / P;
+    extern __shared__ float4 s_x4[];
+    float* s_x = reinterpret_cast<float*>(s_x4);
+    __shared__ float s_inv[R];
+    GemvWalk g = gemv_walk<U>(W, K, items);
+    int total = gemv_total(g);
+    uint4 a[P][U];
+    if (total > 0) gemv_load<P, U>(a, g, 0);
+    pdl_start();
+    const float4* x4 = reinterpret_cast<const float4*>(x);
+    for (int i = threadIdx.x; i < R * K / 4; i += blockDim.x) s_x4[i] = x4[i];
+    __syncthreads();
+    int warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    for (int r = warp; r < R; r += warps) {
+        float ss = 0.0f;
+        for (int i = g.lane; i < K; i += 32) ss += s_x[r * K + i] * s_x[r * K + i];
+        ss = warp_sum(ss);
+        if (g.lane == 0) s_inv[r] = rsqrtf(ss / (float)K + eps);
+    }
+    __syncthreads();
+    #pragma unroll
+    for (int r = 0; r < R; ++r)
+        for (int i = threadIdx.x; i < K; i += blockDim.x) s_x[r * K + i] = s_x[r * K + i] * s_inv[r] * norm[i];
+    __syncthreads();
+    gemv_stream<R, P, U, EPI>(g, a, total, s_x, K, out, 0);
+}
+
 #define GEMV(R) \
-    extern "C" __global__ void gemv_bf16_##R(const float* x, int K, const __nv_bfloat16* W, int N, \
-                                             float* out, int accumulate) { \
-        gemv_bf16_impl<R>(x, K, W, N, out, accumulate); \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 2) gemv_bf16_##R( \
+            const float* x, int K, const __nv_bfloat16* W, int N, float* out, int accumulate, \
+            const char* prefetch, long prefetch_bytes) { \
+        gemv_bf16_impl<R>(x, K, W, N, out, accumulate, prefetch, prefetch_bytes); \
+    } \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 2) gemv_norm_bf16_##R( \
+            const float* x, const float* norm, float eps, int K, const __nv_bfloat16* W, int N, \
+            float* out) { \
+        gemv_norm_impl<R, 1, 0>(x, norm, eps, K, W, N, out); \
+    } \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 2) gemv_norm_silu_bf16_##R( \
+            const float* x, const float* norm, float eps, int K, const __nv_bfloat16* W, int width, \
+            float* out) { \
+        gemv_norm_impl<R, 2, 1>(x, norm, eps, K, W, width, out); \
     }
 GEMV(1) GEMV(2) GEMV(3) GEMV(4) GEMV(5) GEMV(6) GEMV(7) GEMV(8)
 
@@ -395,6 +787,7 @@ GEMV(1) GEMV(2) GEMV(3) GEMV(4) GEMV(5) GEMV(6) GEMV(7) GEMV(8)
 // (ordered value << 32 | ~index): atomicMax over blocks of a vocabulary slice each keeps the
 // largest value and, among equal ones, the first index.
 extern "C" __global__ void argmax_partial(const float* logits, int vocab, unsigned long long* best) {
+    pdl_start();
     __shared__ unsigned long long s_key[32];
     long row = blockIdx.x;
     int slice = (vocab + gridDim.y - 1) / gridDim.y;
@@ -420,6 +813,7 @@ extern "C" __global__ void argmax_partial(const float* logits, int vocab, unsign
 
 extern "C" __global__ void sample_rows(const float* logits, int vocab, const float* params,
                                        const unsigned long long* greedy, u32* out) {
+    pdl_start();
     __shared__ float shared[32];
     __shared__ float s_best[32];
     __shared__ int s_idx[32];
@@ -567,6 +961,7 @@ __device__ void prefill_attention_impl(const float* qkv, int width, int num_head
                                        const __nv_bfloat16* k_cache, const __nv_bfloat16* v_cache,
                                        int block_size, const u32* seq_info, int num_seqs,
                                        const u32* tables, int table_stride, float scale, float* out) {
+    pdl_start();
     constexpr int LD = D + 8;  // padded rows: fragment loads of nearby rows hit different banks
     __shared__ __align__(16) __nv_bfloat16 s_k[PF_N * LD];
     __shared__ __align__(16) __nv_bfloat16 s_v[PF_N * LD];

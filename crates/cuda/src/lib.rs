@@ -22,6 +22,8 @@
 /// NVRTC compilation of the kernels with an on-disk cache.
 pub mod compile;
 mod device;
+/// The environment variables the backend reads.
+mod env;
 /// Decode steps captured as CUDA graphs and replayed.
 pub mod graph;
 mod ops;

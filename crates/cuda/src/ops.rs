@@ -10,26 +10,34 @@ use tandem_engine::{DType, HostTensor, KvCache, Ops, StepMeta, Tensor};
 
 type T = Tensor<CudaBackend>;
 
-/// Keys per block when a decode step's attention is split over its contexts.
+/// Keys per run of a context bucket (an attention split covers a power-of-two number of runs).
 const SPLIT_KEYS: usize = 64;
-/// Streaming multiprocessors to keep busy (an H200 has 132; a smaller GPU only queues more).
-const SMS: usize = 132;
+/// Warps per block of the GEMV kernels (`GEMV_WARPS` in kernels.cu); their launch bounds
+/// keep two blocks resident per SM.
+const GEMV_WARPS: usize = 8;
 
 /// The power-of-two bucket of `SPLIT_KEYS` runs covering a context (1 up to `SPLIT_KEYS`).
 pub(crate) fn context_bucket(max_context: usize) -> usize {
     max_context.div_ceil(SPLIT_KEYS).max(1).next_power_of_two()
 }
 
-/// How many blocks split each context in a step's attention: one where the step's (token,
-/// kv head) blocks already fill the GPU, else the context's bucket (so a recorded decode
-/// graph serves every context up to its bucket; splits past a context's end write empty
-/// partials that the merge skips).
-pub(crate) fn attention_splits(tokens: usize, kv_heads: usize, max_context: usize) -> usize {
-    if tokens.saturating_mul(kv_heads) >= 2 * SMS {
+/// How many blocks split each context in a step's attention: the context's bucket (so a
+/// recorded decode graph serves every context up to its bucket; splits past a context's end
+/// write empty partials that the merge skips), or fewer and longer splits where the step's
+/// (token, kv head) pairs already make `blocks` blocks (8 per SM by default).
+pub(crate) fn attention_splits(
+    tokens: usize,
+    kv_heads: usize,
+    max_context: usize,
+    blocks: usize,
+) -> usize {
+    let room = blocks / tokens.saturating_mul(kv_heads).max(1);
+    let cap = if room == 0 {
         1
     } else {
-        context_bucket(max_context)
-    }
+        1 << (usize::BITS - 1 - room.leading_zeros())
+    };
+    context_bucket(max_context).min(cap)
 }
 
 /// Whether a step's tokens are mostly prompt rows (at least a tile of them, 8 per sequence
@@ -37,11 +45,6 @@ pub(crate) fn attention_splits(tokens: usize, kv_heads: usize, max_context: usiz
 fn prefill_shaped(tokens: usize, seqs: usize) -> bool {
     tokens >= crate::device::PREFILL_TILE && tokens >= 8 * seqs
 }
-
-/// Row counts up to this use the GEMV kernel for bf16 weights; above, cuBLAS. Measured on an
-/// H200 (1B shape, one run): equal at 2 rows, cuBLAS 1.25× faster at 3 and 2.5× at 8, where
-/// the GEMV re-reads every activation row per weight chunk.
-const GEMV_MAX_ROWS: usize = 2;
 
 fn rows_cfg(rows: usize, threads: u32) -> LaunchConfig {
     LaunchConfig {
@@ -122,8 +125,9 @@ impl CudaBackend {
         check(r, "GEMM");
     }
 
-    /// The GEMV kernel: f32 activations (up to 8 rows), bf16 weights.
-    fn gemv_bf16(&self, p: Product) {
+    /// The GEMV kernel: f32 activations (up to 8 rows), bf16 weights; `prefetch`: weights of a
+    /// later product to start pulling into L2.
+    fn gemv_bf16(&self, p: Product, prefetch: Option<(u64, usize)>) {
         let kn = &self.inner.kernels;
         let f = match p.rows {
             1 => &kn.gemv_bf16_1,
@@ -135,13 +139,9 @@ impl CudaBackend {
             7 => &kn.gemv_bf16_7,
             _ => &kn.gemv_bf16_8,
         };
-        const WARPS: usize = 8;
-        let cfg = LaunchConfig {
-            grid_dim: (p.n.div_ceil(WARPS) as u32, 1, 1),
-            block_dim: ((WARPS * 32) as u32, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = self.gemv_cfg(p.n, 0);
         let (k32, n32, acc32) = (p.k as i32, p.n as i32, i32::from(p.accumulate));
+        let (pf, pf_bytes) = prefetch.unwrap_or((0, 0));
         self.launch(
             f,
             cfg,
@@ -152,6 +152,95 @@ impl CudaBackend {
                 A::from(n32),
                 A::from(p.out),
                 A::from(acc32),
+                A::from(pf),
+                A::from(pf_bytes as i64),
+            ],
+        );
+    }
+}
+
+impl CudaBackend {
+    /// At most two blocks per SM (by default), each warp taking every so many of `items`
+    /// (evenly: the items per warp are what the largest grid needs, the grid what those
+    /// items need).
+    fn gemv_cfg(&self, items: usize, shared_mem_bytes: usize) -> LaunchConfig {
+        let per_warp = match self.inner.gemv_blocks_per_sm {
+            0 => 1,
+            b => items.div_ceil(b * self.inner.sms * GEMV_WARPS).max(1),
+        };
+        LaunchConfig {
+            grid_dim: (items.div_ceil(per_warp * GEMV_WARPS).max(1) as u32, 1, 1),
+            block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
+            shared_mem_bytes: shared_mem_bytes as u32,
+        }
+    }
+
+    /// Whether `rows` rows through `w` take an RMSNorm-fused GEMV (bf16 weights, few rows,
+    /// the normalised rows fit in shared memory).
+    fn fused_gemv(&self, rows: usize, w: &tandem_engine::backend::Linear<Self>) -> bool {
+        w.weight.dtype() == DType::BF16
+            && rows <= self.inner.gemv_rows
+            && w.in_features.is_multiple_of(8)
+            && rows * w.in_features * 4 <= self.inner.gemv_smem
+    }
+
+    /// `out = rms_norm(x) · Wᵀ` (`silu`: `out = silu(g) * u` of the gate/up halves) for up to
+    /// 8 rows in one kernel.
+    #[allow(clippy::too_many_arguments)]
+    fn gemv_norm(
+        &self,
+        x: &T,
+        norm: &T,
+        rows: usize,
+        eps: f32,
+        w: &tandem_engine::backend::Linear<Self>,
+        out: &mut T,
+        silu: bool,
+    ) {
+        let k = w.in_features;
+        let items = if silu {
+            w.out_features / 2
+        } else {
+            w.out_features
+        };
+        need(x, DType::F32, rows * k, "fused GEMV input");
+        need(out, DType::F32, rows * items, "fused GEMV output");
+        need(norm, DType::F32, k, "RMSNorm weight");
+        assert_eq!(w.weight.len(), w.out_features * k, "GEMV weight shape");
+        let kn = &self.inner.kernels;
+        let plain = [
+            &kn.gemv_norm_bf16_1,
+            &kn.gemv_norm_bf16_2,
+            &kn.gemv_norm_bf16_3,
+            &kn.gemv_norm_bf16_4,
+            &kn.gemv_norm_bf16_5,
+            &kn.gemv_norm_bf16_6,
+            &kn.gemv_norm_bf16_7,
+            &kn.gemv_norm_bf16_8,
+        ];
+        let gated = [
+            &kn.gemv_norm_silu_bf16_1,
+            &kn.gemv_norm_silu_bf16_2,
+            &kn.gemv_norm_silu_bf16_3,
+            &kn.gemv_norm_silu_bf16_4,
+            &kn.gemv_norm_silu_bf16_5,
+            &kn.gemv_norm_silu_bf16_6,
+            &kn.gemv_norm_silu_bf16_7,
+            &kn.gemv_norm_silu_bf16_8,
+        ];
+        let f = if silu { gated } else { plain }[rows.clamp(1, 8) - 1];
+        let (k32, n32) = (k as i32, items as i32);
+        self.launch(
+            f,
+            self.gemv_cfg(items, rows * k * 4),
+            &[
+                A::from(ptr(x)),
+                A::from(ptr(norm)),
+                A::from(eps),
+                A::from(k32),
+                A::from(ptr(&w.weight)),
+                A::from(n32),
+                A::from(ptr(out)),
             ],
         );
     }
@@ -229,6 +318,8 @@ impl Ops for CudaBackend {
         if rows == 0 {
             return;
         }
+        // A prefetch hint rides on the product right after it, whatever that product is.
+        let prefetch = self.inner.prefetch.lock().take();
         need(x, DType::F32, rows * in_features, "matmul input");
         need(out, DType::F32, rows * out_features, "matmul output");
         assert_eq!(w.len(), out_features * in_features, "matmul weight shape");
@@ -247,14 +338,15 @@ impl Ops for CudaBackend {
         );
         match w.dtype() {
             DType::F32 => self.gemm(p, f32_t, f32_t),
-            DType::BF16 if rows <= GEMV_MAX_ROWS && in_features.is_multiple_of(8) => {
-                self.gemv_bf16(p)
+            DType::BF16 if rows <= self.inner.gemv_rows && in_features.is_multiple_of(8) => {
+                self.gemv_bf16(p, prefetch)
             }
             DType::BF16 => {
                 // cuBLAS has no f32 × bf16 product: round the activations to bf16 first.
                 let n = rows * in_features;
                 let mut scratch = self.inner.scratch.lock();
-                let xb = self.ensure(&mut scratch.bf16, n * 2);
+                let s = &mut *scratch;
+                let xb = self.ensure(&mut s.retired, &mut s.bf16, n * 2);
                 let (xp, n64) = (p.x, n as i64);
                 let cfg = LaunchConfig {
                     grid_dim: (n.div_ceil(256).min(4096) as u32, 1, 1),
@@ -269,6 +361,50 @@ impl Ops for CudaBackend {
                 self.gemm(Product { x: xb, ..p }, bf16_t, bf16_t);
             }
             other => panic!("CUDA matmul takes f32 or bf16 weights, not {other}"),
+        }
+    }
+
+    fn rms_norm_linear(
+        &self,
+        x: &T,
+        norm: &T,
+        rows: usize,
+        eps: f32,
+        normed: &mut T,
+        w: &tandem_engine::backend::Linear<Self>,
+        out: &mut T,
+    ) {
+        if rows == 0 {
+            return;
+        }
+        if self.fused_gemv(rows, w) {
+            self.gemv_norm(x, norm, rows, eps, w, out, false);
+        } else {
+            self.rms_norm(x, norm, rows, eps, normed);
+            self.linear(normed, rows, w, out, false);
+        }
+    }
+
+    fn rms_norm_gate_up(
+        &self,
+        x: &T,
+        norm: &T,
+        rows: usize,
+        eps: f32,
+        normed: &mut T,
+        w: &tandem_engine::backend::Linear<Self>,
+        gate_up: &mut T,
+        act: &mut T,
+    ) {
+        if rows == 0 {
+            return;
+        }
+        if self.fused_gemv(rows, w) && w.out_features.is_multiple_of(2) {
+            self.gemv_norm(x, norm, rows, eps, w, act, true);
+        } else {
+            self.rms_norm(x, norm, rows, eps, normed);
+            self.linear(normed, rows, w, gate_up, false);
+            self.silu_mul(gate_up, rows, w.out_features / 2, act);
         }
     }
 
@@ -354,102 +490,43 @@ impl Ops for CudaBackend {
         meta: &StepMeta<Self>,
         out: &mut T,
     ) {
-        let rows = meta.num_tokens;
-        if rows == 0 {
-            return;
-        }
-        let group = layout.num_heads / layout.num_kv_heads;
-        let dtype = cache.layout().dtype;
-        let f = match self.inner.attention.get(dtype, group, layout.head_dim) {
-            Some(f) if layout.num_heads.is_multiple_of(layout.num_kv_heads) => f,
-            _ => panic!(
-                "CUDA attention is built for {} K/V with 1..={} query heads per KV head and \
-                 head_dim in {:?}, not {}/{} heads of {}",
-                dtype,
-                crate::device::MAX_GROUP,
-                crate::device::HEAD_DIMS,
-                layout.num_heads,
-                layout.num_kv_heads,
-                layout.head_dim
-            ),
-        };
-        need(
-            out,
-            DType::F32,
-            rows * layout.num_heads * layout.head_dim,
-            "attention output",
-        );
-        if dtype == DType::BF16 && prefill_shaped(rows, meta.num_seqs) {
-            return self.prefill_attention(qkv, layout, cache, layer, meta, out);
-        }
-        // Few (token, kv head) blocks over long contexts leave the GPU idle: split each
-        // context into runs of SPLIT_KEYS keys, one block each, merged by a second kernel.
-        let splits = attention_splits(rows, layout.num_kv_heads, meta.max_context);
-        let mut scratch = self.inner.scratch.lock();
-        let partial = if splits > 1 {
-            let floats = rows * layout.num_heads * splits * (layout.head_dim + 2);
-            self.ensure(&mut scratch.attention, floats * 4)
+        self.attention(qkv, layout, cache, layer, meta, out, None);
+    }
+
+    fn rope_write_kv_attention(
+        &self,
+        qkv: &mut T,
+        layout: QkvLayout,
+        theta: f32,
+        cache: &mut KvCache<Self>,
+        layer: usize,
+        meta: &StepMeta<Self>,
+        out: &mut T,
+    ) {
+        // A decode step (one new token per sequence) rotates and writes its K/V inside the
+        // attention kernel; other steps take the RoPE + K/V kernel first.
+        let decode = meta.num_tokens == meta.num_seqs && self.inner.decode_rope;
+        if decode && theta > 0.0 {
+            self.attention(qkv, layout, cache, layer, meta, out, Some(theta));
         } else {
-            0
-        };
-        let cfg = LaunchConfig {
-            grid_dim: (rows as u32, layout.num_kv_heads as u32, splits as u32),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let (q, k, v, info, tables, o) = (
-            ptr(qkv),
-            ptr(&cache.k[layer]),
-            ptr(&cache.v[layer]),
-            ptr(&meta.seq_info),
-            ptr(&meta.block_tables),
-            ptr(out),
-        );
-        let (w, nh, nkv, hd, bs, ns, ts) = (
-            layout.row_width() as i32,
-            layout.num_heads as i32,
-            layout.num_kv_heads as i32,
-            layout.head_dim as i32,
-            cache.layout().block_size as i32,
-            meta.num_seqs as i32,
-            meta.table_stride() as i32,
-        );
-        let scale = 1.0 / (layout.head_dim as f32).sqrt();
-        let split_keys = SPLIT_KEYS as i32;
-        self.launch(
-            f,
-            cfg,
-            &[
-                A::from(q),
-                A::from(w),
-                A::from(nh),
-                A::from(nkv),
-                A::from(k),
-                A::from(v),
-                A::from(bs),
-                A::from(info),
-                A::from(ns),
-                A::from(tables),
-                A::from(ts),
-                A::from(scale),
-                A::from(split_keys),
-                A::from(partial),
-                A::from(o),
-            ],
-        );
-        if splits > 1 {
-            let cfg = LaunchConfig {
-                grid_dim: (rows as u32, layout.num_heads as u32, 1),
-                block_dim: (threads_for(layout.head_dim).min(256), 1, 1),
-                shared_mem_bytes: 0,
-            };
-            let s32 = splits as i32;
-            self.launch(
-                &self.inner.kernels.attention_combine,
-                cfg,
-                &[A::from(partial), A::from(s32), A::from(hd), A::from(o)],
+            let rows = meta.num_tokens;
+            self.rope_write_kv(
+                qkv,
+                rows,
+                layout,
+                &meta.positions,
+                theta,
+                cache,
+                layer,
+                &meta.slot_mapping,
             );
+            self.attention(qkv, layout, cache, layer, meta, out, None);
         }
+    }
+
+    fn prefetch_weights(&self, w: &tandem_engine::backend::Linear<Self>) {
+        let bytes = w.weight.size_bytes().min(self.inner.l2_prefetch_bytes) & !15;
+        *self.inner.prefetch.lock() = (bytes > 0).then(|| (ptr(&w.weight), bytes));
     }
 
     fn silu_mul(&self, gate_up: &T, rows: usize, width: usize, out: &mut T) {
@@ -499,14 +576,14 @@ impl Ops for CudaBackend {
             ]);
         }
         let bytes = s.host_params.len() * 4;
-        let params = self.ensure(&mut s.params, bytes);
-        let ids = self.ensure(&mut s.ids, rows.len() * 4);
+        let params = self.ensure(&mut s.retired, &mut s.params, bytes);
+        let ids = self.ensure(&mut s.retired, &mut s.ids, rows.len() * 4);
         if let Some(buf) = s.params.as_mut() {
             self.htod(buf, bytemuck::cast_slice(&s.host_params));
         }
         let (l, v) = (ptr(logits), vocab as i32);
         // Greedy rows: a max over vocabulary slices, many blocks per row.
-        let best = self.ensure(&mut s.best, rows.len() * 8);
+        let best = self.ensure(&mut s.retired, &mut s.best, rows.len() * 8);
         // SAFETY: `best` holds at least `rows * 8` bytes.
         let zeroed = unsafe {
             cudarc::driver::result::memset_d8_async(
@@ -595,6 +672,175 @@ impl Ops for CudaBackend {
 }
 
 impl CudaBackend {
+    /// Paged attention of a step: the tensor-core kernel for prompt-shaped steps over a bf16
+    /// cache, else the split kernel; with `decode_rope` (a decode step's RoPE theta) the split
+    /// kernel rotates Q and K and writes the step's K/V itself.
+    #[allow(clippy::too_many_arguments)]
+    fn attention(
+        &self,
+        qkv: &T,
+        layout: QkvLayout,
+        cache: &KvCache<Self>,
+        layer: usize,
+        meta: &StepMeta<Self>,
+        out: &mut T,
+        decode_rope: Option<f32>,
+    ) {
+        let rows = meta.num_tokens;
+        if rows == 0 {
+            return;
+        }
+        let group = layout.num_heads / layout.num_kv_heads;
+        let dtype = cache.layout().dtype;
+        let f = match self.inner.attention.get(dtype, group, layout.head_dim) {
+            Some(f) if layout.num_heads.is_multiple_of(layout.num_kv_heads) => f,
+            _ => panic!(
+                "CUDA attention is built for {} K/V with 1..={} query heads per KV head and \
+                 head_dim in {:?}, not {}/{} heads of {}",
+                dtype,
+                crate::device::MAX_GROUP,
+                crate::device::HEAD_DIMS,
+                layout.num_heads,
+                layout.num_kv_heads,
+                layout.head_dim
+            ),
+        };
+        need(
+            out,
+            DType::F32,
+            rows * layout.num_heads * layout.head_dim,
+            "attention output",
+        );
+        if dtype == DType::BF16 && prefill_shaped(rows, meta.num_seqs) && decode_rope.is_none() {
+            return self.prefill_attention(qkv, layout, cache, layer, meta, out);
+        }
+        // Few (token, kv head) blocks over long contexts leave the GPU idle: split each
+        // context, one block per split; the last block of each (token, kv head) merges them.
+        let bucket = context_bucket(meta.max_context);
+        let splits = attention_splits(
+            rows,
+            layout.num_kv_heads,
+            meta.max_context,
+            self.inner.attention_blocks_per_sm * self.inner.sms,
+        );
+        let mut scratch = self.inner.scratch.lock();
+        let s = &mut *scratch;
+        let (partial, counters) = if splits > 1 {
+            let floats = rows * layout.num_heads * splits * (layout.head_dim + 2);
+            (
+                self.ensure(&mut s.retired, &mut s.attention, floats * 4),
+                self.ensure(
+                    &mut s.retired,
+                    &mut s.split_counters,
+                    rows * layout.num_kv_heads * 4,
+                ),
+            )
+        } else {
+            (0, 0)
+        };
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, layout.num_kv_heads as u32, splits as u32),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (q, k, v, info, tables, o) = (
+            ptr(qkv),
+            ptr(&cache.k[layer]),
+            ptr(&cache.v[layer]),
+            ptr(&meta.seq_info),
+            ptr(&meta.block_tables),
+            ptr(out),
+        );
+        let (w, nh, nkv, bs, ns, ts) = (
+            layout.row_width() as i32,
+            layout.num_heads as i32,
+            layout.num_kv_heads as i32,
+            cache.layout().block_size as i32,
+            meta.num_seqs as i32,
+            meta.table_stride() as i32,
+        );
+        let scale = 1.0 / (layout.head_dim as f32).sqrt();
+        // Splits tile the bucket, which covers every context of the step.
+        let split_keys = (bucket * SPLIT_KEYS / splits) as i32;
+        self.launch(
+            f,
+            cfg,
+            &[
+                A::from(q),
+                A::from(w),
+                A::from(nh),
+                A::from(nkv),
+                A::from(k),
+                A::from(v),
+                A::from(bs),
+                A::from(info),
+                A::from(ns),
+                A::from(tables),
+                A::from(ts),
+                A::from(scale),
+                A::from(split_keys),
+                A::from(partial),
+                A::from(counters),
+                A::from(o),
+                A::from(ptr(&meta.positions)),
+                A::from(ptr(&meta.slot_mapping)),
+                A::from(decode_rope.unwrap_or(0.0)),
+            ],
+        );
+    }
+
+    /// RoPE and the K/V write of a step in one kernel.
+    #[allow(clippy::too_many_arguments)]
+    fn rope_write_kv(
+        &self,
+        qkv: &mut T,
+        rows: usize,
+        layout: QkvLayout,
+        positions: &T,
+        theta: f32,
+        cache: &mut KvCache<Self>,
+        layer: usize,
+        slot_mapping: &T,
+    ) {
+        if rows == 0 {
+            return;
+        }
+        need(
+            qkv,
+            DType::F32,
+            rows * layout.row_width(),
+            "rope_write_kv input",
+        );
+        let f = match cache.layout().dtype {
+            DType::F32 => &self.inner.kernels.rope_write_kv_f32,
+            DType::BF16 => &self.inner.kernels.rope_write_kv_bf16,
+            other => panic!("K/V caches are f32 or bf16, not {other}"),
+        };
+        let heads = layout.num_heads + 2 * layout.num_kv_heads;
+        let (r32, nh, nkv, hd) = (
+            rows as i32,
+            layout.num_heads as i32,
+            layout.num_kv_heads as i32,
+            layout.head_dim as i32,
+        );
+        self.launch(
+            f,
+            flat_cfg(rows * heads * layout.head_dim / 2),
+            &[
+                A::from(ptr(qkv)),
+                A::from(ptr(positions)),
+                A::from(r32),
+                A::from(nh),
+                A::from(nkv),
+                A::from(hd),
+                A::from(theta),
+                A::from(ptr(slot_mapping)),
+                A::from(ptr(&cache.k[layer])),
+                A::from(ptr(&cache.v[layer])),
+            ],
+        );
+    }
+
     /// Paged attention of a prompt-shaped step over a bf16 cache on tensor cores: one block
     /// per (tile of `PREFILL_TILE` queries of one sequence, query head).
     fn prefill_attention(

@@ -83,6 +83,86 @@ fn smollm2_shape_logits_match_the_cpu_in_bf16() {
     compare("smollm2", DType::BF16, 3e-2);
 }
 
+/// The logits of each batch in turn, over one cache of `blocks` blocks.
+fn logits_of_steps<B: Ops>(
+    model: &LlamaModel<B>,
+    steps: &[ForwardBatch],
+    blocks: usize,
+) -> Vec<Vec<f32>> {
+    let mut cache = KvCache::new(model.backend(), model.kv_layout(16, blocks));
+    steps
+        .iter()
+        .map(|batch| model.forward_batch(batch, &mut cache).expect("forward"))
+        .collect()
+}
+
+/// Two prompts prefilled together, then a decode step of both (2 rows) and one of the first
+/// alone (1 row): the decode paths (fused GEMVs, split attention with the merge in-kernel)
+/// against the CPU. The caches already differ by the prefill's bf16 rounding, so the bound is
+/// the bf16 one of `compare`.
+fn compare_decode(preset: &str, tol: f32) {
+    let Some(g) = gpu() else { return };
+    let dir = synth(preset);
+    let cpu = LlamaModel::load(dir.path(), CpuBackend::new(), DType::BF16).expect("cpu load");
+    let cuda = LlamaModel::load(dir.path(), g, DType::BF16).expect("cuda load");
+    let vocab = cpu.config().vocab_size as u32;
+    let block = 16;
+    let a: Vec<u32> = (0..70u32).map(|i| (i * 7919 + 13) % vocab).collect();
+    let b: Vec<u32> = (0..23u32).map(|i| (i * 104_729 + 5) % vocab).collect();
+    let table_a: Vec<BlockId> = (0..6).map(BlockId).collect();
+    let table_b: Vec<BlockId> = (6..9).map(BlockId).collect();
+    let mut prefill = ForwardBatch::default();
+    prefill.push(&a, 0, &table_a, block, true);
+    prefill.push(&b, 0, &table_b, block, true);
+    let mut two = ForwardBatch::default();
+    two.push(&[a[3]], a.len(), &table_a, block, true);
+    two.push(&[b[3]], b.len(), &table_b, block, true);
+    let mut one = ForwardBatch::default();
+    one.push(&[a[5]], a.len() + 1, &table_a, block, true);
+    let steps = [prefill, two, one];
+    let (want, got) = (
+        logits_of_steps(&cpu, &steps, 9),
+        logits_of_steps(&cuda, &steps, 9),
+    );
+    for (i, (x, y)) in want.iter().zip(&got).enumerate() {
+        let worst = x
+            .iter()
+            .zip(y)
+            .map(|(p, q)| (p - q).abs())
+            .fold(0.0f32, f32::max);
+        let scale = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        eprintln!("{preset} step {i}: max |cpu - cuda| logit = {worst} (largest logit {scale})");
+        assert!(
+            worst <= tol * scale,
+            "{preset} step {i}: logits differ by {worst}, over {tol} of the largest ({scale})"
+        );
+        for (ra, rb) in x
+            .chunks_exact(vocab as usize)
+            .zip(y.chunks_exact(vocab as usize))
+        {
+            let mut sorted = ra.to_vec();
+            sorted.sort_by(|p, q| q.total_cmp(p));
+            if sorted[0] - sorted[1] > 2.0 * tol * scale {
+                assert_eq!(
+                    tandem_engine::sampling::argmax(ra),
+                    tandem_engine::sampling::argmax(rb),
+                    "{preset} step {i}: greedy tokens differ where the margin is clear"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn tiny_llama_decode_steps_match_the_cpu_in_bf16() {
+    compare_decode("tiny", 2e-2);
+}
+
+#[test]
+fn smollm2_shape_decode_steps_match_the_cpu_in_bf16() {
+    compare_decode("smollm2", 3e-2);
+}
+
 fn run(
     engine: &Engine,
     prompt: Vec<u32>,

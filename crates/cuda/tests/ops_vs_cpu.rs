@@ -6,7 +6,7 @@ use common::gpu;
 
 use tandem_core::{BlockId, SamplingParams};
 use tandem_cuda::CudaBackend;
-use tandem_engine::backend::QkvLayout;
+use tandem_engine::backend::{Linear, QkvLayout};
 use tandem_engine::batch::ForwardBatch;
 use tandem_engine::{
     Backend, CpuBackend, DType, HostTensor, KvCache, KvLayout, Ops, StepLimits, StepMeta,
@@ -182,6 +182,196 @@ fn matmul_matches_the_cpu_for_every_row_count_and_dtype() {
                     );
                 }
             }
+        }
+    }
+}
+
+#[test]
+fn decode_shaped_gemvs_match_the_cpu_on_large_matrices() {
+    let Some(g) = gpu() else { return };
+    let c = CpuBackend::new();
+    // More features than the grid has warps (each warp takes several) and rows of more than
+    // one batch of loads (2,056 = 2,048 + 8), in bf16: the GEMV path at 1 and 2 rows.
+    let (n, k) = (2500, 2056);
+    let w = host(&[n, k], noise(31, n * k), DType::BF16);
+    let (wc, wg) = (c.upload_weight(&w), g.upload_weight(&w));
+    for rows in [1, 2, 3] {
+        let x = host(&[rows, k], noise(32 + rows as u64, rows * k), DType::F32);
+        let (xc, xg) = both(&c, &g, &x);
+        for accumulate in [false, true] {
+            let start = host(&[rows, n], noise(33, rows * n), DType::F32);
+            let (mut oc, mut og) = both(&c, &g, &start);
+            c.matmul(&xc, rows, &wc, n, k, &mut oc, accumulate);
+            g.matmul(&xg, rows, &wg, n, k, &mut og, accumulate);
+            close(
+                &format!("matmul bf16 {n}x{k} rows={rows} acc={accumulate}"),
+                &f32s(&c, &oc, rows * n),
+                &f32s(&g, &og, rows * n),
+                if rows <= 2 { 2e-3 } else { 2e-2 },
+            );
+        }
+    }
+}
+
+/// The fused RMSNorm + product ops (the GEMV kernels at 1–2 rows of bf16 weights, the unfused
+/// ops elsewhere) and RoPE + K/V write, against the CPU's unfused defaults.
+#[test]
+fn fused_operations_match_the_cpu() {
+    let Some(g) = gpu() else { return };
+    let c = CpuBackend::new();
+    // (features, in): small, and large enough for several features per warp and several
+    // batches of loads per row.
+    for (n, k) in [(72, 264), (2200, 2056)] {
+        for dtype in [DType::F32, DType::BF16] {
+            let w = host(&[n, k], noise(41, n * k), dtype);
+            let (lc, lg) = (
+                Linear {
+                    weight: c.upload_weight(&w),
+                    out_features: n,
+                    in_features: k,
+                },
+                Linear {
+                    weight: g.upload_weight(&w),
+                    out_features: n,
+                    in_features: k,
+                },
+            );
+            let norm = host(&[k], noise(42, k), DType::F32);
+            let (nc, ng) = both(&c, &g, &norm);
+            for rows in [1, 2, 5] {
+                // The GEMV path keeps activations in f32; above it cuBLAS rounds them to bf16.
+                let tol = match dtype {
+                    DType::F32 => 1e-4,
+                    _ if rows <= 2 => 2e-3,
+                    _ => 2e-2,
+                };
+                let x = host(&[rows, k], noise(43 + rows as u64, rows * k), DType::F32);
+                let (xc, xg) = both(&c, &g, &x);
+                let (mut hc, mut hg) = (
+                    c.zeros(DType::F32, &[rows, k]),
+                    g.zeros(DType::F32, &[rows, k]),
+                );
+                let (mut oc, mut og) = (
+                    c.zeros(DType::F32, &[rows, n]),
+                    g.zeros(DType::F32, &[rows, n]),
+                );
+                c.rms_norm_linear(&xc, &nc, rows, 1e-5, &mut hc, &lc, &mut oc);
+                g.rms_norm_linear(&xg, &ng, rows, 1e-5, &mut hg, &lg, &mut og);
+                close(
+                    &format!("rms_norm_linear {dtype} {n}x{k} rows={rows}"),
+                    &f32s(&c, &oc, rows * n),
+                    &f32s(&g, &og, rows * n),
+                    tol,
+                );
+                // The same matrix as a fused gate/up of width n / 2.
+                let width = n / 2;
+                let (mut gc, mut gg) = (
+                    c.zeros(DType::F32, &[rows, n]),
+                    g.zeros(DType::F32, &[rows, n]),
+                );
+                let (mut ac, mut ag) = (
+                    c.zeros(DType::F32, &[rows, width]),
+                    g.zeros(DType::F32, &[rows, width]),
+                );
+                c.rms_norm_gate_up(&xc, &nc, rows, 1e-5, &mut hc, &lc, &mut gc, &mut ac);
+                g.rms_norm_gate_up(&xg, &ng, rows, 1e-5, &mut hg, &lg, &mut gg, &mut ag);
+                close(
+                    &format!("rms_norm_gate_up {dtype} {n}x{k} rows={rows}"),
+                    &f32s(&c, &ac, rows * width),
+                    &f32s(&g, &ag, rows * width),
+                    tol,
+                );
+            }
+        }
+    }
+}
+
+/// RoPE, the K/V write and attention in one op: a mixed step (RoPE + K/V kernel, then the
+/// attention kernel) and decode steps (folded into attention, split contexts included).
+#[test]
+fn rope_kv_and_attention_match_the_cpu() {
+    let Some(g) = gpu() else { return };
+    let block = 16;
+    let mut one = ForwardBatch::default();
+    let table: Vec<BlockId> = (0..6).map(BlockId).collect();
+    one.push(&[4], 70, &table, block, true);
+    for batch in [mixed_batch(block), long_decodes(block), one] {
+        rope_attention_case(&g, &batch, block);
+    }
+}
+
+fn rope_attention_case(g: &CudaBackend, batch: &ForwardBatch, block: usize) {
+    let c = CpuBackend::new();
+    let rows = batch.num_tokens();
+    let limits = StepLimits {
+        max_tokens: rows,
+        max_seqs: batch.seqs.len(),
+        max_blocks_per_seq: batch
+            .seqs
+            .iter()
+            .map(|s| s.block_table.len())
+            .max()
+            .unwrap_or(1),
+    };
+    let num_blocks = 40;
+    for dtype in [DType::F32, DType::BF16] {
+        for (nh, nkv, hd) in [(9, 3, 64), (32, 8, 64), (8, 2, 128)] {
+            let layout = QkvLayout {
+                num_heads: nh,
+                num_kv_heads: nkv,
+                head_dim: hd,
+            };
+            let kv = KvLayout {
+                num_layers: 1,
+                num_kv_heads: nkv,
+                head_dim: hd,
+                block_size: block,
+                num_blocks,
+                dtype,
+            };
+            let (mut cc, mut cg) = (KvCache::new(&c, kv), KvCache::new(g, kv));
+            let slots = kv.num_slots();
+            let prior = host(
+                &[1, 2, slots, kv.kv_dim()],
+                noise(61, 2 * slots * kv.kv_dim()),
+                dtype,
+            );
+            let all: Vec<BlockId> = (0..num_blocks as u32).map(BlockId).collect();
+            c.write_kv_host(&mut cc, &all, slots, &prior).expect("fits");
+            g.write_kv_host(&mut cg, &all, slots, &prior).expect("fits");
+            let (mut mc, mut mg) = (StepMeta::new(&c, limits), StepMeta::new(g, limits));
+            mc.upload(&c, batch).expect("fits");
+            mg.upload(g, batch).expect("fits");
+            let w = layout.row_width();
+            let qkv = host(&[rows, w], noise(62, rows * w), DType::F32);
+            let (mut qc, mut qg) = both(&c, g, &qkv);
+            let out = nh * hd;
+            let (mut oc, mut og) = (
+                c.zeros(DType::F32, &[rows, out]),
+                g.zeros(DType::F32, &[rows, out]),
+            );
+            c.rope_write_kv_attention(&mut qc, layout, 500_000.0, &mut cc, 0, &mc, &mut oc);
+            g.rope_write_kv_attention(&mut qg, layout, 500_000.0, &mut cg, 0, &mg, &mut og);
+            // RoPE's sin/cos differ by an ulp or so; over a bf16 cache that can move a key
+            // by one bf16 step.
+            let tol = if dtype == DType::BF16 { 1e-2 } else { 2e-4 };
+            let what = format!(
+                "rope + K/V + attention {dtype} {nh}/{nkv}x{hd} ({} tokens, {} seqs)",
+                rows,
+                batch.seqs.len()
+            );
+            close(
+                &what,
+                &f32s(&c, &oc, rows * out),
+                &f32s(g, &og, rows * out),
+                tol,
+            );
+            close(
+                &format!("{what}: cache"),
+                &c.read_kv(&cc, &all, slots).to_f32_vec(),
+                &g.read_kv(&cg, &all, slots).to_f32_vec(),
+                tol,
+            );
         }
     }
 }

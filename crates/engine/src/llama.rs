@@ -510,17 +510,33 @@ impl<B: Ops> LlamaModel<B> {
             None => Ok(()),
         };
         b.embed(&self.embed, &meta.token_ids, n, &mut ws.x);
+        // Each norm rides on the product after it, RoPE and the K/V write on attention (fused
+        // where the backend can: see the `Ops` methods).
         for (l, layer) in self.layers.iter().enumerate() {
-            b.rms_norm(&ws.x, &layer.input_norm, n, eps, &mut ws.h);
-            b.linear(&ws.h, n, &layer.qkv, &mut ws.qkv, false);
-            b.rope(&mut ws.qkv, n, ql, &meta.positions, c.rope_theta);
-            b.write_kv(&ws.qkv, n, ql, cache, l, &meta.slot_mapping);
-            b.paged_attention(&ws.qkv, ql, cache, l, meta, &mut ws.attn);
+            b.rms_norm_linear(
+                &ws.x,
+                &layer.input_norm,
+                n,
+                eps,
+                &mut ws.h,
+                &layer.qkv,
+                &mut ws.qkv,
+            );
+            b.rope_write_kv_attention(&mut ws.qkv, ql, c.rope_theta, cache, l, meta, &mut ws.attn);
+            // Attention leaves memory bandwidth idle: the MLP's weights may start loading.
+            b.prefetch_weights(&layer.gate_up);
             b.linear(&ws.attn, n, &layer.o_proj, &mut ws.x, residual);
             reduce(&mut ws.x)?;
-            b.rms_norm(&ws.x, &layer.post_norm, n, eps, &mut ws.h);
-            b.linear(&ws.h, n, &layer.gate_up, &mut ws.gate_up, false);
-            b.silu_mul(&ws.gate_up, n, self.local_intermediate(), &mut ws.act);
+            b.rms_norm_gate_up(
+                &ws.x,
+                &layer.post_norm,
+                n,
+                eps,
+                &mut ws.h,
+                &layer.gate_up,
+                &mut ws.gate_up,
+                &mut ws.act,
+            );
             b.linear(&ws.act, n, &layer.down, &mut ws.x, residual);
             reduce(&mut ws.x)?;
         }
@@ -529,8 +545,15 @@ impl<B: Ops> LlamaModel<B> {
             return Ok(());
         }
         b.gather_rows(&ws.x, d, &meta.logits_rows, rows, &mut ws.last);
-        b.rms_norm(&ws.last, &self.norm, rows, eps, &mut ws.h);
-        b.linear(&ws.h, rows, &self.lm_head, &mut ws.logits, false);
+        b.rms_norm_linear(
+            &ws.last,
+            &self.norm,
+            rows,
+            eps,
+            &mut ws.h,
+            &self.lm_head,
+            &mut ws.logits,
+        );
         Ok(())
     }
 

@@ -169,6 +169,66 @@ pub trait Ops: Backend {
             accumulate,
         );
     }
+    /// [`Ops::rms_norm`] of `x` into `normed`, then [`Ops::linear`] of that into `out`. A
+    /// backend may fuse the two (and then need not write `normed`).
+    #[allow(clippy::too_many_arguments)]
+    fn rms_norm_linear(
+        &self,
+        x: &Tensor<Self>,
+        norm: &Tensor<Self>,
+        rows: usize,
+        eps: f32,
+        normed: &mut Tensor<Self>,
+        w: &Linear<Self>,
+        out: &mut Tensor<Self>,
+    ) {
+        self.rms_norm(x, norm, rows, eps, normed);
+        self.linear(normed, rows, w, out, false);
+    }
+    /// A SwiGLU MLP's first half: [`Ops::rms_norm`] of `x` into `normed`, the fused gate/up
+    /// product `w` (gate rows, then up rows) into `gate_up`, and [`Ops::silu_mul`] of that
+    /// into `act`. A backend may fuse them (and then need not write `normed` or `gate_up`).
+    #[allow(clippy::too_many_arguments)]
+    fn rms_norm_gate_up(
+        &self,
+        x: &Tensor<Self>,
+        norm: &Tensor<Self>,
+        rows: usize,
+        eps: f32,
+        normed: &mut Tensor<Self>,
+        w: &Linear<Self>,
+        gate_up: &mut Tensor<Self>,
+        act: &mut Tensor<Self>,
+    ) {
+        self.rms_norm(x, norm, rows, eps, normed);
+        self.linear(normed, rows, w, gate_up, false);
+        self.silu_mul(gate_up, rows, w.out_features / 2, act);
+    }
+    /// [`Ops::rope`] at the step's positions, [`Ops::write_kv`] of the rotated keys and the
+    /// values at its slots, then [`Ops::paged_attention`]: a backend may fold the first two
+    /// into its attention kernel (decode steps) and then need not rotate Q in `qkv`.
+    #[allow(clippy::too_many_arguments)]
+    fn rope_write_kv_attention(
+        &self,
+        qkv: &mut Tensor<Self>,
+        layout: QkvLayout,
+        theta: f32,
+        cache: &mut KvCache<Self>,
+        layer: usize,
+        meta: &StepMeta<Self>,
+        out: &mut Tensor<Self>,
+    ) {
+        let rows = meta.num_tokens;
+        self.rope(qkv, rows, layout, &meta.positions, theta);
+        self.write_kv(qkv, rows, layout, cache, layer, &meta.slot_mapping);
+        self.paged_attention(qkv, layout, cache, layer, meta, out);
+    }
+    /// A hint that `w` is read soon, by the product after the next one: a backend may start
+    /// fetching (part of) it into a cache while the next product runs. The default does
+    /// nothing.
+    fn prefetch_weights(&self, w: &Linear<Self>) {
+        let _ = w;
+    }
     /// Rotary embedding (rotate-half) applied in place to Q and K of the first `rows` rows
     /// of a fused QKV activation, at `positions`.
     fn rope(

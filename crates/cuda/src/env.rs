@@ -1,0 +1,52 @@
+//! The environment variables the CUDA backend reads (for profiling and A/B measurements; the
+//! defaults are what serving runs).
+
+/// `TANDEM_CUDA_GRAPHS=0`: run every step eagerly (no CUDA graphs), e.g. to profile kernels.
+pub(crate) fn graphs() -> bool {
+    std::env::var("TANDEM_CUDA_GRAPHS").map_or(true, |v| v != "0")
+}
+
+/// `TANDEM_CUDA_PDL=0`: launch kernels without programmatic dependencies.
+pub(crate) fn programmatic_launches() -> bool {
+    std::env::var("TANDEM_CUDA_PDL").map_or(true, |v| v != "0")
+}
+
+/// `TANDEM_CUDA_GEMV_ROWS=N` (1..=8, default 2): row counts up to N take the GEMV kernels for
+/// bf16 weights, larger ones cuBLAS.
+pub(crate) fn gemv_rows() -> usize {
+    number("TANDEM_CUDA_GEMV_ROWS").map_or(DEFAULT_GEMV_ROWS, |n| n.clamp(1, 8))
+}
+
+/// Measured on an H200 (1B shape, one run): GEMV and cuBLAS tie at 2 rows, cuBLAS 1.25× faster
+/// at 3 and 2.5× at 8.
+const DEFAULT_GEMV_ROWS: usize = 2;
+
+/// `TANDEM_CUDA_GEMV_BLOCKS_PER_SM=N` (default 2): GEMV grids of at most N blocks per SM,
+/// each warp taking several features; 0: one warp per feature.
+pub(crate) fn gemv_blocks_per_sm() -> usize {
+    number("TANDEM_CUDA_GEMV_BLOCKS_PER_SM").unwrap_or(2)
+}
+
+/// `TANDEM_CUDA_ATTENTION_BLOCKS_PER_SM=N` (default 8): split decode attention until a step
+/// has about N blocks per SM.
+pub(crate) fn attention_blocks_per_sm() -> usize {
+    number("TANDEM_CUDA_ATTENTION_BLOCKS_PER_SM")
+        .unwrap_or(8)
+        .max(1)
+}
+
+fn number(name: &str) -> Option<usize> {
+    std::env::var(name).ok().and_then(|v| v.parse().ok())
+}
+
+/// `TANDEM_CUDA_DECODE_ROPE=0`: decode steps run RoPE + the K/V write as their own kernel
+/// instead of inside attention.
+pub(crate) fn decode_rope() -> bool {
+    std::env::var("TANDEM_CUDA_DECODE_ROPE").map_or(true, |v| v != "0")
+}
+
+/// `TANDEM_CUDA_L2_PREFETCH_MIB=N` (default 0: off; 16 measured slower on an H200): how much of the weights a prefetch hint names
+/// the GEMV before them pulls into L2 (0: none).
+pub(crate) fn l2_prefetch_mib() -> usize {
+    number("TANDEM_CUDA_L2_PREFETCH_MIB").unwrap_or(0)
+}
