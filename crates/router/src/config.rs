@@ -95,6 +95,30 @@ pub enum PolicyConfig {
     /// Prefill and decode workers each in turn.
     #[default]
     RoundRobin,
+    /// The less loaded (requests this router has on it) of two workers drawn at random.
+    PowerOfTwo,
+    /// Prefill: the worker that computed the longest prefix of the prompt recently, unless
+    /// it is `balance` requests busier than the least loaded. Decode: the most free KV.
+    CacheAware {
+        /// Load difference above which balance wins over a cache hit.
+        #[serde(default = "default_balance")]
+        balance: usize,
+    },
+}
+
+fn default_balance() -> usize {
+    8
+}
+
+impl PolicyConfig {
+    /// The policy this configures.
+    pub fn policy(self) -> crate::policy::Policy {
+        match self {
+            PolicyConfig::RoundRobin => crate::policy::Policy::RoundRobin,
+            PolicyConfig::PowerOfTwo => crate::policy::Policy::PowerOfTwo,
+            PolicyConfig::CacheAware { balance } => crate::policy::Policy::CacheAware { balance },
+        }
+    }
 }
 
 /// Time limits, written as humantime strings (`500ms`, `2s`, `10m`).
@@ -464,6 +488,28 @@ timeouts: {connect: 0s}
         );
         let message = invalid(&format!("{base}discovery: {{etcd: {{endpoints: []}}}}\n"));
         assert!(message.contains("at least one URL"), "{message}");
+    }
+
+    #[test]
+    fn every_policy_parses_and_unknown_ones_are_refused() {
+        for (text, want) in [
+            ("{kind: round_robin}", crate::policy::Policy::RoundRobin),
+            ("{kind: power_of_two}", crate::policy::Policy::PowerOfTwo),
+            (
+                "{kind: cache_aware}",
+                crate::policy::Policy::CacheAware { balance: 8 },
+            ),
+            (
+                "{kind: cache_aware, balance: 2}",
+                crate::policy::Policy::CacheAware { balance: 2 },
+            ),
+        ] {
+            let yaml = GOOD.replace("policy: {kind: round_robin}", &format!("policy: {text}"));
+            let c = RouterConfig::from_yaml(&yaml).expect(text);
+            assert_eq!(c.policy.policy(), want, "{text}");
+        }
+        let bad = GOOD.replace("policy: {kind: round_robin}", "policy: {kind: random}");
+        assert!(RouterConfig::from_yaml(&bad).is_err());
     }
 
     #[test]

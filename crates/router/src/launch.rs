@@ -123,7 +123,8 @@ pub async fn run_from_config(
         .collect::<Result<Vec<_>, _>>()?;
     let pd = Arc::new(
         PdGenerator::with_aggregated(prefill, decode, aggregated, RetryPolicy::default())
-            .with_timeouts(config.timeouts),
+            .with_timeouts(config.timeouts)
+            .with_policy(config.policy.policy()),
     );
     if let Some(d) = &config.discovery {
         let etcd = tandem_discovery::EtcdConfig {

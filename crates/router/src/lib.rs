@@ -37,6 +37,8 @@ pub mod metrics;
 pub mod model;
 /// The P/D generator: gRPC to a prefill and a decode worker per request, with retries.
 pub mod pd;
+/// Worker selection policies.
+pub mod policy;
 /// Per-pool gauges for autoscalers.
 pub mod pool_metrics;
 /// OpenAI request and response wire types.

@@ -34,6 +34,20 @@ pub struct WorkerHandle {
     /// Set while the worker drains (its stats or its discovery record say so): it gets no
     /// new requests.
     draining: Arc<AtomicBool>,
+    /// Requests this router has on the worker now (a prefill call, a decode stream).
+    load: Arc<AtomicUsize>,
+    /// Free KV blocks at its last stats.
+    kv_free: Arc<std::sync::atomic::AtomicU64>,
+}
+
+/// One request's claim on a worker's load; released on drop.
+#[derive(Debug)]
+struct LoadClaim(Arc<AtomicUsize>);
+
+impl Drop for LoadClaim {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 /// What an attempt says about one worker it was routed to.
@@ -90,7 +104,28 @@ impl WorkerHandle {
             dp_load: Arc::new(Mutex::new(None)),
             breaker: Arc::new(Mutex::new(crate::breaker::Breaker::default())),
             draining: Arc::new(AtomicBool::new(false)),
+            load: Arc::new(AtomicUsize::new(0)),
+            kv_free: Arc::new(std::sync::atomic::AtomicU64::new(0)),
         })
+    }
+
+    fn claim(&self) -> LoadClaim {
+        self.load.fetch_add(1, Ordering::Relaxed);
+        LoadClaim(self.load.clone())
+    }
+
+    /// Requests this router has on the worker now.
+    pub fn load(&self) -> usize {
+        self.load.load(Ordering::Relaxed)
+    }
+
+    fn candidate(&self, cached_blocks: usize) -> crate::policy::Candidate {
+        crate::policy::Candidate {
+            usable: !self.is_draining() && self.admit(),
+            load: self.load(),
+            kv_free: self.kv_free.load(Ordering::Relaxed),
+            cached_blocks,
+        }
     }
 
     /// Whether the worker drains (no new requests go to it).
@@ -243,7 +278,13 @@ pub struct PdGenerator {
     retry: RetryPolicy,
     timeouts: crate::config::Timeouts,
     breaker: crate::breaker::BreakerPolicy,
+    policy: crate::policy::Policy,
+    /// What each prefill worker was sent recently (cache-aware routing).
+    prefixes: Mutex<crate::policy::PrefixIndex>,
 }
+
+/// Prompt blocks remembered per prefill worker for cache-aware routing.
+const PREFIX_INDEX_BLOCKS: usize = 1 << 16;
 
 /// Maps a gRPC status to an error class: the worker's own classification when present.
 pub fn classify_status(s: tonic::Status) -> GenerateError {
@@ -344,7 +385,15 @@ impl PdGenerator {
             retry,
             timeouts: crate::config::Timeouts::default(),
             breaker: crate::breaker::BreakerPolicy::default(),
+            policy: crate::policy::Policy::RoundRobin,
+            prefixes: Mutex::new(crate::policy::PrefixIndex::new(PREFIX_INDEX_BLOCKS)),
         }
+    }
+
+    /// The same generator picking workers by `policy`.
+    pub fn with_policy(mut self, policy: crate::policy::Policy) -> Self {
+        self.policy = policy;
+        self
     }
 
     /// The same generator with breaker settings `policy`.
@@ -458,6 +507,8 @@ impl PdGenerator {
                     let stats = match tokio::time::timeout(interval, w.stats()).await {
                         Ok(Ok(s)) => {
                             w.set_draining(s.draining);
+                            w.kv_free
+                                .store(u64::from(s.kv_blocks_free), Ordering::Relaxed);
                             Some(s)
                         }
                         _ => None,
@@ -476,14 +527,47 @@ impl PdGenerator {
         }
     }
 
-    /// The pair at round-robin positions `(p, d)`. A retry advances only the leg that failed
-    /// (both when the transfer between them failed), so a dead worker on one side does not
-    /// take its healthy partner out of the rotation.
-    fn pick(pools: &Pools, p: usize, d: usize) -> Option<(WorkerHandle, WorkerHandle)> {
+    /// The pair for an attempt: by the policy, from the round-robin positions `(p, d)`. A
+    /// retry advances only the leg that failed (both when the transfer between them
+    /// failed), so a dead worker on one side does not take its healthy partner out of the
+    /// rotation.
+    fn pick(
+        &self,
+        pools: &Pools,
+        p: usize,
+        d: usize,
+        prompt: &[u32],
+    ) -> Option<(WorkerHandle, WorkerHandle)> {
+        use crate::policy::{pick, Pool};
         if pools.prefill.is_empty() || pools.decode.is_empty() {
             return None;
         }
-        Some((choose(&pools.prefill, p), choose(&pools.decode, d)))
+        let cache_aware = matches!(self.policy, crate::policy::Policy::CacheAware { .. });
+        let hashes = if cache_aware {
+            crate::policy::block_hashes(prompt)
+        } else {
+            Vec::new()
+        };
+        let prefill: Vec<_> = {
+            let index = self.prefixes.lock().unwrap_or_else(|e| e.into_inner());
+            pools
+                .prefill
+                .iter()
+                .map(|w| w.candidate(index.cached(&w.id.0, &hashes)))
+                .collect()
+        };
+        let decode: Vec<_> = pools.decode.iter().map(|w| w.candidate(0)).collect();
+        let draw = rand::random::<u64>();
+        let pw = pools.prefill[pick(self.policy, Pool::Prefill, &prefill, p, draw)].clone();
+        let dw =
+            pools.decode[pick(self.policy, Pool::Decode, &decode, d, draw.rotate_left(17))].clone();
+        if cache_aware {
+            self.prefixes
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .record(&pw.id.0, &hashes);
+        }
+        Some((pw, dw))
     }
 
     async fn run(self: Arc<Self>, req: ValidGenerateRequest) -> Result<TokenStream, GenerateError> {
@@ -553,7 +637,8 @@ impl PdGenerator {
                         class = e.class.as_str(), error = %e.message, "aggregated attempt failed");
                 })
             } else {
-                let Some((p, d)) = Self::pick(&pools, cursor.pi, cursor.di) else {
+                let Some((p, d)) = self.pick(&pools, cursor.pi, cursor.di, &req.prompt_token_ids)
+                else {
                     break;
                 };
                 let attempt_result = tokio::time::timeout(budget, try_pair(&p, &d, req))
@@ -703,17 +788,6 @@ fn resuming(
     .boxed()
 }
 
-/// The first worker from position `start` whose breaker admits a request; when every one is
-/// ejected, the one at `start` (requests are never refused for want of a healthy worker: the
-/// attempt fails and is retried, or reports the failure).
-fn choose(list: &[WorkerHandle], start: usize) -> WorkerHandle {
-    (0..list.len())
-        .map(|i| &list[(start + i) % list.len()])
-        .find(|w| !w.is_draining() && w.admit())
-        .unwrap_or(&list[start % list.len()])
-        .clone()
-}
-
 fn no_workers() -> GenerateError {
     GenerateError::new(
         ErrorClass::Unavailable,
@@ -762,6 +836,7 @@ async fn try_aggregated(
     w: &WorkerHandle,
     req: &ValidGenerateRequest,
 ) -> Result<TokenStream, GenerateError> {
+    let claim = w.claim();
     let mut events = w
         .client
         .clone()
@@ -788,15 +863,16 @@ async fn try_aggregated(
     if first.finish_reason.is_some() {
         return Ok(head.boxed());
     }
-    let rest = futures::stream::unfold(Some(events), move |state| {
+    // The load claim rides along with the stream.
+    let rest = futures::stream::unfold(Some((events, claim)), move |state| {
         let ended = ended.clone();
         async move {
-            let mut events = state?;
+            let (mut events, claim) = state?;
             match events.message().await {
                 Ok(Some(t)) => {
                     let tok = token(t);
                     let more = tok.finish_reason.is_none();
-                    Some((Ok(tok), more.then_some(events)))
+                    Some((Ok(tok), more.then_some((events, claim))))
                 }
                 Ok(None) => Some((Err(ended()), None)),
                 Err(s) => Some((Err(classify_status(s)), None)),
@@ -822,6 +898,9 @@ async fn try_pair(
     let on_decode = |e: GenerateError| (Leg::Decode, e);
     let request = to_pb(req);
     let (dp_rank, dp_slot) = d.pick_dp_rank().await.map_err(on_decode)?;
+    // Claims on both workers' load: the prefill's for its call, the decode's with the stream.
+    let dp_slot = (dp_slot, d.claim());
+    let prefill_claim = p.claim();
     let mut decode = d
         .client
         .clone()
@@ -869,6 +948,7 @@ async fn try_pair(
             (leg, e)
         })?
         .into_inner();
+    drop(prefill_claim);
     let first = GeneratedToken {
         token_id: first.first_token_id,
         finish_reason: finish_from_pb(first.finish_reason),
@@ -977,14 +1057,14 @@ mod tests {
         let pd = PdGenerator::new(handles("p", 1), handles("d", 2), RetryPolicy::default())
             .with_breaker(policy);
         let pools = pd.pools();
-        let (_, d) = PdGenerator::pick(&pools, 0, 0).expect("pair");
+        let (_, d) = pd.pick(&pools, 0, 0, &[]).expect("pair");
         assert_eq!(d.id.0, "d-0");
         for _ in 0..2 {
             pools.decode[0].report(Outcome::Failed(ErrorClass::Unavailable), policy);
         }
         assert!(pools.decode[0].is_ejected());
         for start in 0..4 {
-            let (_, d) = PdGenerator::pick(&pools, 0, start).expect("pair");
+            let (_, d) = pd.pick(&pools, 0, start, &[]).expect("pair");
             assert_eq!(
                 d.id.0, "d-1",
                 "start {start}: the ejected worker was chosen"
@@ -999,7 +1079,47 @@ mod tests {
         for _ in 0..2 {
             pools.decode[1].report(Outcome::Failed(ErrorClass::Unavailable), policy);
         }
-        assert!(PdGenerator::pick(&pools, 0, 1).is_some());
+        assert!(pd.pick(&pools, 0, 1, &[]).is_some());
+    }
+
+    #[tokio::test]
+    async fn power_of_two_and_cache_aware_route_by_load_and_prefix() {
+        let pd = PdGenerator::new(handles("p", 2), handles("d", 2), RetryPolicy::default())
+            .with_policy(crate::policy::Policy::PowerOfTwo);
+        let pools = pd.pools();
+        // d-0 carries three streams of this router's: with two workers both are always
+        // drawn, and the idle one wins every time.
+        let busy: Vec<LoadClaim> = (0..3).map(|_| pools.decode[0].claim()).collect();
+        for start in 0..8 {
+            let (_, d) = pd.pick(&pools, start, start, &[]).expect("pair");
+            assert_eq!(d.id.0, "d-1", "start {start}");
+        }
+        drop(busy);
+        assert_eq!(pools.decode[0].load(), 0, "claims are released");
+
+        let pd = PdGenerator::new(handles("p", 3), handles("d", 1), RetryPolicy::default())
+            .with_policy(crate::policy::Policy::CacheAware { balance: 2 });
+        let pools = pd.pools();
+        let prompt: Vec<u32> = (0..80).collect();
+        let (first, _) = pd.pick(&pools, 0, 0, &prompt).expect("pair");
+        // The same prompt (or one sharing its prefix) goes back to the same worker from
+        // any round-robin position...
+        let mut longer = prompt.clone();
+        longer.extend(500..540);
+        for start in 0..6 {
+            let (p, _) = pd.pick(&pools, start, 0, &longer).expect("pair");
+            assert_eq!(p.id, first.id, "start {start}");
+        }
+        // ...until that worker is too much busier than the others.
+        let owner = pools
+            .prefill
+            .iter()
+            .find(|w| w.id == first.id)
+            .expect("known");
+        let busy: Vec<LoadClaim> = (0..3).map(|_| owner.claim()).collect();
+        let (p, _) = pd.pick(&pools, 0, 0, &prompt).expect("pair");
+        assert_ne!(p.id, first.id, "balance wins over the cache hit");
+        drop(busy);
     }
 
     fn record(
@@ -1064,7 +1184,7 @@ mod tests {
         let third = pd.pools();
         assert_eq!(third.decode[0].state(), "draining");
         for start in 0..4 {
-            let (_, d) = PdGenerator::pick(&third, 0, start).expect("pair");
+            let (_, d) = pd.pick(&third, 0, start, &[]).expect("pair");
             assert_eq!(d.id.0, "d1", "start {start}: a draining worker was chosen");
         }
         // d0 leaves.
