@@ -279,3 +279,58 @@ fn draining_a_decode_and_a_prefill_worker_under_load_loses_nothing_and_both_exit
     );
     assert!(tandem_e2e::pools_full(&workers, None), "{workers}");
 }
+
+#[test]
+fn a_full_pool_answers_503_with_retry_after_instead_of_piling_on() {
+    let cluster = Cluster::start(ClusterOptions {
+        router_config: "admission: {max_in_flight_per_worker: 1}\n".into(),
+        ..ClusterOptions::default()
+    });
+    let url = cluster.url.clone();
+    let decode = cluster.decode_addr.clone();
+    rt().block_on(async {
+        let c = reqwest::Client::new();
+        let expected = fault_free(&c, &url, "Once upon a time", 48).await;
+        // One long stream fills the only decode worker's single place.
+        let long = {
+            let (c, url) = (c.clone(), url.clone());
+            tokio::spawn(async move {
+                let resp = c
+                    .post(format!("{url}/v1/completions"))
+                    .json(&completion("Once upon a time", 48, true))
+                    .send()
+                    .await
+                    .unwrap();
+                text_of(resp, true).await
+            })
+        };
+        assert!(
+            until_busy(&decode).await,
+            "the stream never reached the decode worker"
+        );
+        let resp = c
+            .post(format!("{url}/v1/completions"))
+            .json(&completion("The weather today", 8, false))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status().as_u16(), 503);
+        assert_eq!(
+            resp.headers()
+                .get("retry-after")
+                .map(|v| v.to_str().unwrap()),
+            Some("1")
+        );
+        let body: Value = resp.json().await.unwrap();
+        assert!(
+            body["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("max_in_flight_per_worker"),
+            "{body}"
+        );
+        assert_eq!(long.await.unwrap().as_deref(), Some(expected.as_str()));
+        // Room again once the stream ended.
+        assert_eq!(fault_free(&c, &url, "Once upon a time", 48).await, expected);
+    });
+}

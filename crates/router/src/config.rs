@@ -42,6 +42,22 @@ pub struct RawConfig {
     /// Where to find workers besides the static lists (which may then be empty).
     #[serde(default)]
     pub discovery: Option<DiscoveryConfig>,
+    /// Limits on what the router sends to each worker; none when absent.
+    #[serde(default)]
+    pub admission: AdmissionConfig,
+}
+
+/// When a pool counts as full, and what happens to requests then.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AdmissionConfig {
+    /// Requests this router keeps on one worker at most (0: no limit). When every worker
+    /// that could serve a request is at it, the request waits up to `queue_timeout`, then is
+    /// answered 503 with `Retry-After`.
+    pub max_in_flight_per_worker: usize,
+    /// How long a request may wait for room (0: answer at once).
+    #[serde(with = "humantime_serde")]
+    pub queue_timeout: Duration,
 }
 
 /// Worker discovery.
@@ -169,6 +185,8 @@ pub struct RouterConfig {
     pub timeouts: Timeouts,
     /// Discovery, when workers are found in etcd.
     pub discovery: Option<DiscoveryConfig>,
+    /// Per-worker limits.
+    pub admission: AdmissionConfig,
 }
 
 /// A worker the router may send requests to.
@@ -290,6 +308,7 @@ impl RawConfig {
                 policy: self.policy,
                 timeouts: self.timeouts,
                 discovery: self.discovery,
+                admission: self.admission,
             }),
             _ => Err(Error::InvalidConfig(problems.join("; "))),
         }

@@ -124,7 +124,8 @@ pub async fn run_from_config(
     let pd = Arc::new(
         PdGenerator::with_aggregated(prefill, decode, aggregated, RetryPolicy::default())
             .with_timeouts(config.timeouts)
-            .with_policy(config.policy.policy()),
+            .with_policy(config.policy.policy())
+            .with_admission(config.admission),
     );
     if let Some(d) = &config.discovery {
         let etcd = tandem_discovery::EtcdConfig {

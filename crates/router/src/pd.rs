@@ -47,8 +47,12 @@ struct LoadClaim(Arc<AtomicUsize>);
 impl Drop for LoadClaim {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::Relaxed);
+        LOAD_RELEASED.notify_waiters();
     }
 }
+
+/// Woken whenever a claim on any worker ends: requests waiting for room look again.
+static LOAD_RELEASED: tokio::sync::Notify = tokio::sync::Notify::const_new();
 
 /// What an attempt says about one worker it was routed to.
 #[derive(Clone, Copy, Debug)]
@@ -119,9 +123,9 @@ impl WorkerHandle {
         self.load.load(Ordering::Relaxed)
     }
 
-    fn candidate(&self, cached_blocks: usize) -> crate::policy::Candidate {
+    fn candidate(&self, cached_blocks: usize, limit: usize) -> crate::policy::Candidate {
         crate::policy::Candidate {
-            usable: !self.is_draining() && self.admit(),
+            usable: !self.is_draining() && (limit == 0 || self.load() < limit) && self.admit(),
             load: self.load(),
             kv_free: self.kv_free.load(Ordering::Relaxed),
             cached_blocks,
@@ -262,6 +266,25 @@ impl Pools {
         self.aggregated.len() + usize::from(!self.prefill.is_empty() && !self.decode.is_empty())
     }
 
+    /// Whether some route has room: a usable prefill and a usable decode worker below
+    /// `limit` requests, or a usable aggregated one. Routes whose workers are all
+    /// unusable for other reasons (draining, ejected) do not count as full.
+    fn has_room(&self, limit: usize) -> bool {
+        let free = |w: &WorkerHandle| w.load() < limit;
+        let usable = |w: &&WorkerHandle| !w.is_draining() && !w.is_ejected();
+        let pool_full = |list: &[WorkerHandle]| {
+            let live: Vec<&WorkerHandle> = list.iter().filter(usable).collect();
+            !live.is_empty() && live.iter().all(|w| !free(w))
+        };
+        let pairs = !self.prefill.is_empty()
+            && !self.decode.is_empty()
+            && !pool_full(&self.prefill)
+            && !pool_full(&self.decode);
+        let aggregated = !self.aggregated.is_empty() && !pool_full(&self.aggregated);
+        // No route at all is not "full": the attempt reports that.
+        pairs || aggregated || self.routes() == 0
+    }
+
     fn all(&self) -> impl Iterator<Item = &WorkerHandle> {
         self.prefill
             .iter()
@@ -279,6 +302,7 @@ pub struct PdGenerator {
     timeouts: crate::config::Timeouts,
     breaker: crate::breaker::BreakerPolicy,
     policy: crate::policy::Policy,
+    admission: crate::config::AdmissionConfig,
     /// What each prefill worker was sent recently (cache-aware routing).
     prefixes: Mutex<crate::policy::PrefixIndex>,
 }
@@ -386,6 +410,7 @@ impl PdGenerator {
             timeouts: crate::config::Timeouts::default(),
             breaker: crate::breaker::BreakerPolicy::default(),
             policy: crate::policy::Policy::RoundRobin,
+            admission: crate::config::AdmissionConfig::default(),
             prefixes: Mutex::new(crate::policy::PrefixIndex::new(PREFIX_INDEX_BLOCKS)),
         }
     }
@@ -394,6 +419,40 @@ impl PdGenerator {
     pub fn with_policy(mut self, policy: crate::policy::Policy) -> Self {
         self.policy = policy;
         self
+    }
+
+    /// The same generator limiting what each worker gets.
+    pub fn with_admission(mut self, admission: crate::config::AdmissionConfig) -> Self {
+        self.admission = admission;
+        self
+    }
+
+    /// Waits (up to the queue timeout) until some route has a worker below the per-worker
+    /// limit; a 503-class error naming the limit when none frees in time.
+    async fn admit(&self) -> Result<(), GenerateError> {
+        let a = self.admission;
+        if a.max_in_flight_per_worker == 0 {
+            return Ok(());
+        }
+        let deadline = tokio::time::Instant::now() + a.queue_timeout;
+        loop {
+            // Registered before looking, so a release in between is not missed.
+            let released = LOAD_RELEASED.notified();
+            if self.pools().has_room(a.max_in_flight_per_worker) {
+                return Ok(());
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return Err(GenerateError::new(
+                    ErrorClass::Unavailable,
+                    format!(
+                        "every worker that could serve this request has {} requests in flight \
+                         (admission.max_in_flight_per_worker); retry later",
+                        a.max_in_flight_per_worker
+                    ),
+                ));
+            }
+            let _ = tokio::time::timeout_at(deadline, released).await;
+        }
     }
 
     /// The same generator with breaker settings `policy`.
@@ -542,6 +601,7 @@ impl PdGenerator {
         if pools.prefill.is_empty() || pools.decode.is_empty() {
             return None;
         }
+        let limit = self.admission.max_in_flight_per_worker;
         let cache_aware = matches!(self.policy, crate::policy::Policy::CacheAware { .. });
         let hashes = if cache_aware {
             crate::policy::block_hashes(prompt)
@@ -553,10 +613,10 @@ impl PdGenerator {
             pools
                 .prefill
                 .iter()
-                .map(|w| w.candidate(index.cached(&w.id.0, &hashes)))
+                .map(|w| w.candidate(index.cached(&w.id.0, &hashes), limit))
                 .collect()
         };
-        let decode: Vec<_> = pools.decode.iter().map(|w| w.candidate(0)).collect();
+        let decode: Vec<_> = pools.decode.iter().map(|w| w.candidate(0, limit)).collect();
         let draw = rand::random::<u64>();
         let pw = pools.prefill[pick(self.policy, Pool::Prefill, &prefill, p, draw)].clone();
         let dw =
@@ -584,6 +644,7 @@ impl PdGenerator {
         };
         let t = self.timeouts;
         let deadline = tokio::time::Instant::now() + t.request;
+        self.admit().await?;
         let stream = self.first_stream(&req, &mut cursor, deadline).await?;
         let resumed = resuming(self.clone(), req, cursor, deadline, stream);
         Ok(paced(resumed, t.inter_token, deadline, t.request))
@@ -1080,6 +1141,49 @@ mod tests {
             pools.decode[1].report(Outcome::Failed(ErrorClass::Unavailable), policy);
         }
         assert!(pd.pick(&pools, 0, 1, &[]).is_some());
+    }
+
+    #[tokio::test]
+    async fn a_full_pool_holds_requests_until_a_claim_ends_or_the_queue_timeout() {
+        let admission = |queue_ms| crate::config::AdmissionConfig {
+            max_in_flight_per_worker: 1,
+            queue_timeout: Duration::from_millis(queue_ms),
+        };
+        let pd = Arc::new(
+            PdGenerator::new(handles("p", 1), handles("d", 2), RetryPolicy::default())
+                .with_admission(admission(0)),
+        );
+        let pools = pd.pools();
+        assert!(pd.admit().await.is_ok(), "empty pools have room");
+        let a = pools.decode[0].claim();
+        assert!(pd.admit().await.is_ok(), "d-1 still has room");
+        let (_, d) = pd.pick(&pools, 0, 0, &[]).expect("pair");
+        assert_eq!(d.id.0, "d-1", "a worker at its limit is not picked");
+        let b = pools.decode[1].claim();
+        let e = pd.admit().await.expect_err("both decode workers are full");
+        assert_eq!(e.class, ErrorClass::Unavailable);
+        assert!(
+            e.message.contains("max_in_flight_per_worker"),
+            "{}",
+            e.message
+        );
+        drop((a, b));
+        // With a queue, the request waits for the next release.
+        let pd = Arc::new(
+            PdGenerator::new(handles("p", 1), handles("d", 1), RetryPolicy::default())
+                .with_admission(admission(60_000)),
+        );
+        let full = pd.pools().decode[0].claim();
+        let queued = {
+            let pd = pd.clone();
+            tokio::spawn(async move { pd.admit().await })
+        };
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+        assert!(!queued.is_finished(), "admitted although the pool is full");
+        drop(full);
+        assert!(queued.await.expect("task").is_ok());
     }
 
     #[tokio::test]
