@@ -134,6 +134,8 @@ pub struct ClusterOptions {
     /// Put a `tandem chaos proxy` (no faults until its admin port says so) between the
     /// router and each of the prefill and decode workers.
     pub proxies: bool,
+    /// Extra arguments of the router (e.g. `--record-trace FILE`).
+    pub router_args: Vec<String>,
 }
 
 impl Default for ClusterOptions {
@@ -152,6 +154,7 @@ impl Default for ClusterOptions {
             aggregated: false,
             discovery: false,
             proxies: false,
+            router_args: Vec::new(),
         }
     }
 }
@@ -354,6 +357,7 @@ impl Cluster {
                 "--model",
                 &model_s,
             ])
+            .args(&opts.router_args)
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()

@@ -194,3 +194,64 @@ fn bad_scenario_and_trace_files_are_refused_with_the_reason() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("t.jsonl:2"), "{err}");
 }
+
+#[test]
+fn a_recorded_trace_replays_against_the_cluster_it_came_from() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("recorded.jsonl");
+    let cluster = Cluster::start(ClusterOptions {
+        router_args: vec!["--record-trace".into(), trace.display().to_string()],
+        ..ClusterOptions::default()
+    });
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let c = reqwest::Client::new();
+    let bodies = [
+        (
+            "/v1/completions",
+            serde_json::json!({"model": "smollm2-135m-instruct", "prompt": "Once upon a time", "max_tokens": 6, "temperature": 0}),
+        ),
+        (
+            "/v1/chat/completions",
+            serde_json::json!({"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, "temperature": 0, "stream": true}),
+        ),
+    ];
+    for (path, body) in &bodies {
+        let status = rt.block_on(async {
+            let r = c
+                .post(format!("{}{path}", cluster.url))
+                .json(body)
+                .send()
+                .await
+                .unwrap();
+            let s = r.status().as_u16();
+            let _ = r.bytes().await;
+            s
+        });
+        assert_eq!(status, 200);
+    }
+    let text = std::fs::read_to_string(&trace).unwrap();
+    let lines: Vec<Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 2, "{text}");
+    for (line, (path, body)) in lines.iter().zip(&bodies) {
+        assert_eq!(line["path"], *path);
+        assert_eq!(line["body"], *body);
+    }
+    let out = tandem(&[
+        "chaos",
+        "replay",
+        "--trace",
+        trace.to_str().unwrap(),
+        "--target",
+        &cluster.url,
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("completed       2"), "{stdout}");
+}

@@ -334,3 +334,61 @@ fn a_full_pool_answers_503_with_retry_after_instead_of_piling_on() {
         assert_eq!(fault_free(&c, &url, "Once upon a time", 48).await, expected);
     });
 }
+
+#[test]
+fn concurrent_streams_survive_a_kill_9_of_their_decode_worker_with_the_same_text() {
+    let cluster = Cluster::start(ClusterOptions {
+        second_decode: true,
+        ..ClusterOptions::default()
+    });
+    let url = cluster.url.clone();
+    let decode = cluster.decode_addr.clone();
+    let runtime = rt();
+    let c = reqwest::Client::new();
+    let prompts = [
+        "Once upon a time",
+        "The weather today",
+        "My favourite food",
+        "In 1969",
+    ];
+    let expected: Vec<String> = prompts
+        .iter()
+        .map(|p| runtime.block_on(fault_free(&c, &url, p, 40)))
+        .collect();
+    let streams: Vec<_> = prompts
+        .iter()
+        .map(|p| {
+            let (c, url, p) = (c.clone(), url.clone(), p.to_string());
+            runtime.spawn(async move {
+                let resp = c
+                    .post(format!("{url}/v1/completions"))
+                    .json(&completion(&p, 40, true))
+                    .send()
+                    .await
+                    .unwrap();
+                text_of(resp, true).await
+            })
+        })
+        .collect();
+    assert!(
+        runtime.block_on(until_busy(&decode)),
+        "no stream reached the first decode worker"
+    );
+    cluster.signal("decode", "KILL");
+    for (i, s) in streams.into_iter().enumerate() {
+        let text = runtime.block_on(s).unwrap();
+        assert_eq!(
+            text.as_deref(),
+            Some(expected[i].as_str()),
+            "stream {i} ({})",
+            prompts[i]
+        );
+    }
+    // The kill hit requests: mid-stream ones moved, ones still before their first token
+    // were retried.
+    let router = cluster.log("router");
+    assert!(
+        router.contains("continuing on another pair") || router.contains("P/D attempt failed"),
+        "the kill hit nothing:\n{router}"
+    );
+}

@@ -337,6 +337,10 @@ struct RouterArgs {
     /// Listen address; overrides the config's.
     #[arg(long)]
     listen: Option<String>,
+    /// Append every generation request (path and body, one JSON line each) to this file:
+    /// a trace for `tandem chaos replay`.
+    #[arg(long)]
+    record_trace: Option<PathBuf>,
 }
 
 #[derive(clap::Args, Debug)]
@@ -591,6 +595,7 @@ async fn router(args: RouterArgs) -> Result<()> {
         &args.config,
         model_dir,
         args.listen.as_deref(),
+        args.record_trace.as_deref(),
         shutdown_signal(),
     )
     .await

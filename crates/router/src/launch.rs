@@ -86,11 +86,12 @@ async fn workers(
 }
 
 /// Runs a router from a config file until `shutdown` resolves. `model_dir` and `listen`
-/// override the file.
+/// override the file; with `record_trace`, every generation request is appended there.
 pub async fn run_from_config(
     path: &Path,
     model_dir: Option<PathBuf>,
     listen: Option<&str>,
+    record_trace: Option<&Path>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), LaunchError> {
     let mut config = RouterConfig::load(path)?;
@@ -165,7 +166,16 @@ pub async fn run_from_config(
     };
     let listener = tokio::net::TcpListener::bind(addr).await?;
     tracing::info!(listen = %listener.local_addr()?, model = %config.model.served_name, "router ready");
-    let app = app(state).merge(worker_routes(pd));
+    let mut app = app(state).merge(worker_routes(pd));
+    if let Some(p) = record_trace {
+        let recorder = crate::trace::TraceRecorder::open(p)
+            .map_err(|e| format!("opening {}: {e}", p.display()))?;
+        tracing::info!(file = %p.display(), "recording requests");
+        app = app.layer(axum::middleware::from_fn_with_state(
+            recorder,
+            crate::trace::record,
+        ));
+    }
     axum::serve(listener, app)
         .with_graceful_shutdown(shutdown)
         .await?;

@@ -51,6 +51,8 @@ pub mod stop_strings;
 pub mod testing;
 /// Generator tokens → text events (detokenize, stop strings, limits, metrics).
 mod text_stream;
+/// Recording request traces (`--record-trace`).
+pub mod trace;
 /// Parsed requests → checked, tokenized requests.
 pub mod validation;
 
