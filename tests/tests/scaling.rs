@@ -392,3 +392,56 @@ fn concurrent_streams_survive_a_kill_9_of_their_decode_worker_with_the_same_text
         "the kill hit nothing:\n{router}"
     );
 }
+
+#[test]
+fn the_in_flight_table_shows_a_stream_while_it_runs_and_forgets_it_after() {
+    let cluster = Cluster::start(ClusterOptions::default());
+    let url = cluster.url.clone();
+    rt().block_on(async {
+        let c = reqwest::Client::new();
+        let resp = c
+            .post(format!("{url}/v1/completions"))
+            .json(&completion("Once upon a time", 400, true))
+            .send()
+            .await
+            .unwrap();
+        let mut body = resp.bytes_stream();
+        let mut seen = String::new();
+        while seen.matches("\"text\"").count() < 2 {
+            seen.push_str(&String::from_utf8_lossy(
+                &body.next().await.unwrap().unwrap(),
+            ));
+        }
+        // Hundreds of tokens still to come: the request is in the table, decoding.
+        let table: Value = c
+            .get(format!("{url}/admin/requests"))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(table["count"], 1, "{table}");
+        let r = &table["requests"][0];
+        assert_eq!(r["phase"], "decoding", "{table}");
+        assert_eq!(
+            (r["prefill"].as_str(), r["decode"].as_str()),
+            (Some("prefill-0"), Some("decode-0"))
+        );
+        assert!(r["tokens"].as_u64().unwrap() >= 2, "{table}");
+        assert_eq!(r["attempts"], 1);
+        // The client goes away: the request leaves the table (and its KV the worker).
+        drop(body);
+        let workers = tandem_e2e::workers_when_idle(&c, &url).await;
+        assert!(tandem_e2e::pools_full(&workers, None), "{workers}");
+        let table: Value = c
+            .get(format!("{url}/admin/requests"))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(table["count"], 0, "{table}");
+    });
+}

@@ -27,6 +27,7 @@ pub fn worker_routes(pd: Arc<PdGenerator>) -> Router {
     Router::new()
         .route("/ready", get(ready))
         .route("/admin/workers", get(workers))
+        .route("/admin/requests", get(requests))
         .with_state(pd)
 }
 
@@ -83,6 +84,12 @@ async fn workers(
 ) -> Json<Value> {
     let wait = Duration::from_millis(q.wait_idle_ms.min(60_000));
     Json(json!({"workers": worker_report(&pd, wait).await}))
+}
+
+/// The requests in flight and their phases.
+async fn requests(State(pd): State<Arc<PdGenerator>>) -> Json<Value> {
+    let list = pd.in_flight().snapshot();
+    Json(json!({"count": list.len(), "requests": list}))
 }
 
 /// Runs a router from a config file until `shutdown` resolves. `model_dir` and `listen`

@@ -29,6 +29,8 @@ pub mod detokenizer;
 pub mod error;
 /// The boundary to whatever produces tokens: the `Generator` trait.
 pub mod generator;
+/// The table of requests in flight (`/admin/requests`).
+pub mod inflight;
 /// Process wiring: config → workers → app; `/ready` and `/admin/workers`.
 pub mod launch;
 /// Prometheus metrics in a router-owned registry; per-request recording.

@@ -305,6 +305,8 @@ pub struct PdGenerator {
     admission: crate::config::AdmissionConfig,
     /// What each prefill worker was sent recently (cache-aware routing).
     prefixes: Mutex<crate::policy::PrefixIndex>,
+    /// Requests in flight, by phase.
+    in_flight: Arc<crate::inflight::InFlightTable>,
 }
 
 /// Prompt blocks remembered per prefill worker for cache-aware routing.
@@ -412,7 +414,13 @@ impl PdGenerator {
             policy: crate::policy::Policy::RoundRobin,
             admission: crate::config::AdmissionConfig::default(),
             prefixes: Mutex::new(crate::policy::PrefixIndex::new(PREFIX_INDEX_BLOCKS)),
+            in_flight: Arc::default(),
         }
+    }
+
+    /// Requests in flight, by phase (`/admin/requests`).
+    pub fn in_flight(&self) -> &crate::inflight::InFlightTable {
+        &self.in_flight
     }
 
     /// The same generator picking workers by `policy`.
@@ -644,9 +652,12 @@ impl PdGenerator {
         };
         let t = self.timeouts;
         let deadline = tokio::time::Instant::now() + t.request;
+        let tracker = self.in_flight.open(&req.id.0, req.prompt_token_ids.len());
         self.admit().await?;
-        let stream = self.first_stream(&req, &mut cursor, deadline).await?;
-        let resumed = resuming(self.clone(), req, cursor, deadline, stream);
+        let stream = self
+            .first_stream(&req, &mut cursor, deadline, &tracker)
+            .await?;
+        let resumed = resuming(self.clone(), req, cursor, deadline, stream, tracker);
         Ok(paced(resumed, t.inter_token, deadline, t.request))
     }
 
@@ -657,6 +668,7 @@ impl PdGenerator {
         req: &ValidGenerateRequest,
         cursor: &mut Cursor,
         deadline: tokio::time::Instant,
+        tracker: &crate::inflight::Tracker,
     ) -> Result<TokenStream, GenerateError> {
         let mut last = no_workers();
         let t = self.timeouts;
@@ -684,7 +696,8 @@ impl PdGenerator {
             };
             let result = if let Some(w) = pools.aggregated.get(cursor.route) {
                 let _ = w.admit();
-                let attempt_result = tokio::time::timeout(budget, try_aggregated(w, req))
+                tracker.attempt(&w.id.0, None);
+                let attempt_result = tokio::time::timeout(budget, try_aggregated(w, req, tracker))
                     .await
                     .unwrap_or_else(|_| Err(stalled(format!("worker {}", w.id))));
                 w.report(
@@ -702,7 +715,8 @@ impl PdGenerator {
                 else {
                     break;
                 };
-                let attempt_result = tokio::time::timeout(budget, try_pair(&p, &d, req))
+                tracker.attempt(&p.id.0, Some(&d.id.0));
+                let attempt_result = tokio::time::timeout(budget, try_pair(&p, &d, req, tracker))
                     .await
                     .unwrap_or_else(|_| {
                         // Which side stalled is not known: move both.
@@ -772,6 +786,7 @@ fn resuming(
     cursor: Cursor,
     deadline: tokio::time::Instant,
     tokens: TokenStream,
+    tracker: crate::inflight::Tracker,
 ) -> TokenStream {
     struct State {
         generator: Arc<PdGenerator>,
@@ -781,6 +796,7 @@ fn resuming(
         tokens: TokenStream,
         sent: Vec<u32>,
         migrations: u32,
+        tracker: crate::inflight::Tracker,
     }
     let state = State {
         generator,
@@ -790,6 +806,7 @@ fn resuming(
         tokens,
         sent: Vec::new(),
         migrations: 0,
+        tracker,
     };
     futures::stream::unfold(Some(state), |state| async move {
         let mut s = state?;
@@ -797,6 +814,7 @@ fn resuming(
             match s.tokens.next().await {
                 Some(Ok(tok)) => {
                     s.sent.push(tok.token_id);
+                    s.tracker.token();
                     let more = tok.finish_reason.is_none();
                     return Some((Ok(tok), more.then_some(s)));
                 }
@@ -807,6 +825,7 @@ fn resuming(
                         && s.migrations < MIGRATION_LIMIT =>
                 {
                     s.migrations += 1;
+                    s.tracker.migration();
                     tracing::warn!(request = %s.req.id, tokens = s.sent.len(),
                         migration = s.migrations, class = e.class.as_str(), error = %e.message,
                         "stream broke after tokens were sent: continuing on another pair");
@@ -815,7 +834,7 @@ fn resuming(
                     s.cursor.route = (s.cursor.route + 1) % s.cursor.routes;
                     let mut next = match s
                         .generator
-                        .first_stream(&s.req, &mut s.cursor, s.deadline)
+                        .first_stream(&s.req, &mut s.cursor, s.deadline, &s.tracker)
                         .await
                     {
                         Ok(t) => t,
@@ -896,8 +915,10 @@ fn paced(
 async fn try_aggregated(
     w: &WorkerHandle,
     req: &ValidGenerateRequest,
+    tracker: &crate::inflight::Tracker,
 ) -> Result<TokenStream, GenerateError> {
     let claim = w.claim();
+    tracker.phase(crate::inflight::Phase::Prefilling);
     let mut events = w
         .client
         .clone()
@@ -920,6 +941,7 @@ async fn try_aggregated(
         Some(t) => token(t),
         None => return Err(ended()),
     };
+    tracker.phase(crate::inflight::Phase::Decoding);
     let head = futures::stream::once(async move { Ok(first) });
     if first.finish_reason.is_some() {
         return Ok(head.boxed());
@@ -955,6 +977,7 @@ async fn try_pair(
     p: &WorkerHandle,
     d: &WorkerHandle,
     req: &ValidGenerateRequest,
+    tracker: &crate::inflight::Tracker,
 ) -> Result<TokenStream, (Leg, GenerateError)> {
     let on_decode = |e: GenerateError| (Leg::Decode, e);
     let request = to_pb(req);
@@ -990,6 +1013,7 @@ async fn try_pair(
             )))
         }
     };
+    tracker.phase(crate::inflight::Phase::Prefilling);
     let first = p
         .client
         .clone()
@@ -1010,6 +1034,7 @@ async fn try_pair(
         })?
         .into_inner();
     drop(prefill_claim);
+    tracker.phase(crate::inflight::Phase::Decoding);
     let first = GeneratedToken {
         token_id: first.first_token_id,
         finish_reason: finish_from_pb(first.finish_reason),
