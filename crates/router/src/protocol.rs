@@ -28,14 +28,42 @@ pub struct GenerationParams {
     pub seed: Option<i64>,
     /// Stream server-sent events.
     pub stream: Option<bool>,
-    /// Streaming options.
-    pub stream_options: Option<StreamOptions>,
+    /// Streaming options (an object).
+    pub stream_options: Option<Value>,
     /// Extension: token ids that end generation (besides EOS).
     pub stop_token_ids: Option<Vec<i64>>,
     /// Extension: keep generating past EOS.
     pub ignore_eos: Option<bool>,
     /// Log-probabilities are not supported; only `null`/`false`/`0` is accepted.
     pub logprobs: Option<Value>,
+    /// Fields this server cannot honour yet: refused when set to anything but their
+    /// neutral value, never silently ignored (a client asking for JSON must not get prose).
+    #[serde(flatten)]
+    pub unsupported: UnsupportedParams,
+}
+
+/// Request fields accepted only at their neutral value (see [`GenerationParams`]).
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(default)]
+pub struct UnsupportedParams {
+    /// Structured outputs (`json_object`, `json_schema`); `{"type": "text"}` is neutral.
+    pub response_format: Option<Value>,
+    /// Token id → bias; `{}` is neutral.
+    pub logit_bias: Option<Value>,
+    /// 0 is neutral.
+    pub presence_penalty: Option<Value>,
+    /// 0 is neutral.
+    pub frequency_penalty: Option<Value>,
+    /// Extension; 1 is neutral.
+    pub repetition_penalty: Option<Value>,
+    /// Extension; 0 is neutral.
+    pub min_tokens: Option<Value>,
+    /// Extension; 0 is neutral.
+    pub min_p: Option<Value>,
+    /// `"none"` is neutral.
+    pub tool_choice: Option<Value>,
+    /// 0 is neutral.
+    pub top_logprobs: Option<Value>,
 }
 
 /// `stop`: one string or a list.

@@ -219,11 +219,24 @@ fn check_params(params: &GenerationParams, model: &ModelAssets) -> Result<Common
     }
     let stop_token_ids = token_ids(stop_token_ids, model, "stop_token_ids")?;
     let stream = params.stream.unwrap_or(false);
-    let include_usage = params
-        .stream_options
-        .as_ref()
-        .and_then(|o| o.include_usage)
-        .unwrap_or(false);
+    let include_usage = match &params.stream_options {
+        None | Some(Value::Null) => false,
+        Some(v @ Value::Object(_)) => {
+            serde_json::from_value::<crate::protocol::StreamOptions>(v.clone())
+                .map_err(|e| {
+                    ApiError::invalid(format!("`stream_options`: {e}"), Some("stream_options"))
+                })?
+                .include_usage
+                .unwrap_or(false)
+        }
+        Some(other) => {
+            return Err(ApiError::invalid(
+                format!("`stream_options` must be an object, got {other}"),
+                Some("stream_options"),
+            ))
+        }
+    };
+    check_unsupported(&params.unsupported)?;
     let seed = params
         .seed
         .map_or_else(rand::random::<u64>, |seed| seed as u64);
@@ -241,6 +254,85 @@ fn check_params(params: &GenerationParams, model: &ModelAssets) -> Result<Common
         stream,
         include_usage,
     })
+}
+
+/// Refuses every field set to something this server cannot do yet (it would otherwise be
+/// ignored): a wrong type is named as such, a real request for the feature says it is not
+/// supported.
+fn check_unsupported(u: &crate::protocol::UnsupportedParams) -> Result<(), ApiError> {
+    fn number(v: &Value, field: &'static str, neutral: f64) -> Result<(), ApiError> {
+        match v {
+            Value::Null => Ok(()),
+            Value::Number(n) if n.as_f64() == Some(neutral) => Ok(()),
+            Value::Number(_) => Err(ApiError::invalid(
+                format!("`{field}` is not supported yet (only {neutral} is accepted)"),
+                Some(field),
+            )),
+            other => Err(ApiError::invalid(
+                format!("`{field}` must be a number, got {other}"),
+                Some(field),
+            )),
+        }
+    }
+    for (v, field, neutral) in [
+        (&u.presence_penalty, "presence_penalty", 0.0),
+        (&u.frequency_penalty, "frequency_penalty", 0.0),
+        (&u.repetition_penalty, "repetition_penalty", 1.0),
+        (&u.min_tokens, "min_tokens", 0.0),
+        (&u.min_p, "min_p", 0.0),
+        (&u.top_logprobs, "top_logprobs", 0.0),
+    ] {
+        if let Some(v) = v {
+            number(v, field, neutral)?;
+        }
+    }
+    match &u.response_format {
+        None | Some(Value::Null) => {}
+        Some(Value::Object(o)) if o.get("type").and_then(Value::as_str) == Some("text") => {}
+        Some(Value::Object(o)) => {
+            let kind = o.get("type").and_then(Value::as_str).unwrap_or("");
+            let message = match kind {
+                "json_object" | "json_schema" => {
+                    format!("`response_format` {kind} (structured outputs) is not supported yet")
+                }
+                "" => "`response_format` needs a `type`".to_string(),
+                other => format!(
+                    "`response_format.type` must be text, json_object or json_schema, got {other:?}"
+                ),
+            };
+            return Err(ApiError::invalid(message, Some("response_format")));
+        }
+        Some(other) => {
+            return Err(ApiError::invalid(
+                format!("`response_format` must be an object, got {other}"),
+                Some("response_format"),
+            ))
+        }
+    }
+    match &u.logit_bias {
+        None | Some(Value::Null) => {}
+        Some(Value::Object(o)) if o.is_empty() => {}
+        Some(Value::Object(_)) => {
+            return Err(ApiError::invalid(
+                "`logit_bias` is not supported yet",
+                Some("logit_bias"),
+            ))
+        }
+        Some(other) => {
+            return Err(ApiError::invalid(
+                format!("`logit_bias` must be an object, got {other}"),
+                Some("logit_bias"),
+            ))
+        }
+    }
+    match &u.tool_choice {
+        None | Some(Value::Null) => Ok(()),
+        Some(Value::String(s)) if s == "none" => Ok(()),
+        Some(_) => Err(ApiError::invalid(
+            "`tool_choice` is not supported yet (tools are not)",
+            Some("tool_choice"),
+        )),
+    }
 }
 
 /// Checks lengths, settles `max_tokens`, builds the [`Prepared`] request.
@@ -442,6 +534,63 @@ mod tests {
             let err = completion(body.clone()).expect_err("invalid");
             assert_eq!(err.body().error.param.as_deref(), Some(param), "{body}");
             assert_eq!(err.status().as_u16(), 400);
+        }
+    }
+
+    #[test]
+    fn fields_the_server_cannot_honour_are_refused_not_ignored() {
+        use serde_json::json;
+        let base = json!({"prompt": "hi", "max_tokens": 4});
+        let with = |k: &str, v: serde_json::Value| {
+            let mut b = base.clone();
+            b[k] = v;
+            completion(b)
+        };
+        for (field, value, says) in [
+            (
+                "response_format",
+                json!({"type": "json_object"}),
+                "structured outputs",
+            ),
+            (
+                "response_format",
+                json!({"type": "json_schema", "json_schema": {}}),
+                "not supported",
+            ),
+            ("response_format", json!("bogus"), "must be an object"),
+            (
+                "response_format",
+                json!({"type": "xml"}),
+                "must be text, json_object",
+            ),
+            ("logit_bias", json!({"42": 5}), "not supported"),
+            ("presence_penalty", json!(0.5), "not supported"),
+            ("frequency_penalty", json!("x"), "must be a number"),
+            ("repetition_penalty", json!(1.2), "not supported"),
+            ("min_tokens", json!(3), "not supported"),
+            ("tool_choice", json!("required"), "not supported"),
+            ("stream_options", json!([]), "must be an object"),
+        ] {
+            let err = with(field, value.clone()).expect_err(field);
+            let body = err.body();
+            assert_eq!(body.error.param.as_deref(), Some(field), "{field} {value}");
+            assert!(
+                body.error.message.contains(says),
+                "{field} {value}: {}",
+                body.error.message
+            );
+        }
+        // Neutral values are what SDKs send by default: accepted.
+        for (field, value) in [
+            ("response_format", json!({"type": "text"})),
+            ("logit_bias", json!({})),
+            ("presence_penalty", json!(0)),
+            ("frequency_penalty", json!(0.0)),
+            ("repetition_penalty", json!(1)),
+            ("tool_choice", json!("none")),
+            ("stream_options", json!({"include_usage": true})),
+        ] {
+            assert!(with(field, value.clone()).is_ok(), "{field} {value}");
         }
     }
 
