@@ -71,6 +71,23 @@ pub enum BenchCommand {
     },
     /// KDA projections fused vs unfused, KDA-hybrid decode step, chunked vs recurrent.
     Kda,
+    /// What the router adds to request latency at a fixed arrival rate, against stub
+    /// workers (no model), beside the same exchange made directly over gRPC; and, with
+    /// etcd installed, how fast a registered worker reaches the router's pools.
+    Router {
+        /// Requests per second (open loop).
+        #[arg(long, default_value_t = 1000.0)]
+        rate: f64,
+        /// Seconds per measured phase.
+        #[arg(long, default_value_t = 5.0)]
+        seconds: f64,
+        /// Tokens per request.
+        #[arg(long, default_value_t = 4)]
+        max_tokens: u32,
+        /// Write the figures as JSON here too.
+        #[arg(long)]
+        json: Option<std::path::PathBuf>,
+    },
 }
 
 pub fn run(cmd: BenchCommand) -> Result<()> {
@@ -131,6 +148,12 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
             engine_bench(&model, &workload, dtype, json)
         }
         BenchCommand::Kda => crate::bench_kda::run(),
+        BenchCommand::Router {
+            rate,
+            seconds,
+            max_tokens,
+            json,
+        } => crate::bench_router::run(rate, seconds, max_tokens, json),
     }
 }
 

@@ -3,6 +3,7 @@
 
 mod bench;
 mod bench_kda;
+mod bench_router;
 mod bench_step;
 mod chaos;
 mod cluster;
