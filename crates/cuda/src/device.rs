@@ -180,10 +180,6 @@ pub(crate) struct Inner {
     pdl: bool,
     /// Whether decode attention does the step's RoPE and K/V write itself.
     pub(crate) decode_rope: bool,
-    /// The most of a [`tandem_engine::Ops::prefetch_weights`] hint pulled into L2.
-    pub(crate) l2_prefetch_bytes: usize,
-    /// The pending hint: (address, bytes) for the next product.
-    pub(crate) prefetch: Mutex<Option<(u64, usize)>>,
 }
 
 /// A CUDA device running tandem's kernels. Cheap to clone (clones share the device).
@@ -304,8 +300,6 @@ impl CudaBackend {
                 gemv_blocks_per_sm: crate::env::gemv_blocks_per_sm(),
                 attention_blocks_per_sm: crate::env::attention_blocks_per_sm(),
                 decode_rope: crate::env::decode_rope(),
-                l2_prefetch_bytes: crate::env::l2_prefetch_mib() << 20,
-                prefetch: Mutex::new(None),
                 pdl,
             }),
         })

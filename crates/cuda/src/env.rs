@@ -44,9 +44,3 @@ fn number(name: &str) -> Option<usize> {
 pub(crate) fn decode_rope() -> bool {
     std::env::var("TANDEM_CUDA_DECODE_ROPE").map_or(true, |v| v != "0")
 }
-
-/// `TANDEM_CUDA_L2_PREFETCH_MIB=N` (default 0: off; 16 measured slower on an H200): how much of the weights a prefetch hint names
-/// the GEMV before them pulls into L2 (0: none).
-pub(crate) fn l2_prefetch_mib() -> usize {
-    number("TANDEM_CUDA_L2_PREFETCH_MIB").unwrap_or(0)
-}

@@ -561,8 +561,7 @@ ATTENTION_GROUPS(bf16, __nv_bfloat16, 128)
 // batch is in flight while the other is summed. At most two blocks per SM: warp `gw` takes
 // features gw, gw + all warps, ... . The first batch is loaded before `pdl_start` (weights are
 // never written during a step), so a GEMV is already streaming while the kernel before it
-// finishes (and the plain variant may start pulling a later kernel's weights into L2). Variants:
-// plain (activations from global memory, an optional residual add),
+// finishes. Variants: plain (activations from global memory, an optional residual add),
 // RMSNorm first (each block normalises the R rows into shared memory), and RMSNorm + SiLU gate
 // (P = 2: gate row j and up row `width + j` of a fused gate/up matrix give silu(g) * u).
 
@@ -697,30 +696,14 @@ __device__ __forceinline__ void gemv_stream(const GemvWalk& g, uint4 (&a)[P][U],
     }
 }
 
-// Starts reading `bytes` at `p` into L2 (each warp of the grid an equal slice): the weights of
-// a later kernel, while this one and the kernel before it leave HBM idle.
-__device__ __forceinline__ void prefetch_l2(const char* p, long bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if (bytes <= 0 || (threadIdx.x & 31) != 0) return;
-    long warps = (long)gridDim.x * (blockDim.x >> 5);
-    long w = (long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    long per = ((bytes + warps - 1) / warps + 15) & ~15L;
-    long at = w * per;
-    long n = (bytes - at < per ? bytes - at : per) & ~15L;
-    if (n > 0)
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p + at), "r"((u32)n) : "memory");
-#endif
-}
-
 template <int R>
 __device__ void gemv_bf16_impl(const float* x, int K, const __nv_bfloat16* W, int N, float* out,
-                               int accumulate, const char* prefetch, long prefetch_bytes) {
+                               int accumulate) {
     constexpr int P = 1, U = 8;
     GemvWalk g = gemv_walk<U>(W, K, N);
     int total = gemv_total(g);
     uint4 a[P][U];
     if (total > 0) gemv_load<P, U>(a, g, 0);
-    prefetch_l2(prefetch, prefetch_bytes);
     pdl_start();
     gemv_stream<R, P, U, 0>(g, a, total, x, K, out, accumulate);
 }
@@ -758,9 +741,8 @@ __device__ void gemv_norm_impl(const float* x, const float* norm, float eps, int
 
 #define GEMV(R) \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 2) gemv_bf16_##R( \
-            const float* x, int K, const __nv_bfloat16* W, int N, float* out, int accumulate, \
-            const char* prefetch, long prefetch_bytes) { \
-        gemv_bf16_impl<R>(x, K, W, N, out, accumulate, prefetch, prefetch_bytes); \
+            const float* x, int K, const __nv_bfloat16* W, int N, float* out, int accumulate) { \
+        gemv_bf16_impl<R>(x, K, W, N, out, accumulate); \
     } \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 2) gemv_norm_bf16_##R( \
             const float* x, const float* norm, float eps, int K, const __nv_bfloat16* W, int N, \

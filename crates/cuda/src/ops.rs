@@ -125,9 +125,8 @@ impl CudaBackend {
         check(r, "GEMM");
     }
 
-    /// The GEMV kernel: f32 activations (up to 8 rows), bf16 weights; `prefetch`: weights of a
-    /// later product to start pulling into L2.
-    fn gemv_bf16(&self, p: Product, prefetch: Option<(u64, usize)>) {
+    /// The GEMV kernel: f32 activations (up to 8 rows), bf16 weights.
+    fn gemv_bf16(&self, p: Product) {
         let kn = &self.inner.kernels;
         let f = match p.rows {
             1 => &kn.gemv_bf16_1,
@@ -141,7 +140,6 @@ impl CudaBackend {
         };
         let cfg = self.gemv_cfg(p.n, 0);
         let (k32, n32, acc32) = (p.k as i32, p.n as i32, i32::from(p.accumulate));
-        let (pf, pf_bytes) = prefetch.unwrap_or((0, 0));
         self.launch(
             f,
             cfg,
@@ -152,8 +150,6 @@ impl CudaBackend {
                 A::from(n32),
                 A::from(p.out),
                 A::from(acc32),
-                A::from(pf),
-                A::from(pf_bytes as i64),
             ],
         );
     }
@@ -318,8 +314,6 @@ impl Ops for CudaBackend {
         if rows == 0 {
             return;
         }
-        // A prefetch hint rides on the product right after it, whatever that product is.
-        let prefetch = self.inner.prefetch.lock().take();
         need(x, DType::F32, rows * in_features, "matmul input");
         need(out, DType::F32, rows * out_features, "matmul output");
         assert_eq!(w.len(), out_features * in_features, "matmul weight shape");
@@ -339,7 +333,7 @@ impl Ops for CudaBackend {
         match w.dtype() {
             DType::F32 => self.gemm(p, f32_t, f32_t),
             DType::BF16 if rows <= self.inner.gemv_rows && in_features.is_multiple_of(8) => {
-                self.gemv_bf16(p, prefetch)
+                self.gemv_bf16(p)
             }
             DType::BF16 => {
                 // cuBLAS has no f32 × bf16 product: round the activations to bf16 first.
@@ -522,11 +516,6 @@ impl Ops for CudaBackend {
             );
             self.attention(qkv, layout, cache, layer, meta, out, None);
         }
-    }
-
-    fn prefetch_weights(&self, w: &tandem_engine::backend::Linear<Self>) {
-        let bytes = w.weight.size_bytes().min(self.inner.l2_prefetch_bytes) & !15;
-        *self.inner.prefetch.lock() = (bytes > 0).then(|| (ptr(&w.weight), bytes));
     }
 
     fn silu_mul(&self, gate_up: &T, rows: usize, width: usize, out: &mut T) {

@@ -523,8 +523,6 @@ impl<B: Ops> LlamaModel<B> {
                 &mut ws.qkv,
             );
             b.rope_write_kv_attention(&mut ws.qkv, ql, c.rope_theta, cache, l, meta, &mut ws.attn);
-            // Attention leaves memory bandwidth idle: the MLP's weights may start loading.
-            b.prefetch_weights(&layer.gate_up);
             b.linear(&ws.attn, n, &layer.o_proj, &mut ws.x, residual);
             reduce(&mut ws.x)?;
             b.rms_norm_gate_up(

@@ -223,12 +223,6 @@ pub trait Ops: Backend {
         self.write_kv(qkv, rows, layout, cache, layer, &meta.slot_mapping);
         self.paged_attention(qkv, layout, cache, layer, meta, out);
     }
-    /// A hint that `w` is read soon, by the product after the next one: a backend may start
-    /// fetching (part of) it into a cache while the next product runs. The default does
-    /// nothing.
-    fn prefetch_weights(&self, w: &Linear<Self>) {
-        let _ = w;
-    }
     /// Rotary embedding (rotate-half) applied in place to Q and K of the first `rows` rows
     /// of a fused QKV activation, at `positions`.
     fn rope(
