@@ -55,6 +55,29 @@ echo "ok   helm install --dry-run=client: defaults + ${#VALUES[@]} values files;
 
 "$PY" scripts/helm/validate.py "$CACHE/npm/node_modules" "$OUT"/*.yaml
 
+# The router's own parser on every rendered router config (the binary `make test` builds).
+TANDEM="${TANDEM_BIN:-${CARGO_TARGET_DIR:-target}/debug/tandem}"
+if [ -x "$TANDEM" ]; then
+  n=0
+  for f in "$OUT"/*.yaml; do
+    "$PY" - "$f" "$WORK/router-$(basename "$f")" <<'PYEOF' || { echo "FAIL extracting the router config of $f" >&2; exit 1; }
+import sys, yaml
+for doc in yaml.safe_load_all(open(sys.argv[1])):
+    if doc and doc.get("kind") == "ConfigMap" and "router.yaml" in doc.get("data", {}):
+        open(sys.argv[2], "w").write(doc["data"]["router.yaml"])
+        break
+else:
+    sys.exit("no router ConfigMap")
+PYEOF
+    "$TANDEM" router --config "$WORK/router-$(basename "$f")" --check > "$WORK/router-check.log" 2>&1 \
+      || { echo "FAIL tandem router --check on the config rendered from $f:" >&2; cat "$WORK/router-check.log" >&2; exit 1; }
+    n=$((n + 1))
+  done
+  echo "ok   tandem router --check: $n rendered router configs"
+else
+  echo "skip tandem router --check: no $TANDEM (cargo build --bin tandem)"
+fi
+
 if ! HELM="$HELM" "$PY" -m unittest -v scripts/helm/test_chart.py > "$WORK/tests.log" 2>&1; then
   cat "$WORK/tests.log" >&2
   echo "FAIL scripts/helm/test_chart.py" >&2

@@ -342,6 +342,9 @@ struct RouterArgs {
     /// a trace for `tandem chaos replay`.
     #[arg(long)]
     record_trace: Option<PathBuf>,
+    /// Only check the config file (every problem is reported) and exit.
+    #[arg(long)]
+    check: bool,
 }
 
 #[derive(clap::Args, Debug)]
@@ -588,6 +591,23 @@ async fn worker(args: WorkerArgs) -> Result<()> {
 }
 
 async fn router(args: RouterArgs) -> Result<()> {
+    if args.check {
+        let c = tandem_router::config::RouterConfig::load(&args.config)
+            .with_context(|| format!("{}", args.config.display()))?;
+        let discovery = c
+            .discovery
+            .as_ref()
+            .map_or("none".to_string(), |d| format!("etcd {}", d.etcd.endpoints.join(",")));
+        println!(
+            "{}: valid ({} prefill, {} decode, {} aggregated static workers; discovery {discovery}; policy {:?})",
+            args.config.display(),
+            c.prefill.len(),
+            c.decode.len(),
+            c.aggregated.len(),
+            c.policy
+        );
+        return Ok(());
+    }
     let model_dir = match &args.model {
         Some(m) => Some(models::resolve(m)?),
         None => None,
