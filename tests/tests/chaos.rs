@@ -15,11 +15,15 @@ fn tandem(args: &[&str]) -> std::process::Output {
 /// Requests and concurrency of a replay: the CI sizes, or `TANDEM_CHAOS_SCALE=full` (what
 /// `make chaos` sets) for the large runs.
 fn sizes(ci: (usize, usize), full: (usize, usize)) -> (usize, usize) {
-    if std::env::var("TANDEM_CHAOS_SCALE").as_deref() == Ok("full") {
+    if full_scale() {
         full
     } else {
         ci
     }
+}
+
+fn full_scale() -> bool {
+    std::env::var("TANDEM_CHAOS_SCALE").as_deref() == Ok("full")
 }
 
 /// Where a replay's proxy scenario applies.
@@ -51,7 +55,19 @@ fn replay_case(
     let cluster = Cluster::start(ClusterOptions {
         proxies: true,
         prefill_args,
-        decode_args: vec!["--kv-lease".into(), "3s".into()],
+        // A lost push is noticed when the decode side's KV lease ends: short, but (at full
+        // scale) longer than a prompt may queue on the prefill worker.
+        decode_args: vec![
+            "--kv-lease".into(),
+            if full_scale() { "20s" } else { "3s" }.into(),
+        ],
+        // At full scale the router keeps what exceeds the workers' share queued (128 clients
+        // against two CPU workers) instead of piling it onto them.
+        router_config: if full_scale() {
+            "admission: {max_in_flight_per_worker: 24, queue_timeout: 600s}\n".into()
+        } else {
+            String::new()
+        },
         // Room for every request of a full-scale run in flight at once.
         kv_blocks: 1024,
         ..ClusterOptions::default()
