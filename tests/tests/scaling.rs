@@ -393,6 +393,17 @@ fn concurrent_streams_survive_a_kill_9_of_their_decode_worker_with_the_same_text
     );
 }
 
+/// The router's `/admin/requests`.
+async fn in_flight(c: &reqwest::Client, url: &str) -> Value {
+    c.get(format!("{url}/admin/requests"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
 #[test]
 fn the_in_flight_table_shows_a_stream_while_it_runs_and_forgets_it_after() {
     let cluster = Cluster::start(ClusterOptions::default());
@@ -413,14 +424,7 @@ fn the_in_flight_table_shows_a_stream_while_it_runs_and_forgets_it_after() {
             ));
         }
         // Hundreds of tokens still to come: the request is in the table, decoding.
-        let table: Value = c
-            .get(format!("{url}/admin/requests"))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let table = in_flight(&c, &url).await;
         assert_eq!(table["count"], 1, "{table}");
         let r = &table["requests"][0];
         assert_eq!(r["phase"], "decoding", "{table}");
@@ -434,14 +438,7 @@ fn the_in_flight_table_shows_a_stream_while_it_runs_and_forgets_it_after() {
         drop(body);
         let workers = tandem_e2e::workers_when_idle(&c, &url).await;
         assert!(tandem_e2e::pools_full(&workers, None), "{workers}");
-        let table: Value = c
-            .get(format!("{url}/admin/requests"))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let table = in_flight(&c, &url).await;
         assert_eq!(table["count"], 0, "{table}");
     });
 }
