@@ -95,4 +95,4 @@ clean:
 chaos: deps
 	$(CARGO) build --bin tandem
 	$(TARGET_DIR)/debug/tandem model pull smollm2-135m-instruct
-	TANDEM_CHAOS_SCALE=full $(CARGO) nextest run -p tandem-e2e --test chaos --no-capture --test-threads 1
+	TANDEM_CHAOS_SCALE=full $(CARGO) nextest run -p tandem-e2e --test chaos --no-capture --test-threads 1 --no-fail-fast

@@ -45,6 +45,32 @@ pub struct RawConfig {
     /// Limits on what the router sends to each worker; none when absent.
     #[serde(default)]
     pub admission: AdmissionConfig,
+    /// Retries of a request that failed before its first token.
+    #[serde(default)]
+    pub retry: RetryConfig,
+}
+
+/// How a request that failed before its first token (on a retryable class: unavailable,
+/// full, transfer failed) is tried again, each time on another pair. With a per-attempt
+/// failure probability `p`, `p^attempts` of requests are lost: size `attempts` for the
+/// fault rate the deployment must absorb.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RetryConfig {
+    /// Attempts in all (1: no retry).
+    pub attempts: u32,
+    /// Backoff before the second attempt; doubles each time, with jitter.
+    #[serde(with = "humantime_serde")]
+    pub backoff: Duration,
+}
+
+impl Default for RetryConfig {
+    fn default() -> Self {
+        Self {
+            attempts: 3,
+            backoff: Duration::from_millis(50),
+        }
+    }
 }
 
 /// When a pool counts as full, and what happens to requests then.
@@ -187,6 +213,8 @@ pub struct RouterConfig {
     pub discovery: Option<DiscoveryConfig>,
     /// Per-worker limits.
     pub admission: AdmissionConfig,
+    /// Retries before the first token.
+    pub retry: RetryConfig,
 }
 
 /// A worker the router may send requests to.
@@ -298,6 +326,12 @@ impl RawConfig {
                 problems.push(format!("timeouts.{name} must be greater than zero"));
             }
         }
+        if !(1..=20).contains(&self.retry.attempts) {
+            problems.push(format!(
+                "retry.attempts must be 1..=20, got {}",
+                self.retry.attempts
+            ));
+        }
         match listen {
             Some(listen) if problems.is_empty() => Ok(RouterConfig {
                 listen,
@@ -309,6 +343,7 @@ impl RawConfig {
                 timeouts: self.timeouts,
                 discovery: self.discovery,
                 admission: self.admission,
+                retry: self.retry,
             }),
             _ => Err(Error::InvalidConfig(problems.join("; "))),
         }
@@ -507,6 +542,18 @@ timeouts: {connect: 0s}
         );
         let message = invalid(&format!("{base}discovery: {{etcd: {{endpoints: []}}}}\n"));
         assert!(message.contains("at least one URL"), "{message}");
+    }
+
+    #[test]
+    fn the_retry_budget_defaults_to_three_and_is_bounded() {
+        let c = RouterConfig::from_yaml(GOOD).expect("valid");
+        assert_eq!(c.retry, RetryConfig::default());
+        assert_eq!(c.retry.attempts, 3);
+        let c = RouterConfig::from_yaml(&format!("{GOOD}retry: {{attempts: 8, backoff: 10ms}}\n"))
+            .expect("valid");
+        assert_eq!((c.retry.attempts, c.retry.backoff), (8, Duration::from_millis(10)));
+        let message = invalid(&format!("{GOOD}retry: {{attempts: 0}}\n"));
+        assert!(message.contains("retry.attempts must be 1..=20, got 0"), "{message}");
     }
 
     #[test]

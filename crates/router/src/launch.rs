@@ -130,10 +130,18 @@ pub async fn run_from_config(
         .map(handle)
         .collect::<Result<Vec<_>, _>>()?;
     let pd = Arc::new(
-        PdGenerator::with_aggregated(prefill, decode, aggregated, RetryPolicy::default())
-            .with_timeouts(config.timeouts)
-            .with_policy(config.policy.policy())
-            .with_admission(config.admission),
+        PdGenerator::with_aggregated(
+            prefill,
+            decode,
+            aggregated,
+            RetryPolicy {
+                attempts: config.retry.attempts,
+                backoff: config.retry.backoff,
+            },
+        )
+        .with_timeouts(config.timeouts)
+        .with_policy(config.policy.policy())
+        .with_admission(config.admission),
     );
     if let Some(d) = &config.discovery {
         let etcd = tandem_discovery::EtcdConfig {

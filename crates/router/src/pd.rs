@@ -755,7 +755,11 @@ impl PdGenerator {
                     }
                     last = e;
                     cursor.route = (cursor.route + 1) % routes;
-                    tokio::time::sleep(self.retry.backoff * 2u32.pow(attempt)).await;
+                    // Exponential, with jitter (50–150%) so retries of many requests that
+                    // failed together do not arrive together.
+                    let base = self.retry.backoff * 2u32.pow(attempt.min(16));
+                    let jitter = 0.5 + rand::random::<f64>();
+                    tokio::time::sleep(base.mul_f64(jitter)).await;
                 }
             }
         }
