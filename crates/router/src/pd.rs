@@ -530,6 +530,10 @@ impl PdGenerator {
         for w in old.all() {
             if !pools.all().any(|n| n.id == w.id && n.address == w.address) {
                 tracing::info!(worker = %w.id, address = %w.address, "worker removed");
+                self.prefixes
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .forget(&w.id.0);
             }
         }
         let pools = Arc::new(pools);
