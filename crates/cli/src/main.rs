@@ -594,10 +594,9 @@ async fn router(args: RouterArgs) -> Result<()> {
     if args.check {
         let c = tandem_router::config::RouterConfig::load(&args.config)
             .with_context(|| format!("{}", args.config.display()))?;
-        let discovery = c
-            .discovery
-            .as_ref()
-            .map_or("none".to_string(), |d| format!("etcd {}", d.etcd.endpoints.join(",")));
+        let discovery = c.discovery.as_ref().map_or("none".to_string(), |d| {
+            format!("etcd {}", d.etcd.endpoints.join(","))
+        });
         println!(
             "{}: valid ({} prefill, {} decode, {} aggregated static workers; discovery {discovery}; policy {:?})",
             args.config.display(),

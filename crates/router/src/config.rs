@@ -551,9 +551,15 @@ timeouts: {connect: 0s}
         assert_eq!(c.retry.attempts, 3);
         let c = RouterConfig::from_yaml(&format!("{GOOD}retry: {{attempts: 8, backoff: 10ms}}\n"))
             .expect("valid");
-        assert_eq!((c.retry.attempts, c.retry.backoff), (8, Duration::from_millis(10)));
+        assert_eq!(
+            (c.retry.attempts, c.retry.backoff),
+            (8, Duration::from_millis(10))
+        );
         let message = invalid(&format!("{GOOD}retry: {{attempts: 0}}\n"));
-        assert!(message.contains("retry.attempts must be 1..=20, got 0"), "{message}");
+        assert!(
+            message.contains("retry.attempts must be 1..=20, got 0"),
+            "{message}"
+        );
     }
 
     #[test]
