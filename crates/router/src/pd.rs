@@ -848,10 +848,17 @@ fn resuming(
                         Ok(t) => t,
                         Err(e) => return Some((Err(e), None)),
                     };
+                    let mut broke = None;
                     for (i, &want) in s.sent.iter().enumerate() {
                         match next.next().await {
                             Some(Ok(tok)) if tok.token_id == want => {}
-                            Some(Err(e)) => return Some((Err(e), None)),
+                            // The replay broke too before catching up (one reset breaks every
+                            // stream on a connection, replays included): move again, within
+                            // the limit, through the loop above.
+                            Some(Err(e)) => {
+                                broke = Some(e);
+                                break;
+                            }
                             _ => {
                                 return Some((
                                     Err(GenerateError::new(
@@ -867,7 +874,10 @@ fn resuming(
                             }
                         }
                     }
-                    s.tokens = next;
+                    s.tokens = match broke {
+                        Some(e) => futures::stream::once(async move { Err(e) }).boxed(),
+                        None => next,
+                    };
                 }
                 Some(Err(e)) => return Some((Err(e), None)),
             }
