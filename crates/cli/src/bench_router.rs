@@ -306,41 +306,13 @@ pub fn run(
 /// Starts a throwaway etcd (when installed), registers a worker, and times until the router's
 /// generator lists it.
 async fn scale_up_delay(pd: &Arc<tandem_router::pd::PdGenerator>) -> Option<f64> {
-    let dir = tempfile::tempdir().ok()?;
-    let port = |()| {
-        std::net::TcpListener::bind("127.0.0.1:0")
-            .ok()?
-            .local_addr()
-            .ok()
-            .map(|a| a.port())
-    };
-    let (c, p) = (port(())?, port(())?);
-    let client = format!("http://127.0.0.1:{c}");
-    let peer = format!("http://127.0.0.1:{p}");
-    let mut etcd = tokio::process::Command::new("etcd")
-        .args(["--name", "b", "--data-dir"])
-        .arg(dir.path())
-        .args([
-            "--listen-client-urls",
-            &client,
-            "--advertise-client-urls",
-            &client,
-        ])
-        .args([
-            "--listen-peer-urls",
-            &peer,
-            "--initial-advertise-peer-urls",
-            &peer,
-        ])
-        .args(["--initial-cluster", &format!("b={peer}")])
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
+    let etcd = tokio::task::spawn_blocking(tandem_discovery::local::LocalEtcd::try_start)
+        .await
+        .ok()?
         .ok()?;
+    let client = etcd.url();
     let config =
         tandem_discovery::EtcdConfig::from_url(&client, "/bench", Duration::from_secs(10)).ok()?;
-    // etcd needs a moment to serve: retry the first registration.
     let record = tandem_discovery::WorkerRecord {
         id: "late".into(),
         role: tandem_discovery::WorkerRole::Decode,
@@ -366,6 +338,6 @@ async fn scale_up_delay(pd: &Arc<tandem_router::pd::PdGenerator>) -> Option<f64>
     })
     .await;
     let ms = started.elapsed().as_secs_f64() * 1e3;
-    let _ = etcd.kill().await;
+    drop(etcd);
     seen.ok().map(|_| ms)
 }

@@ -12,6 +12,8 @@
 //! work until it has registered again.
 
 mod etcd;
+/// A throwaway single-node etcd for tests and benchmarks.
+pub mod local;
 
 pub use etcd::{EtcdConfig, EtcdDiscovery, Registration};
 

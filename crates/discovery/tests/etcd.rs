@@ -3,11 +3,11 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::time::Duration;
+use tandem_discovery::local::LocalEtcd as Etcd;
 use tandem_discovery::{
     Discovery, EtcdConfig, EtcdDiscovery, Registration, WorkerRecord, WorkerRole, WorkerSet,
     WorkerState,
 };
-use tandem_testkit::Etcd;
 use tokio::sync::watch;
 
 fn config(etcd: &Etcd, ttl: u64) -> EtcdConfig {

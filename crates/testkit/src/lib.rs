@@ -75,5 +75,5 @@ pub fn noise(seed: u64, len: usize) -> Vec<f32> {
         .collect()
 }
 
-mod etcd;
-pub use etcd::Etcd;
+/// A real etcd on loopback for tests.
+pub use tandem_discovery::local::LocalEtcd as Etcd;

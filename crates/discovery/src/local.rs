@@ -1,5 +1,6 @@
-//! A real etcd server on loopback for tests (Debian's `etcd-server`; `.ci/run` installs it):
-//! its own data folder and ports, ready once it logs that it serves clients, killed on drop.
+//! A single-node etcd on loopback, started as a child process (Debian's `etcd-server`; `.ci/run`
+//! installs it): its own data folder and ports, ready once it logs that it serves clients,
+//! killed on drop. For tests (`tandem_testkit::Etcd`) and benchmarks, not for deployments.
 
 use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
@@ -9,32 +10,36 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 /// A running etcd.
-pub struct Etcd {
+#[derive(Debug)]
+pub struct LocalEtcd {
     child: Option<Child>,
     client_port: u16,
     peer_port: u16,
     dir: tempfile::TempDir,
 }
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+fn free_port() -> std::io::Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
-impl Etcd {
-    /// Starts one and waits (up to 30 s) until it serves clients.
+impl LocalEtcd {
+    /// Starts one and waits (up to 30 s) until it serves clients; panics with the reason
+    /// when it cannot (tests).
     pub fn start() -> Self {
+        Self::try_start().unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// Starts one and waits (up to 30 s) until it serves clients.
+    pub fn try_start() -> Result<Self, String> {
+        let io = |e: std::io::Error| format!("starting etcd: {e}");
         let mut etcd = Self {
             child: None,
-            client_port: free_port(),
-            peer_port: free_port(),
-            dir: tempfile::tempdir().unwrap(),
+            client_port: free_port().map_err(io)?,
+            peer_port: free_port().map_err(io)?,
+            dir: tempfile::tempdir().map_err(io)?,
         };
-        etcd.spawn();
-        etcd
+        etcd.spawn()?;
+        Ok(etcd)
     }
 
     /// Its client URL, `http://127.0.0.1:PORT`.
@@ -55,13 +60,13 @@ impl Etcd {
         }
     }
 
-    /// Kills it and starts it again on the same data and ports.
+    /// Kills it and starts it again on the same data and ports; panics when it cannot.
     pub fn restart(&mut self) {
         self.kill();
-        self.spawn();
+        self.spawn().unwrap_or_else(|e| panic!("{e}"));
     }
 
-    fn spawn(&mut self) {
+    fn spawn(&mut self) -> Result<(), String> {
         let client = self.url();
         let peer = format!("http://127.0.0.1:{}", self.peer_port);
         let mut child = Command::new("etcd")
@@ -83,10 +88,10 @@ impl Etcd {
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()
-            .unwrap_or_else(|e| {
-                panic!("starting etcd ({e}): install it with `apt-get install etcd-server`")
-            });
-        let stderr = child.stderr.take().unwrap();
+            .map_err(|e| {
+                format!("starting etcd ({e}): install it with `apt-get install etcd-server`")
+            })?;
+        let stderr = child.stderr.take().ok_or("etcd's stderr is not piped")?;
         let (tx, ready) = mpsc::channel();
         // Drains etcd's log for its whole life (a full pipe would stall it).
         std::thread::spawn(move || {
@@ -99,15 +104,16 @@ impl Etcd {
                 }
             }
         });
-        assert!(
-            ready.recv_timeout(Duration::from_secs(30)).is_ok(),
-            "etcd did not become ready on {client}"
-        );
+        if ready.recv_timeout(Duration::from_secs(30)).is_err() {
+            let _ = child.kill();
+            return Err(format!("etcd did not become ready on {client}"));
+        }
         self.child = Some(child);
+        Ok(())
     }
 }
 
-impl Drop for Etcd {
+impl Drop for LocalEtcd {
     fn drop(&mut self) {
         self.kill();
     }
