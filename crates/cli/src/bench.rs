@@ -71,7 +71,7 @@ pub enum BenchCommand {
     },
     /// KDA projections fused vs unfused, KDA-hybrid decode step, chunked vs recurrent.
     Kda,
-    /// What the router adds to request latency at a fixed arrival rate, against stub
+    /// What the router adds to request latency at a fixed arrival rate, against null
     /// workers (no model), beside the same exchange made directly over gRPC; and, with
     /// etcd installed, how fast a registered worker reaches the router's pools.
     Router {

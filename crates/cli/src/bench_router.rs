@@ -1,6 +1,6 @@
 //! `tandem bench router`: what the router adds to a request's latency, at a fixed arrival
-//! rate, against stub workers that answer at once (no model): a prefill stub returning a
-//! first token, a decode stub streaming the rest without delay. The baseline, measured in
+//! rate, against in-process null workers that answer at once (no model): a prefill worker
+//! returning a first token, a decode worker streaming the rest without delay. The baseline, measured in
 //! the same run, is the same P/D exchange made directly over gRPC (Decode, Prefill, read the
 //! stream) with no router; the difference of the two latencies is the router's share (HTTP,
 //! validation, tokenization, routing, detokenization, SSE/JSON). With etcd installed it also
@@ -17,12 +17,12 @@ use tonic::{Request, Response, Status};
 /// A worker that computes nothing: `Decode` names a target and streams `max_tokens - 1`
 /// tokens at once, `Prefill` returns token 42.
 #[derive(Clone, Default)]
-struct StubWorker {
+struct NullWorker {
     reservations: Arc<AtomicU64>,
 }
 
 #[tonic::async_trait]
-impl pb::worker_server::Worker for StubWorker {
+impl pb::worker_server::Worker for NullWorker {
     type DecodeStream = ReceiverStream<Result<pb::DecodeEvent, Status>>;
     type GenerateStream = ReceiverStream<Result<pb::TokenEvent, Status>>;
 
@@ -92,7 +92,9 @@ impl pb::worker_server::Worker for StubWorker {
         &self,
         _: Request<pb::GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
-        Err(Status::unimplemented("the stub serves P/D only"))
+        Err(Status::invalid_argument(
+            "the benchmark worker serves P/D (Decode, Prefill) only",
+        ))
     }
 
     async fn stats(
@@ -100,7 +102,7 @@ impl pb::worker_server::Worker for StubWorker {
         _: Request<pb::StatsRequest>,
     ) -> Result<Response<pb::StatsResponse>, Status> {
         Ok(Response::new(pb::StatsResponse {
-            role: "stub".into(),
+            role: "null".into(),
             kv_blocks_total: 1 << 20,
             kv_blocks_free: 1 << 20,
             ..pb::StatsResponse::default()
@@ -111,23 +113,27 @@ impl pb::worker_server::Worker for StubWorker {
         &self,
         _: Request<pb::RefreshWeightsRequest>,
     ) -> Result<Response<pb::RefreshWeightsResponse>, Status> {
-        Err(Status::unimplemented("the stub has no weights"))
+        Err(Status::invalid_argument(
+            "the benchmark worker has no weights to refresh",
+        ))
     }
 
     async fn drain(
         &self,
         _: Request<pb::DrainRequest>,
     ) -> Result<Response<pb::DrainResponse>, Status> {
-        Err(Status::unimplemented("the stub does not drain"))
+        Err(Status::invalid_argument(
+            "the benchmark worker does not drain",
+        ))
     }
 }
 
-async fn serve_stub() -> Result<String> {
+async fn serve_null_worker() -> Result<String> {
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = format!("http://{}", l.local_addr()?);
     tokio::spawn(
         tonic::transport::Server::builder()
-            .add_service(pb::worker_server::WorkerServer::new(StubWorker::default()))
+            .add_service(pb::worker_server::WorkerServer::new(NullWorker::default()))
             .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(l)),
     );
     Ok(addr)
@@ -159,7 +165,7 @@ async fn direct(
         Some(pb::DecodeEvent {
             event: Some(pb::decode_event::Event::KvTarget(t)),
         }) => t,
-        other => anyhow::bail!("stub answered {other:?}"),
+        other => anyhow::bail!("the benchmark worker answered {other:?}"),
     };
     prefill
         .prefill(pb::PrefillRequest {
@@ -221,7 +227,7 @@ pub fn run(
         .build()?;
     runtime.block_on(async move {
         let dir = crate::models::resolve(crate::models::DEFAULT_MODEL)?;
-        let (p_addr, d_addr) = (serve_stub().await?, serve_stub().await?);
+        let (p_addr, d_addr) = (serve_null_worker().await?, serve_null_worker().await?);
         let handle = |id: &str, a: &str| {
             tandem_router::pd::WorkerHandle::new(tandem_core::WorkerId(id.into()), a)
                 .map_err(|e| anyhow::anyhow!(e.message))
@@ -257,7 +263,7 @@ pub fn run(
             direct(&mut pc, &mut dc, &prompt, max_tokens).await?;
             client.post(format!("{url}/v1/completions")).json(&body).send().await?.error_for_status()?;
         }
-        println!("router benchmark: {total} requests at {rate:.0}/s, {max_tokens} tokens each, stub workers (no model)");
+        println!("router benchmark: {total} requests at {rate:.0}/s, {max_tokens} tokens each, null workers (no model)");
         let mut rows = Vec::new();
         // A/B/A/B: direct gRPC (the baseline) and through the router, alternated.
         for round in 0..2 {

@@ -27,6 +27,8 @@ mod env;
 /// Decode steps captured as CUDA graphs and replayed.
 pub mod graph;
 mod ops;
+/// Tensor-core attention for prompt-shaped steps.
+mod prefill;
 
 pub use device::{kernel_names, CudaBackend, CudaStorage};
 

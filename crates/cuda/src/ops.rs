@@ -8,7 +8,7 @@ use tandem_core::{BlockId, SamplingParams};
 use tandem_engine::backend::QkvLayout;
 use tandem_engine::{DType, HostTensor, KvCache, Ops, StepMeta, Tensor};
 
-type T = Tensor<CudaBackend>;
+pub(crate) type T = Tensor<CudaBackend>;
 
 /// Keys per run of a context bucket (an attention split covers a power-of-two number of runs).
 const SPLIT_KEYS: usize = 64;
@@ -40,12 +40,6 @@ pub(crate) fn attention_splits(
     context_bucket(max_context).min(cap)
 }
 
-/// Whether a step's tokens are mostly prompt rows (at least a tile of them, 8 per sequence
-/// on average): such steps take the tensor-core prefill attention over a bf16 cache.
-fn prefill_shaped(tokens: usize, seqs: usize) -> bool {
-    tokens >= crate::device::PREFILL_TILE && tokens >= 8 * seqs
-}
-
 fn rows_cfg(rows: usize, threads: u32) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (rows as u32, 1, 1),
@@ -54,7 +48,7 @@ fn rows_cfg(rows: usize, threads: u32) -> LaunchConfig {
     }
 }
 
-fn ptr(t: &T) -> u64 {
+pub(crate) fn ptr(t: &T) -> u64 {
     t.storage().ptr()
 }
 
@@ -700,7 +694,10 @@ impl CudaBackend {
             rows * layout.num_heads * layout.head_dim,
             "attention output",
         );
-        if dtype == DType::BF16 && prefill_shaped(rows, meta.num_seqs) && decode_rope.is_none() {
+        if dtype == DType::BF16
+            && crate::prefill::prefill_shaped(rows, meta.num_seqs)
+            && decode_rope.is_none()
+        {
             return self.prefill_attention(qkv, layout, cache, layer, meta, out);
         }
         // Few (token, kv head) blocks over long contexts leave the GPU idle: split each
@@ -826,61 +823,6 @@ impl CudaBackend {
                 A::from(ptr(slot_mapping)),
                 A::from(ptr(&cache.k[layer])),
                 A::from(ptr(&cache.v[layer])),
-            ],
-        );
-    }
-
-    /// Paged attention of a prompt-shaped step over a bf16 cache on tensor cores: one block
-    /// per (tile of `PREFILL_TILE` queries of one sequence, query head).
-    fn prefill_attention(
-        &self,
-        qkv: &T,
-        layout: QkvLayout,
-        cache: &KvCache<Self>,
-        layer: usize,
-        meta: &StepMeta<Self>,
-        out: &mut T,
-    ) {
-        let k = &self.inner.kernels;
-        let f = match layout.head_dim {
-            64 => &k.prefill_attention_bf16_d64,
-            128 => &k.prefill_attention_bf16_d128,
-            d => panic!("CUDA prefill attention is built for head_dim 64 and 128, not {d}"),
-        };
-        // Σ ceil(len / tile) over the sequences is at most tokens / tile + sequences; blocks
-        // past the last tile return at once.
-        let tiles = meta.num_tokens.div_ceil(crate::device::PREFILL_TILE) + meta.num_seqs;
-        let cfg = LaunchConfig {
-            grid_dim: (tiles as u32, layout.num_heads as u32, 1),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let (w, nh, nkv, bs, ns, ts) = (
-            layout.row_width() as i32,
-            layout.num_heads as i32,
-            layout.num_kv_heads as i32,
-            cache.layout().block_size as i32,
-            meta.num_seqs as i32,
-            meta.table_stride() as i32,
-        );
-        let scale = 1.0 / (layout.head_dim as f32).sqrt();
-        self.launch(
-            f,
-            cfg,
-            &[
-                A::from(ptr(qkv)),
-                A::from(w),
-                A::from(nh),
-                A::from(nkv),
-                A::from(ptr(&cache.k[layer])),
-                A::from(ptr(&cache.v[layer])),
-                A::from(bs),
-                A::from(ptr(&meta.seq_info)),
-                A::from(ns),
-                A::from(ptr(&meta.block_tables)),
-                A::from(ts),
-                A::from(scale),
-                A::from(ptr(out)),
             ],
         );
     }

@@ -33,6 +33,8 @@ pub mod generator;
 pub mod inflight;
 /// Process wiring: config → workers → app; `/ready` and `/admin/workers`.
 pub mod launch;
+/// One attempt of a request on its workers.
+mod legs;
 /// Prometheus metrics in a router-owned registry; per-request recording.
 pub mod metrics;
 /// Tokenizer, chat template, context length and EOS ids loaded from a model directory.
@@ -57,6 +59,8 @@ mod text_stream;
 pub mod trace;
 /// Parsed requests → checked, tokenized requests.
 pub mod validation;
+/// Worker handles and pools.
+pub mod workers;
 
 pub use config::{RawConfig, RouterConfig, WorkerAddress, WorkerEndpoint};
 pub use error::{ApiError, Error, Result};

@@ -1,0 +1,201 @@
+//! One attempt of a request on its workers: a P/D pair (reserve on the decode worker,
+//! prefill with its KV target, stream the rest) or an aggregated worker. Each resolves with
+//! the first token, so a failure before it can still be retried elsewhere.
+
+use crate::generator::{GenerateError, GeneratedToken, TokenStream, ValidGenerateRequest};
+use crate::workers::{classify_status, WorkerHandle};
+use futures::StreamExt;
+use tandem_core::{ErrorClass, FinishReason};
+use tandem_proto::v1 as pb;
+
+pub(crate) fn finish_from_pb(v: i32) -> Option<FinishReason> {
+    match pb::FinishReason::try_from(v) {
+        Ok(pb::FinishReason::Stop) => Some(FinishReason::Stop),
+        Ok(pb::FinishReason::Length) => Some(FinishReason::Length),
+        _ => None,
+    }
+}
+
+pub(crate) fn to_pb(req: &ValidGenerateRequest) -> pb::GenerateRequest {
+    let s = &req.sampling;
+    pb::GenerateRequest {
+        request_id: req.id.0.clone(),
+        prompt_token_ids: req.prompt_token_ids.clone(),
+        sampling: Some(pb::SamplingParams {
+            temperature: s.temperature,
+            top_k: s.top_k,
+            top_p: s.top_p,
+            seed: s.seed,
+            max_tokens: s.max_tokens,
+            stop_token_ids: s.stop_token_ids.clone(),
+            ignore_eos: s.ignore_eos,
+        }),
+    }
+}
+
+/// A whole request on one aggregated worker: resolves with its first token (so a failure
+/// before it can still be retried elsewhere), then streams the rest.
+pub(crate) async fn try_aggregated(
+    w: &WorkerHandle,
+    req: &ValidGenerateRequest,
+    tracker: &crate::inflight::Tracker,
+) -> Result<TokenStream, GenerateError> {
+    let claim = w.claim();
+    tracker.phase(crate::inflight::Phase::Prefilling);
+    let mut events = w
+        .client
+        .clone()
+        .generate(to_pb(req))
+        .await
+        .map_err(classify_status)?
+        .into_inner();
+    let token = |t: pb::TokenEvent| GeneratedToken {
+        token_id: t.token_id,
+        finish_reason: finish_from_pb(t.finish_reason),
+    };
+    let id = w.id.clone();
+    let ended = move || {
+        GenerateError::new(
+            ErrorClass::Unavailable,
+            format!("worker {id} ended the stream before finishing"),
+        )
+    };
+    let first = match events.message().await.map_err(classify_status)? {
+        Some(t) => token(t),
+        None => return Err(ended()),
+    };
+    tracker.phase(crate::inflight::Phase::Decoding);
+    let head = futures::stream::once(async move { Ok(first) });
+    if first.finish_reason.is_some() {
+        return Ok(head.boxed());
+    }
+    // The load claim rides along with the stream.
+    let rest = futures::stream::unfold(Some((events, claim)), move |state| {
+        let ended = ended.clone();
+        async move {
+            let (mut events, claim) = state?;
+            match events.message().await {
+                Ok(Some(t)) => {
+                    let tok = token(t);
+                    let more = tok.finish_reason.is_none();
+                    Some((Ok(tok), more.then_some((events, claim))))
+                }
+                Ok(None) => Some((Err(ended()), None)),
+                Err(s) => Some((Err(classify_status(s)), None)),
+            }
+        }
+    });
+    Ok(head.chain(rest).boxed())
+}
+
+/// Which side of a pair an attempt failed on.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Leg {
+    Prefill,
+    Decode,
+    Both,
+}
+
+pub(crate) async fn try_pair(
+    p: &WorkerHandle,
+    d: &WorkerHandle,
+    req: &ValidGenerateRequest,
+    tracker: &crate::inflight::Tracker,
+) -> Result<TokenStream, (Leg, GenerateError)> {
+    let on_decode = |e: GenerateError| (Leg::Decode, e);
+    let request = to_pb(req);
+    let (dp_rank, dp_slot) = d.pick_dp_rank().await.map_err(on_decode)?;
+    // Claims on both workers' load: the prefill's for its call, the decode's with the stream.
+    let dp_slot = (dp_slot, d.claim());
+    let prefill_claim = p.claim();
+    let mut decode = d
+        .client
+        .clone()
+        .decode(pb::DecodeRequest {
+            request: Some(request.clone()),
+            dp_rank,
+        })
+        .await
+        .map_err(|s| on_decode(classify_status(s)))?
+        .into_inner();
+    let target = match decode
+        .message()
+        .await
+        .map_err(|s| on_decode(classify_status(s)))?
+    {
+        Some(pb::DecodeEvent {
+            event: Some(pb::decode_event::Event::KvTarget(t)),
+        }) => t,
+        other => {
+            return Err(on_decode(GenerateError::new(
+                ErrorClass::Internal,
+                format!(
+                    "decode worker {} answered {other:?} instead of a KV target",
+                    d.id
+                ),
+            )))
+        }
+    };
+    tracker.phase(crate::inflight::Phase::Prefilling);
+    let first = p
+        .client
+        .clone()
+        .prefill(pb::PrefillRequest {
+            request: Some(request),
+            kv_target: Some(target),
+        })
+        .await
+        .map_err(|s| {
+            let e = classify_status(s);
+            // A failed transfer may be either side's fault: move both.
+            let leg = if e.class == ErrorClass::TransferFailed {
+                Leg::Both
+            } else {
+                Leg::Prefill
+            };
+            (leg, e)
+        })?
+        .into_inner();
+    drop(prefill_claim);
+    tracker.phase(crate::inflight::Phase::Decoding);
+    let first = GeneratedToken {
+        token_id: first.first_token_id,
+        finish_reason: finish_from_pb(first.finish_reason),
+    };
+    let head = futures::stream::once(async move { Ok(first) });
+    if first.finish_reason.is_some() {
+        // Dropping `decode` here cancels the reservation on the decode worker.
+        return Ok(head.boxed());
+    }
+    let decode_id = d.id.clone();
+    // The DP slot rides along with the stream: released when the request ends or is dropped.
+    let rest = futures::stream::unfold(Some((decode, dp_slot)), move |state| {
+        let decode_id = decode_id.clone();
+        async move {
+            let (mut decode, dp_slot) = state?;
+            let item = match decode.message().await {
+                Ok(Some(pb::DecodeEvent {
+                    event: Some(pb::decode_event::Event::Token(t)),
+                })) => {
+                    let tok = GeneratedToken {
+                        token_id: t.token_id,
+                        finish_reason: finish_from_pb(t.finish_reason),
+                    };
+                    let more = tok.finish_reason.is_none();
+                    return Some((Ok(tok), more.then_some((decode, dp_slot))));
+                }
+                Ok(None) => GenerateError::new(
+                    ErrorClass::Unavailable,
+                    format!("decode worker {decode_id} ended the stream before finishing"),
+                ),
+                Ok(Some(other)) => GenerateError::new(
+                    ErrorClass::Internal,
+                    format!("unexpected decode event {other:?}"),
+                ),
+                Err(s) => classify_status(s),
+            };
+            Some((Err(item), None))
+        }
+    });
+    Ok(head.chain(rest).boxed())
+}

@@ -1,0 +1,321 @@
+//! The workers the router can call: one handle per worker (its connection, breaker, drain
+//! state, this router's load on it, its DP accounting) and the pools of them by role,
+//! replaced whole when discovery reports a change.
+
+use crate::generator::GenerateError;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tandem_core::{ErrorClass, WorkerId};
+use tandem_proto::v1 as pb;
+use tonic::transport::{Channel, Endpoint};
+
+/// gRPC metadata key in which workers report the [`ErrorClass`] of a failed call.
+pub(crate) const ERROR_CLASS_HEADER: &str = "x-tandem-error-class";
+
+/// Maps a gRPC status to an error class: the worker's own classification when present.
+pub fn classify_status(s: tonic::Status) -> GenerateError {
+    let reported = s
+        .metadata()
+        .get(ERROR_CLASS_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| match v {
+            "invalid_request" => Some(ErrorClass::InvalidRequest),
+            "unavailable" => Some(ErrorClass::Unavailable),
+            "capacity_exhausted" => Some(ErrorClass::CapacityExhausted),
+            "transfer_failed" => Some(ErrorClass::TransferFailed),
+            "cancelled" => Some(ErrorClass::Cancelled),
+            "deadline_exceeded" => Some(ErrorClass::DeadlineExceeded),
+            "internal" => Some(ErrorClass::Internal),
+            _ => None,
+        });
+    // Not classified by a worker (every worker error carries its class): the status came
+    // from the transport or something in between — a sidecar's HTTP 502 with a non-gRPC body
+    // reaches tonic as a protocol error (`Internal`), a reset HTTP/2 connection as
+    // `Cancelled` or `Unknown`. Another worker may well succeed, so those are retried.
+    let class = reported.unwrap_or(match s.code() {
+        tonic::Code::InvalidArgument => ErrorClass::InvalidRequest,
+        tonic::Code::ResourceExhausted => ErrorClass::CapacityExhausted,
+        tonic::Code::Aborted => ErrorClass::TransferFailed,
+        tonic::Code::DeadlineExceeded => ErrorClass::DeadlineExceeded,
+        _ => ErrorClass::Unavailable,
+    });
+    // A status the worker did not classify came from the transport (a reset connection, an
+    // HTTP/2 error, a refused connect): keep its details in the log, not in the API answer.
+    let message = if reported.is_none() && class == ErrorClass::Unavailable {
+        tracing::debug!(code = ?s.code(), detail = %s.message(), "worker transport error");
+        format!(
+            "the connection to a worker failed ({})",
+            transport_reason(s.code())
+        )
+    } else {
+        s.message().to_string()
+    };
+    GenerateError::new(class, message)
+}
+
+fn transport_reason(code: tonic::Code) -> &'static str {
+    match code {
+        tonic::Code::Unavailable => "unavailable",
+        tonic::Code::Unknown | tonic::Code::Cancelled => "broken stream",
+        _ => "protocol error",
+    }
+}
+
+/// One worker the router can call.
+#[derive(Clone, Debug)]
+pub struct WorkerHandle {
+    /// Its id in the configuration.
+    pub id: WorkerId,
+    /// Its gRPC address.
+    pub address: String,
+    pub(crate) client: pb::worker_client::WorkerClient<Channel>,
+    /// Requests in flight per attention-DP group (decode workers), learned on first use.
+    pub(crate) dp_load: Arc<Mutex<Option<Vec<usize>>>>,
+    /// Ejects the worker from new routing after repeated failures of its own.
+    pub(crate) breaker: Arc<Mutex<crate::breaker::Breaker>>,
+    /// Set while the worker drains (its stats or its discovery record say so): it gets no
+    /// new requests.
+    pub(crate) draining: Arc<AtomicBool>,
+    /// Requests this router has on the worker now (a prefill call, a decode stream).
+    pub(crate) load: Arc<AtomicUsize>,
+    /// Free KV blocks at its last stats.
+    pub(crate) kv_free: Arc<std::sync::atomic::AtomicU64>,
+}
+
+/// One request's claim on a worker's load; released on drop.
+#[derive(Debug)]
+pub(crate) struct LoadClaim(Arc<AtomicUsize>);
+
+impl Drop for LoadClaim {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+        LOAD_RELEASED.notify_waiters();
+    }
+}
+
+/// Woken whenever a claim on any worker ends: requests waiting for room look again.
+pub(crate) static LOAD_RELEASED: tokio::sync::Notify = tokio::sync::Notify::const_new();
+
+/// What an attempt says about one worker it was routed to.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Outcome {
+    Ok,
+    Failed(ErrorClass),
+    Untested,
+}
+
+/// Holds a request's place on a decode worker's attention-DP group; released on drop.
+#[derive(Debug)]
+pub(crate) struct DpSlot {
+    load: Arc<Mutex<Option<Vec<usize>>>>,
+    rank: usize,
+}
+
+impl Drop for DpSlot {
+    fn drop(&mut self) {
+        if let Ok(mut l) = self.load.lock() {
+            if let Some(v) = l.as_mut() {
+                v[self.rank] = v[self.rank].saturating_sub(1);
+            }
+        }
+    }
+}
+
+impl WorkerHandle {
+    /// A lazily connected handle to the worker at `address` (`http://host:port`), with the
+    /// default connect timeout.
+    pub fn new(id: WorkerId, address: &str) -> Result<Self, GenerateError> {
+        Self::with_connect_timeout(id, address, crate::config::Timeouts::default().connect)
+    }
+
+    /// A lazily connected handle whose connection attempts give up after `connect`.
+    pub fn with_connect_timeout(
+        id: WorkerId,
+        address: &str,
+        connect: Duration,
+    ) -> Result<Self, GenerateError> {
+        let endpoint = Endpoint::from_shared(address.to_string())
+            .map_err(|e| {
+                GenerateError::new(
+                    ErrorClass::InvalidRequest,
+                    format!("bad worker address {address}: {e}"),
+                )
+            })?
+            .connect_timeout(connect)
+            .tcp_nodelay(true);
+        Ok(Self {
+            id,
+            address: address.to_string(),
+            client: pb::worker_client::WorkerClient::new(endpoint.connect_lazy()),
+            dp_load: Arc::new(Mutex::new(None)),
+            breaker: Arc::new(Mutex::new(crate::breaker::Breaker::default())),
+            draining: Arc::new(AtomicBool::new(false)),
+            load: Arc::new(AtomicUsize::new(0)),
+            kv_free: Arc::new(std::sync::atomic::AtomicU64::new(0)),
+        })
+    }
+
+    pub(crate) fn claim(&self) -> LoadClaim {
+        self.load.fetch_add(1, Ordering::Relaxed);
+        LoadClaim(self.load.clone())
+    }
+
+    /// Requests this router has on the worker now.
+    pub fn load(&self) -> usize {
+        self.load.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn candidate(&self, cached_blocks: usize, limit: usize) -> crate::policy::Candidate {
+        crate::policy::Candidate {
+            usable: !self.is_draining() && (limit == 0 || self.load() < limit) && self.admit(),
+            load: self.load(),
+            kv_free: self.kv_free.load(Ordering::Relaxed),
+            cached_blocks,
+        }
+    }
+
+    /// Whether the worker drains (no new requests go to it).
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::Relaxed)
+    }
+
+    /// Marks the worker draining or not.
+    pub fn set_draining(&self, draining: bool) {
+        if self.draining.swap(draining, Ordering::Relaxed) != draining {
+            tracing::info!(worker = %self.id, draining, "worker state changed");
+        }
+    }
+
+    /// `active`, `draining` or `ejected`.
+    pub fn state(&self) -> &'static str {
+        if self.is_draining() {
+            "draining"
+        } else if self.is_ejected() {
+            "ejected"
+        } else {
+            "active"
+        }
+    }
+
+    /// Picks the least-loaded attention-DP group of this (decode) worker and holds a place
+    /// on it. `None` for the rank when the worker has a single group.
+    pub(crate) async fn pick_dp_rank(
+        &self,
+    ) -> Result<(Option<u32>, Option<DpSlot>), GenerateError> {
+        let known = self.dp_load.lock().map(|l| l.is_some()).unwrap_or(false);
+        if !known {
+            let dp = self.stats().await?.dp_size.max(1) as usize;
+            if let Ok(mut l) = self.dp_load.lock() {
+                l.get_or_insert_with(|| vec![0; dp]);
+            }
+        }
+        let mut guard = self
+            .dp_load
+            .lock()
+            .map_err(|_| GenerateError::new(ErrorClass::Internal, "DP load table poisoned"))?;
+        let Some(loads) = guard.as_mut() else {
+            return Ok((None, None));
+        };
+        if loads.len() <= 1 {
+            return Ok((None, None));
+        }
+        let rank = (0..loads.len()).min_by_key(|&r| (loads[r], r)).unwrap_or(0);
+        loads[rank] += 1;
+        Ok((
+            Some(rank as u32),
+            Some(DpSlot {
+                load: self.dp_load.clone(),
+                rank,
+            }),
+        ))
+    }
+
+    /// The worker's counters (KV pool, running requests).
+    /// Whether the worker's breaker keeps it out of rotation now.
+    pub fn is_ejected(&self) -> bool {
+        self.breaker
+            .lock()
+            .is_ok_and(|b| b.is_open(std::time::Instant::now()))
+    }
+
+    pub(crate) fn admit(&self) -> bool {
+        self.breaker
+            .lock()
+            .is_ok_and(|mut b| b.admit(std::time::Instant::now()) != crate::breaker::Admit::No)
+    }
+
+    pub(crate) fn report(&self, outcome: Outcome, policy: crate::breaker::BreakerPolicy) {
+        if let Ok(mut b) = self.breaker.lock() {
+            match outcome {
+                Outcome::Ok => b.on_success(),
+                Outcome::Failed(class) => b.on_failure(class, std::time::Instant::now(), policy),
+                Outcome::Untested => b.on_untested(),
+            }
+        }
+    }
+
+    pub async fn stats(&self) -> Result<pb::StatsResponse, GenerateError> {
+        self.stats_when_idle(Duration::ZERO).await
+    }
+
+    /// The worker's counters once it is idle (no KV or state held), or after `wait`.
+    pub async fn stats_when_idle(
+        &self,
+        wait: Duration,
+    ) -> Result<pb::StatsResponse, GenerateError> {
+        let mut c = self.client.clone();
+        let wait_idle_ms = u32::try_from(wait.as_millis()).unwrap_or(u32::MAX);
+        Ok(c.stats(pb::StatsRequest {
+            wait_idle_ms,
+            wait_busy_ms: 0,
+        })
+        .await
+        .map_err(classify_status)?
+        .into_inner())
+    }
+}
+
+/// The workers requests can go to, by role; replaced whole when discovery reports a change.
+#[derive(Debug, Default)]
+pub struct Pools {
+    /// Prefill workers.
+    pub prefill: Vec<WorkerHandle>,
+    /// Decode workers.
+    pub decode: Vec<WorkerHandle>,
+    /// Aggregated workers.
+    pub aggregated: Vec<WorkerHandle>,
+}
+
+impl Pools {
+    /// Routes: each aggregated worker is one, the P/D pairs together another.
+    pub(crate) fn routes(&self) -> usize {
+        self.aggregated.len() + usize::from(!self.prefill.is_empty() && !self.decode.is_empty())
+    }
+
+    /// Whether some route has room: a usable prefill and a usable decode worker below
+    /// `limit` requests, or a usable aggregated one. Routes whose workers are all
+    /// unusable for other reasons (draining, ejected) do not count as full.
+    pub(crate) fn has_room(&self, limit: usize) -> bool {
+        let free = |w: &WorkerHandle| w.load() < limit;
+        let usable = |w: &&WorkerHandle| !w.is_draining() && !w.is_ejected();
+        let pool_full = |list: &[WorkerHandle]| {
+            let live: Vec<&WorkerHandle> = list.iter().filter(usable).collect();
+            !live.is_empty() && live.iter().all(|w| !free(w))
+        };
+        let pairs = !self.prefill.is_empty()
+            && !self.decode.is_empty()
+            && !pool_full(&self.prefill)
+            && !pool_full(&self.decode);
+        let aggregated = !self.aggregated.is_empty() && !pool_full(&self.aggregated);
+        // No route at all is not "full": the attempt reports that.
+        pairs || aggregated || self.routes() == 0
+    }
+
+    pub(crate) fn all(&self) -> impl Iterator<Item = &WorkerHandle> {
+        self.prefill
+            .iter()
+            .chain(&self.decode)
+            .chain(&self.aggregated)
+    }
+}
