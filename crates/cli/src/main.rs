@@ -192,8 +192,7 @@ struct EngineArgs {
     /// Request-state slots per attention-DP group (KDA-hybrid models).
     #[arg(long, default_value_t = 64)]
     state_slots: usize,
-    /// Tokens per step (decodes + prefill chunks; for KDA-hybrid models, prompt tokens per
-    /// prefill step).
+    /// Tokens per step (decodes + prefill chunks, shared among the prompts in progress).
     #[arg(long, default_value_t = 512)]
     max_batch_tokens: usize,
     /// Parallel layout (KDA-hybrid models; ranks are threads of this process).
@@ -255,7 +254,7 @@ impl EngineArgs {
                 if self.lora.is_some() {
                     bail!("--lora is supported for KDA-hybrid models only");
                 }
-                tandem_worker::WorkerEngine::Llama(self.start_llama(&dir)?)
+                self.start_llama(&dir)?.into()
             }
             eval::Family::KdaHybrid => {
                 self.device.check_kda()?;
@@ -267,15 +266,11 @@ impl EngineArgs {
                 let exact = model.config().mla.indexer.map(|ix| ix.topk);
                 let context = eval::context_length(&dir, exact)?;
                 let eos = eval::eos_ids(&dir)?;
-                let engine = tandem_engine::kda_runner::KdaEngine::start(
-                    model,
-                    self.state_slots,
-                    self.kv_blocks,
-                    eos,
-                    context,
-                );
-                engine.set_prefill_step_tokens(self.max_batch_tokens);
-                tandem_worker::WorkerEngine::Kda(engine)
+                let config = EngineConfig {
+                    state_slots: self.state_slots,
+                    ..self.engine_config()
+                };
+                tandem_engine::kda_runner::KdaServed::start(model, config, eos, context)?.into()
             }
         })
     }

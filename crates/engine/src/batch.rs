@@ -1,3 +1,4 @@
+use crate::served::StateSlot;
 use tandem_core::BlockId;
 
 /// One sequence's slice of a [`ForwardBatch`].
@@ -9,8 +10,10 @@ pub struct SeqSlice {
     pub len: usize,
     /// Tokens already in the cache before this step.
     pub cached: usize,
-    /// The sequence's KV blocks, in order.
+    /// The sequence's KV blocks, in order (empty for a model without paged K/V).
     pub block_table: Vec<BlockId>,
+    /// The sequence's state slot, for models with per-request state.
+    pub state: Option<StateSlot>,
 }
 
 impl SeqSlice {
@@ -59,6 +62,34 @@ impl ForwardBatch {
             len: tokens.len(),
             cached,
             block_table: block_table.to_vec(),
+            state: None,
+        });
+        if want_logits && !tokens.is_empty() {
+            self.logits_rows.push(start + tokens.len() - 1);
+        }
+    }
+
+    /// Appends `tokens` of a sequence whose state lives in `slot` (no paged K/V: its slot
+    /// mapping entries are unused).
+    pub fn push_state(
+        &mut self,
+        tokens: &[u32],
+        cached: usize,
+        slot: StateSlot,
+        want_logits: bool,
+    ) {
+        let start = self.token_ids.len();
+        for (i, &t) in tokens.iter().enumerate() {
+            self.token_ids.push(t);
+            self.positions.push((cached + i) as u32);
+            self.slot_mapping.push(u32::MAX);
+        }
+        self.seqs.push(SeqSlice {
+            start,
+            len: tokens.len(),
+            cached,
+            block_table: Vec::new(),
+            state: Some(slot),
         });
         if want_logits && !tokens.is_empty() {
             self.logits_rows.push(start + tokens.len() - 1);

@@ -11,6 +11,8 @@ pub mod backend;
 pub mod batch;
 /// Block-FP8 checkpoints, dequantised at load.
 mod fp8_weights;
+/// A request's exported state: typed manifest and body.
+pub mod handoff;
 /// KDA hybrid models (Kimi-Linear, GLM-5.3-Flash style): KDA + MLA layers, MoE FFN.
 pub mod kda_hybrid;
 /// Serving KDA-hybrid models: engine thread, state slots, state (de)serialisation.
@@ -25,16 +27,20 @@ pub mod llama_ranks;
 pub mod sampling;
 /// The engine thread: continuous batching with chunked prefill, and its async handle.
 pub mod scheduler;
+/// The interface every model family is served through, and the pools requests draw on.
+pub mod served;
 /// Per-step metadata buffers on the device.
 pub mod step;
 /// Typed tensors: dtypes, host tensors, device tensors.
 pub mod tensor;
 
 pub use backend::{Backend, CpuBackend, Ops, StepShape};
+pub use handoff::{Handoff, Segment, SegmentKind};
 pub use kv_pool::{BlockAllocation, BlockAllocator, KvCache, KvLayout};
 pub use llama::{LlamaModel, LlamaWorkspace, TpShard};
-pub use llama_ranks::LlamaRanks;
+pub use llama_ranks::{LlamaRanks, LlamaServed};
 pub use scheduler::{blocking_tokens, Engine, EngineConfig, EngineEvent, EngineStats, SeqKind};
+pub use served::{Pools, Reservation, ServedInfo, ServedModel, StateSlot};
 pub use step::{StepLimits, StepMeta};
 pub use tensor::{DType, HostData, HostTensor, Tensor};
 

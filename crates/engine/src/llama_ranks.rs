@@ -7,8 +7,11 @@
 
 use crate::backend::Ops;
 use crate::batch::ForwardBatch;
-use crate::kv_pool::{KvCache, KvLayout};
+use crate::handoff::{Handoff, Segment, SegmentKind};
+use crate::kv_pool::{BlockAllocator, KvCache, KvLayout};
 use crate::llama::{LlamaModel, LlamaWorkspace};
+use crate::scheduler::EngineConfig;
+use crate::served::{HandoffSpec, Pools, Reservation, ServedInfo, ServedModel};
 use crate::step::{StepLimits, StepMeta};
 use crate::tensor::{HostTensor, Tensor};
 use crate::{Error, Result};
@@ -379,4 +382,134 @@ pub fn cpu_shards(
             )
         })
         .collect()
+}
+
+/// A Llama-family model as the engine serves it: its ranks and the paged K/V pool.
+pub struct LlamaServed<B: Ops> {
+    ranks: LlamaRanks<B>,
+    pools: Pools,
+    info: ServedInfo,
+}
+
+impl<B: Ops> LlamaServed<B> {
+    /// Starts the ranks of `shards` (see [`LlamaRanks::new`]) with buffers and a K/V pool
+    /// sized by `config`.
+    pub fn new(shards: Vec<LlamaModel<B>>, config: &EngineConfig) -> Result<Self> {
+        let first = shards
+            .first()
+            .ok_or_else(|| Error::InvalidRequest("no model shards".into()))?;
+        let c = first.config();
+        let max_context = c.max_position_embeddings;
+        let (vocab_size, eos_ids, num_layers) =
+            (c.vocab_size, c.eos_token_ids(), c.num_hidden_layers);
+        let weight_bytes = first.weight_bytes() * shards.len();
+        let tp = shards.len();
+        let limits = StepLimits {
+            max_tokens: config.max_batch_tokens + config.max_running,
+            max_seqs: config.max_running,
+            max_blocks_per_seq: max_context.div_ceil(config.block_size),
+        };
+        let ranks = LlamaRanks::new(shards, limits, config.block_size, config.num_blocks)?;
+        let info = ServedInfo {
+            family: "llama",
+            vocab_size,
+            eos_ids,
+            max_context,
+            num_layers,
+            weight_bytes,
+            layout: tandem_topology::Layout::new(tp, 1, 1)
+                .map_err(|e| Error::InvalidRequest(format!("layout tp{tp}: {e}")))?,
+            kv: Some(ranks.layout()),
+        };
+        Ok(Self {
+            ranks,
+            pools: Pools {
+                kv: Some((BlockAllocator::new(config.num_blocks), config.block_size)),
+                ..Pools::default()
+            },
+            info,
+        })
+    }
+}
+
+/// The segments of `tokens` tokens' K/V in `layout`: one `[2][tokens][kv_dim]` per layer.
+pub fn kv_segments(layout: &KvLayout, tokens: usize) -> Vec<Segment> {
+    (0..layout.num_layers as u32)
+        .map(|layer| Segment {
+            kind: SegmentKind::KvLayer,
+            layer,
+            shard: 0,
+            dtype: layout.dtype,
+            shape: vec![2, tokens as u32, layout.kv_dim() as u32],
+        })
+        .collect()
+}
+
+struct KvHandoffSpec(KvLayout);
+
+impl HandoffSpec for KvHandoffSpec {
+    fn prepare(&self, h: Handoff, tokens: usize, reservation: &Reservation) -> Result<Handoff> {
+        let want = kv_segments(&self.0, tokens);
+        if h.segments != want {
+            let describe = |s: &[Segment]| match s.first() {
+                Some(f) => format!("{} segments, the first {}", s.len(), f.describe()),
+                None => "no segments".to_string(),
+            };
+            return Err(Error::InvalidRequest(format!(
+                "the handoff does not match this worker's K/V cache: got {}, expected {}",
+                describe(&h.segments),
+                describe(&want)
+            )));
+        }
+        h.check_sizes()?;
+        if reservation.blocks().len() < self.0.blocks_for(tokens) {
+            return Err(Error::InvalidRequest(
+                "reservation too small for the request".into(),
+            ));
+        }
+        Ok(h)
+    }
+}
+
+impl<B: Ops> ServedModel for LlamaServed<B> {
+    fn info(&self) -> ServedInfo {
+        self.info.clone()
+    }
+
+    fn pools(&self) -> Pools {
+        self.pools.clone()
+    }
+
+    fn handoff_spec(&self) -> Arc<dyn HandoffSpec> {
+        Arc::new(KvHandoffSpec(self.ranks.layout()))
+    }
+
+    fn step(&mut self, batch: &ForwardBatch) -> Result<()> {
+        self.ranks.step(batch)
+    }
+
+    fn sample(&mut self, rows: &[(&tandem_core::SamplingParams, u32)], out: &mut Vec<u32>) {
+        let vocab = self.info.vocab_size;
+        self.ranks
+            .backend()
+            .sample(self.ranks.logits(), vocab, rows, out);
+    }
+
+    fn export(&mut self, r: &Reservation, prompt_len: usize) -> Result<Handoff> {
+        let kv = self.ranks.read_kv(r.blocks(), prompt_len)?;
+        Ok(Handoff {
+            segments: kv_segments(&self.ranks.layout(), prompt_len),
+            body: kv.to_le_bytes(),
+        })
+    }
+
+    fn import(&mut self, r: &Reservation, prompt_len: usize, h: &Handoff) -> Result<()> {
+        let l = self.ranks.layout();
+        let kv = HostTensor::from_le_bytes(l.dtype, &l.transfer_shape(prompt_len), &h.body)?;
+        self.ranks.write_kv_host(r.blocks(), prompt_len, &kv)
+    }
+
+    fn refresh(&mut self, dir: &std::path::Path) -> Result<()> {
+        self.ranks.refresh(dir)
+    }
 }

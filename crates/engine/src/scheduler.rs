@@ -1,17 +1,19 @@
-//! The engine thread. One thread owns the model and the KV cache and runs steps; everything
-//! else talks to it through [`Engine`], a cheap handle that sends commands over a channel and
-//! receives per-request events. Each step batches one token of every running sequence with
-//! chunks of prompts under a token budget (continuous batching with chunked prefill), shared
-//! among the prompts in progress, so a long prompt makes progress every step without stalling
-//! the decodes or the short prompts queued behind it.
+//! The engine thread. One thread owns the model (any [`ServedModel`]: Llama ranks or a
+//! KDA-hybrid layout) with its caches and runs steps; everything else talks to it through
+//! [`Engine`], a cheap handle that sends commands over a channel and receives per-request
+//! events. Each step batches one token of every running sequence with chunks of prompts
+//! under a token budget (continuous batching with chunked prefill), shared among the prompts
+//! in progress, so a long prompt makes progress every step without stalling the decodes or
+//! the short prompts queued behind it. Prefills and decodes of every attention-DP group mix
+//! in one step.
 
 use crate::backend::Ops;
 use crate::batch::ForwardBatch;
-use crate::kv_pool::{BlockAllocation, BlockAllocator, KvLayout};
+use crate::handoff::Handoff;
+use crate::kv_pool::{BlockAllocator, KvLayout};
 use crate::llama::LlamaModel;
-use crate::llama_ranks::LlamaRanks;
-use crate::step::StepLimits;
-use crate::tensor::HostTensor;
+use crate::llama_ranks::LlamaServed;
+use crate::served::{HandoffSpec, Pools, Reservation, ServedInfo, ServedModel};
 use crate::{Error, Result};
 use parking_lot::Mutex;
 use std::collections::VecDeque;
@@ -25,12 +27,14 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 pub struct EngineConfig {
     /// Tokens per KV block.
     pub block_size: usize,
-    /// Blocks in the KV pool.
+    /// Blocks in the paged pool (K/V, or MLA latents).
     pub num_blocks: usize,
     /// Most tokens (decodes + prefill chunks) in one step.
     pub max_batch_tokens: usize,
     /// Most sequences decoding at once.
     pub max_running: usize,
+    /// Request-state slots per attention-DP group (models with per-request state).
+    pub state_slots: usize,
 }
 
 impl Default for EngineConfig {
@@ -40,23 +44,27 @@ impl Default for EngineConfig {
             num_blocks: 1024,
             max_batch_tokens: 512,
             max_running: 64,
+            state_slots: 64,
         }
     }
 }
 
 /// What a submitted sequence is for.
 #[derive(Debug)]
+// Made once per request and moved straight into the engine: boxing the decode's
+// reservation would buy nothing.
+#[allow(clippy::large_enum_variant)]
 pub enum SeqKind {
     /// Prompt in, every generated token out (single process).
     Generate,
-    /// Prefill role: prompt in, first token and the prompt's KV out.
+    /// Prefill role: prompt in, first token and the prompt's state out.
     Prefill,
-    /// Decode role: the prompt's KV arrives from a prefill worker with the first token.
+    /// Decode role: the prompt's state arrives from a prefill worker with the first token.
     Decode {
-        /// Blocks reserved for this request (see [`Engine::reserve`]).
-        allocation: BlockAllocation,
-        /// The prompt's K/V in the transfer layout (see `Ops::read_kv`), in the cache's dtype.
-        kv: HostTensor,
+        /// Space reserved for this request (see [`Engine::reserve_on`]).
+        reservation: Reservation,
+        /// The prompt's state as the prefill side exported it.
+        handoff: Handoff,
         /// The token the prefill worker sampled.
         first_token: u32,
     },
@@ -78,9 +86,11 @@ pub enum EngineEvent {
         first_token: u32,
         /// Set when the first token already ends the request.
         finish: Option<FinishReason>,
-        /// The prompt's K/V in transfer layout, in the cache's dtype.
-        kv: HostTensor,
+        /// The prompt's state (K/V, or KDA state and MLA latents), typed.
+        handoff: Handoff,
     },
+    /// The request failed inside the engine (it holds nothing any more).
+    Failed(Error),
 }
 
 /// Counters read by admin endpoints and benchmarks.
@@ -111,14 +121,23 @@ struct Seq {
     stop_ids: Vec<u32>,
     prefill_only: bool,
     cached: usize,
-    allocation: Option<BlockAllocation>,
-    import: Option<HostTensor>,
+    reservation: Option<Reservation>,
+    import: Option<Handoff>,
     tx: UnboundedSender<EngineEvent>,
 }
 
 impl Seq {
     fn generated(&self) -> usize {
         self.tokens.len() - self.prompt_len
+    }
+
+    /// Tokens this sequence holds space for.
+    fn wanted(&self) -> usize {
+        if self.prefill_only {
+            self.prompt_len
+        } else {
+            self.prompt_len + self.params.max_tokens as usize
+        }
     }
 
     fn finish_reason(&self, token: u32) -> Option<FinishReason> {
@@ -151,14 +170,10 @@ pub fn blocking_tokens(mut events: UnboundedReceiver<EngineEvent>) -> Vec<u32> {
 #[derive(Clone)]
 pub struct Engine {
     tx: mpsc::Sender<Command>,
-    allocator: BlockAllocator,
-    layout: KvLayout,
+    pools: Pools,
+    info: ServedInfo,
+    spec: Arc<dyn HandoffSpec>,
     stats: Arc<Mutex<EngineStats>>,
-    eos_ids: Vec<u32>,
-    max_context: usize,
-    vocab_size: usize,
-    weight_bytes: usize,
-    tp: usize,
     _thread: Arc<ThreadGuard>,
 }
 
@@ -179,13 +194,13 @@ impl Drop for ThreadGuard {
 impl std::fmt::Debug for Engine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Engine")
-            .field("layout", &self.layout)
+            .field("info", &self.info)
             .finish_non_exhaustive()
     }
 }
 
 impl Engine {
-    /// Starts the engine thread for `model`.
+    /// Starts the engine thread for a whole Llama-family `model`.
     pub fn start<B: Ops>(model: LlamaModel<B>, config: EngineConfig) -> Self {
         match Self::start_sharded(vec![model], config) {
             Ok(engine) => engine,
@@ -194,46 +209,44 @@ impl Engine {
         }
     }
 
-    /// Starts the engine thread for the tensor-parallel shards of one model (rank order,
-    /// joined by communicators): rank 0 runs in the engine thread, each other rank in its own.
+    /// Starts the engine thread for the tensor-parallel shards of one Llama-family model
+    /// (rank order, joined by communicators): rank 0 runs in the engine thread, each other
+    /// rank in its own.
     pub fn start_sharded<B: Ops>(shards: Vec<LlamaModel<B>>, config: EngineConfig) -> Result<Self> {
-        let first = shards
-            .first()
-            .ok_or_else(|| Error::InvalidRequest("no model shards".into()))?;
-        let allocator = BlockAllocator::new(config.num_blocks);
+        let c = config.clone();
+        Self::start_served(move || LlamaServed::new(shards, &c), config)
+    }
+
+    /// Starts the engine thread for the model `build` makes (on that thread, which then
+    /// owns it and its caches).
+    pub fn start_served<M, F>(build: F, config: EngineConfig) -> Result<Self>
+    where
+        M: ServedModel,
+        F: FnOnce() -> Result<M> + Send + 'static,
+    {
         let stats = Arc::new(Mutex::new(EngineStats::default()));
         let (tx, rx) = mpsc::channel();
-        let eos_ids = first.config().eos_token_ids();
-        let max_context = first.config().max_position_embeddings;
-        let vocab_size = first.config().vocab_size;
-        let weight_bytes = first.weight_bytes() * shards.len();
-        let tp = shards.len();
-        let limits = StepLimits {
-            max_tokens: config.max_batch_tokens + config.max_running,
-            max_seqs: config.max_running,
-            max_blocks_per_seq: max_context.div_ceil(config.block_size),
-        };
         let thread_stats = stats.clone();
-        let thread_alloc = allocator.clone();
         let (ready_tx, ready_rx) = mpsc::channel();
         let handle = std::thread::Builder::new()
             .name("tandem-engine".into())
+            .stack_size(16 << 20)
             .spawn(move || {
-                let ranks =
-                    match LlamaRanks::new(shards, limits, config.block_size, config.num_blocks) {
-                        Ok(r) => r,
-                        Err(e) => {
-                            let _ = ready_tx.send(Err(e));
-                            return;
-                        }
-                    };
-                let _ = ready_tx.send(Ok(ranks.layout()));
+                let model = match build() {
+                    Ok(m) => m,
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                        return;
+                    }
+                };
+                let pools = model.pools();
+                let _ = ready_tx.send(Ok((model.info(), pools.clone(), model.handoff_spec())));
                 let mut worker = Worker {
-                    ranks,
-                    sampled: Vec::with_capacity(limits.max_seqs),
+                    model,
+                    sampled: Vec::with_capacity(config.max_running),
                     config,
                     rx,
-                    allocator: thread_alloc,
+                    pools,
                     stats: thread_stats,
                     waiting: VecDeque::new(),
                     running: Vec::new(),
@@ -241,17 +254,13 @@ impl Engine {
                 worker.run();
             })
             .map_err(|e| Error::Collective(format!("spawning the engine thread: {e}")))?;
-        let layout = ready_rx.recv().map_err(|_| Error::Stopped)??;
+        let (info, pools, spec) = ready_rx.recv().map_err(|_| Error::Stopped)??;
         Ok(Self {
             tx: tx.clone(),
-            allocator,
-            layout,
+            pools,
+            info,
+            spec,
             stats,
-            eos_ids,
-            max_context,
-            vocab_size,
-            weight_bytes,
-            tp,
             _thread: Arc::new(ThreadGuard {
                 tx,
                 handle: Mutex::new(Some(handle)),
@@ -270,13 +279,19 @@ impl Engine {
         rx.recv().map_err(|_| Error::Stopped)?
     }
 
+    /// Facts about the model served.
+    pub fn info(&self) -> &ServedInfo {
+        &self.info
+    }
+
     /// Tensor-parallel ranks of the model.
     pub fn tp(&self) -> usize {
-        self.tp
+        self.info.layout.tp()
     }
 
     /// Submits a sequence. Events arrive on the returned channel; dropping it cancels the
-    /// sequence and frees its KV.
+    /// sequence and frees what it holds. A decode's handoff is checked (and resharded) here,
+    /// so one that does not fit this model is refused before it reaches the engine.
     pub fn submit(
         &self,
         prompt: Vec<u32>,
@@ -291,60 +306,55 @@ impl Engine {
                 "max_tokens must be at least 1".into(),
             ));
         }
-        if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= self.vocab_size) {
+        if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= self.info.vocab_size) {
             return Err(Error::InvalidRequest(format!(
                 "token id {bad} is outside the vocabulary"
             )));
         }
         let total = prompt.len() + params.max_tokens as usize;
-        if total > self.max_context {
+        if total > self.info.max_context {
             return Err(Error::InvalidRequest(format!(
                 "prompt ({}) + max_tokens ({}) exceeds the context length {}",
                 prompt.len(),
                 params.max_tokens,
-                self.max_context
+                self.info.max_context
             )));
         }
         let mut stop_ids = params.stop_token_ids.clone();
         if !params.ignore_eos {
-            stop_ids.extend(&self.eos_ids);
+            stop_ids.extend(&self.info.eos_ids);
         }
         let (tx, rx) = unbounded_channel();
         let prompt_len = prompt.len();
+        let prefill_only = matches!(kind, SeqKind::Prefill);
         let mut seq = Seq {
             tokens: prompt,
             prompt_len,
             params,
             stop_ids,
-            prefill_only: matches!(kind, SeqKind::Prefill),
+            prefill_only,
             cached: 0,
-            allocation: None,
+            reservation: None,
             import: None,
             tx,
         };
-        if let SeqKind::Decode {
-            allocation,
-            kv,
-            first_token,
-        } = kind
-        {
-            let expected = prompt_len * self.layout.values_per_token();
-            if kv.dtype() != self.layout.dtype || kv.len() != expected {
-                return Err(Error::InvalidRequest(format!(
-                    "KV for {prompt_len} tokens must hold {expected} {} values, got {} {}",
-                    self.layout.dtype,
-                    kv.len(),
-                    kv.dtype()
-                )));
+        match kind {
+            SeqKind::Decode {
+                reservation,
+                handoff,
+                first_token,
+            } => {
+                if reservation.tokens() < total {
+                    return Err(Error::InvalidRequest(format!(
+                        "the reservation holds {} tokens, the request needs {total}",
+                        reservation.tokens()
+                    )));
+                }
+                seq.import = Some(self.spec.prepare(handoff, prompt_len, &reservation)?);
+                seq.reservation = Some(reservation);
+                seq.tokens.push(first_token);
             }
-            if allocation.blocks().len() < self.layout.blocks_for(total) {
-                return Err(Error::InvalidRequest(
-                    "reservation too small for the request".into(),
-                ));
-            }
-            seq.allocation = Some(allocation);
-            seq.import = Some(kv);
-            seq.tokens.push(first_token);
+            SeqKind::Generate | SeqKind::Prefill => self.pools.check_fits(seq.wanted())?,
         }
         self.tx
             .send(Command::Submit(Box::new(seq)))
@@ -352,29 +362,51 @@ impl Engine {
         Ok(rx)
     }
 
-    /// Reserves blocks for a request of `tokens` tokens (prompt + max_tokens).
-    pub fn reserve(&self, tokens: usize) -> Result<BlockAllocation> {
-        self.allocator.allocate(self.layout.blocks_for(tokens))
+    /// Reserves space for a decode of `tokens` tokens (prompt + max_tokens).
+    pub fn reserve(&self, tokens: usize) -> Result<Reservation> {
+        self.reserve_on(tokens, None)
     }
 
-    /// The KV pool's allocator (for accounting).
+    /// Reserves space for a decode of `tokens` tokens on attention-DP group `group` (or the
+    /// one with the most room).
+    pub fn reserve_on(&self, tokens: usize, group: Option<usize>) -> Result<Reservation> {
+        self.pools.reserve(tokens, group)
+    }
+
+    /// The pools requests draw on (for accounting).
+    pub fn pools(&self) -> &Pools {
+        &self.pools
+    }
+
+    /// The paged K/V pool's allocator.
+    ///
+    /// # Panics
+    /// For a model without paged K/V (KDA hybrids: see [`Engine::pools`]).
     pub fn allocator(&self) -> &BlockAllocator {
-        &self.allocator
+        &self
+            .pools
+            .kv
+            .as_ref()
+            .expect("this model has no paged K/V pool")
+            .0
     }
 
-    /// The KV cache's shape.
+    /// The K/V cache's shape (the whole model's).
+    ///
+    /// # Panics
+    /// For a model without paged K/V.
     pub fn layout(&self) -> KvLayout {
-        self.layout
+        self.info.kv.expect("this model has no paged K/V cache")
     }
 
     /// Context length of the model.
     pub fn max_context(&self) -> usize {
-        self.max_context
+        self.info.max_context
     }
 
     /// Bytes of weights one batch-1 decode step reads.
     pub fn weight_bytes(&self) -> usize {
-        self.weight_bytes
+        self.info.weight_bytes
     }
 
     /// A snapshot of the counters.
@@ -383,18 +415,18 @@ impl Engine {
     }
 }
 
-struct Worker<B: Ops> {
-    ranks: LlamaRanks<B>,
+struct Worker<M: ServedModel> {
+    model: M,
     sampled: Vec<u32>,
     config: EngineConfig,
     rx: mpsc::Receiver<Command>,
-    allocator: BlockAllocator,
+    pools: Pools,
     stats: Arc<Mutex<EngineStats>>,
     waiting: VecDeque<Box<Seq>>,
     running: Vec<Seq>,
 }
 
-impl<B: Ops> Worker<B> {
+impl<M: ServedModel> Worker<M> {
     fn run(&mut self) {
         loop {
             // Block only when there is nothing to compute.
@@ -414,7 +446,7 @@ impl<B: Ops> Worker<B> {
                 match cmd {
                     Command::Submit(seq) => self.waiting.push_back(seq),
                     Command::Refresh(dir, reply) => {
-                        let result = self.ranks.refresh(&dir);
+                        let result = self.model.refresh(&dir);
                         match &result {
                             Ok(()) => {
                                 tracing::info!(dir = %dir.display(), "weights refreshed in place")
@@ -436,64 +468,80 @@ impl<B: Ops> Worker<B> {
         }
     }
 
+    /// Gives back what a sequence holds (the model's bindings, then the reservation), and
+    /// takes it off the running count before its caller hears of it, so a drained engine
+    /// reads as drained.
+    fn release(&mut self, seq: &mut Seq, counted: bool) {
+        if let Some(r) = seq.reservation.take() {
+            self.model.end(&r);
+        }
+        if counted {
+            let mut s = self.stats.lock();
+            s.running = s.running.saturating_sub(1);
+        }
+    }
+
     fn admit(&mut self) {
         self.waiting.retain(|s| !s.tx.is_closed());
         while self.running.len() < self.config.max_running {
             let Some(mut seq) = self.waiting.pop_front() else {
                 break;
             };
-            if seq.allocation.is_none() {
-                let want = seq.prompt_len + seq.params.max_tokens as usize;
-                let blocks = want.div_ceil(self.config.block_size);
-                if blocks > self.config.num_blocks {
-                    // Can never fit: fail now rather than wait forever. Dropping the sender
-                    // ends the receiver's stream with no finish reason (an error to callers).
-                    tracing::warn!(blocks, "request larger than the whole KV pool");
-                    continue;
-                }
-                match self.allocator.allocate(blocks) {
-                    Ok(a) => seq.allocation = Some(a),
+            if seq.reservation.is_none() {
+                match self.pools.reserve(seq.wanted(), None) {
+                    Ok(r) => seq.reservation = Some(r),
                     Err(_) => {
+                        // Checked at submission to fit empty pools: wait for space.
                         self.waiting.push_front(seq);
                         break;
                     }
                 }
             }
-            if let (Some(kv), Some(alloc)) = (seq.import.take(), seq.allocation.as_ref()) {
-                let imported = self
-                    .ranks
-                    .write_kv_host(alloc.blocks(), seq.prompt_len, &kv);
-                if let Err(e) = imported {
-                    // Checked at submission; dropping the sender fails the request.
-                    tracing::warn!(error = %e, "KV import refused");
-                    continue;
-                }
-                seq.cached = seq.prompt_len;
+            let begun = match seq.reservation.as_mut() {
+                Some(r) => self.model.begin(r),
+                None => Ok(()),
+            };
+            let imported = begun.and_then(|()| match (seq.import.take(), &seq.reservation) {
+                (Some(h), Some(r)) => self.model.import(r, seq.prompt_len, &h).map(|()| {
+                    seq.cached = seq.prompt_len;
+                }),
+                _ => Ok(()),
+            });
+            if let Err(e) = imported {
+                tracing::warn!(error = %e, "a request could not start");
+                self.release(&mut seq, false);
+                let _ = seq.tx.send(EngineEvent::Failed(e));
+                continue;
             }
             self.running.push(*seq);
         }
     }
 
     fn step(&mut self) {
-        self.running.retain(|s| !s.tx.is_closed());
+        let mut k = 0;
+        while k < self.running.len() {
+            if self.running[k].tx.is_closed() {
+                let mut seq = self.running.swap_remove(k);
+                self.release(&mut seq, true);
+            } else {
+                k += 1;
+            }
+        }
         if self.running.is_empty() {
             return;
         }
-        let bs = self.config.block_size;
+        let bs = self.pools.block_size();
         let mut batch = ForwardBatch::default();
         let mut budget = self.config.max_batch_tokens;
         let mut in_batch = Vec::new();
         // Decodes first: one token each.
         for (i, seq) in self.running.iter().enumerate() {
             if seq.cached + 1 == seq.tokens.len() && seq.cached >= seq.prompt_len {
-                let blocks = seq
-                    .allocation
-                    .as_ref()
-                    .map(|a| a.blocks())
-                    .unwrap_or_default();
-                batch.push(&seq.tokens[seq.cached..], seq.cached, blocks, bs, true);
-                in_batch.push((i, 1));
-                budget = budget.saturating_sub(1);
+                if let Some(r) = &seq.reservation {
+                    r.push_to(&mut batch, &seq.tokens[seq.cached..], seq.cached, bs, true);
+                    in_batch.push((i, 1));
+                    budget = budget.saturating_sub(1);
+                }
             }
         }
         // Then prompt chunks. The budget left is shared: prompts in order of what they have
@@ -514,16 +562,12 @@ impl<B: Ops> Worker<B> {
             let remaining = seq.tokens.len() - seq.cached;
             let n = remaining.min((budget / left).max(1));
             left -= 1;
-            let blocks = seq
-                .allocation
-                .as_ref()
-                .map(|a| a.blocks())
-                .unwrap_or_default();
+            let Some(r) = &seq.reservation else { continue };
             let done = seq.cached + n == seq.tokens.len();
-            batch.push(
+            r.push_to(
+                &mut batch,
                 &seq.tokens[seq.cached..seq.cached + n],
                 seq.cached,
-                blocks,
                 bs,
                 done,
             );
@@ -533,91 +577,90 @@ impl<B: Ops> Worker<B> {
         if batch.num_tokens() == 0 {
             return;
         }
-        if let Err(e) = self.ranks.step(&batch) {
+        if let Err(e) = self.model.step(&batch) {
             // A failed rank (or metadata that does not fit, which the limits rule out) fails
             // every request in flight rather than leaving them waiting.
             tracing::error!(error = %e, "engine step failed; failing the requests in flight");
-            self.running.clear();
-            self.waiting.clear();
+            let mut failed: Vec<Seq> = self.running.drain(..).collect();
+            failed.extend(self.waiting.drain(..).map(|b| *b));
+            for seq in &mut failed {
+                self.release(seq, false);
+                let _ = seq.tx.send(EngineEvent::Failed(Error::Collective(format!(
+                    "the engine step failed: {e}"
+                ))));
+            }
             let mut s = self.stats.lock();
             s.running = 0;
             s.waiting = 0;
             return;
         }
-        // Sample on the device: one (params, step) per logits row, in batch order.
+        // Sample: one (params, step) per logits row, in batch order.
         let sampling: Vec<_> = in_batch
             .iter()
             .map(|&(i, n)| (&self.running[i], n))
             .filter(|(seq, n)| seq.cached + n == seq.tokens.len())
             .map(|(seq, _)| (&seq.params, seq.generated() as u32))
             .collect();
-        let vocab = self.ranks.model().config().vocab_size;
-        self.ranks
-            .backend()
-            .sample(self.ranks.logits(), vocab, &sampling, &mut self.sampled);
+        self.model.sample(&sampling, &mut self.sampled);
         drop(sampling);
-        let mut rows = self.sampled.iter().copied();
+        let sampled = std::mem::take(&mut self.sampled);
+        let mut rows = sampled.iter().copied();
         let mut finished = Vec::new();
-        // Finished sequences leave the counters before their caller hears of it, like their
-        // blocks, so a drained engine reads as drained.
-        let stats = self.stats.clone();
-        let leave = || {
-            let mut s = stats.lock();
-            s.running = s.running.saturating_sub(1);
-        };
         let (mut prefilled, mut generated) = (0u64, 0u64);
         for (i, n) in in_batch {
-            let seq = &mut self.running[i];
-            let was_prompt = seq.cached < seq.prompt_len;
-            seq.cached += n;
+            let was_prompt = self.running[i].cached < self.running[i].prompt_len;
+            self.running[i].cached += n;
             if was_prompt {
                 prefilled += n as u64;
             }
-            if seq.cached < seq.tokens.len() {
+            if self.running[i].cached < self.running[i].tokens.len() {
                 continue; // more prompt chunks to go
             }
             let Some(token) = rows.next() else { break };
+            let seq = &mut self.running[i];
             seq.tokens.push(token);
             generated += 1;
             let finish = seq.finish_reason(token);
-            let sent = if seq.prefill_only {
-                let blocks = seq
-                    .allocation
-                    .as_ref()
-                    .map(|a| a.blocks())
-                    .unwrap_or_default();
-                let kv = match self.ranks.read_kv(blocks, seq.prompt_len) {
-                    Ok(kv) => kv,
+            if seq.prefill_only {
+                let prompt_len = seq.prompt_len;
+                let exported = match &seq.reservation {
+                    Some(r) => self.model.export(r, prompt_len),
+                    None => Err(Error::InvalidRequest("a prefill holds no space".into())),
+                };
+                let mut seq = std::mem::replace(&mut self.running[i], placeholder());
+                finished.push(i);
+                // Free the space before the caller hears of it, so accounting is exact.
+                self.release(&mut seq, true);
+                let event = match exported {
+                    Ok(handoff) => EngineEvent::Prefilled {
+                        first_token: token,
+                        finish,
+                        handoff,
+                    },
                     Err(e) => {
-                        tracing::error!(error = %e, "reading a prompt's K/V failed");
-                        finished.push(i);
-                        continue;
+                        tracing::error!(error = %e, "exporting a prompt's state failed");
+                        EngineEvent::Failed(e)
                     }
                 };
-                // Free the blocks before the caller hears of it, so accounting is exact.
-                seq.allocation = None;
-                leave();
-                finished.push(i);
-                seq.tx.send(EngineEvent::Prefilled {
-                    first_token: token,
-                    finish,
-                    kv,
-                })
-            } else {
-                if finish.is_some() {
-                    seq.allocation = None;
-                    leave();
-                    finished.push(i);
-                }
-                seq.tx.send(EngineEvent::Token {
-                    token_id: token,
-                    finish,
-                })
+                let _ = seq.tx.send(event);
+                continue;
+            }
+            let event = EngineEvent::Token {
+                token_id: token,
+                finish,
             };
-            if sent.is_err() {
+            if finish.is_some() {
+                let mut seq = std::mem::replace(&mut self.running[i], placeholder());
                 finished.push(i);
+                self.release(&mut seq, true);
+                let _ = seq.tx.send(event);
+            } else if self.running[i].tx.send(event).is_err() {
+                let mut seq = std::mem::replace(&mut self.running[i], placeholder());
+                finished.push(i);
+                self.release(&mut seq, true);
             }
         }
+        self.sampled = sampled;
         finished.sort_unstable();
         finished.dedup();
         for i in finished.into_iter().rev() {
@@ -627,5 +670,22 @@ impl<B: Ops> Worker<B> {
         s.steps += 1;
         s.prefill_tokens += prefilled;
         s.generated_tokens += generated;
+    }
+}
+
+/// What a finished sequence's place in the running list holds until the list is compacted
+/// at the end of the step.
+fn placeholder() -> Seq {
+    let (tx, _) = unbounded_channel();
+    Seq {
+        tokens: Vec::new(),
+        prompt_len: 0,
+        params: SamplingParams::greedy(1),
+        stop_ids: Vec::new(),
+        prefill_only: false,
+        cached: 0,
+        reservation: None,
+        import: None,
+        tx,
     }
 }

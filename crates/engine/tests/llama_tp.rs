@@ -120,24 +120,26 @@ fn kv_handed_from_tp1_prefill_to_a_tp2_decoder_continues_the_generation() {
     let mut rx = whole
         .submit(p.clone(), SamplingParams::greedy(8), SeqKind::Prefill)
         .expect("prefill");
-    let (first_token, kv) = loop {
+    let (first_token, handoff) = loop {
         match rx.blocking_recv().expect("prefilled") {
             EngineEvent::Prefilled {
-                first_token, kv, ..
-            } => break (first_token, kv),
+                first_token,
+                handoff,
+                ..
+            } => break (first_token, handoff),
             _ => continue,
         }
     };
     let decoder = engine(dir.path(), 2);
-    let allocation = decoder.reserve(p.len() + 8).expect("reserve");
+    let reservation = decoder.reserve(p.len() + 8).expect("reserve");
     let rest = tandem_engine::blocking_tokens(
         decoder
             .submit(
                 p,
                 SamplingParams::greedy(8),
                 SeqKind::Decode {
-                    allocation,
-                    kv,
+                    reservation,
+                    handoff,
                     first_token,
                 },
             )

@@ -7,104 +7,12 @@
 //! transfer can never reach the running batch.
 
 use tandem_core::{Epoch, ReservationId};
-use tandem_engine::DType;
+use tandem_engine::handoff::{dtype_code, dtype_from_code};
+pub use tandem_engine::handoff::{Segment, SegmentKind};
 
 const MAGIC: u32 = 0x5456_4B32; // "TVK2"
 /// Bytes of the fixed header (before the manifest).
 pub const HEADER_LEN: usize = 4 + 8 + 8 + 4 + 4 + 8 + 8 + 8 + 4;
-
-/// What a segment of the body holds.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum SegmentKind {
-    /// Paged-attention K and V of one layer, `[2][tokens][kv_dim]`.
-    KvLayer,
-    /// A KDA-hybrid request's state (recurrent state, conv windows, MLA latents) as the KDA
-    /// engine encodes it, from one attention-DP group's ranks.
-    KdaState,
-}
-
-impl SegmentKind {
-    fn code(self) -> u8 {
-        match self {
-            SegmentKind::KvLayer => 1,
-            SegmentKind::KdaState => 2,
-        }
-    }
-
-    fn from_code(c: u8) -> Option<Self> {
-        match c {
-            1 => Some(SegmentKind::KvLayer),
-            2 => Some(SegmentKind::KdaState),
-            _ => None,
-        }
-    }
-}
-
-/// Element type of a segment: a tensor dtype, or opaque bytes with their own encoding.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum SegmentDtype {
-    /// Typed values.
-    Tensor(DType),
-    /// Bytes (an encoding of their own, e.g. the KDA state format).
-    Bytes,
-}
-
-impl SegmentDtype {
-    fn code(self) -> u8 {
-        match self {
-            SegmentDtype::Bytes => 0,
-            SegmentDtype::Tensor(DType::F32) => 1,
-            SegmentDtype::Tensor(DType::BF16) => 2,
-            SegmentDtype::Tensor(DType::F16) => 3,
-            SegmentDtype::Tensor(DType::F8E4M3) => 4,
-            SegmentDtype::Tensor(DType::U32) => 5,
-            SegmentDtype::Tensor(DType::I32) => 6,
-        }
-    }
-
-    fn from_code(c: u8) -> Option<Self> {
-        Some(match c {
-            0 => SegmentDtype::Bytes,
-            1 => SegmentDtype::Tensor(DType::F32),
-            2 => SegmentDtype::Tensor(DType::BF16),
-            3 => SegmentDtype::Tensor(DType::F16),
-            4 => SegmentDtype::Tensor(DType::F8E4M3),
-            5 => SegmentDtype::Tensor(DType::U32),
-            6 => SegmentDtype::Tensor(DType::I32),
-            _ => return None,
-        })
-    }
-
-    /// Bytes per element.
-    pub fn size(self) -> usize {
-        match self {
-            SegmentDtype::Tensor(d) => d.size(),
-            SegmentDtype::Bytes => 1,
-        }
-    }
-}
-
-/// One byte range of the body.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Segment {
-    /// What it holds.
-    pub kind: SegmentKind,
-    /// Model layer (KV) or 0.
-    pub layer: u32,
-    /// The sending rank / attention-DP group it came from (0 on one rank).
-    pub shard: u32,
-    /// Element type.
-    pub dtype: SegmentDtype,
-    /// Shape (elements = product).
-    pub shape: Vec<u32>,
-}
-
-impl Segment {
-    /// Bytes this segment takes in the body.
-    pub fn len_bytes(&self) -> u64 {
-        self.shape.iter().map(|&d| u64::from(d)).product::<u64>() * self.dtype.size() as u64
-    }
-}
 
 /// Parsed header of a handoff message.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -171,7 +79,7 @@ fn encode_manifest(segments: &[Segment]) -> Vec<u8> {
     let mut out = Vec::new();
     for s in segments {
         out.push(s.kind.code());
-        out.push(s.dtype.code());
+        out.push(dtype_code(s.dtype));
         out.extend_from_slice(&s.layer.to_le_bytes());
         out.extend_from_slice(&s.shard.to_le_bytes());
         out.push(s.shape.len() as u8);
@@ -248,7 +156,7 @@ pub fn decode_bytes(msg: &[u8]) -> Result<(HandoffHeader, &[u8]), HandoffError> 
             return Err(HandoffError::Malformed);
         }
         let kind = SegmentKind::from_code(msg[at]).ok_or(HandoffError::Malformed)?;
-        let dtype = SegmentDtype::from_code(msg[at + 1]).ok_or(HandoffError::Malformed)?;
+        let dtype = dtype_from_code(msg[at + 1]).ok_or(HandoffError::Malformed)?;
         let layer = u32_at(msg, at + 2);
         let shard = u32_at(msg, at + 6);
         let ndim = msg[at + 10] as usize;
@@ -290,6 +198,7 @@ pub fn decode_bytes(msg: &[u8]) -> Result<(HandoffHeader, &[u8]), HandoffError> 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tandem_engine::DType;
 
     fn kv_segments(layers: u32, tokens: u32, kv_dim: u32, dtype: DType) -> Vec<Segment> {
         (0..layers)
@@ -297,7 +206,7 @@ mod tests {
                 kind: SegmentKind::KvLayer,
                 layer,
                 shard: 0,
-                dtype: SegmentDtype::Tensor(dtype),
+                dtype,
                 shape: vec![2, tokens, kv_dim],
             })
             .collect()

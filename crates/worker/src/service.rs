@@ -303,14 +303,13 @@ impl Shared {
         let crate::engines::Prefilled {
             first_token,
             finish,
-            body,
+            handoff,
         } = self.engine.prefill(prompt, params).await?;
         let mut sent = 0;
         if finish.is_none() {
             let reservation = tandem_core::ReservationId(target.reservation_id);
             let epoch = tandem_core::Epoch(target.epoch);
-            let body_len = body.len();
-            let segments = self.engine.body_segments(prompt_len, body.len());
+            let body_len = handoff.body.len();
             let model_id = self.opts.model_id;
             let payload = tokio::task::spawn_blocking(move || {
                 handoff::encode(
@@ -319,8 +318,8 @@ impl Shared {
                     first_token,
                     prompt_len as u32,
                     model_id,
-                    &segments,
-                    &body,
+                    &handoff.segments,
+                    &handoff.body,
                 )
             })
             .await
@@ -401,7 +400,6 @@ impl Shared {
                     header.model_id
                 )));
             }
-            engine.check_segments(&header.segments, prompt.len(), body.len())?;
             if header.num_tokens as usize != prompt.len() {
                 return Err(Error::InvalidRequest(format!(
                     "KV covers {} tokens, the prompt has {}",
@@ -409,7 +407,12 @@ impl Shared {
                     prompt.len()
                 )));
             }
-            engine.decode(prompt, params, allocation, body, header.first_token)
+            let first_token = header.first_token;
+            let handoff = tandem_engine::Handoff {
+                segments: header.segments,
+                body: body.to_vec(),
+            };
+            engine.decode(prompt, params, allocation, handoff, first_token)
         })
         .await
         .map_err(|e| Error::InvalidRequest(format!("decoding task failed: {e}")))??;
@@ -432,9 +435,7 @@ impl Shared {
                 e = events.recv() => e,
                 _ = tx.closed() => return self.note_cancelled(),
             };
-            let Some((token_id, finish)) = event else {
-                return Err(Error::Engine(tandem_engine::Error::Stopped));
-            };
+            let (token_id, finish) = event?;
             let msg = wrap(pb::TokenEvent {
                 token_id,
                 finish_reason: finish_to_pb(finish),
@@ -460,10 +461,7 @@ impl Shared {
         params: SamplingParams,
         tx: &mpsc::Sender<std::result::Result<pb::TokenEvent, Status>>,
     ) -> Result<()> {
-        let mut events = tokio::select! {
-            e = self.engine.generate(prompt, params) => e?,
-            _ = tx.closed() => return self.note_cancelled(),
-        };
+        let mut events = self.engine.generate(prompt, params)?;
         self.forward_tokens(&mut events, tx, |t| t).await
     }
 }

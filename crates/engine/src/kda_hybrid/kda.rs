@@ -34,6 +34,9 @@ pub enum KdaForm {
     Chunked,
     /// One token at a time (decode).
     Recurrent,
+    /// Per sequence: recurrent for a sequence of one new token, chunked for more (a step
+    /// mixing decodes and prompt chunks).
+    Auto,
 }
 
 pub use super::projection::{KdaGateProjection, KdaInputProjection, KdaProjected};
@@ -308,9 +311,15 @@ impl KdaLayer {
                 heads: h,
                 head_dim: d,
             };
-            o.extend(match form {
-                KdaForm::Chunked => delta_rule::chunked(&inp, &mut state.recurrent),
-                KdaForm::Recurrent => delta_rule::recurrent(&inp, &mut state.recurrent),
+            let recurrent = match form {
+                KdaForm::Chunked => false,
+                KdaForm::Recurrent => true,
+                KdaForm::Auto => n == 1,
+            };
+            o.extend(if recurrent {
+                delta_rule::recurrent(&inp, &mut state.recurrent)
+            } else {
+                delta_rule::chunked(&inp, &mut state.recurrent)
             });
         }
         // Gated RMSNorm per head: RMSNorm_D(o; o_norm) * sigmoid(g_b(g_a x)).

@@ -98,11 +98,8 @@ impl KdaModel {
         &self,
         work: &mut [(usize, Vec<u32>, Vec<KdaHybridState>)],
     ) -> Result<Vec<Vec<f32>>> {
-        let form = if work.iter().any(|w| w.1.len() > 1) {
-            KdaForm::Chunked
-        } else {
-            KdaForm::Recurrent
-        };
+        // Decodes run the recurrent form, prompt chunks the chunked one, in the same step.
+        let form = KdaForm::Auto;
         match self {
             KdaModel::Single(m) => {
                 let (ids, mut states): (Vec<&[u32]>, Vec<&mut KdaHybridState>) = work
