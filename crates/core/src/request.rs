@@ -17,6 +17,20 @@ pub struct SamplingParams {
     pub stop_token_ids: Vec<u32>,
     /// Keep generating past EOS.
     pub ignore_eos: bool,
+    /// Subtracted once from the logit of every token already generated (-2..=2; 0 off).
+    pub presence_penalty: f32,
+    /// Subtracted from each token's logit per time it was generated (-2..=2; 0 off).
+    pub frequency_penalty: f32,
+    /// Divides positive (multiplies negative) logits of every token in the prompt or the
+    /// output (> 0; 1 off).
+    pub repetition_penalty: f32,
+    /// Drops tokens whose probability is below this fraction of the most likely one's
+    /// (0..=1; 0 off).
+    pub min_p: f32,
+    /// Stop tokens (EOS and `stop_token_ids`) cannot end generation before this many tokens.
+    pub min_tokens: u32,
+    /// Added to the logit of each listed token (-100..=100 each).
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 impl Default for SamplingParams {
@@ -29,6 +43,12 @@ impl Default for SamplingParams {
             max_tokens: 16,
             stop_token_ids: Vec::new(),
             ignore_eos: false,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            repetition_penalty: 1.0,
+            min_p: 0.0,
+            min_tokens: 0,
+            logit_bias: Vec::new(),
         }
     }
 }
@@ -40,6 +60,21 @@ impl SamplingParams {
             max_tokens,
             ..Self::default()
         }
+    }
+
+    /// Whether the logits need bias, penalties or a stop mask (while fewer than
+    /// `min_tokens` are out) before sampling.
+    pub fn penalizes(&self) -> bool {
+        self.presence_penalty != 0.0
+            || self.frequency_penalty != 0.0
+            || self.repetition_penalty != 1.0
+            || self.min_tokens > 0
+            || !self.logit_bias.is_empty()
+    }
+
+    /// Whether sampling cuts tokens below `min_p` of the best one's probability.
+    pub fn cuts_min_p(&self) -> bool {
+        self.min_p > 0.0 && self.temperature > 0.0
     }
 }
 

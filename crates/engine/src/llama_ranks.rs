@@ -10,6 +10,7 @@ use crate::batch::ForwardBatch;
 use crate::handoff::{Handoff, Segment, SegmentKind};
 use crate::kv_pool::{BlockAllocator, KvCache, KvLayout};
 use crate::llama::{LlamaModel, LlamaWorkspace};
+use crate::sampling::{Adjustment, SampleRow};
 use crate::scheduler::EngineConfig;
 use crate::served::{HandoffSpec, Pools, Reservation, ServedInfo, ServedModel};
 use crate::step::{StepLimits, StepMeta};
@@ -228,6 +229,11 @@ impl<B: Ops> LlamaRanks<B> {
     /// The logits of the last step's sampled rows, on rank 0.
     pub fn logits(&self) -> &Tensor<B> {
         &self.lead.ws.logits
+    }
+
+    /// [`LlamaRanks::logits`], to adjust before sampling.
+    pub fn logits_mut(&mut self) -> &mut Tensor<B> {
+        &mut self.lead.ws.logits
     }
 
     fn send_all(&self, job: impl Fn() -> Job) -> Result<()> {
@@ -488,11 +494,14 @@ impl<B: Ops> ServedModel for LlamaServed<B> {
         self.ranks.step(batch)
     }
 
-    fn sample(&mut self, rows: &[(&tandem_core::SamplingParams, u32)], out: &mut Vec<u32>) {
+    fn sample(&mut self, rows: &[SampleRow<'_>], out: &mut Vec<u32>) {
         let vocab = self.info.vocab_size;
-        self.ranks
-            .backend()
-            .sample(self.ranks.logits(), vocab, rows, out);
+        let backend = self.ranks.backend().clone();
+        for which in [Adjustment::Penalties, Adjustment::MinP] {
+            backend.adjust_logits(self.ranks.logits_mut(), vocab, rows, which);
+        }
+        let plain: Vec<_> = rows.iter().map(|r| (r.params, r.step)).collect();
+        backend.sample(self.ranks.logits(), vocab, &plain, out);
     }
 
     fn export(&mut self, r: &Reservation, prompt_len: usize) -> Result<Handoff> {

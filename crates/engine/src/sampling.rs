@@ -30,6 +30,95 @@ pub fn uniform_draw(seed: u64, step: u32) -> f32 {
     rand::rngs::StdRng::seed_from_u64(step_seed(seed, step)).random::<f32>()
 }
 
+/// One logits row's request, as sampling sees it: its parameters, which generated token the
+/// row picks (`step`, 0-based) and the tokens so far.
+#[derive(Clone, Copy, Debug)]
+pub struct SampleRow<'a> {
+    /// The request's sampling parameters.
+    pub params: &'a SamplingParams,
+    /// Generated token number this row picks.
+    pub step: u32,
+    /// The prompt.
+    pub prompt: &'a [u32],
+    /// Tokens generated so far.
+    pub output: &'a [u32],
+    /// Tokens that end generation (EOS unless ignored, and `stop_token_ids`).
+    pub stop_ids: &'a [u32],
+}
+
+/// Which logit adjustments to apply (see [`adjust_row`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Adjustment {
+    /// Logit bias, the stop mask below `min_tokens`, repetition / frequency / presence
+    /// penalties: what log-probabilities are reported over.
+    Penalties,
+    /// The min-p cut (relative to the most likely token at the row's temperature).
+    MinP,
+}
+
+/// Applies `which` adjustments of `r`'s request to its logits row, in vLLM's order: bias,
+/// then the min-tokens stop mask, then penalties; the min-p cut separately, last.
+pub fn adjust_row(logits: &mut [f32], r: &SampleRow<'_>, which: Adjustment) {
+    let p = r.params;
+    match which {
+        Adjustment::Penalties => {
+            for &(t, b) in &p.logit_bias {
+                if let Some(l) = logits.get_mut(t as usize) {
+                    *l += b;
+                }
+            }
+            if (r.output.len() as u32) < p.min_tokens {
+                for &t in r.stop_ids {
+                    if let Some(l) = logits.get_mut(t as usize) {
+                        *l = f32::NEG_INFINITY;
+                    }
+                }
+            }
+            if p.repetition_penalty != 1.0 {
+                let mut seen: Vec<u32> = r.prompt.iter().chain(r.output).copied().collect();
+                seen.sort_unstable();
+                seen.dedup();
+                for t in seen {
+                    if let Some(l) = logits.get_mut(t as usize) {
+                        *l = if *l > 0.0 {
+                            *l / p.repetition_penalty
+                        } else {
+                            *l * p.repetition_penalty
+                        };
+                    }
+                }
+            }
+            if p.frequency_penalty != 0.0 || p.presence_penalty != 0.0 {
+                let mut out = r.output.to_vec();
+                out.sort_unstable();
+                for run in out.chunk_by(|a, b| a == b) {
+                    if let Some(l) = logits.get_mut(run[0] as usize) {
+                        *l -= p.frequency_penalty * run.len() as f32 + p.presence_penalty;
+                    }
+                }
+            }
+        }
+        Adjustment::MinP => {
+            if p.cuts_min_p() {
+                let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let cut = max + p.temperature * p.min_p.ln();
+                logits
+                    .iter_mut()
+                    .filter(|l| **l < cut)
+                    .for_each(|l| *l = f32::NEG_INFINITY);
+            }
+        }
+    }
+}
+
+/// Whether any row needs `which`.
+pub fn any_adjusts(rows: &[SampleRow<'_>], which: Adjustment) -> bool {
+    rows.iter().any(|r| match which {
+        Adjustment::Penalties => r.params.penalizes(),
+        Adjustment::MinP => r.params.cuts_min_p(),
+    })
+}
+
 /// Samples generated token number `step` (0-based) of a request.
 pub fn sample(logits: &[f32], params: &SamplingParams, step: u32) -> u32 {
     if params.temperature <= 0.0 || params.top_k == 1 {
@@ -82,6 +171,79 @@ mod tests {
             top_p,
             seed,
             ..SamplingParams::default()
+        }
+    }
+
+    fn row<'a>(p: &'a SamplingParams, prompt: &'a [u32], output: &'a [u32]) -> SampleRow<'a> {
+        SampleRow {
+            params: p,
+            step: output.len() as u32,
+            prompt,
+            output,
+            stop_ids: &[0],
+        }
+    }
+
+    #[test]
+    fn penalties_bias_and_min_tokens_follow_their_definitions() {
+        let base = [2.0f32, -1.0, 4.0, 0.5];
+        let apply = |p: &SamplingParams, prompt: &[u32], output: &[u32]| {
+            let mut l = base;
+            adjust_row(&mut l, &row(p, prompt, output), Adjustment::Penalties);
+            l
+        };
+        let rep = SamplingParams {
+            repetition_penalty: 2.0,
+            ..SamplingParams::default()
+        };
+        // Token 1 (prompt, negative) doubles, token 2 (output, positive) halves.
+        assert_eq!(apply(&rep, &[1], &[2, 2]), [2.0, -2.0, 2.0, 0.5]);
+        let freq = SamplingParams {
+            frequency_penalty: 0.5,
+            presence_penalty: 1.0,
+            ..SamplingParams::default()
+        };
+        // Only output tokens count: token 2 twice (2 × 0.5 + 1), token 3 once (0.5 + 1).
+        assert_eq!(apply(&freq, &[0], &[2, 3, 2]), [2.0, -1.0, 2.0, -1.0]);
+        let bias = SamplingParams {
+            logit_bias: vec![(1, 100.0), (9, 5.0)],
+            ..SamplingParams::default()
+        };
+        assert_eq!(
+            apply(&bias, &[], &[]),
+            [2.0, 99.0, 4.0, 0.5],
+            "ids past the vocabulary are skipped"
+        );
+        let min = SamplingParams {
+            min_tokens: 2,
+            ..SamplingParams::default()
+        };
+        assert_eq!(
+            apply(&min, &[], &[3])[0],
+            f32::NEG_INFINITY,
+            "stop masked before min_tokens"
+        );
+        assert_eq!(
+            apply(&min, &[], &[3, 3])[0],
+            2.0,
+            "and allowed from then on"
+        );
+    }
+
+    #[test]
+    fn min_p_cuts_relative_to_the_best_token_at_the_temperature() {
+        let p = SamplingParams {
+            temperature: 1.0,
+            min_p: 0.1,
+            ..SamplingParams::default()
+        };
+        // e^(l - 4) ≥ 0.1 ⇔ l ≥ 4 - 2.30: keeps 4.0 and 2.0, cuts 0.5 and -1.
+        let mut l = [2.0f32, -1.0, 4.0, 0.5];
+        adjust_row(&mut l, &row(&p, &[], &[]), Adjustment::MinP);
+        assert_eq!(l, [2.0, f32::NEG_INFINITY, 4.0, f32::NEG_INFINITY]);
+        for s in 0..100 {
+            let t = sample(&l, &params(1.0, 0, 1.0, s), 0);
+            assert!(t == 0 || t == 2);
         }
     }
 

@@ -13,6 +13,7 @@ use crate::handoff::Handoff;
 use crate::kv_pool::{BlockAllocator, KvLayout};
 use crate::llama::LlamaModel;
 use crate::llama_ranks::LlamaServed;
+use crate::sampling::SampleRow;
 use crate::served::{HandoffSpec, Pools, Reservation, ServedInfo, ServedModel};
 use crate::{Error, Result};
 use parking_lot::Mutex;
@@ -594,12 +595,18 @@ impl<M: ServedModel> Worker<M> {
             s.waiting = 0;
             return;
         }
-        // Sample: one (params, step) per logits row, in batch order.
+        // Sample: one row per sequence whose prompt is complete, in batch order.
         let sampling: Vec<_> = in_batch
             .iter()
             .map(|&(i, n)| (&self.running[i], n))
             .filter(|(seq, n)| seq.cached + n == seq.tokens.len())
-            .map(|(seq, _)| (&seq.params, seq.generated() as u32))
+            .map(|(seq, _)| SampleRow {
+                params: &seq.params,
+                step: seq.generated() as u32,
+                prompt: &seq.tokens[..seq.prompt_len],
+                output: &seq.tokens[seq.prompt_len..],
+                stop_ids: &seq.stop_ids,
+            })
             .collect();
         self.model.sample(&sampling, &mut self.sampled);
         drop(sampling);

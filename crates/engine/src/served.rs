@@ -10,10 +10,11 @@ use crate::handoff::Handoff;
 use crate::kda_hybrid::latent_pool::Claim;
 use crate::kda_hybrid::LatentPool;
 use crate::kv_pool::{BlockAllocation, BlockAllocator, KvLayout};
+use crate::sampling::SampleRow;
 use crate::{Error, Result};
 use std::path::Path;
 use std::sync::Arc;
-use tandem_core::{BlockId, SamplingParams};
+use tandem_core::BlockId;
 use tandem_topology::Layout;
 
 /// Facts about a served model, fixed when it starts.
@@ -275,8 +276,9 @@ pub trait ServedModel: 'static {
     /// One forward pass over `batch`; the logits of its `logits_rows` are kept for
     /// [`ServedModel::sample`].
     fn step(&mut self, batch: &ForwardBatch) -> Result<()>;
-    /// One token per logits row of the last step, with `(params, step)` per row.
-    fn sample(&mut self, rows: &[(&SamplingParams, u32)], out: &mut Vec<u32>);
+    /// One token per logits row of the last step (after each row's bias, penalties and
+    /// min-p cut).
+    fn sample(&mut self, rows: &[SampleRow<'_>], out: &mut Vec<u32>);
     /// Makes a reservation's space ready before the request's first step (state zeroed,
     /// latent rows bound to its claim).
     fn begin(&mut self, r: &mut Reservation) -> Result<()> {

@@ -29,6 +29,16 @@ pub(crate) fn to_pb(req: &ValidGenerateRequest) -> pb::GenerateRequest {
             max_tokens: s.max_tokens,
             stop_token_ids: s.stop_token_ids.clone(),
             ignore_eos: s.ignore_eos,
+            presence_penalty: s.presence_penalty,
+            frequency_penalty: s.frequency_penalty,
+            repetition_penalty: s.repetition_penalty,
+            min_p: s.min_p,
+            min_tokens: s.min_tokens,
+            logit_bias: s
+                .logit_bias
+                .iter()
+                .map(|&(token_id, bias)| pb::LogitBias { token_id, bias })
+                .collect(),
         }),
     }
 }

@@ -36,6 +36,18 @@ pub struct GenerationParams {
     pub ignore_eos: Option<bool>,
     /// Log-probabilities are not supported; only `null`/`false`/`0` is accepted.
     pub logprobs: Option<Value>,
+    /// -2..=2; 0 is off.
+    pub presence_penalty: Option<Value>,
+    /// -2..=2; 0 is off.
+    pub frequency_penalty: Option<Value>,
+    /// Extension: > 0 (at most 2); 1 is off.
+    pub repetition_penalty: Option<Value>,
+    /// Extension: 0..=1; 0 is off.
+    pub min_p: Option<Value>,
+    /// Extension: stop tokens cannot end generation before this many tokens.
+    pub min_tokens: Option<Value>,
+    /// Token id (as a string) → bias in -100..=100.
+    pub logit_bias: Option<Value>,
     /// Fields this server cannot honour yet: refused when set to anything but their
     /// neutral value, never silently ignored (a client asking for JSON must not get prose).
     #[serde(flatten)]
@@ -48,18 +60,6 @@ pub struct GenerationParams {
 pub struct UnsupportedParams {
     /// Structured outputs (`json_object`, `json_schema`); `{"type": "text"}` is neutral.
     pub response_format: Option<Value>,
-    /// Token id → bias; `{}` is neutral.
-    pub logit_bias: Option<Value>,
-    /// 0 is neutral.
-    pub presence_penalty: Option<Value>,
-    /// 0 is neutral.
-    pub frequency_penalty: Option<Value>,
-    /// Extension; 1 is neutral.
-    pub repetition_penalty: Option<Value>,
-    /// Extension; 0 is neutral.
-    pub min_tokens: Option<Value>,
-    /// Extension; 0 is neutral.
-    pub min_p: Option<Value>,
     /// `"none"` is neutral.
     pub tool_choice: Option<Value>,
     /// 0 is neutral.

@@ -15,6 +15,8 @@ use tandem_core::{RequestId, SamplingParams};
 
 /// Most stop strings a request may carry.
 pub const MAX_STOP_STRINGS: usize = 16;
+/// Most tokens `logit_bias` may list.
+pub const MAX_LOGIT_BIAS: usize = 300;
 /// Most `stop_token_ids` a request may carry.
 pub const MAX_STOP_TOKEN_IDS: usize = 64;
 /// Completion length used when the request sets none (capped by the room left in the context).
@@ -237,6 +239,7 @@ fn check_params(params: &GenerationParams, model: &ModelAssets) -> Result<Common
         }
     };
     check_unsupported(&params.unsupported)?;
+    let controls = check_controls(params, model)?;
     let seed = params
         .seed
         .map_or_else(rand::random::<u64>, |seed| seed as u64);
@@ -249,10 +252,111 @@ fn check_params(params: &GenerationParams, model: &ModelAssets) -> Result<Common
             max_tokens: 0, // set once the prompt length is known
             stop_token_ids,
             ignore_eos: params.ignore_eos.unwrap_or(false),
+            ..controls
         },
         stop,
         stream,
         include_usage,
+    })
+}
+
+/// A number field in `range` (inclusive), `None` when absent or null.
+fn number_in(
+    v: &Option<Value>,
+    field: &'static str,
+    range: std::ops::RangeInclusive<f64>,
+) -> Result<Option<f64>, ApiError> {
+    match v {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Number(n)) => {
+            let x = n.as_f64().unwrap_or(f64::NAN);
+            if range.contains(&x) {
+                Ok(Some(x))
+            } else {
+                Err(ApiError::invalid(
+                    format!(
+                        "`{field}` must be in [{}, {}], got {x}",
+                        range.start(),
+                        range.end()
+                    ),
+                    Some(field),
+                ))
+            }
+        }
+        Some(other) => Err(ApiError::invalid(
+            format!("`{field}` must be a number, got {other}"),
+            Some(field),
+        )),
+    }
+}
+
+/// Penalties, bias, `min_p` and `min_tokens`, checked (`min_tokens` against `max_tokens`
+/// later, once that is settled), into otherwise default parameters.
+fn check_controls(
+    params: &GenerationParams,
+    model: &ModelAssets,
+) -> Result<SamplingParams, ApiError> {
+    let presence = number_in(&params.presence_penalty, "presence_penalty", -2.0..=2.0)?;
+    let frequency = number_in(&params.frequency_penalty, "frequency_penalty", -2.0..=2.0)?;
+    let repetition = number_in(&params.repetition_penalty, "repetition_penalty", 0.0..=2.0)?;
+    if repetition == Some(0.0) {
+        return Err(ApiError::invalid(
+            "`repetition_penalty` must be greater than 0 (1 is off)",
+            Some("repetition_penalty"),
+        ));
+    }
+    let min_p = number_in(&params.min_p, "min_p", 0.0..=1.0)?;
+    let min_tokens = match &params.min_tokens {
+        None | Some(Value::Null) => 0,
+        Some(v) => v
+            .as_u64()
+            .and_then(|n| u32::try_from(n).ok())
+            .ok_or_else(|| {
+                ApiError::invalid(
+                    format!("`min_tokens` must be a non-negative integer, got {v}"),
+                    Some("min_tokens"),
+                )
+            })?,
+    };
+    let mut logit_bias = Vec::new();
+    match &params.logit_bias {
+        None | Some(Value::Null) => {}
+        Some(Value::Object(o)) => {
+            if o.len() > MAX_LOGIT_BIAS {
+                return Err(ApiError::invalid(
+                    format!("`logit_bias` may list at most {MAX_LOGIT_BIAS} tokens"),
+                    Some("logit_bias"),
+                ));
+            }
+            for (k, v) in o {
+                let id: u32 = k.parse().map_err(|_| {
+                    ApiError::invalid(
+                        format!("`logit_bias` keys must be token ids, got {k:?}"),
+                        Some("logit_bias"),
+                    )
+                })?;
+                let ids = token_ids(&[i64::from(id)], model, "logit_bias")?;
+                let bias =
+                    number_in(&Some(v.clone()), "logit_bias", -100.0..=100.0)?.unwrap_or(0.0);
+                logit_bias.push((ids[0], bias as f32));
+            }
+            logit_bias.sort_by_key(|&(id, _)| id);
+        }
+        Some(other) => {
+            return Err(ApiError::invalid(
+                format!("`logit_bias` must be an object, got {other}"),
+                Some("logit_bias"),
+            ))
+        }
+    }
+    Ok(SamplingParams {
+        presence_penalty: presence.unwrap_or(0.0) as f32,
+        frequency_penalty: frequency.unwrap_or(0.0) as f32,
+        repetition_penalty: repetition.unwrap_or(1.0) as f32,
+        min_p: min_p.unwrap_or(0.0) as f32,
+        min_tokens,
+        logit_bias,
+        ..SamplingParams::default()
     })
 }
 
@@ -274,14 +378,7 @@ fn check_unsupported(u: &crate::protocol::UnsupportedParams) -> Result<(), ApiEr
             )),
         }
     }
-    for (v, field, neutral) in [
-        (&u.presence_penalty, "presence_penalty", 0.0),
-        (&u.frequency_penalty, "frequency_penalty", 0.0),
-        (&u.repetition_penalty, "repetition_penalty", 1.0),
-        (&u.min_tokens, "min_tokens", 0.0),
-        (&u.min_p, "min_p", 0.0),
-        (&u.top_logprobs, "top_logprobs", 0.0),
-    ] {
+    for (v, field, neutral) in [(&u.top_logprobs, "top_logprobs", 0.0)] {
         if let Some(v) = v {
             number(v, field, neutral)?;
         }
@@ -306,22 +403,6 @@ fn check_unsupported(u: &crate::protocol::UnsupportedParams) -> Result<(), ApiEr
             return Err(ApiError::invalid(
                 format!("`response_format` must be an object, got {other}"),
                 Some("response_format"),
-            ))
-        }
-    }
-    match &u.logit_bias {
-        None | Some(Value::Null) => {}
-        Some(Value::Object(o)) if o.is_empty() => {}
-        Some(Value::Object(_)) => {
-            return Err(ApiError::invalid(
-                "`logit_bias` is not supported yet",
-                Some("logit_bias"),
-            ))
-        }
-        Some(other) => {
-            return Err(ApiError::invalid(
-                format!("`logit_bias` must be an object, got {other}"),
-                Some("logit_bias"),
             ))
         }
     }
@@ -390,6 +471,15 @@ fn finish(
     };
     // room < context <= u32::MAX
     common.sampling.max_tokens = u32::try_from(max_tokens).unwrap_or(u32::MAX);
+    if common.sampling.min_tokens > common.sampling.max_tokens {
+        return Err(ApiError::invalid(
+            format!(
+                "`min_tokens` ({}) must not exceed the completion length ({})",
+                common.sampling.min_tokens, common.sampling.max_tokens
+            ),
+            Some("min_tokens"),
+        ));
+    }
     Ok(Prepared {
         request: ValidGenerateRequest {
             id,
@@ -563,11 +653,21 @@ mod tests {
                 json!({"type": "xml"}),
                 "must be text, json_object",
             ),
-            ("logit_bias", json!({"42": 5}), "not supported"),
-            ("presence_penalty", json!(0.5), "not supported"),
+            ("logit_bias", json!({"x": 5}), "must be token ids"),
+            ("logit_bias", json!({"42": 101}), "must be in [-100, 100]"),
+            (
+                "logit_bias",
+                json!({"99999999": 1}),
+                "outside the vocabulary",
+            ),
+            ("logit_bias", json!([1]), "must be an object"),
+            ("presence_penalty", json!(2.5), "must be in [-2, 2]"),
             ("frequency_penalty", json!("x"), "must be a number"),
-            ("repetition_penalty", json!(1.2), "not supported"),
-            ("min_tokens", json!(3), "not supported"),
+            ("repetition_penalty", json!(0), "greater than 0"),
+            ("repetition_penalty", json!(-1), "must be in [0, 2]"),
+            ("min_p", json!(1.5), "must be in [0, 1]"),
+            ("min_tokens", json!(-3), "non-negative integer"),
+            ("min_tokens", json!(9), "must not exceed"),
             ("tool_choice", json!("required"), "not supported"),
             ("stream_options", json!([]), "must be an object"),
         ] {
@@ -587,11 +687,34 @@ mod tests {
             ("presence_penalty", json!(0)),
             ("frequency_penalty", json!(0.0)),
             ("repetition_penalty", json!(1)),
+            ("min_p", json!(0)),
+            ("min_tokens", json!(0)),
             ("tool_choice", json!("none")),
             ("stream_options", json!({"include_usage": true})),
         ] {
             assert!(with(field, value.clone()).is_ok(), "{field} {value}");
         }
+    }
+
+    #[test]
+    fn sampling_controls_reach_the_parameters() {
+        let prepared = completion(serde_json::json!({
+            "prompt": [5, 6], "max_tokens": 8, "presence_penalty": 0.5,
+            "frequency_penalty": -1, "repetition_penalty": 1.3, "min_p": 0.05,
+            "min_tokens": 4, "logit_bias": {"7": 100, "3": -100}
+        }))
+        .expect("valid");
+        let s = &prepared.request.sampling;
+        assert_eq!(
+            (
+                s.presence_penalty,
+                s.frequency_penalty,
+                s.repetition_penalty
+            ),
+            (0.5, -1.0, 1.3)
+        );
+        assert_eq!((s.min_p, s.min_tokens), (0.05, 4));
+        assert_eq!(s.logit_bias, vec![(3, -100.0), (7, 100.0)]);
     }
 
     #[test]

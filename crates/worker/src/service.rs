@@ -205,6 +205,20 @@ fn sampling_from(p: Option<pb::SamplingParams>) -> SamplingParams {
         max_tokens: p.max_tokens,
         stop_token_ids: p.stop_token_ids,
         ignore_eos: p.ignore_eos,
+        presence_penalty: p.presence_penalty,
+        frequency_penalty: p.frequency_penalty,
+        repetition_penalty: if p.repetition_penalty <= 0.0 {
+            1.0
+        } else {
+            p.repetition_penalty
+        },
+        min_p: p.min_p,
+        min_tokens: p.min_tokens,
+        logit_bias: p
+            .logit_bias
+            .into_iter()
+            .map(|b| (b.token_id, b.bias))
+            .collect(),
     }
 }
 

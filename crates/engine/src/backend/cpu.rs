@@ -399,6 +399,19 @@ impl Ops for CpuBackend {
         }
     }
 
+    fn adjust_logits(
+        &self,
+        logits: &mut T,
+        vocab: usize,
+        rows: &[crate::sampling::SampleRow<'_>],
+        which: crate::sampling::Adjustment,
+    ) {
+        let values = f32s_mut(logits);
+        for (i, r) in rows.iter().enumerate() {
+            crate::sampling::adjust_row(&mut values[i * vocab..(i + 1) * vocab], r, which);
+        }
+    }
+
     fn sample(
         &self,
         logits: &T,

@@ -18,6 +18,7 @@ pub use comm::TensorComm;
 pub use cpu::{CpuBackend, CpuStorage};
 
 use crate::kv_pool::KvCache;
+use crate::sampling::{Adjustment, SampleRow};
 use crate::step::StepMeta;
 use crate::tensor::{DType, HostTensor, Tensor};
 use crate::Result;
@@ -266,6 +267,32 @@ pub trait Ops: Backend {
         rows: usize,
         out: &mut Tensor<Self>,
     );
+    /// Applies `which` adjustments ([`crate::sampling::adjust_row`]) to the first
+    /// `rows.len()` logits rows in place, before [`Ops::sample`]. The default body copies
+    /// the logits through host memory (only steps with a request that asks for bias,
+    /// penalties, `min_tokens` or `min_p` pay for it); a backend may do it on the device.
+    fn adjust_logits(
+        &self,
+        logits: &mut Tensor<Self>,
+        vocab: usize,
+        rows: &[SampleRow<'_>],
+        which: Adjustment,
+    ) {
+        if !crate::sampling::any_adjusts(rows, which) {
+            return;
+        }
+        let host = self.download(logits);
+        let shape = host.shape().to_vec();
+        let mut values = host.to_f32_vec();
+        for (i, r) in rows.iter().enumerate() {
+            crate::sampling::adjust_row(&mut values[i * vocab..(i + 1) * vocab], r, which);
+        }
+        let adjusted =
+            HostTensor::from_f32(&shape, values).and_then(|t| self.overwrite(logits, &t));
+        if let Err(e) = adjusted {
+            tracing::error!(error = %e, "adjusting logits failed; sampling them unadjusted");
+        }
+    }
     /// Picks one token per logits row on the device (greedy, temperature, top-k, top-p,
     /// seeded by `(params.seed, step)`); only the ids come back to the host.
     fn sample(

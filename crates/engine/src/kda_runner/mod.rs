@@ -26,11 +26,11 @@ use crate::batch::ForwardBatch;
 use crate::handoff::Handoff;
 use crate::kda_hybrid::{KdaHybridState, LatentPool, LayerState};
 use crate::kv_pool::BlockAllocator;
+use crate::sampling::{adjust_row, Adjustment, SampleRow};
 use crate::scheduler::{Engine, EngineConfig};
 use crate::served::{HandoffSpec, Pools, Reservation, ServedInfo, ServedModel, StateSlot};
 use crate::{Error, Result};
 use std::sync::Arc;
-use tandem_core::SamplingParams;
 
 /// A KDA-hybrid model as the engine serves it: the model, every group's state slots, the
 /// latent pool, and the last step's logits rows.
@@ -165,13 +165,14 @@ impl ServedModel for KdaServed {
         Ok(())
     }
 
-    fn sample(&mut self, rows: &[(&SamplingParams, u32)], out: &mut Vec<u32>) {
+    fn sample(&mut self, rows: &[SampleRow<'_>], out: &mut Vec<u32>) {
         out.clear();
-        out.extend(
-            rows.iter()
-                .zip(&self.logits)
-                .map(|(&(params, step), logits)| crate::sampling::sample(logits, params, step)),
-        );
+        for (r, logits) in rows.iter().zip(&mut self.logits) {
+            for which in [Adjustment::Penalties, Adjustment::MinP] {
+                adjust_row(logits, r, which);
+            }
+            out.push(crate::sampling::sample(logits, r.params, r.step));
+        }
     }
 
     fn begin(&mut self, r: &mut Reservation) -> Result<()> {
@@ -216,6 +217,7 @@ mod tests {
     use super::*;
     use crate::kda_hybrid::KdaHybridModel;
     use crate::scheduler::{EngineEvent, SeqKind};
+    use tandem_core::SamplingParams;
     use tandem_topology::Layout;
     use tokio::sync::mpsc::UnboundedReceiver;
 

@@ -1,0 +1,172 @@
+//! Sampling controls through the OpenAI API (`presence_penalty`, `frequency_penalty`,
+//! `repetition_penalty`, `logit_bias`, `min_p`, `min_tokens`), on SmolLM2 with its real
+//! weights: each changes the output where it must, and a P/D pair (the prefill worker samples
+//! the first token, the decode worker the rest) answers exactly as an aggregated worker (one
+//! process) does, greedy and seeded. The official `openai` client sends them.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use serde_json::{json, Value};
+use tandem_e2e::{Cluster, ClusterOptions};
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// A prompt whose greedy continuation repeats itself: penalties must change it.
+const LOOP: &str = "one two one two one two one two one two";
+
+async fn complete(c: &reqwest::Client, url: &str, extra: Value) -> Value {
+    let mut body = json!({"prompt": LOOP, "max_tokens": 24, "temperature": 0});
+    for (k, v) in extra.as_object().expect("object") {
+        body[k] = v.clone();
+    }
+    let resp = c
+        .post(format!("{url}/v1/completions"))
+        .json(&body)
+        .send()
+        .await
+        .expect("send");
+    let status = resp.status();
+    let v: Value = resp.json().await.expect("json");
+    assert_eq!(status, 200, "{body} -> {v}");
+    v
+}
+
+fn text(v: &Value) -> String {
+    v["choices"][0]["text"].as_str().expect("text").to_string()
+}
+
+#[test]
+fn sampling_controls_change_the_output_and_pd_equals_one_process() {
+    let pd = Cluster::start(ClusterOptions::default());
+    let one = Cluster::start(ClusterOptions {
+        pd_pair: false,
+        aggregated: true,
+        ..ClusterOptions::default()
+    });
+    let (pd_url, one_url) = (pd.url.clone(), one.url.clone());
+    rt().block_on(async move {
+        let c = reqwest::Client::new();
+        let plain = text(&complete(&c, &one_url, json!({})).await);
+        let seeded = json!({"temperature": 1.2, "seed": 7});
+        let cases = [
+            ("presence_penalty", json!({"presence_penalty": 2.0})),
+            ("frequency_penalty", json!({"frequency_penalty": 2.0})),
+            ("repetition_penalty", json!({"repetition_penalty": 1.8})),
+            ("seeded", seeded.clone()),
+            (
+                "min_p",
+                json!({"temperature": 1.2, "seed": 7, "min_p": 0.3}),
+            ),
+            (
+                "seeded penalties",
+                json!({"temperature": 1.2, "seed": 7, "frequency_penalty": 1.0,
+                       "logit_bias": {"28": -100}}),
+            ),
+        ];
+        let mut outputs = Vec::new();
+        for (name, extra) in &cases {
+            let a = text(&complete(&c, &one_url, extra.clone()).await);
+            let b = text(&complete(&c, &pd_url, extra.clone()).await);
+            assert_eq!(a, b, "{name}: P/D differs from one process");
+            outputs.push((name, a));
+        }
+        for (name, out) in &outputs[..3] {
+            assert_ne!(out, &plain, "{name} did not change a repeating output");
+        }
+        assert_ne!(
+            outputs[4].1, outputs[3].1,
+            "min_p did not change a hot seeded sample"
+        );
+        // A bias of +100 forces one token at every step.
+        for url in [&pd_url, &one_url] {
+            let v = complete(
+                &c,
+                url,
+                json!({"max_tokens": 6, "logit_bias": {"1000": 100}}),
+            )
+            .await;
+            let t = text(&v);
+            assert_eq!(v["usage"]["completion_tokens"], 6, "{v}");
+            let unit = &t[..t.len() / 6];
+            assert!(
+                !unit.is_empty() && t == unit.repeat(6),
+                "{t:?} is not one token 6 times"
+            );
+        }
+        // min_tokens holds EOS back: the chat answer goes on past its usual end.
+        let chat = |min: u32| {
+            json!({"messages": [{"role": "user", "content": "What is the capital of France?"}],
+                   "max_tokens": 40, "temperature": 0, "min_tokens": min})
+        };
+        for url in [&pd_url, &one_url] {
+            let short: Value = c
+                .post(format!("{url}/v1/chat/completions"))
+                .json(&chat(0))
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            let long: Value = c
+                .post(format!("{url}/v1/chat/completions"))
+                .json(&chat(30))
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            let n = |v: &Value| v["usage"]["completion_tokens"].as_u64().unwrap_or(0);
+            assert!(n(&short) < 30, "{short}");
+            assert!(n(&long) >= 30, "min_tokens 30 gave {long}");
+        }
+        for url in [&pd_url, &one_url] {
+            let workers = tandem_e2e::workers_when_idle(&c, url).await;
+            assert!(tandem_e2e::pools_full(&workers, None), "{workers}");
+        }
+    });
+    // The official client sends them as OpenAI defines them (extensions in extra_body).
+    let script = format!(
+        r#"
+import openai
+def run(url, **kw):
+    c = openai.OpenAI(base_url=url + "/v1", api_key="unused")
+    r = c.completions.create(model="smollm2-135m-instruct", prompt="{LOOP}",
+        max_tokens=16, temperature=0, **kw)
+    return r.choices[0].text
+kw = dict(presence_penalty=1.5, frequency_penalty=0.5, logit_bias={{"28": -100}},
+          extra_body={{"repetition_penalty": 1.2, "min_tokens": 8}})
+a, b = run("{pd}", **kw), run("{one}", **kw)
+assert a == b, (a, b)
+assert a != run("{one}"), a
+try:
+    run("{pd}", presence_penalty=3)
+    raise SystemExit("presence_penalty 3 was accepted")
+except openai.BadRequestError as e:
+    assert "presence_penalty" in str(e), e
+print("ok", repr(a))
+"#,
+        pd = pd.url,
+        one = one.url
+    );
+    let out = std::process::Command::new("python3")
+        .arg("-c")
+        .arg(&script)
+        .output()
+        .expect("python3");
+    if !out.status.success() {
+        pd.dump_logs();
+    }
+    assert!(
+        out.status.success(),
+        "openai client:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
