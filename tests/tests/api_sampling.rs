@@ -170,3 +170,115 @@ print("ok", repr(a))
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// Log-probabilities: greedy tokens carry the top log-probability, alternatives come most
+/// likely first, streamed chunks carry their own tokens' entries, completions use the
+/// legacy shape, and a P/D pair reports what one process does.
+#[test]
+fn logprobs_follow_openai_shapes_and_pd_equals_one_process() {
+    let pd = Cluster::start(ClusterOptions::default());
+    let one = Cluster::start(ClusterOptions {
+        pd_pair: false,
+        aggregated: true,
+        ..ClusterOptions::default()
+    });
+    let (pd_url, one_url) = (pd.url.clone(), one.url.clone());
+    rt().block_on(async move {
+        let c = reqwest::Client::new();
+        let body = json!({"prompt": "The capital of France is", "max_tokens": 6,
+                          "temperature": 0, "logprobs": 3});
+        let mut got = Vec::new();
+        for url in [&pd_url, &one_url] {
+            let v: Value = c
+                .post(format!("{url}/v1/completions"))
+                .json(&body)
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            let lp = &v["choices"][0]["logprobs"];
+            let tokens = lp["tokens"].as_array().expect("tokens");
+            assert_eq!(tokens.len(), 6, "{v}");
+            let joined: String = tokens.iter().map(|t| t.as_str().unwrap()).collect();
+            assert_eq!(joined, text(&v), "the tokens spell the text");
+            let offsets: Vec<u64> = lp["text_offset"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|o| o.as_u64().unwrap())
+                .collect();
+            assert_eq!(offsets[0], 0);
+            assert!(offsets.windows(2).all(|w| w[0] <= w[1]), "{offsets:?}");
+            for (i, top) in lp["top_logprobs"].as_array().unwrap().iter().enumerate() {
+                let top = top.as_object().unwrap();
+                let best = top
+                    .values()
+                    .map(|x| x.as_f64().unwrap())
+                    .fold(f64::MIN, f64::max);
+                let chosen = lp["token_logprobs"][i].as_f64().unwrap();
+                assert!(chosen <= 0.0);
+                assert!((chosen - best).abs() < 1e-6, "greedy picks the best: {v}");
+            }
+            got.push(lp["token_logprobs"].clone());
+        }
+        let close = got[0]
+            .as_array()
+            .unwrap()
+            .iter()
+            .zip(got[1].as_array().unwrap())
+            .all(|(a, b)| (a.as_f64().unwrap() - b.as_f64().unwrap()).abs() < 1e-3);
+        assert!(close, "P/D {} vs one process {}", got[0], got[1]);
+        for url in [&pd_url, &one_url] {
+            let workers = tandem_e2e::workers_when_idle(&c, url).await;
+            assert!(tandem_e2e::pools_full(&workers, None), "{workers}");
+        }
+    });
+    let script = format!(
+        r#"
+import openai
+c = openai.OpenAI(base_url="{pd}/v1", api_key="unused")
+msgs = [{{"role": "user", "content": "What is the capital of France?"}}]
+r = c.chat.completions.create(model="smollm2-135m-instruct", messages=msgs, max_tokens=8, temperature=0,
+    logprobs=True, top_logprobs=4)
+content = r.choices[0].logprobs.content
+# The tokens spell the text, then the end-of-turn token that ended it (reported, not shown).
+joined = "".join(t.token for t in content)
+assert joined in (r.choices[0].message.content, r.choices[0].message.content + "<|im_end|>"), content
+for t in content:
+    tops = [x.logprob for x in t.top_logprobs]
+    assert len(tops) == 4 and tops == sorted(tops, reverse=True), tops
+    assert t.token == t.top_logprobs[0].token and abs(t.logprob - tops[0]) < 1e-6, t
+    assert bytes(t.bytes) == t.token.encode()
+s = c.chat.completions.create(model="smollm2-135m-instruct", messages=msgs, max_tokens=8, temperature=0,
+    logprobs=True, top_logprobs=2, stream=True)
+streamed, text = [], ""
+for ch in s:
+    if ch.choices and ch.choices[0].logprobs:
+        streamed += ch.choices[0].logprobs.content
+    if ch.choices and ch.choices[0].delta.content:
+        text += ch.choices[0].delta.content
+assert [t.token for t in streamed] == [t.token for t in content], (streamed, content)
+assert text == r.choices[0].message.content
+plain = c.chat.completions.create(model="smollm2-135m-instruct", messages=msgs, max_tokens=4, temperature=0)
+assert plain.choices[0].logprobs is None
+print("ok")
+"#,
+        pd = pd.url
+    );
+    let out = std::process::Command::new("python3")
+        .arg("-c")
+        .arg(&script)
+        .output()
+        .expect("python3");
+    if !out.status.success() {
+        pd.dump_logs();
+    }
+    assert!(
+        out.status.success(),
+        "openai client:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

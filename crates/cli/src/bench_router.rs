@@ -55,6 +55,7 @@ impl pb::worker_server::Worker for NullWorker {
                 let t = pb::TokenEvent {
                     token_id: 42 + i,
                     finish_reason: finish,
+                    logprobs: None,
                 };
                 if tx
                     .send(Ok(pb::DecodeEvent {
@@ -85,6 +86,7 @@ impl pb::worker_server::Worker for NullWorker {
             } else {
                 pb::FinishReason::Unspecified as i32
             },
+            first_logprobs: None,
         }))
     }
 

@@ -31,6 +31,19 @@ pub struct SamplingParams {
     pub min_tokens: u32,
     /// Added to the logit of each listed token (-100..=100 each).
     pub logit_bias: Vec<(u32, f32)>,
+    /// Report each generated token's log-probability and this many most likely
+    /// alternatives (`None`: none).
+    pub logprobs: Option<u32>,
+}
+
+/// A generated token's log-probability (over the logits after bias and penalties, before
+/// temperature and the top-k / top-p / min-p cuts) and the most likely tokens at its step.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct TokenLogprobs {
+    /// The chosen token's log-probability.
+    pub logprob: f32,
+    /// The most likely tokens and their log-probabilities, most likely first.
+    pub top: Vec<(u32, f32)>,
 }
 
 impl Default for SamplingParams {
@@ -49,6 +62,7 @@ impl Default for SamplingParams {
             min_p: 0.0,
             min_tokens: 0,
             logit_bias: Vec::new(),
+            logprobs: None,
         }
     }
 }

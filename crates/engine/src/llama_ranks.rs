@@ -19,6 +19,7 @@ use crate::{Error, Result};
 use std::ops::Range;
 use std::sync::{mpsc, Arc};
 use tandem_core::BlockId;
+use tandem_core::TokenLogprobs;
 
 /// One rank's model and buffers.
 struct Rank<B: Ops> {
@@ -494,14 +495,34 @@ impl<B: Ops> ServedModel for LlamaServed<B> {
         self.ranks.step(batch)
     }
 
-    fn sample(&mut self, rows: &[SampleRow<'_>], out: &mut Vec<u32>) {
+    fn sample(
+        &mut self,
+        rows: &[SampleRow<'_>],
+        out: &mut Vec<u32>,
+        logprobs: &mut Vec<Option<TokenLogprobs>>,
+    ) {
         let vocab = self.info.vocab_size;
         let backend = self.ranks.backend().clone();
-        for which in [Adjustment::Penalties, Adjustment::MinP] {
-            backend.adjust_logits(self.ranks.logits_mut(), vocab, rows, which);
-        }
+        backend.adjust_logits(self.ranks.logits_mut(), vocab, rows, Adjustment::Penalties);
+        // Log-probabilities are over the penalised logits, before the min-p cut.
+        let wanted: Vec<usize> = (0..rows.len())
+            .filter(|&i| rows[i].params.logprobs.is_some())
+            .collect();
+        let kept = if wanted.is_empty() {
+            Vec::new()
+        } else {
+            backend.download_rows(self.ranks.logits(), vocab, &wanted)
+        };
+        backend.adjust_logits(self.ranks.logits_mut(), vocab, rows, Adjustment::MinP);
         let plain: Vec<_> = rows.iter().map(|r| (r.params, r.step)).collect();
         backend.sample(self.ranks.logits(), vocab, &plain, out);
+        logprobs.clear();
+        logprobs.resize(rows.len(), None);
+        for (k, &i) in wanted.iter().enumerate() {
+            let top = rows[i].params.logprobs.unwrap_or(0);
+            let row = &kept[k * vocab..(k + 1) * vocab];
+            logprobs[i] = Some(crate::sampling::logprobs_of(row, out[i], top));
+        }
     }
 
     fn export(&mut self, r: &Reservation, prompt_len: usize) -> Result<Handoff> {

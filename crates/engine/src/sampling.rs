@@ -3,7 +3,7 @@
 //! rest from a decode worker, or all from one process.
 
 use rand::{Rng, SeedableRng};
-use tandem_core::SamplingParams;
+use tandem_core::{SamplingParams, TokenLogprobs};
 
 /// Index of the largest logit (the first one on ties, as `argmax` does).
 pub fn argmax(logits: &[f32]) -> u32 {
@@ -117,6 +117,29 @@ pub fn any_adjusts(rows: &[SampleRow<'_>], which: Adjustment) -> bool {
         Adjustment::Penalties => r.params.penalizes(),
         Adjustment::MinP => r.params.cuts_min_p(),
     })
+}
+
+/// The log-probability of `chosen` in `row` (log-softmax, no temperature) and the `top`
+/// most likely tokens, most likely first (ties by id).
+pub fn logprobs_of(row: &[f32], chosen: u32, top: u32) -> TokenLogprobs {
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f32 = row.iter().map(|&l| (l - max).exp()).sum();
+    let lse = max + sum.ln();
+    let lp = |l: f32| l - lse;
+    let k = (top as usize).min(row.len());
+    let mut best: Vec<u32> = (0..row.len() as u32).collect();
+    let order = |a: &u32, b: &u32| row[*b as usize].total_cmp(&row[*a as usize]).then(a.cmp(b));
+    if k > 0 && k < best.len() {
+        best.select_nth_unstable_by(k - 1, order);
+    }
+    best.truncate(k);
+    best.sort_unstable_by(order);
+    TokenLogprobs {
+        logprob: row
+            .get(chosen as usize)
+            .map_or(f32::NEG_INFINITY, |&l| lp(l)),
+        top: best.into_iter().map(|t| (t, lp(row[t as usize]))).collect(),
+    }
 }
 
 /// Samples generated token number `step` (0-based) of a request.
@@ -245,6 +268,19 @@ mod tests {
             let t = sample(&l, &params(1.0, 0, 1.0, s), 0);
             assert!(t == 0 || t == 2);
         }
+    }
+
+    #[test]
+    fn logprobs_are_a_log_softmax_with_the_best_first() {
+        let row = [1.0f32, 3.0, 2.0, 3.0];
+        let lp = logprobs_of(&row, 2, 3);
+        let lse = (1f32.exp() + 2.0 * 3f32.exp() + 2f32.exp()).ln();
+        assert!((lp.logprob - (2.0 - lse)).abs() < 1e-6);
+        let ids: Vec<u32> = lp.top.iter().map(|t| t.0).collect();
+        assert_eq!(ids, vec![1, 3, 2], "most likely first, ties by id");
+        let total: f32 = row.iter().map(|&l| (l - lse).exp()).sum();
+        assert!((total - 1.0).abs() < 1e-6);
+        assert!(logprobs_of(&row, 0, 0).top.is_empty());
     }
 
     #[test]

@@ -20,7 +20,7 @@ use parking_lot::Mutex;
 use std::collections::VecDeque;
 use std::sync::mpsc;
 use std::sync::Arc;
-use tandem_core::{FinishReason, SamplingParams};
+use tandem_core::{FinishReason, SamplingParams, TokenLogprobs};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 /// Engine tuning.
@@ -80,6 +80,8 @@ pub enum EngineEvent {
         token_id: u32,
         /// Why generation ended, on the last token.
         finish: Option<FinishReason>,
+        /// Its log-probabilities, when the request asked for them.
+        logprobs: Option<TokenLogprobs>,
     },
     /// Prefill role: the prompt is computed.
     Prefilled {
@@ -87,6 +89,8 @@ pub enum EngineEvent {
         first_token: u32,
         /// Set when the first token already ends the request.
         finish: Option<FinishReason>,
+        /// The first token's log-probabilities, when the request asked for them.
+        logprobs: Option<TokenLogprobs>,
         /// The prompt's state (K/V, or KDA state and MLA latents), typed.
         handoff: Handoff,
     },
@@ -157,7 +161,10 @@ impl Seq {
 pub fn blocking_tokens(mut events: UnboundedReceiver<EngineEvent>) -> Vec<u32> {
     let mut out = Vec::new();
     while let Some(ev) = events.blocking_recv() {
-        if let EngineEvent::Token { token_id, finish } = ev {
+        if let EngineEvent::Token {
+            token_id, finish, ..
+        } = ev
+        {
             out.push(token_id);
             if finish.is_some() {
                 break;
@@ -245,6 +252,7 @@ impl Engine {
                 let mut worker = Worker {
                     model,
                     sampled: Vec::with_capacity(config.max_running),
+                    logprobs: Vec::with_capacity(config.max_running),
                     config,
                     rx,
                     pools,
@@ -419,6 +427,7 @@ impl Engine {
 struct Worker<M: ServedModel> {
     model: M,
     sampled: Vec<u32>,
+    logprobs: Vec<Option<TokenLogprobs>>,
     config: EngineConfig,
     rx: mpsc::Receiver<Command>,
     pools: Pools,
@@ -608,10 +617,15 @@ impl<M: ServedModel> Worker<M> {
                 stop_ids: &seq.stop_ids,
             })
             .collect();
-        self.model.sample(&sampling, &mut self.sampled);
+        self.model
+            .sample(&sampling, &mut self.sampled, &mut self.logprobs);
         drop(sampling);
         let sampled = std::mem::take(&mut self.sampled);
-        let mut rows = sampled.iter().copied();
+        let mut logprobs = std::mem::take(&mut self.logprobs);
+        let mut rows = sampled
+            .iter()
+            .copied()
+            .zip(logprobs.drain(..).chain(std::iter::repeat(None)));
         let mut finished = Vec::new();
         let (mut prefilled, mut generated) = (0u64, 0u64);
         for (i, n) in in_batch {
@@ -623,7 +637,9 @@ impl<M: ServedModel> Worker<M> {
             if self.running[i].cached < self.running[i].tokens.len() {
                 continue; // more prompt chunks to go
             }
-            let Some(token) = rows.next() else { break };
+            let Some((token, token_logprobs)) = rows.next() else {
+                break;
+            };
             let seq = &mut self.running[i];
             seq.tokens.push(token);
             generated += 1;
@@ -642,6 +658,7 @@ impl<M: ServedModel> Worker<M> {
                     Ok(handoff) => EngineEvent::Prefilled {
                         first_token: token,
                         finish,
+                        logprobs: token_logprobs,
                         handoff,
                     },
                     Err(e) => {
@@ -655,6 +672,7 @@ impl<M: ServedModel> Worker<M> {
             let event = EngineEvent::Token {
                 token_id: token,
                 finish,
+                logprobs: token_logprobs,
             };
             if finish.is_some() {
                 let mut seq = std::mem::replace(&mut self.running[i], placeholder());
@@ -667,7 +685,9 @@ impl<M: ServedModel> Worker<M> {
                 self.release(&mut seq, true);
             }
         }
+        drop(rows);
         self.sampled = sampled;
+        self.logprobs = logprobs;
         finished.sort_unstable();
         finished.dedup();
         for i in finished.into_iter().rev() {

@@ -14,7 +14,7 @@ use crate::sampling::SampleRow;
 use crate::{Error, Result};
 use std::path::Path;
 use std::sync::Arc;
-use tandem_core::BlockId;
+use tandem_core::{BlockId, TokenLogprobs};
 use tandem_topology::Layout;
 
 /// Facts about a served model, fixed when it starts.
@@ -277,8 +277,13 @@ pub trait ServedModel: 'static {
     /// [`ServedModel::sample`].
     fn step(&mut self, batch: &ForwardBatch) -> Result<()>;
     /// One token per logits row of the last step (after each row's bias, penalties and
-    /// min-p cut).
-    fn sample(&mut self, rows: &[SampleRow<'_>], out: &mut Vec<u32>);
+    /// min-p cut), and for rows that ask for them the token's log-probabilities.
+    fn sample(
+        &mut self,
+        rows: &[SampleRow<'_>],
+        out: &mut Vec<u32>,
+        logprobs: &mut Vec<Option<TokenLogprobs>>,
+    );
     /// Makes a reservation's space ready before the request's first step (state zeroed,
     /// latent rows bound to its claim).
     fn begin(&mut self, r: &mut Reservation) -> Result<()> {

@@ -54,7 +54,10 @@ fn greedy_matches_transformers_all_cases_concurrently_and_alone() {
     }
     for (name, expected, mut rx) in pending {
         let mut got = Vec::new();
-        while let Some(EngineEvent::Token { token_id, finish }) = rx.blocking_recv() {
+        while let Some(EngineEvent::Token {
+            token_id, finish, ..
+        }) = rx.blocking_recv()
+        {
             got.push(token_id);
             if finish.is_some() {
                 break;

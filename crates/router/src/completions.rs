@@ -11,7 +11,8 @@ use crate::error::ApiError;
 use crate::metrics::Endpoint;
 use crate::protocol::{
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatDelta,
-    Completion, CompletionChoice, Usage,
+    ChatLogprobs, ChatTokenLogprob, ChatTopLogprob, Completion, CompletionChoice,
+    CompletionLogprobs, Usage,
 };
 use crate::server::{unix_now, RouterState};
 use crate::text_stream::{TextEvent, TextStream};
@@ -26,7 +27,8 @@ use axum::Json;
 use futures::{stream, StreamExt};
 use serde::Serialize;
 use std::convert::Infallible;
-use tandem_core::{FinishReason, RequestId};
+use std::sync::Arc;
+use tandem_core::{FinishReason, RequestId, TokenLogprobs};
 
 /// `POST /v1/chat/completions`
 pub(crate) async fn chat_completions(
@@ -71,6 +73,12 @@ async fn handle(
         model: state.served_name().to_owned(),
         include_usage,
         prompt_tokens: u32::try_from(request.prompt_token_ids.len()).unwrap_or(u32::MAX),
+        logprobs: request
+            .sampling
+            .logprobs
+            .is_some()
+            .then(|| state.model().tokenizer().clone()),
+        text_offset: std::cell::Cell::new(0),
     };
     let detokenizer =
         Detokenizer::new(state.model().tokenizer().clone(), &request.prompt_token_ids);
@@ -147,7 +155,10 @@ async fn respond_whole(mut text: TextStream, shape: Shape) -> Response {
             Some(Ok(TextEvent::Finished {
                 reason,
                 completion_tokens,
-            })) => return shape.whole(content, reason, completion_tokens),
+            })) => {
+                let logprobs = text.take_logprobs();
+                return shape.whole(content, &logprobs, reason, completion_tokens);
+            }
             Some(Err(err)) => return err.into_response(),
             None => return ApiError::internal("generation ended without a result").into_response(),
         }
@@ -199,13 +210,16 @@ impl SseDriver {
             Some(event) => Some(Ok(event)),
             None => self.text.next().await,
         };
+        let logprobs = self.text.take_logprobs();
         match next {
-            Some(Ok(TextEvent::Delta(delta))) => events.push(self.shape.delta_chunk(delta)),
+            Some(Ok(TextEvent::Delta(delta))) => {
+                events.push(self.shape.delta_chunk(delta, &logprobs));
+            }
             Some(Ok(TextEvent::Finished {
                 reason,
                 completion_tokens,
             })) => {
-                events.push(self.shape.finish_chunk(reason));
+                events.push(self.shape.finish_chunk(reason, &logprobs));
                 if self.shape.include_usage {
                     events.push(self.shape.usage_chunk(completion_tokens));
                 }
@@ -222,7 +236,7 @@ impl SseDriver {
     }
 }
 
-/// How answers of one request look: ids, object names, usage.
+/// How answers of one request look: ids, object names, usage, log-probabilities.
 struct Shape {
     endpoint: Endpoint,
     id: String,
@@ -230,10 +244,78 @@ struct Shape {
     model: String,
     include_usage: bool,
     prompt_tokens: u32,
+    /// Set when the request asked for log-probabilities: renders their tokens.
+    logprobs: Option<Arc<tokenizers::Tokenizer>>,
+    /// Completions: characters of generated text before the next token reported.
+    text_offset: std::cell::Cell<u32>,
+}
+
+/// A reported log-probability (JSON has no infinities; vLLM's floor).
+fn finite(lp: f32) -> f32 {
+    lp.max(-9999.0)
 }
 
 impl Shape {
-    fn whole(&self, text: String, reason: FinishReason, completion_tokens: u32) -> Response {
+    fn token_text(tokenizer: &tokenizers::Tokenizer, id: u32) -> String {
+        tokenizer.decode(&[id], false).unwrap_or_default()
+    }
+
+    fn chat_logprobs(&self, entries: &[(u32, TokenLogprobs)]) -> Option<ChatLogprobs> {
+        let tk = self.logprobs.as_ref()?;
+        let content = entries
+            .iter()
+            .map(|(id, lp)| {
+                let token = Self::token_text(tk, *id);
+                ChatTokenLogprob {
+                    bytes: token.as_bytes().to_vec(),
+                    token,
+                    logprob: finite(lp.logprob),
+                    top_logprobs: lp
+                        .top
+                        .iter()
+                        .map(|&(t, l)| {
+                            let token = Self::token_text(tk, t);
+                            ChatTopLogprob {
+                                bytes: token.as_bytes().to_vec(),
+                                token,
+                                logprob: finite(l),
+                            }
+                        })
+                        .collect(),
+                }
+            })
+            .collect();
+        Some(ChatLogprobs { content })
+    }
+
+    fn completion_logprobs(&self, entries: &[(u32, TokenLogprobs)]) -> Option<CompletionLogprobs> {
+        let tk = self.logprobs.as_ref()?;
+        let mut out = CompletionLogprobs::default();
+        for (id, lp) in entries {
+            let token = Self::token_text(tk, *id);
+            let at = self.text_offset.get();
+            self.text_offset
+                .set(at + u32::try_from(token.chars().count()).unwrap_or(0));
+            out.text_offset.push(at);
+            out.tokens.push(token);
+            out.token_logprobs.push(finite(lp.logprob));
+            out.top_logprobs.push(
+                lp.top
+                    .iter()
+                    .map(|&(t, l)| (Self::token_text(tk, t), finite(l)))
+                    .collect(),
+            );
+        }
+        Some(out)
+    }
+
+    fn whole(
+        &self,
+        text: String,
+        logprobs: &[(u32, TokenLogprobs)],
+        reason: FinishReason,
+        completion_tokens: u32,
+    ) -> Response {
         let usage = Usage::new(self.prompt_tokens, completion_tokens);
         match self.endpoint {
             Endpoint::ChatCompletions => Json(ChatCompletion {
@@ -247,7 +329,7 @@ impl Shape {
                         role: "assistant",
                         content: text,
                     },
-                    logprobs: None,
+                    logprobs: self.chat_logprobs(logprobs),
                     finish_reason: reason,
                 }],
                 usage,
@@ -261,7 +343,7 @@ impl Shape {
                 choices: vec![CompletionChoice {
                     index: 0,
                     text,
-                    logprobs: None,
+                    logprobs: self.completion_logprobs(logprobs),
                     finish_reason: Some(reason),
                 }],
                 usage: Some(Some(usage)),
@@ -278,27 +360,36 @@ impl Shape {
                     role: Some("assistant"),
                     content: Some(String::new()),
                 },
+                &[],
                 None,
             )
         })
     }
 
-    fn delta_chunk(&self, text: String) -> Event {
+    fn delta_chunk(&self, text: String, logprobs: &[(u32, TokenLogprobs)]) -> Event {
         self.chunk(
             ChatDelta {
                 role: None,
                 content: Some(text),
             },
+            logprobs,
             None,
         )
     }
 
-    fn finish_chunk(&self, reason: FinishReason) -> Event {
-        self.chunk(ChatDelta::default(), Some(reason))
+    fn finish_chunk(&self, reason: FinishReason, logprobs: &[(u32, TokenLogprobs)]) -> Event {
+        self.chunk(ChatDelta::default(), logprobs, Some(reason))
     }
 
-    /// A content chunk; `delta.content` becomes `text` for completions.
-    fn chunk(&self, delta: ChatDelta, finish_reason: Option<FinishReason>) -> Event {
+    /// A content chunk; `delta.content` becomes `text` for completions. Carries the
+    /// log-probabilities of the tokens that arrived with it (none on the role chunk).
+    fn chunk(
+        &self,
+        delta: ChatDelta,
+        logprobs: &[(u32, TokenLogprobs)],
+        finish_reason: Option<FinishReason>,
+    ) -> Event {
+        let some = |l: &[(u32, TokenLogprobs)]| !l.is_empty();
         let usage = self.include_usage.then_some(None);
         match self.endpoint {
             Endpoint::ChatCompletions => json_event(&ChatCompletionChunk {
@@ -309,7 +400,7 @@ impl Shape {
                 choices: vec![ChatChunkChoice {
                     index: 0,
                     delta,
-                    logprobs: None,
+                    logprobs: self.chat_logprobs(logprobs).filter(|_| some(logprobs)),
                     finish_reason,
                 }],
                 usage,
@@ -322,7 +413,9 @@ impl Shape {
                 choices: vec![CompletionChoice {
                     index: 0,
                     text: delta.content.unwrap_or_default(),
-                    logprobs: None,
+                    logprobs: self
+                        .completion_logprobs(logprobs)
+                        .filter(|_| some(logprobs)),
                     finish_reason,
                 }],
                 usage,

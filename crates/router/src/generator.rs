@@ -8,7 +8,7 @@
 use futures::stream::BoxStream;
 use std::future::Future;
 use std::pin::Pin;
-use tandem_core::{ErrorClass, FinishReason, RequestId, SamplingParams};
+use tandem_core::{ErrorClass, FinishReason, RequestId, SamplingParams, TokenLogprobs};
 
 /// A request that passed validation: token ids, checked sampling parameters.
 #[derive(Clone, Debug)]
@@ -22,12 +22,14 @@ pub struct ValidGenerateRequest {
 }
 
 /// One generated token.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct GeneratedToken {
     /// The token.
     pub token_id: u32,
     /// Set on the last token of the stream.
     pub finish_reason: Option<FinishReason>,
+    /// Its log-probabilities, when the request asked for them.
+    pub logprobs: Option<TokenLogprobs>,
 }
 
 /// A classified generation failure.

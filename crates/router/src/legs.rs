@@ -16,6 +16,13 @@ pub(crate) fn finish_from_pb(v: i32) -> Option<FinishReason> {
     }
 }
 
+fn logprobs_from_pb(l: pb::Logprobs) -> tandem_core::TokenLogprobs {
+    tandem_core::TokenLogprobs {
+        logprob: l.logprob,
+        top: l.top.into_iter().map(|t| (t.token_id, t.logprob)).collect(),
+    }
+}
+
 pub(crate) fn to_pb(req: &ValidGenerateRequest) -> pb::GenerateRequest {
     let s = &req.sampling;
     pb::GenerateRequest {
@@ -34,6 +41,7 @@ pub(crate) fn to_pb(req: &ValidGenerateRequest) -> pb::GenerateRequest {
             repetition_penalty: s.repetition_penalty,
             min_p: s.min_p,
             min_tokens: s.min_tokens,
+            logprobs: s.logprobs,
             logit_bias: s
                 .logit_bias
                 .iter()
@@ -62,6 +70,7 @@ pub(crate) async fn try_aggregated(
     let token = |t: pb::TokenEvent| GeneratedToken {
         token_id: t.token_id,
         finish_reason: finish_from_pb(t.finish_reason),
+        logprobs: t.logprobs.map(logprobs_from_pb),
     };
     let id = w.id.clone();
     let ended = move || {
@@ -75,8 +84,9 @@ pub(crate) async fn try_aggregated(
         None => return Err(ended()),
     };
     tracker.phase(crate::inflight::Phase::Decoding);
+    let ends = first.finish_reason.is_some();
     let head = futures::stream::once(async move { Ok(first) });
-    if first.finish_reason.is_some() {
+    if ends {
         return Ok(head.boxed());
     }
     // The load claim rides along with the stream.
@@ -171,9 +181,11 @@ pub(crate) async fn try_pair(
     let first = GeneratedToken {
         token_id: first.first_token_id,
         finish_reason: finish_from_pb(first.finish_reason),
+        logprobs: first.first_logprobs.map(logprobs_from_pb),
     };
+    let ends = first.finish_reason.is_some();
     let head = futures::stream::once(async move { Ok(first) });
-    if first.finish_reason.is_some() {
+    if ends {
         // Dropping `decode` here cancels the reservation on the decode worker.
         return Ok(head.boxed());
     }
@@ -190,6 +202,7 @@ pub(crate) async fn try_pair(
                     let tok = GeneratedToken {
                         token_id: t.token_id,
                         finish_reason: finish_from_pb(t.finish_reason),
+                        logprobs: t.logprobs.map(logprobs_from_pb),
                     };
                     let more = tok.finish_reason.is_none();
                     return Some((Ok(tok), more.then_some((decode, dp_slot))));

@@ -34,7 +34,8 @@ pub struct GenerationParams {
     pub stop_token_ids: Option<Vec<i64>>,
     /// Extension: keep generating past EOS.
     pub ignore_eos: Option<bool>,
-    /// Log-probabilities are not supported; only `null`/`false`/`0` is accepted.
+    /// Chat: `true` reports each token's log-probability; completions: an integer, the
+    /// alternatives per token (0..=20).
     pub logprobs: Option<Value>,
     /// -2..=2; 0 is off.
     pub presence_penalty: Option<Value>,
@@ -62,8 +63,6 @@ pub struct UnsupportedParams {
     pub response_format: Option<Value>,
     /// `"none"` is neutral.
     pub tool_choice: Option<Value>,
-    /// 0 is neutral.
-    pub top_logprobs: Option<Value>,
 }
 
 /// `stop`: one string or a list.
@@ -96,6 +95,8 @@ pub struct ChatCompletionRequest {
     pub max_completion_tokens: Option<i64>,
     /// Tool calling is not supported; only an empty list is accepted.
     pub tools: Option<Vec<Value>>,
+    /// With `logprobs: true`: alternatives per token, 0..=20.
+    pub top_logprobs: Option<Value>,
     /// The shared fields.
     #[serde(flatten)]
     pub params: GenerationParams,
@@ -220,8 +221,8 @@ pub struct ChatChoice {
     pub index: u32,
     /// The assistant's message.
     pub message: AssistantMessage,
-    /// Always `null`.
-    pub logprobs: Option<()>,
+    /// Per-token log-probabilities when asked for, else `null`.
+    pub logprobs: Option<ChatLogprobs>,
     /// Why generation ended.
     pub finish_reason: FinishReason,
 }
@@ -260,8 +261,8 @@ pub struct ChatChunkChoice {
     pub index: u32,
     /// What this chunk adds.
     pub delta: ChatDelta,
-    /// Always `null`.
-    pub logprobs: Option<()>,
+    /// The log-probabilities of this chunk's tokens when asked for, else `null`.
+    pub logprobs: Option<ChatLogprobs>,
     /// Set on the last content chunk.
     pub finish_reason: Option<FinishReason>,
 }
@@ -302,10 +303,54 @@ pub struct CompletionChoice {
     pub index: u32,
     /// Generated text (or this chunk's part of it).
     pub text: String,
-    /// Always `null`.
-    pub logprobs: Option<()>,
+    /// Per-token log-probabilities when asked for, else `null`.
+    pub logprobs: Option<CompletionLogprobs>,
     /// Why generation ended; `null` on intermediate chunks.
     pub finish_reason: Option<FinishReason>,
+}
+
+/// A chat choice's `logprobs`: one entry per generated token.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct ChatLogprobs {
+    /// The tokens, in order.
+    pub content: Vec<ChatTokenLogprob>,
+}
+
+/// One token of [`ChatLogprobs`].
+#[derive(Clone, Debug, Serialize)]
+pub struct ChatTokenLogprob {
+    /// The token's text.
+    pub token: String,
+    /// Its log-probability.
+    pub logprob: f32,
+    /// Its text's UTF-8 bytes.
+    pub bytes: Vec<u8>,
+    /// The most likely tokens at its position, most likely first.
+    pub top_logprobs: Vec<ChatTopLogprob>,
+}
+
+/// One alternative of [`ChatTokenLogprob`].
+#[derive(Clone, Debug, Serialize)]
+pub struct ChatTopLogprob {
+    /// The token's text.
+    pub token: String,
+    /// Its log-probability.
+    pub logprob: f32,
+    /// Its text's UTF-8 bytes.
+    pub bytes: Vec<u8>,
+}
+
+/// A completion choice's `logprobs` (the legacy completions shape).
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct CompletionLogprobs {
+    /// Each token's text.
+    pub tokens: Vec<String>,
+    /// Each token's log-probability.
+    pub token_logprobs: Vec<f32>,
+    /// Per token, the most likely tokens' texts and log-probabilities.
+    pub top_logprobs: Vec<std::collections::BTreeMap<String, f32>>,
+    /// Each token's character offset in the generated text.
+    pub text_offset: Vec<u32>,
 }
 
 /// `GET /v1/models`.

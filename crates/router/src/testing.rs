@@ -109,6 +109,7 @@ impl MemoryGenerator {
                 tokens.push(Ok(GeneratedToken {
                     token_id,
                     finish_reason,
+                    logprobs: None,
                 }));
                 if finish_reason.is_some() {
                     ended = true;

@@ -13,7 +13,7 @@ use crate::metrics::RequestRecord;
 use crate::stop_strings::StopMatcher;
 use futures::StreamExt;
 use std::collections::VecDeque;
-use tandem_core::FinishReason;
+use tandem_core::{FinishReason, TokenLogprobs};
 
 /// What a client sees of a generation.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -38,6 +38,8 @@ pub(crate) struct TextStream {
     completion_tokens: u32,
     queued: VecDeque<TextEvent>,
     record: RequestRecord,
+    /// Log-probabilities of the tokens since the last [`TextStream::take_logprobs`].
+    logprobs: Vec<(u32, TokenLogprobs)>,
 }
 
 impl TextStream {
@@ -58,6 +60,7 @@ impl TextStream {
             completion_tokens: 0,
             queued: VecDeque::new(),
             record,
+            logprobs: Vec::new(),
         }
     }
 
@@ -86,6 +89,9 @@ impl TextStream {
             };
             self.completion_tokens += 1;
             self.record.token();
+            if let Some(lp) = token.logprobs {
+                self.logprobs.push((token.token_id, lp));
+            }
             let delta = match self.detokenizer.push(token.token_id) {
                 Ok(delta) => delta,
                 Err(err) => {
@@ -142,6 +148,12 @@ impl TextStream {
         });
         self.record.succeeded();
         Ok(())
+    }
+
+    /// The tokens (with their log-probabilities) that arrived since the last call: those
+    /// behind the text returned so far, and at the end every remaining one.
+    pub(crate) fn take_logprobs(&mut self) -> Vec<(u32, TokenLogprobs)> {
+        std::mem::take(&mut self.logprobs)
     }
 
     /// Records `err` as the outcome and stops.

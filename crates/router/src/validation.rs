@@ -51,7 +51,8 @@ pub fn prepare_chat(
 ) -> Result<Prepared, ApiError> {
     check_model(request.model.as_deref(), served_name)?;
     let params = &request.params;
-    let common = check_params(params, model)?;
+    let mut common = check_params(params, model)?;
+    common.sampling.logprobs = chat_logprobs(&params.logprobs, &request.top_logprobs)?;
     if request
         .tools
         .as_ref()
@@ -102,7 +103,11 @@ pub fn prepare_completion(
 ) -> Result<Prepared, ApiError> {
     check_model(request.model.as_deref(), served_name)?;
     let params = &request.params;
-    let common = check_params(params, model)?;
+    let mut common = check_params(params, model)?;
+    common.sampling.logprobs = match &params.logprobs {
+        None | Some(Value::Null) => None,
+        Some(v) => Some(logprob_count(v, "logprobs")?),
+    };
     if request.echo == Some(true) {
         return Err(ApiError::invalid("`echo` is not supported", Some("echo")));
     }
@@ -182,16 +187,6 @@ fn check_params(params: &GenerationParams, model: &ModelAssets) -> Result<Common
             )
         })?,
     };
-    if !matches!(
-        params.logprobs,
-        None | Some(Value::Null) | Some(Value::Bool(false))
-    ) && params.logprobs.as_ref().and_then(Value::as_i64) != Some(0)
-    {
-        return Err(ApiError::invalid(
-            "`logprobs` is not supported",
-            Some("logprobs"),
-        ));
-    }
     let stop = match &params.stop {
         None => Vec::new(),
         Some(StopSpec::One(stop)) => vec![stop.clone()],
@@ -258,6 +253,48 @@ fn check_params(params: &GenerationParams, model: &ModelAssets) -> Result<Common
         stream,
         include_usage,
     })
+}
+
+/// Most alternatives per token a request may ask for.
+pub const MAX_LOGPROBS: u32 = 20;
+
+/// An alternatives count, 0..=[`MAX_LOGPROBS`].
+fn logprob_count(v: &Value, field: &'static str) -> Result<u32, ApiError> {
+    v.as_u64()
+        .and_then(|n| u32::try_from(n).ok())
+        .filter(|&n| n <= MAX_LOGPROBS)
+        .ok_or_else(|| {
+            ApiError::invalid(
+                format!("`{field}` must be an integer in [0, {MAX_LOGPROBS}], got {v}"),
+                Some(field),
+            )
+        })
+}
+
+/// Chat's `logprobs` (a boolean) and `top_logprobs` (alternatives, only with `logprobs`).
+fn chat_logprobs(logprobs: &Option<Value>, top: &Option<Value>) -> Result<Option<u32>, ApiError> {
+    let on = match logprobs {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(other) => {
+            return Err(ApiError::invalid(
+                format!("`logprobs` must be a boolean, got {other}"),
+                Some("logprobs"),
+            ))
+        }
+    };
+    let top = match top {
+        None | Some(Value::Null) => None,
+        Some(v) => Some(logprob_count(v, "top_logprobs")?),
+    };
+    match (on, top) {
+        (true, top) => Ok(Some(top.unwrap_or(0))),
+        (false, Some(n)) if n > 0 => Err(ApiError::invalid(
+            "`top_logprobs` needs `logprobs: true`",
+            Some("top_logprobs"),
+        )),
+        (false, _) => Ok(None),
+    }
 }
 
 /// A number field in `range` (inclusive), `None` when absent or null.
@@ -364,25 +401,6 @@ fn check_controls(
 /// ignored): a wrong type is named as such, a real request for the feature says it is not
 /// supported.
 fn check_unsupported(u: &crate::protocol::UnsupportedParams) -> Result<(), ApiError> {
-    fn number(v: &Value, field: &'static str, neutral: f64) -> Result<(), ApiError> {
-        match v {
-            Value::Null => Ok(()),
-            Value::Number(n) if n.as_f64() == Some(neutral) => Ok(()),
-            Value::Number(_) => Err(ApiError::invalid(
-                format!("`{field}` is not supported yet (only {neutral} is accepted)"),
-                Some(field),
-            )),
-            other => Err(ApiError::invalid(
-                format!("`{field}` must be a number, got {other}"),
-                Some(field),
-            )),
-        }
-    }
-    for (v, field, neutral) in [(&u.top_logprobs, "top_logprobs", 0.0)] {
-        if let Some(v) = v {
-            number(v, field, neutral)?;
-        }
-    }
     match &u.response_format {
         None | Some(Value::Null) => {}
         Some(Value::Object(o)) if o.get("type").and_then(Value::as_str) == Some("text") => {}
@@ -694,6 +712,50 @@ mod tests {
         ] {
             assert!(with(field, value.clone()).is_ok(), "{field} {value}");
         }
+    }
+
+    #[test]
+    fn logprobs_are_checked_per_endpoint() {
+        use serde_json::json;
+        let chat = |extra: serde_json::Value| {
+            let mut body =
+                json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4});
+            for (k, v) in extra.as_object().expect("object") {
+                body[k] = v.clone();
+            }
+            let request = serde_json::from_value(body).expect("parses");
+            prepare_chat(&model(), "tiny", RequestId("chatcmpl-1".into()), request)
+        };
+        let lp = |r: Result<Prepared, ApiError>| r.expect("valid").request.sampling.logprobs;
+        assert_eq!(lp(chat(json!({}))), None);
+        assert_eq!(lp(chat(json!({"logprobs": true}))), Some(0));
+        assert_eq!(
+            lp(chat(json!({"logprobs": true, "top_logprobs": 5}))),
+            Some(5)
+        );
+        assert_eq!(
+            lp(chat(json!({"logprobs": false, "top_logprobs": 0}))),
+            None
+        );
+        for (body, says) in [
+            (json!({"logprobs": 2}), "must be a boolean"),
+            (json!({"top_logprobs": 3}), "needs `logprobs: true`"),
+            (json!({"logprobs": true, "top_logprobs": 21}), "[0, 20]"),
+        ] {
+            let err = chat(body.clone()).expect_err("refused");
+            assert!(
+                err.body().error.message.contains(says),
+                "{body}: {}",
+                err.body().error.message
+            );
+        }
+        let c = |v: serde_json::Value| {
+            completion(json!({"prompt": "hi", "max_tokens": 4, "logprobs": v}))
+        };
+        assert_eq!(lp(c(json!(3))), Some(3));
+        assert_eq!(lp(c(json!(null))), None);
+        assert!(c(json!(true)).is_err(), "completions take a count");
+        assert!(c(json!(-1)).is_err());
     }
 
     #[test]

@@ -123,7 +123,7 @@ async fn bad_requests_get_json_errors_then_a_good_one_succeeds() {
         (CHAT, json!({"messages": msgs, "stream": "yes"}), 400, None),
         (
             CHAT,
-            json!({"messages": msgs, "logprobs": true}),
+            json!({"messages": msgs, "logprobs": 2}),
             400,
             Some("logprobs"),
         ),

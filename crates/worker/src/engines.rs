@@ -3,7 +3,7 @@
 //! service sees reservations, a typed handoff and a token stream.
 
 use crate::{Error, Result};
-use tandem_core::{FinishReason, SamplingParams};
+use tandem_core::{FinishReason, SamplingParams, TokenLogprobs};
 use tandem_engine::{Engine, EngineEvent, Handoff, SeqKind};
 use tandem_proto::v1 as pb;
 use tokio::sync::mpsc::UnboundedReceiver;
@@ -21,8 +21,21 @@ pub struct Prefilled {
     pub first_token: u32,
     /// Set when the first token ends the request.
     pub finish: Option<FinishReason>,
+    /// The first token's log-probabilities, when asked for.
+    pub logprobs: Option<TokenLogprobs>,
     /// The prompt's state, typed.
     pub handoff: Handoff,
+}
+
+/// One generated token as the service forwards it.
+#[derive(Debug)]
+pub struct Token {
+    /// The token.
+    pub token_id: u32,
+    /// Set on the last one.
+    pub finish: Option<FinishReason>,
+    /// Its log-probabilities, when asked for.
+    pub logprobs: Option<TokenLogprobs>,
 }
 
 /// Token events of a decoding or generating request.
@@ -31,9 +44,17 @@ pub struct TokenEvents(UnboundedReceiver<EngineEvent>);
 
 impl TokenEvents {
     /// The next token, or why there is none (the engine failed or dropped the request).
-    pub async fn recv(&mut self) -> Result<(u32, Option<FinishReason>)> {
+    pub async fn recv(&mut self) -> Result<Token> {
         match self.0.recv().await {
-            Some(EngineEvent::Token { token_id, finish }) => Ok((token_id, finish)),
+            Some(EngineEvent::Token {
+                token_id,
+                finish,
+                logprobs,
+            }) => Ok(Token {
+                token_id,
+                finish,
+                logprobs,
+            }),
             Some(EngineEvent::Failed(e)) => Err(Error::Engine(e)),
             Some(EngineEvent::Prefilled { .. }) | None => {
                 Err(Error::Engine(tandem_engine::Error::Stopped))
@@ -130,10 +151,12 @@ impl WorkerEngine {
             Some(EngineEvent::Prefilled {
                 first_token,
                 finish,
+                logprobs,
                 handoff,
             }) => Ok(Prefilled {
                 first_token,
                 finish,
+                logprobs,
                 handoff,
             }),
             Some(EngineEvent::Failed(e)) => Err(Error::Engine(e)),

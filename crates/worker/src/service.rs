@@ -214,10 +214,22 @@ fn sampling_from(p: Option<pb::SamplingParams>) -> SamplingParams {
         },
         min_p: p.min_p,
         min_tokens: p.min_tokens,
+        logprobs: p.logprobs,
         logit_bias: p
             .logit_bias
             .into_iter()
             .map(|b| (b.token_id, b.bias))
+            .collect(),
+    }
+}
+
+fn logprobs_to_pb(l: tandem_core::TokenLogprobs) -> pb::Logprobs {
+    pb::Logprobs {
+        logprob: l.logprob,
+        top: l
+            .top
+            .into_iter()
+            .map(|(token_id, logprob)| pb::TopLogprob { token_id, logprob })
             .collect(),
     }
 }
@@ -317,6 +329,7 @@ impl Shared {
         let crate::engines::Prefilled {
             first_token,
             finish,
+            logprobs,
             handoff,
         } = self.engine.prefill(prompt, params).await?;
         let mut sent = 0;
@@ -383,6 +396,7 @@ impl Shared {
             prompt_tokens: prompt_len as u32,
             kv_bytes_sent: sent,
             finish_reason: finish_to_pb(finish),
+            first_logprobs: logprobs.map(logprobs_to_pb),
         })
     }
 
@@ -449,10 +463,15 @@ impl Shared {
                 e = events.recv() => e,
                 _ = tx.closed() => return self.note_cancelled(),
             };
-            let (token_id, finish) = event?;
+            let crate::engines::Token {
+                token_id,
+                finish,
+                logprobs,
+            } = event?;
             let msg = wrap(pb::TokenEvent {
                 token_id,
                 finish_reason: finish_to_pb(finish),
+                logprobs: logprobs.map(logprobs_to_pb),
             });
             if tx.send(Ok(msg)).await.is_err() {
                 return self.note_cancelled();

@@ -179,6 +179,13 @@ impl Backend for CpuBackend {
         Tensor::from_storage(storage, host.dtype(), host.shape())
     }
 
+    fn download_rows(&self, t: &T, width: usize, rows: &[usize]) -> Vec<f32> {
+        let all = f32s(t);
+        rows.iter()
+            .flat_map(|&r| all[r * width..(r + 1) * width].iter().copied())
+            .collect()
+    }
+
     fn download(&self, t: &T) -> HostTensor {
         HostTensor::new(&t.shape, t.storage.to_host())
             .expect("a tensor's storage matches its shape")

@@ -96,6 +96,14 @@ pub trait Backend: Clone + Send + Sync + Sized + 'static {
     }
     /// Copies a tensor back to the host (row-major, whatever layout the device keeps).
     fn download(&self, t: &Tensor<Self>) -> HostTensor;
+    /// Rows `rows` (each `width` values) of an f32 tensor, as host values one row after
+    /// another. The default downloads the whole tensor.
+    fn download_rows(&self, t: &Tensor<Self>, width: usize, rows: &[usize]) -> Vec<f32> {
+        let all = self.download(t).to_f32_vec();
+        rows.iter()
+            .flat_map(|&r| all[r * width..(r + 1) * width].iter().copied())
+            .collect()
+    }
     /// Overwrites an existing tensor (weights included) with row-major host data of the same
     /// dtype and element count, keeping its device address (weight refresh under captured
     /// graphs).

@@ -31,6 +31,7 @@ use crate::scheduler::{Engine, EngineConfig};
 use crate::served::{HandoffSpec, Pools, Reservation, ServedInfo, ServedModel, StateSlot};
 use crate::{Error, Result};
 use std::sync::Arc;
+use tandem_core::TokenLogprobs;
 
 /// A KDA-hybrid model as the engine serves it: the model, every group's state slots, the
 /// latent pool, and the last step's logits rows.
@@ -165,13 +166,22 @@ impl ServedModel for KdaServed {
         Ok(())
     }
 
-    fn sample(&mut self, rows: &[SampleRow<'_>], out: &mut Vec<u32>) {
+    fn sample(
+        &mut self,
+        rows: &[SampleRow<'_>],
+        out: &mut Vec<u32>,
+        logprobs: &mut Vec<Option<TokenLogprobs>>,
+    ) {
         out.clear();
+        logprobs.clear();
         for (r, logits) in rows.iter().zip(&mut self.logits) {
-            for which in [Adjustment::Penalties, Adjustment::MinP] {
-                adjust_row(logits, r, which);
-            }
-            out.push(crate::sampling::sample(logits, r.params, r.step));
+            adjust_row(logits, r, Adjustment::Penalties);
+            // Log-probabilities are over the penalised logits, before the min-p cut.
+            let kept = r.params.logprobs.map(|top| (top, logits.clone()));
+            adjust_row(logits, r, Adjustment::MinP);
+            let token = crate::sampling::sample(logits, r.params, r.step);
+            out.push(token);
+            logprobs.push(kept.map(|(top, row)| crate::sampling::logprobs_of(&row, token, top)));
         }
     }
 
@@ -246,6 +256,7 @@ mod tests {
                 first_token,
                 finish: None,
                 handoff,
+                ..
             }) => (first_token, handoff),
             other => panic!("no prefill event: {other:?}"),
         }
