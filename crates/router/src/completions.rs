@@ -14,7 +14,7 @@ use crate::protocol::{
     ChatLogprobs, ChatTokenLogprob, ChatTopLogprob, Completion, CompletionChoice,
     CompletionLogprobs, Usage,
 };
-use crate::server::{unix_now, RouterState};
+use crate::server::{unix_now, RouterState, SYSTEM_FINGERPRINT};
 use crate::text_stream::{TextEvent, TextStream};
 use crate::validation::{self, Prepared};
 use axum::body::Bytes;
@@ -323,6 +323,7 @@ impl Shape {
                 object: "chat.completion",
                 created: self.created,
                 model: self.model.clone(),
+                system_fingerprint: SYSTEM_FINGERPRINT,
                 choices: vec![ChatChoice {
                     index: 0,
                     message: AssistantMessage {
@@ -340,6 +341,7 @@ impl Shape {
                 object: "text_completion",
                 created: self.created,
                 model: self.model.clone(),
+                system_fingerprint: SYSTEM_FINGERPRINT,
                 choices: vec![CompletionChoice {
                     index: 0,
                     text,
@@ -397,6 +399,7 @@ impl Shape {
                 object: "chat.completion.chunk",
                 created: self.created,
                 model: self.model.clone(),
+                system_fingerprint: SYSTEM_FINGERPRINT,
                 choices: vec![ChatChunkChoice {
                     index: 0,
                     delta,
@@ -410,6 +413,7 @@ impl Shape {
                 object: "text_completion",
                 created: self.created,
                 model: self.model.clone(),
+                system_fingerprint: SYSTEM_FINGERPRINT,
                 choices: vec![CompletionChoice {
                     index: 0,
                     text: delta.content.unwrap_or_default(),
@@ -432,6 +436,7 @@ impl Shape {
                 object: "chat.completion.chunk",
                 created: self.created,
                 model: self.model.clone(),
+                system_fingerprint: SYSTEM_FINGERPRINT,
                 choices: Vec::new(),
                 usage,
             }),
@@ -440,6 +445,7 @@ impl Shape {
                 object: "text_completion",
                 created: self.created,
                 model: self.model.clone(),
+                system_fingerprint: SYSTEM_FINGERPRINT,
                 choices: Vec::new(),
                 usage,
             }),

@@ -4,15 +4,21 @@
 //! SentencePiece decode a token differently depending on what precedes it (the leading-space
 //! rule). So each step decodes a short window of recent tokens twice — up to the last emitted
 //! token (`prefix_offset..read_offset`) and up to the new one (`prefix_offset..`) — and emits
-//! the difference, unless the new text ends in U+FFFD (an incomplete character): then the bytes
-//! are held back until a later token completes them, or until [`Detokenizer::finish`].
-//! Special tokens (`<|im_end|>`, …) are skipped.
+//! the difference. A trailing U+FFFD may be an incomplete character: it is held back until a
+//! later token completes it, or until it has lasted more tokens than a character has
+//! continuation bytes (3; every token carries at least one byte), when it cannot be one and
+//! goes out as U+FFFD — as does at once every U+FFFD followed by more text, so bytes that
+//! can never form a character never hold the stream up. Special tokens (`<|im_end|>`, …) are
+//! skipped.
 
 use std::sync::Arc;
 use tokenizers::Tokenizer;
 
 /// How many prompt tokens seed the window, so the first generated token decodes in context.
 const PROMPT_CONTEXT_TOKENS: usize = 5;
+
+/// Most tokens an incomplete character can be spread over before its last byte arrives.
+const MAX_HELD_TOKENS: usize = 3;
 
 /// Turns generated token ids into text deltas.
 #[derive(Debug)]
@@ -22,6 +28,11 @@ pub struct Detokenizer {
     ids: Vec<u32>,
     prefix_offset: usize,
     read_offset: usize,
+    /// Bytes of the decoded `ids[read_offset..]` already emitted (text before a held-back
+    /// trailing U+FFFD).
+    partial: usize,
+    /// The token where the held-back trailing bytes began (at most).
+    hold_from: usize,
 }
 
 impl Detokenizer {
@@ -34,6 +45,8 @@ impl Detokenizer {
             ids,
             prefix_offset: 0,
             read_offset,
+            partial: 0,
+            hold_from: read_offset,
         }
     }
 
@@ -42,17 +55,29 @@ impl Detokenizer {
         self.ids.push(token_id);
         let prefix_text = self.decode(self.prefix_offset, self.read_offset)?;
         let new_text = self.decode(self.prefix_offset, self.ids.len())?;
-        if new_text.len() <= prefix_text.len() || new_text.ends_with('\u{FFFD}') {
-            return Ok(String::new());
-        }
-        let Some(delta) = new_text.get(prefix_text.len()..) else {
-            return Ok(String::new());
+        let held = self.ids.len() - self.hold_from;
+        // A trailing U+FFFD that may still become a character stays back.
+        let ready = match new_text.strip_suffix('\u{FFFD}') {
+            Some(before) if held <= MAX_HELD_TOKENS => before,
+            _ => &new_text,
         };
-        let delta = delta.to_owned();
+        let from = prefix_text.len() + self.partial;
+        let delta = match ready.get(from..) {
+            Some(d) if ready.len() > from => d.to_owned(),
+            _ => return Ok(String::new()),
+        };
+        if ready.len() < new_text.len() {
+            // The trailing bytes that stay back began in this token at the earliest.
+            self.partial = ready.len() - prefix_text.len();
+            self.hold_from = self.ids.len() - 1;
+            return Ok(delta);
+        }
         // Everything up to here is emitted: slide the window and forget older ids.
         self.ids.drain(..self.read_offset);
         self.prefix_offset = 0;
         self.read_offset = self.ids.len();
+        self.partial = 0;
+        self.hold_from = self.read_offset;
         Ok(delta)
     }
 
@@ -65,12 +90,14 @@ impl Detokenizer {
         let prefix_text = self.decode(self.prefix_offset, self.read_offset)?;
         let new_text = self.decode(self.prefix_offset, self.ids.len())?;
         let delta = new_text
-            .get(prefix_text.len()..)
+            .get(prefix_text.len() + self.partial..)
             .unwrap_or_default()
             .to_owned();
         self.ids.drain(..self.read_offset);
         self.prefix_offset = 0;
         self.read_offset = self.ids.len();
+        self.partial = 0;
+        self.hold_from = self.read_offset;
         Ok(delta)
     }
 
@@ -138,6 +165,38 @@ mod tests {
             .map(|&id| detok.push(id).expect("decodes"))
             .collect();
         assert_eq!(out, "hello");
+    }
+
+    #[test]
+    fn bytes_that_can_never_form_a_character_are_not_held_back() {
+        let tokenizer = fixture();
+        // "é" is C3 A9: A9 alone is a continuation byte, never a character's start.
+        let lone = encode(&tokenizer, "é")[1];
+        let mut detok = Detokenizer::new(tokenizer.clone(), &[]);
+        let mut out = String::new();
+        let mut first_at = None;
+        for i in 0..8 {
+            let d = detok.push(lone).expect("decodes");
+            if !d.is_empty() && first_at.is_none() {
+                first_at = Some(i);
+            }
+            out.push_str(&d);
+        }
+        assert_eq!(first_at, Some(1), "text starts flowing at the second token");
+        out.push_str(&detok.finish().expect("decodes"));
+        assert_eq!(out, "\u{FFFD}".repeat(8));
+        // A 4-byte character over 4 byte tokens still arrives whole, after invalid bytes.
+        let crab = encode(&tokenizer, "🦀");
+        assert_eq!(crab.len(), 4);
+        let mut detok = Detokenizer::new(tokenizer, &[]);
+        let mut out = detok.push(lone).expect("decodes");
+        for &id in &crab {
+            let d = detok.push(id).expect("decodes");
+            assert!(!d.ends_with('\u{FFFD}') || d == "\u{FFFD}", "{d:?}");
+            out.push_str(&d);
+        }
+        out.push_str(&detok.finish().expect("decodes"));
+        assert_eq!(out, "\u{FFFD}🦀");
     }
 
     #[test]

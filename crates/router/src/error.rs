@@ -71,6 +71,8 @@ enum Reason {
     ModelNotFound,
     /// No route for the path.
     RouteNotFound,
+    /// The path exists, not for this method.
+    MethodNotAllowed,
     /// The request body exceeds the size limit.
     PayloadTooLarge,
 }
@@ -131,6 +133,16 @@ impl ApiError {
         }
     }
 
+    /// The path is served, not with this method.
+    pub fn method_not_allowed(method: &str, path: &str) -> Self {
+        Self {
+            reason: Reason::MethodNotAllowed,
+            message: format!("`{method}` is not allowed on `{path}`."),
+            param: None,
+            code: Some("method_not_allowed".to_owned()),
+        }
+    }
+
     /// The body is larger than the limit.
     pub fn payload_too_large(message: impl Into<String>) -> Self {
         Self {
@@ -145,9 +157,10 @@ impl ApiError {
     pub fn class(&self) -> ErrorClass {
         match self.reason {
             Reason::Class(class) => class,
-            Reason::ModelNotFound | Reason::RouteNotFound | Reason::PayloadTooLarge => {
-                ErrorClass::InvalidRequest
-            }
+            Reason::ModelNotFound
+            | Reason::RouteNotFound
+            | Reason::MethodNotAllowed
+            | Reason::PayloadTooLarge => ErrorClass::InvalidRequest,
         }
     }
 
@@ -167,6 +180,7 @@ impl ApiError {
                 ErrorClass::Internal => StatusCode::INTERNAL_SERVER_ERROR,
             },
             Reason::ModelNotFound | Reason::RouteNotFound => StatusCode::NOT_FOUND,
+            Reason::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             Reason::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
         }
     }

@@ -55,6 +55,8 @@ pub mod stop_strings;
 pub mod testing;
 /// Generator tokens → text events (detokenize, stop strings, limits, metrics).
 mod text_stream;
+/// `/tokenize` and `/detokenize`.
+mod tokenize;
 /// Recording request traces (`--record-trace`).
 pub mod trace;
 /// Parsed requests → checked, tokenized requests.

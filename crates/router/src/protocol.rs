@@ -208,6 +208,8 @@ pub struct ChatCompletion {
     pub created: u64,
     /// Served model name.
     pub model: String,
+    /// The server build that produced the answer.
+    pub system_fingerprint: &'static str,
     /// Exactly one.
     pub choices: Vec<ChatChoice>,
     /// Token accounting.
@@ -247,6 +249,8 @@ pub struct ChatCompletionChunk {
     pub created: u64,
     /// Served model name.
     pub model: String,
+    /// The server build that produced the answer.
+    pub system_fingerprint: &'static str,
     /// One choice, or none on the usage chunk.
     pub choices: Vec<ChatChunkChoice>,
     /// Absent unless `include_usage`; then `null` except on the last chunk.
@@ -289,6 +293,8 @@ pub struct Completion {
     pub created: u64,
     /// Served model name.
     pub model: String,
+    /// The server build that produced the answer.
+    pub system_fingerprint: &'static str,
     /// One choice, or none on the usage chunk.
     pub choices: Vec<CompletionChoice>,
     /// Always present when not streaming; when streaming, as [`ChatCompletionChunk::usage`].

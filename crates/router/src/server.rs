@@ -7,7 +7,7 @@ use crate::metrics::Metrics;
 use crate::model::{ModelAssets, ModelInfo};
 use crate::protocol::{ModelCard, ModelList};
 use axum::extract::{DefaultBodyLimit, State};
-use axum::http::{header, StatusCode, Uri};
+use axum::http::{header, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
@@ -111,9 +111,13 @@ pub fn app(state: RouterState) -> Router {
         .route("/v1/chat/completions", post(completions::chat_completions))
         .route("/v1/completions", post(completions::completions))
         .route("/v1/models", get(list_models))
+        .route("/tokenize", post(crate::tokenize::tokenize))
+        .route("/detokenize", post(crate::tokenize::detokenize))
+        .route("/version", get(version))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .fallback(fallback)
+        .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(state)
 }
@@ -169,6 +173,18 @@ async fn metrics(State(state): State<RouterState>) -> Response {
 async fn fallback(uri: Uri) -> ApiError {
     ApiError::route_not_found(uri.path())
 }
+
+async fn method_not_allowed(method: Method, uri: Uri) -> ApiError {
+    ApiError::method_not_allowed(method.as_str(), uri.path())
+}
+
+/// The server's version, `{"version": "…"}` (vLLM's shape).
+async fn version() -> Json<serde_json::Value> {
+    Json(serde_json::json!({ "version": env!("CARGO_PKG_VERSION") }))
+}
+
+/// `system_fingerprint` of every answer: the server build that produced it.
+pub(crate) const SYSTEM_FINGERPRINT: &str = concat!("fp_tandem_", env!("CARGO_PKG_VERSION"));
 
 /// Seconds since the Unix epoch.
 pub(crate) fn unix_now() -> u64 {

@@ -63,10 +63,22 @@ pub fn prepare_chat(
             Some("tools"),
         ));
     }
-    let messages = request
-        .messages
-        .as_deref()
-        .ok_or_else(|| ApiError::invalid("`messages` is required", Some("messages")))?;
+    let prompt = chat_prompt(model, request.messages.as_deref())?;
+    let max_tokens = match (request.max_completion_tokens, params.max_tokens) {
+        (Some(n), _) => Some((n, "max_completion_tokens")),
+        (None, Some(n)) => Some((n, "max_tokens")),
+        (None, None) => None,
+    };
+    finish(model, id, prompt, max_tokens, common, "messages")
+}
+
+/// The token ids of a chat's `messages` rendered by the model's template.
+pub(crate) fn chat_prompt(
+    model: &ModelAssets,
+    messages: Option<&[ChatMessage]>,
+) -> Result<Vec<u32>, ApiError> {
+    let messages =
+        messages.ok_or_else(|| ApiError::invalid("`messages` is required", Some("messages")))?;
     if messages.is_empty() {
         return Err(ApiError::invalid(
             "`messages` must not be empty",
@@ -83,15 +95,24 @@ pub fn prepare_chat(
     let text = template
         .render(&messages)
         .map_err(|err| ApiError::invalid(err.message, Some("messages")))?;
-    let prompt = model
+    model
         .encode_chat(&text)
-        .map_err(|err| ApiError::internal(format!("tokenization failed: {err}")))?;
-    let max_tokens = match (request.max_completion_tokens, params.max_tokens) {
-        (Some(n), _) => Some((n, "max_completion_tokens")),
-        (None, Some(n)) => Some((n, "max_tokens")),
-        (None, None) => None,
-    };
-    finish(model, id, prompt, max_tokens, common, "messages")
+        .map_err(|err| ApiError::internal(format!("tokenization failed: {err}")))
+}
+
+/// The token ids of a completion prompt given as text (the model's own post-processing,
+/// BOS as its tokenizer config says).
+pub(crate) fn text_prompt(model: &ModelAssets, text: &str) -> Result<Vec<u32>, ApiError> {
+    encode_prompt(model, text)
+}
+
+/// Token ids given by a client, checked against the vocabulary.
+pub(crate) fn client_token_ids(
+    ids: &[i64],
+    model: &ModelAssets,
+    param: &str,
+) -> Result<Vec<u32>, ApiError> {
+    token_ids(ids, model, param)
 }
 
 /// Checks and tokenizes a completion request.
@@ -148,7 +169,7 @@ struct Common {
     include_usage: bool,
 }
 
-fn check_model(requested: Option<&str>, served_name: &str) -> Result<(), ApiError> {
+pub(crate) fn check_model(requested: Option<&str>, served_name: &str) -> Result<(), ApiError> {
     match requested {
         Some(name) if name != served_name => Err(ApiError::model_not_found(name)),
         _ => Ok(()),

@@ -344,3 +344,73 @@ async fn finish_reason_comes_from_the_generator() {
         "length"
     );
 }
+
+#[tokio::test]
+async fn a_wrong_method_is_a_json_405_naming_it() {
+    let (router, _, _) = app_answering(ANSWER);
+    let (status, text) = get_text(&router, "/v1/chat/completions").await;
+    assert_eq!(status, 405);
+    let body: Value = serde_json::from_str(&text).expect("json");
+    assert_eq!(body["error"]["code"], "method_not_allowed", "{body}");
+    assert!(
+        body["error"]["message"].as_str().unwrap().contains("GET"),
+        "{body}"
+    );
+    let (status, body) = post_json(&router, "/v1/models", json!({})).await;
+    assert_eq!(status, 405);
+    assert_eq!(body["error"]["code"], "method_not_allowed", "{body}");
+}
+
+#[tokio::test]
+async fn tokenize_detokenize_and_version() {
+    let (router, state, _) = app_answering(ANSWER);
+    let (status, body) = post_json(&router, "/tokenize", json!({"prompt": "hello world"})).await;
+    assert_eq!(status, 200, "{body}");
+    let ids: Vec<u32> = serde_json::from_value(body["tokens"].clone()).expect("ids");
+    assert_eq!(
+        ids,
+        encode(&state, "hello world"),
+        "the completion prompt's own tokens"
+    );
+    assert_eq!(body["count"], ids.len());
+    assert_eq!(body["max_model_len"], state.model().context_length());
+    let (status, chat) = post_json(
+        &router,
+        "/tokenize",
+        json!({"messages": [{"role": "user", "content": "Hi"}]}),
+    )
+    .await;
+    assert_eq!(status, 200, "{chat}");
+    // The chat answer's usage counts exactly these prompt tokens.
+    let (_, answer) = post_json(&router, "/v1/chat/completions", chat_body(json!({}))).await;
+    assert_eq!(answer["usage"]["prompt_tokens"], chat["count"], "{answer}");
+    assert!(answer["system_fingerprint"]
+        .as_str()
+        .unwrap()
+        .starts_with("fp_tandem_"));
+    let (status, back) = post_json(&router, "/detokenize", json!({"tokens": ids})).await;
+    assert_eq!(status, 200, "{back}");
+    assert_eq!(back["prompt"], "hello world");
+    for (path, body, param) in [
+        ("/tokenize", json!({}), Value::Null),
+        (
+            "/tokenize",
+            json!({"prompt": "x", "model": "other"}),
+            json!("model"),
+        ),
+        (
+            "/detokenize",
+            json!({"tokens": [1, 999999]}),
+            json!("tokens"),
+        ),
+        ("/detokenize", json!({}), json!("tokens")),
+    ] {
+        let (status, err) = post_json(&router, path, body.clone()).await;
+        assert!(status == 400 || status == 404, "{path} {body}: {status}");
+        assert_eq!(err["error"]["param"], param, "{path} {body}: {err}");
+    }
+    let (status, text) = get_text(&router, "/version").await;
+    assert_eq!(status, 200);
+    let v: Value = serde_json::from_str(&text).expect("json");
+    assert_eq!(v["version"], env!("CARGO_PKG_VERSION"));
+}
