@@ -353,7 +353,9 @@ async fn a_wrong_method_is_a_json_405_naming_it() {
     let body: Value = serde_json::from_str(&text).expect("json");
     assert_eq!(body["error"]["code"], "method_not_allowed", "{body}");
     assert!(
-        body["error"]["message"].as_str().unwrap().contains("GET"),
+        body["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("GET")),
         "{body}"
     );
     let (status, body) = post_json(&router, "/v1/models", json!({})).await;
@@ -386,8 +388,7 @@ async fn tokenize_detokenize_and_version() {
     assert_eq!(answer["usage"]["prompt_tokens"], chat["count"], "{answer}");
     assert!(answer["system_fingerprint"]
         .as_str()
-        .unwrap()
-        .starts_with("fp_tandem_"));
+        .is_some_and(|f| f.starts_with("fp_tandem_")));
     let (status, back) = post_json(&router, "/detokenize", json!({"tokens": ids})).await;
     assert_eq!(status, 200, "{back}");
     assert_eq!(back["prompt"], "hello world");
