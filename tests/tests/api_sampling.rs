@@ -98,6 +98,14 @@ fn sampling_controls_change_the_output_and_pd_equals_one_process() {
                 "{t:?} is not one token 6 times"
             );
         }
+        // Batched prompts: one choice per prompt, each what that prompt gets alone.
+        let prompts = ["The capital of France is", LOOP, "1, 2, 3,"];
+        let v = complete(&c, &pd_url, json!({"prompt": prompts, "max_tokens": 8})).await;
+        for (i, p) in prompts.iter().enumerate() {
+            let alone = complete(&c, &pd_url, json!({"prompt": p, "max_tokens": 8})).await;
+            assert_eq!(v["choices"][i]["index"], i, "{v}");
+            assert_eq!(v["choices"][i]["text"], alone["choices"][0]["text"], "{v}");
+        }
         // min_tokens holds EOS back: the chat answer goes on past its usual end.
         let chat = |min: u32| {
             json!({"messages": [{"role": "user", "content": "What is the capital of France?"}],

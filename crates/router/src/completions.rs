@@ -52,13 +52,17 @@ async fn handle(
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let mut record = state.metrics().start(endpoint);
-    let prepared = match prepare(&state, endpoint, body).await {
+    let (base_id, mut batch) = match prepare(&state, endpoint, body).await {
         Ok(prepared) => prepared,
         Err(err) => {
             record.failed(&err);
             return err.into_response();
         }
     };
+    if batch.len() > 1 {
+        return respond_batch(state, endpoint, record, base_id, batch).await;
+    }
+    let prepared = batch.remove(0);
     record.admitted(prepared.request.prompt_token_ids.len());
     let Prepared {
         request,
@@ -66,20 +70,7 @@ async fn handle(
         stream,
         include_usage,
     } = prepared;
-    let shape = Shape {
-        endpoint,
-        id: request.id.0.clone(),
-        created: unix_now(),
-        model: state.served_name().to_owned(),
-        include_usage,
-        prompt_tokens: u32::try_from(request.prompt_token_ids.len()).unwrap_or(u32::MAX),
-        logprobs: request
-            .sampling
-            .logprobs
-            .is_some()
-            .then(|| state.model().tokenizer().clone()),
-        text_offset: std::cell::Cell::new(0),
-    };
+    let shape = Shape::new(&state, endpoint, &request, include_usage, base_id, 0);
     let detokenizer =
         Detokenizer::new(state.model().tokenizer().clone(), &request.prompt_token_ids);
     let max_tokens = request.sampling.max_tokens;
@@ -105,7 +96,7 @@ async fn prepare(
     state: &RouterState,
     endpoint: Endpoint,
     body: Result<Bytes, BytesRejection>,
-) -> Result<Prepared, ApiError> {
+) -> Result<(String, Vec<Prepared>), ApiError> {
     let body = body.map_err(|rejection| {
         if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
             ApiError::payload_too_large(rejection.body_text())
@@ -120,11 +111,15 @@ async fn prepare(
         match endpoint {
             Endpoint::ChatCompletions => {
                 let request = parse_json(&body)?;
-                validation::prepare_chat(model, name, new_id("chatcmpl"), request)
+                let id = new_id("chatcmpl");
+                let prepared = validation::prepare_chat(model, name, id.clone(), request)?;
+                Ok((id.0, vec![prepared]))
             }
             Endpoint::Completions => {
                 let request = parse_json(&body)?;
-                validation::prepare_completion(model, name, new_id("cmpl"), request)
+                let id = new_id("cmpl");
+                let batch = validation::prepare_completion_batch(model, name, id.clone(), request)?;
+                Ok((id.0, batch))
             }
         }
     })
@@ -147,7 +142,15 @@ fn new_id(prefix: &str) -> RequestId {
     RequestId(format!("{prefix}-{:032x}", rand::random::<u128>()))
 }
 
-async fn respond_whole(mut text: TextStream, shape: Shape) -> Response {
+/// A whole generation: its text, token log-probabilities, finish reason and token count.
+struct Whole {
+    text: String,
+    logprobs: Vec<(u32, TokenLogprobs)>,
+    reason: FinishReason,
+    completion_tokens: u32,
+}
+
+async fn collect(mut text: TextStream) -> Result<Whole, ApiError> {
     let mut content = String::new();
     loop {
         match text.next().await {
@@ -156,13 +159,167 @@ async fn respond_whole(mut text: TextStream, shape: Shape) -> Response {
                 reason,
                 completion_tokens,
             })) => {
-                let logprobs = text.take_logprobs();
-                return shape.whole(content, &logprobs, reason, completion_tokens);
+                return Ok(Whole {
+                    text: content,
+                    logprobs: text.take_logprobs(),
+                    reason,
+                    completion_tokens,
+                })
             }
-            Some(Err(err)) => return err.into_response(),
-            None => return ApiError::internal("generation ended without a result").into_response(),
+            Some(Err(err)) => return Err(err),
+            None => return Err(ApiError::internal("generation ended without a result")),
         }
     }
+}
+
+async fn respond_whole(text: TextStream, shape: Shape) -> Response {
+    match collect(text).await {
+        Ok(w) => shape.whole(w.text, &w.logprobs, w.reason, w.completion_tokens),
+        Err(err) => err.into_response(),
+    }
+}
+
+/// A batched `/v1/completions` request: every prompt is its own generation, started at once;
+/// one answer with a choice per prompt (streamed: chunks of every choice as they come, by
+/// `index`, then one usage chunk over all and `[DONE]`). A prompt that cannot start fails
+/// the whole request (the others are cancelled).
+async fn respond_batch(
+    state: RouterState,
+    endpoint: Endpoint,
+    first_record: crate::metrics::RequestRecord,
+    base_id: String,
+    batch: Vec<Prepared>,
+) -> Response {
+    let (stream, include_usage) = (batch[0].stream, batch[0].include_usage);
+    let mut records = vec![first_record];
+    records.extend((1..batch.len()).map(|_| state.metrics().start(endpoint)));
+    let starts = batch
+        .into_iter()
+        .zip(records)
+        .enumerate()
+        .map(|(i, (p, mut record))| {
+            let state = state.clone();
+            let base_id = base_id.clone();
+            async move {
+                record.admitted(p.request.prompt_token_ids.len());
+                let shape = Shape::new(
+                    &state,
+                    endpoint,
+                    &p.request,
+                    include_usage,
+                    base_id,
+                    i as u32,
+                );
+                let detok = Detokenizer::new(
+                    state.model().tokenizer().clone(),
+                    &p.request.prompt_token_ids,
+                );
+                let max_tokens = p.request.sampling.max_tokens;
+                match state.generator().generate(p.request).await {
+                    Ok(tokens) => Ok((
+                        TextStream::new(tokens, detok, p.stop, max_tokens, record),
+                        shape,
+                    )),
+                    Err(err) => {
+                        let err = ApiError::from(err);
+                        record.failed(&err);
+                        Err(err)
+                    }
+                }
+            }
+        });
+    let mut started = Vec::new();
+    for r in futures::future::join_all(starts).await {
+        match r {
+            Ok(t) => started.push(t),
+            Err(err) => return err.into_response(),
+        }
+    }
+    let prompt_tokens: u32 = started.iter().map(|(_, s)| s.prompt_tokens).sum();
+    let total = Shape {
+        prompt_tokens,
+        ..Shape::new_bare(&state, endpoint, include_usage, base_id)
+    };
+    if !stream {
+        let wholes = futures::future::join_all(
+            started
+                .into_iter()
+                .map(|(text, shape)| async move { collect(text).await.map(|w| (shape, w)) }),
+        )
+        .await;
+        let mut choices = Vec::new();
+        let mut completion_tokens = 0;
+        for r in wholes {
+            match r {
+                Ok((shape, w)) => {
+                    completion_tokens += w.completion_tokens;
+                    choices.push(shape.completion_choice(w.text, &w.logprobs, Some(w.reason)));
+                }
+                Err(err) => return err.into_response(),
+            }
+        }
+        return Json(Completion {
+            id: total.id.clone(),
+            object: "text_completion",
+            created: total.created,
+            model: total.model.clone(),
+            system_fingerprint: SYSTEM_FINGERPRINT,
+            choices,
+            usage: Some(Some(Usage::new(prompt_tokens, completion_tokens))),
+        })
+        .into_response();
+    }
+    let tokens = Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let failed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let choices = started.into_iter().map(|(text, shape)| {
+        let (tokens, failed) = (tokens.clone(), failed.clone());
+        stream::unfold(Some((text, shape)), move |st| {
+            let (tokens, failed) = (tokens.clone(), failed.clone());
+            async move {
+                let (mut text, shape) = st?;
+                let next = text.next().await;
+                let logprobs = text.take_logprobs();
+                let (event, more) = match next {
+                    Some(Ok(TextEvent::Delta(delta))) => {
+                        (shape.delta_chunk(delta, &logprobs), true)
+                    }
+                    Some(Ok(TextEvent::Finished {
+                        reason,
+                        completion_tokens,
+                    })) => {
+                        tokens.fetch_add(completion_tokens, std::sync::atomic::Ordering::Relaxed);
+                        (shape.finish_chunk(reason, &logprobs), false)
+                    }
+                    Some(Err(err)) => {
+                        failed.store(true, std::sync::atomic::Ordering::Relaxed);
+                        (json_event(&err.body()), false)
+                    }
+                    None => return None,
+                };
+                Some((event, more.then_some((text, shape))))
+            }
+        })
+        .boxed()
+    });
+    let choices: Vec<_> = choices.collect();
+    let tail = stream::once(async move {
+        if failed.load(std::sync::atomic::Ordering::Relaxed) {
+            return Vec::new();
+        }
+        let mut events = Vec::new();
+        if total.include_usage {
+            events.push(total.usage_chunk(tokens.load(std::sync::atomic::Ordering::Relaxed)));
+        }
+        events.push(Event::default().data("[DONE]"));
+        events
+    })
+    .flat_map(stream::iter);
+    let events = stream::select_all(choices)
+        .chain(tail)
+        .map(Ok::<_, Infallible>);
+    Sse::new(events)
+        .keep_alive(KeepAlive::default())
+        .into_response()
 }
 
 async fn respond_streamed(mut text: TextStream, shape: Shape) -> Response {
@@ -239,6 +396,8 @@ impl SseDriver {
 /// How answers of one request look: ids, object names, usage, log-probabilities.
 struct Shape {
     endpoint: Endpoint,
+    /// The choice this shape renders (batched prompts: one per prompt).
+    index: u32,
     id: String,
     created: u64,
     model: String,
@@ -256,6 +415,56 @@ fn finite(lp: f32) -> f32 {
 }
 
 impl Shape {
+    /// The shape of choice `index` of `request` (answer id `id`).
+    fn new(
+        state: &RouterState,
+        endpoint: Endpoint,
+        request: &crate::generator::ValidGenerateRequest,
+        include_usage: bool,
+        id: String,
+        index: u32,
+    ) -> Self {
+        Self {
+            index,
+            prompt_tokens: u32::try_from(request.prompt_token_ids.len()).unwrap_or(u32::MAX),
+            logprobs: request
+                .sampling
+                .logprobs
+                .is_some()
+                .then(|| state.model().tokenizer().clone()),
+            ..Self::new_bare(state, endpoint, include_usage, id)
+        }
+    }
+
+    /// A shape with no prompt and no log-probabilities (for answer-wide chunks).
+    fn new_bare(state: &RouterState, endpoint: Endpoint, include_usage: bool, id: String) -> Self {
+        Self {
+            endpoint,
+            index: 0,
+            id,
+            created: unix_now(),
+            model: state.served_name().to_owned(),
+            include_usage,
+            prompt_tokens: 0,
+            logprobs: None,
+            text_offset: std::cell::Cell::new(0),
+        }
+    }
+
+    fn completion_choice(
+        &self,
+        text: String,
+        logprobs: &[(u32, TokenLogprobs)],
+        finish_reason: Option<FinishReason>,
+    ) -> CompletionChoice {
+        CompletionChoice {
+            index: self.index,
+            text,
+            logprobs: self.completion_logprobs(logprobs),
+            finish_reason,
+        }
+    }
+
     fn token_text(tokenizer: &tokenizers::Tokenizer, id: u32) -> String {
         tokenizer.decode(&[id], false).unwrap_or_default()
     }
@@ -325,7 +534,7 @@ impl Shape {
                 model: self.model.clone(),
                 system_fingerprint: SYSTEM_FINGERPRINT,
                 choices: vec![ChatChoice {
-                    index: 0,
+                    index: self.index,
                     message: AssistantMessage {
                         role: "assistant",
                         content: text,
@@ -342,12 +551,7 @@ impl Shape {
                 created: self.created,
                 model: self.model.clone(),
                 system_fingerprint: SYSTEM_FINGERPRINT,
-                choices: vec![CompletionChoice {
-                    index: 0,
-                    text,
-                    logprobs: self.completion_logprobs(logprobs),
-                    finish_reason: Some(reason),
-                }],
+                choices: vec![self.completion_choice(text, logprobs, Some(reason))],
                 usage: Some(Some(usage)),
             })
             .into_response(),
@@ -401,7 +605,7 @@ impl Shape {
                 model: self.model.clone(),
                 system_fingerprint: SYSTEM_FINGERPRINT,
                 choices: vec![ChatChunkChoice {
-                    index: 0,
+                    index: self.index,
                     delta,
                     logprobs: self.chat_logprobs(logprobs).filter(|_| some(logprobs)),
                     finish_reason,
@@ -415,7 +619,7 @@ impl Shape {
                 model: self.model.clone(),
                 system_fingerprint: SYSTEM_FINGERPRINT,
                 choices: vec![CompletionChoice {
-                    index: 0,
+                    index: self.index,
                     text: delta.content.unwrap_or_default(),
                     logprobs: self
                         .completion_logprobs(logprobs)

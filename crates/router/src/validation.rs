@@ -115,13 +115,35 @@ pub(crate) fn client_token_ids(
     token_ids(ids, model, param)
 }
 
-/// Checks and tokenizes a completion request.
+/// Most prompts one batched `/v1/completions` request may carry.
+pub const MAX_BATCH_PROMPTS: usize = 64;
+
+/// Checks and tokenizes a completion request of one prompt.
 pub fn prepare_completion(
     model: &ModelAssets,
     served_name: &str,
     id: RequestId,
     request: CompletionRequest,
 ) -> Result<Prepared, ApiError> {
+    let mut batch = prepare_completion_batch(model, served_name, id, request)?;
+    match batch.len() {
+        1 => Ok(batch.remove(0)),
+        n => Err(ApiError::invalid(
+            format!("expected one prompt, got {n}"),
+            Some("prompt"),
+        )),
+    }
+}
+
+/// Checks and tokenizes a completion request: one [`Prepared`] per prompt (a batch is a list
+/// of strings or of token-id lists; each prompt is its own request, with ids `ID-0`, `ID-1`,
+/// …).
+pub fn prepare_completion_batch(
+    model: &ModelAssets,
+    served_name: &str,
+    id: RequestId,
+    request: CompletionRequest,
+) -> Result<Vec<Prepared>, ApiError> {
     check_model(request.model.as_deref(), served_name)?;
     let params = &request.params;
     let mut common = check_params(params, model)?;
@@ -144,24 +166,53 @@ pub fn prepare_completion(
             Some("best_of"),
         ));
     }
-    let prompt = match request.prompt {
+    let prompts = match request.prompt {
         None => return Err(ApiError::invalid("`prompt` is required", Some("prompt"))),
-        Some(PromptInput::Text(text)) => encode_prompt(model, &text)?,
-        Some(PromptInput::Texts(texts)) => match texts.as_slice() {
-            [text] => encode_prompt(model, text)?,
-            _ => return Err(batch_error(texts.len())),
-        },
-        Some(PromptInput::Tokens(ids)) => token_ids(&ids, model, "prompt")?,
-        Some(PromptInput::TokenBatches(batches)) => match batches.as_slice() {
-            [ids] => token_ids(ids, model, "prompt")?,
-            _ => return Err(batch_error(batches.len())),
-        },
+        Some(PromptInput::Text(text)) => vec![encode_prompt(model, &text)?],
+        Some(PromptInput::Texts(texts)) => {
+            check_batch(texts.len())?;
+            texts
+                .iter()
+                .map(|t| encode_prompt(model, t))
+                .collect::<Result<_, _>>()?
+        }
+        Some(PromptInput::Tokens(ids)) => vec![token_ids(&ids, model, "prompt")?],
+        Some(PromptInput::TokenBatches(batches)) => {
+            check_batch(batches.len())?;
+            batches
+                .iter()
+                .map(|ids| token_ids(ids, model, "prompt"))
+                .collect::<Result<_, _>>()?
+        }
     };
     let max_tokens = params.max_tokens.map(|n| (n, "max_tokens"));
-    finish(model, id, prompt, max_tokens, common, "prompt")
+    let single = prompts.len() == 1;
+    prompts
+        .into_iter()
+        .enumerate()
+        .map(|(i, prompt)| {
+            let id = if single {
+                id.clone()
+            } else {
+                RequestId(format!("{}-{i}", id.0))
+            };
+            finish(model, id, prompt, max_tokens, common.clone(), "prompt")
+        })
+        .collect()
+}
+
+fn check_batch(len: usize) -> Result<(), ApiError> {
+    if len == 0 || len > MAX_BATCH_PROMPTS {
+        return Err(ApiError::invalid(
+            format!("`prompt` must hold 1 to {MAX_BATCH_PROMPTS} prompts, got {len}"),
+            Some("prompt"),
+        ));
+    }
+    Ok(())
 }
 
 /// Checked fields shared by both endpoints, before the prompt length is known.
+#[derive(Clone)]
 struct Common {
     sampling: SamplingParams,
     stop: Vec<String>,
@@ -594,13 +645,6 @@ fn token_ids(ids: &[i64], model: &ModelAssets, param: &str) -> Result<Vec<u32>, 
                 })
         })
         .collect()
-}
-
-fn batch_error(len: usize) -> ApiError {
-    ApiError::invalid(
-        format!("batched prompts are not supported: send one prompt, got {len}"),
-        Some("prompt"),
-    )
 }
 
 #[cfg(test)]

@@ -154,12 +154,7 @@ async fn bad_requests_get_json_errors_then_a_good_one_succeeds() {
         ),
         (COMPLETIONS, json!({}), 400, Some("prompt")),
         (COMPLETIONS, json!({"prompt": ""}), 400, Some("prompt")),
-        (
-            COMPLETIONS,
-            json!({"prompt": ["a", "b"]}),
-            400,
-            Some("prompt"),
-        ),
+        (COMPLETIONS, json!({"prompt": []}), 400, Some("prompt")),
         (
             COMPLETIONS,
             json!({"prompt": [1, 99999]}),

@@ -415,3 +415,72 @@ async fn tokenize_detokenize_and_version() {
     let v: Value = serde_json::from_str(&text).expect("json");
     assert_eq!(v["version"], env!("CARGO_PKG_VERSION"));
 }
+
+#[tokio::test]
+async fn batched_prompts_answer_one_choice_each() {
+    let (router, state, generator) = app_answering(ANSWER);
+    let a = encode(&state, "hello");
+    let b = encode(&state, "hello world");
+    for prompt in [
+        json!(["hello", "hello world"]),
+        json!([a.clone(), b.clone()]),
+    ] {
+        let (status, answer) = post_json(&router, COMPLETIONS, json!({"prompt": prompt})).await;
+        assert_eq!(status, 200, "{answer}");
+        let choices = answer["choices"].as_array().expect("choices");
+        assert_eq!(choices.len(), 2, "{answer}");
+        for (i, c) in choices.iter().enumerate() {
+            assert_eq!(c["index"], i, "{answer}");
+            assert_eq!(c["text"], ANSWER);
+        }
+        assert_eq!(
+            answer["usage"]["prompt_tokens"],
+            a.len() + b.len(),
+            "{answer}"
+        );
+        assert!(answer["id"]
+            .as_str()
+            .is_some_and(|id| id.starts_with("cmpl-")));
+    }
+    let prompts: Vec<Vec<u32>> = generator
+        .requests()
+        .iter()
+        .map(|r| r.prompt_token_ids.clone())
+        .collect();
+    assert!(
+        prompts.contains(&a) && prompts.contains(&b),
+        "each prompt is its own request"
+    );
+    // Streamed: every choice's chunks, by index; one usage chunk over both; [DONE].
+    let body = json!({"prompt": ["hello", "hello world"], "stream": true,
+                      "stream_options": {"include_usage": true}});
+    let (status, _, data) = post_sse(&router, COMPLETIONS, body).await;
+    assert_eq!(status, 200);
+    assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
+    let chunks = chunks(&data);
+    let usage = chunks.last().expect("usage chunk");
+    assert_eq!(
+        usage["usage"]["prompt_tokens"],
+        a.len() + b.len(),
+        "{usage}"
+    );
+    for i in 0..2 {
+        let text: String = chunks
+            .iter()
+            .filter_map(|c| c["choices"].as_array()?.first().cloned())
+            .filter(|c| c["index"] == i)
+            .map(|c| c["text"].as_str().unwrap_or_default().to_string())
+            .collect();
+        assert_eq!(text, ANSWER, "choice {i}");
+    }
+    for (prompt, says) in [(json!([]), "1 to 64"), (json!(vec!["x"; 65]), "1 to 64")] {
+        let (status, err) = post_json(&router, COMPLETIONS, json!({"prompt": prompt})).await;
+        assert_eq!(status, 400, "{err}");
+        assert!(
+            err["error"]["message"]
+                .as_str()
+                .is_some_and(|m| m.contains(says)),
+            "{err}"
+        );
+    }
+}
