@@ -42,6 +42,8 @@ pub struct ModelAssets {
     context_length: u32,
     eos_token_ids: Vec<u32>,
     vocab_size: u32,
+    /// The longest vocabulary entry in UTF-8 bytes: no token covers more text than this.
+    max_token_bytes: usize,
 }
 
 /// Values above this in `model_max_length` are transformers' "no limit" sentinel.
@@ -125,6 +127,16 @@ impl ModelAssets {
         let bos_token_id = bos_token.as_deref().and_then(|t| tokenizer.token_to_id(t));
         let vocab_size = u32::try_from(tokenizer.get_vocab_size(true))
             .map_err(|_| model_error("vocabulary too large".to_owned()))?;
+        // Byte-level pieces spell each byte as one (1–2 byte) character and SentencePiece
+        // pieces spell the text itself (▁ for a space), so a piece's UTF-8 length bounds the
+        // text one token covers from above.
+        let max_token_bytes = tokenizer
+            .get_vocab(true)
+            .keys()
+            .map(String::len)
+            .max()
+            .unwrap_or(1)
+            .max(1);
 
         Ok(Self {
             tokenizer: Arc::new(tokenizer),
@@ -134,7 +146,14 @@ impl ModelAssets {
             context_length,
             eos_token_ids,
             vocab_size,
+            max_token_bytes,
         })
+    }
+
+    /// A lower bound on the tokens `text` takes (no token covers more than the longest
+    /// vocabulary entry), known without tokenizing it.
+    pub fn min_tokens(&self, text: &str) -> u64 {
+        text.len().div_ceil(self.max_token_bytes) as u64
     }
 
     /// The tokenizer.

@@ -95,6 +95,7 @@ pub(crate) fn chat_prompt(
     let text = template
         .render(&messages)
         .map_err(|err| ApiError::invalid(err.message, Some("messages")))?;
+    check_length_estimate(model, &text, "messages")?;
     model
         .encode_chat(&text)
         .map_err(|err| ApiError::internal(format!("tokenization failed: {err}")))
@@ -624,7 +625,25 @@ fn template_messages(messages: &[ChatMessage]) -> Result<Vec<TemplateMessage>, A
         .collect()
 }
 
+/// Refuses, before tokenizing, a text that cannot fit the context whatever its tokens (a
+/// 10 MB prompt is not worth seconds of tokenizer time to reject).
+fn check_length_estimate(model: &ModelAssets, text: &str, param: &str) -> Result<(), ApiError> {
+    let at_least = model.min_tokens(text);
+    let context = u64::from(model.context_length());
+    if at_least >= context {
+        return Err(ApiError::invalid(
+            format!(
+                "This model's maximum context length is {context} tokens, and the prompt                  ({} bytes) takes at least {at_least}.",
+                text.len()
+            ),
+            Some(param),
+        ));
+    }
+    Ok(())
+}
+
 fn encode_prompt(model: &ModelAssets, text: &str) -> Result<Vec<u32>, ApiError> {
+    check_length_estimate(model, text, "prompt")?;
     model
         .encode_prompt(text)
         .map_err(|err| ApiError::internal(format!("tokenization failed: {err}")))

@@ -328,3 +328,26 @@ async fn oversized_bodies_get_json_413() {
     let answer: Value = serde_json::from_str(&text).expect("JSON error body");
     assert_error_shape(&answer);
 }
+
+/// A prompt that cannot fit whatever its tokens is refused from its size, before the
+/// tokenizer runs over it (a body of megabytes would otherwise cost seconds of CPU).
+#[tokio::test]
+async fn a_huge_prompt_is_refused_before_tokenizing() {
+    let (router, _, generator) = app_answering("hello");
+    let huge = "word ".repeat(400_000);
+    for (path, body, param) in [
+        (COMPLETIONS, json!({"prompt": huge}), "prompt"),
+        (CHAT, json!({"messages": [{"role": "user", "content": huge}]}), "messages"),
+    ] {
+        let (status, answer) = post_json(&router, path, body).await;
+        assert_eq!(status.as_u16(), 400, "{answer}");
+        assert_eq!(answer["error"]["param"], param);
+        assert!(
+            answer["error"]["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("takes at least")),
+            "refused by the size bound, not after tokenizing: {answer}"
+        );
+    }
+    assert!(generator.requests().is_empty());
+}
