@@ -106,6 +106,33 @@ fn sampling_controls_change_the_output_and_pd_equals_one_process() {
             assert_eq!(v["choices"][i]["index"], i, "{v}");
             assert_eq!(v["choices"][i]["text"], alone["choices"][0]["text"], "{v}");
         }
+        // n = 3 with a seed: three reproducible samples, the same through P/D and one process.
+        let three = json!({"n": 3, "seed": 11, "temperature": 1.3, "max_tokens": 12});
+        let texts = |v: &Value| -> Vec<String> {
+            v["choices"]
+                .as_array()
+                .expect("choices")
+                .iter()
+                .map(|c| c["text"].as_str().unwrap_or_default().to_string())
+                .collect()
+        };
+        let a = complete(&c, &pd_url, three.clone()).await;
+        let b = complete(&c, &one_url, three.clone()).await;
+        let again = complete(&c, &pd_url, three.clone()).await;
+        assert_eq!(texts(&a).len(), 3, "{a}");
+        assert_eq!(texts(&a), texts(&b), "P/D differs from one process");
+        assert_eq!(texts(&a), texts(&again), "a seed repeats");
+        let mut distinct = texts(&a);
+        distinct.dedup();
+        assert!(
+            distinct.len() > 1,
+            "three samples at temperature 1.3 all equal: {a}"
+        );
+        let single = complete(&c, &pd_url, json!({"max_tokens": 12})).await;
+        assert_eq!(
+            a["usage"]["prompt_tokens"], single["usage"]["prompt_tokens"],
+            "prompt once"
+        );
         // min_tokens holds EOS back: the chat answer goes on past its usual end.
         let chat = |min: u32| {
             json!({"messages": [{"role": "user", "content": "What is the capital of France?"}],

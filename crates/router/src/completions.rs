@@ -59,8 +59,10 @@ async fn handle(
             return err.into_response();
         }
     };
-    if batch.len() > 1 {
-        return respond_batch(state, endpoint, record, base_id, batch).await;
+    let n = batch[0].choices.max(1);
+    if batch.len() > 1 || n > 1 {
+        let choices = batch.into_iter().flat_map(Prepared::expand).collect();
+        return respond_batch(state, endpoint, record, base_id, choices, n).await;
     }
     let prepared = batch.remove(0);
     record.admitted(prepared.request.prompt_token_ids.len());
@@ -69,6 +71,7 @@ async fn handle(
         stop,
         stream,
         include_usage,
+        ..
     } = prepared;
     let shape = Shape::new(&state, endpoint, &request, include_usage, base_id, 0);
     let detokenizer =
@@ -179,16 +182,18 @@ async fn respond_whole(text: TextStream, shape: Shape) -> Response {
     }
 }
 
-/// A batched `/v1/completions` request: every prompt is its own generation, started at once;
-/// one answer with a choice per prompt (streamed: chunks of every choice as they come, by
-/// `index`, then one usage chunk over all and `[DONE]`). A prompt that cannot start fails
-/// the whole request (the others are cancelled).
+/// Several choices: `n` > 1 and/or a batch of prompts (`n` choices per prompt, prompt-major).
+/// Every choice is its own generation, started at once; one answer with every choice
+/// (streamed: chunks of every choice as they come, by `index`, then one usage chunk over all
+/// and `[DONE]`); usage counts each prompt once. A choice that cannot start fails the whole
+/// request (the others are cancelled).
 async fn respond_batch(
     state: RouterState,
     endpoint: Endpoint,
     first_record: crate::metrics::RequestRecord,
     base_id: String,
     batch: Vec<Prepared>,
+    n: u32,
 ) -> Response {
     let (stream, include_usage) = (batch[0].stream, batch[0].include_usage);
     let mut records = vec![first_record];
@@ -235,7 +240,7 @@ async fn respond_batch(
             Err(err) => return err.into_response(),
         }
     }
-    let prompt_tokens: u32 = started.iter().map(|(_, s)| s.prompt_tokens).sum();
+    let prompt_tokens: u32 = started.iter().map(|(_, s)| s.prompt_tokens).sum::<u32>() / n;
     let total = Shape {
         prompt_tokens,
         ..Shape::new_bare(&state, endpoint, include_usage, base_id)
@@ -247,58 +252,87 @@ async fn respond_batch(
                 .map(|(text, shape)| async move { collect(text).await.map(|w| (shape, w)) }),
         )
         .await;
-        let mut choices = Vec::new();
+        let mut done = Vec::new();
         let mut completion_tokens = 0;
         for r in wholes {
             match r {
                 Ok((shape, w)) => {
                     completion_tokens += w.completion_tokens;
-                    choices.push(shape.completion_choice(w.text, &w.logprobs, Some(w.reason)));
+                    done.push((shape, w));
                 }
                 Err(err) => return err.into_response(),
             }
         }
-        return Json(Completion {
-            id: total.id.clone(),
-            object: "text_completion",
-            created: total.created,
-            model: total.model.clone(),
-            system_fingerprint: SYSTEM_FINGERPRINT,
-            choices,
-            usage: Some(Some(Usage::new(prompt_tokens, completion_tokens))),
-        })
-        .into_response();
+        let usage = Usage::new(prompt_tokens, completion_tokens);
+        return match endpoint {
+            Endpoint::ChatCompletions => Json(ChatCompletion {
+                id: total.id.clone(),
+                object: "chat.completion",
+                created: total.created,
+                model: total.model.clone(),
+                system_fingerprint: SYSTEM_FINGERPRINT,
+                choices: done
+                    .into_iter()
+                    .map(|(shape, w)| shape.chat_choice(w.text, &w.logprobs, w.reason))
+                    .collect(),
+                usage,
+            })
+            .into_response(),
+            Endpoint::Completions => Json(Completion {
+                id: total.id.clone(),
+                object: "text_completion",
+                created: total.created,
+                model: total.model.clone(),
+                system_fingerprint: SYSTEM_FINGERPRINT,
+                choices: done
+                    .into_iter()
+                    .map(|(shape, w)| shape.completion_choice(w.text, &w.logprobs, Some(w.reason)))
+                    .collect(),
+                usage: Some(Some(usage)),
+            })
+            .into_response(),
+        };
     }
     let tokens = Arc::new(std::sync::atomic::AtomicU32::new(0));
     let failed = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let choices = started.into_iter().map(|(text, shape)| {
         let (tokens, failed) = (tokens.clone(), failed.clone());
-        stream::unfold(Some((text, shape)), move |st| {
+        stream::unfold(Some((text, shape, false)), move |st| {
             let (tokens, failed) = (tokens.clone(), failed.clone());
             async move {
-                let (mut text, shape) = st?;
+                let (mut text, shape, started) = st?;
+                // A chat choice opens with its own role chunk.
+                let mut events: Vec<Event> = if started {
+                    Vec::new()
+                } else {
+                    shape.role_chunk().into_iter().collect()
+                };
                 let next = text.next().await;
                 let logprobs = text.take_logprobs();
-                let (event, more) = match next {
+                let more = match next {
                     Some(Ok(TextEvent::Delta(delta))) => {
-                        (shape.delta_chunk(delta, &logprobs), true)
+                        events.push(shape.delta_chunk(delta, &logprobs));
+                        true
                     }
                     Some(Ok(TextEvent::Finished {
                         reason,
                         completion_tokens,
                     })) => {
                         tokens.fetch_add(completion_tokens, std::sync::atomic::Ordering::Relaxed);
-                        (shape.finish_chunk(reason, &logprobs), false)
+                        events.push(shape.finish_chunk(reason, &logprobs));
+                        false
                     }
                     Some(Err(err)) => {
                         failed.store(true, std::sync::atomic::Ordering::Relaxed);
-                        (json_event(&err.body()), false)
+                        events.push(json_event(&err.body()));
+                        false
                     }
                     None => return None,
                 };
-                Some((event, more.then_some((text, shape))))
+                Some((events, more.then_some((text, shape, true))))
             }
         })
+        .flat_map(stream::iter)
         .boxed()
     });
     let choices: Vec<_> = choices.collect();
@@ -451,6 +485,23 @@ impl Shape {
         }
     }
 
+    fn chat_choice(
+        &self,
+        text: String,
+        logprobs: &[(u32, TokenLogprobs)],
+        finish_reason: FinishReason,
+    ) -> ChatChoice {
+        ChatChoice {
+            index: self.index,
+            message: AssistantMessage {
+                role: "assistant",
+                content: text,
+            },
+            logprobs: self.chat_logprobs(logprobs),
+            finish_reason,
+        }
+    }
+
     fn completion_choice(
         &self,
         text: String,
@@ -533,15 +584,7 @@ impl Shape {
                 created: self.created,
                 model: self.model.clone(),
                 system_fingerprint: SYSTEM_FINGERPRINT,
-                choices: vec![ChatChoice {
-                    index: self.index,
-                    message: AssistantMessage {
-                        role: "assistant",
-                        content: text,
-                    },
-                    logprobs: self.chat_logprobs(logprobs),
-                    finish_reason: reason,
-                }],
+                choices: vec![self.chat_choice(text, logprobs, reason)],
                 usage,
             })
             .into_response(),

@@ -15,6 +15,8 @@ use tandem_core::{RequestId, SamplingParams};
 
 /// Most stop strings a request may carry.
 pub const MAX_STOP_STRINGS: usize = 16;
+/// Most choices (`n`) one request may ask for.
+pub const MAX_CHOICES: u32 = 16;
 /// Most tokens `logit_bias` may list.
 pub const MAX_LOGIT_BIAS: usize = 300;
 /// Most `stop_token_ids` a request may carry.
@@ -33,9 +35,29 @@ pub struct Prepared {
     pub stream: bool,
     /// Streaming: send a final `usage` chunk.
     pub include_usage: bool,
+    /// Choices to generate for the prompt (`n`).
+    pub choices: u32,
 }
 
 impl Prepared {
+    /// One request per choice: the same prompt, seeds `seed`, `seed + 1`, … (ids suffixed
+    /// `-0`, `-1`, … when there are several).
+    pub fn expand(self) -> Vec<Prepared> {
+        let n = self.choices.max(1);
+        if n == 1 {
+            return vec![self];
+        }
+        (0..n)
+            .map(|j| {
+                let mut p = self.clone();
+                p.choices = 1;
+                p.request.id = RequestId(format!("{}-{j}", self.request.id.0));
+                p.request.sampling.seed = self.request.sampling.seed.wrapping_add(u64::from(j));
+                p
+            })
+            .collect()
+    }
+
     /// Prompt length in tokens.
     pub fn prompt_tokens(&self) -> u32 {
         u32::try_from(self.request.prompt_token_ids.len()).unwrap_or(u32::MAX)
@@ -219,6 +241,7 @@ struct Common {
     stop: Vec<String>,
     stream: bool,
     include_usage: bool,
+    choices: u32,
 }
 
 pub(crate) fn check_model(requested: Option<&str>, served_name: &str) -> Result<(), ApiError> {
@@ -229,14 +252,18 @@ pub(crate) fn check_model(requested: Option<&str>, served_name: &str) -> Result<
 }
 
 fn check_params(params: &GenerationParams, model: &ModelAssets) -> Result<Common, ApiError> {
-    if let Some(n) = params.n {
-        if n != 1 {
-            return Err(ApiError::invalid(
-                format!("only `n` = 1 is supported, got {n}"),
-                Some("n"),
-            ));
-        }
-    }
+    let choices = match params.n {
+        None => 1,
+        Some(n) => u32::try_from(n)
+            .ok()
+            .filter(|n| (1..=MAX_CHOICES).contains(n))
+            .ok_or_else(|| {
+                ApiError::invalid(
+                    format!("`n` must be in [1, {MAX_CHOICES}], got {n}"),
+                    Some("n"),
+                )
+            })?,
+    };
     let temperature = params.temperature.unwrap_or(1.0);
     if !(0.0..=2.0).contains(&temperature) {
         return Err(ApiError::invalid(
@@ -325,6 +352,7 @@ fn check_params(params: &GenerationParams, model: &ModelAssets) -> Result<Common
         stop,
         stream,
         include_usage,
+        choices,
     })
 }
 
@@ -580,6 +608,7 @@ fn finish(
         stop: common.stop,
         stream: common.stream,
         include_usage: common.include_usage,
+        choices: common.choices,
     })
 }
 
@@ -714,7 +743,7 @@ mod tests {
                 serde_json::json!({"prompt": "x", "max_tokens": 256}),
                 "max_tokens",
             ),
-            (serde_json::json!({"prompt": "x", "n": 2}), "n"),
+            (serde_json::json!({"prompt": "x", "n": 17}), "n"),
             (
                 serde_json::json!({"prompt": "x", "stop_token_ids": [999]}),
                 "stop_token_ids",

@@ -294,7 +294,7 @@ async fn models_health_and_metrics() {
 
     let (status, _) = post_json(&router, CHAT, chat_body(json!({}))).await;
     assert_eq!(status, 200);
-    let (status, _) = post_json(&router, CHAT, chat_body(json!({"n": 3}))).await;
+    let (status, _) = post_json(&router, CHAT, chat_body(json!({"n": 30}))).await;
     assert_eq!(status, 400);
     let (status, text) = get_text(&router, "/metrics").await;
     assert_eq!(status, 200);
@@ -482,5 +482,72 @@ async fn batched_prompts_answer_one_choice_each() {
                 .is_some_and(|m| m.contains(says)),
             "{err}"
         );
+    }
+}
+
+#[tokio::test]
+async fn n_choices_are_separate_seeded_requests_and_count_the_prompt_once() {
+    let (router, _, generator) = app_answering(ANSWER);
+    let (status, answer) = post_json(
+        &router,
+        "/v1/chat/completions",
+        chat_body(json!({"n": 3, "seed": 40, "temperature": 0.8})),
+    )
+    .await;
+    assert_eq!(status, 200, "{answer}");
+    let choices = answer["choices"].as_array().expect("choices");
+    assert_eq!(choices.len(), 3);
+    for (i, c) in choices.iter().enumerate() {
+        assert_eq!(c["index"], i);
+        assert_eq!(c["message"]["content"], ANSWER);
+    }
+    let seeds: Vec<u64> = generator
+        .requests()
+        .iter()
+        .map(|r| r.sampling.seed)
+        .collect();
+    assert_eq!(
+        seeds,
+        vec![40, 41, 42],
+        "one request per choice, seeds apart"
+    );
+    let prompt = generator.requests()[0].prompt_token_ids.len();
+    assert_eq!(
+        answer["usage"]["prompt_tokens"], prompt,
+        "the prompt counts once"
+    );
+    // Streamed: each choice opens with its role chunk and ends with its finish chunk.
+    let (status, _, data) = post_sse(
+        &router,
+        "/v1/chat/completions",
+        chat_body(json!({"n": 2, "stream": true})),
+    )
+    .await;
+    assert_eq!(status, 200);
+    assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
+    let chunks = chunks(&data);
+    for i in 0..2 {
+        let mine: Vec<&Value> = chunks
+            .iter()
+            .filter(|c| c["choices"][0]["index"] == i)
+            .collect();
+        assert_eq!(
+            mine[0]["choices"][0]["delta"]["role"], "assistant",
+            "choice {i}"
+        );
+        let text: String = mine
+            .iter()
+            .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+            .collect();
+        assert_eq!(text, ANSWER);
+        assert!(mine
+            .last()
+            .is_some_and(|c| c["choices"][0]["finish_reason"] == "stop"));
+    }
+    for n in [0, 17] {
+        let (status, err) =
+            post_json(&router, "/v1/chat/completions", chat_body(json!({"n": n}))).await;
+        assert_eq!(status, 400, "{err}");
+        assert_eq!(err["error"]["param"], "n");
     }
 }
