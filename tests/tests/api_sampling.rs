@@ -317,3 +317,65 @@ print("ok")
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// API keys from a file: the official client gets 401 (`AuthenticationError`) without one
+/// or with a wrong one, answers with a good one, a key written into the file works at once
+/// and a removed one stops working; probes stay open.
+#[test]
+fn api_keys_guard_the_api_and_rotate_from_their_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let keys = dir.path().join("keys");
+    std::fs::write(&keys, "# test keys\nsk-first\n").unwrap();
+    let cluster = Cluster::start(ClusterOptions {
+        pd_pair: false,
+        aggregated: true,
+        router_config: format!("auth:\n  api_keys_file: {}\n", keys.display()),
+        ..ClusterOptions::default()
+    });
+    let run = |key: &str, expect: &str| {
+        let script = format!(
+            r#"
+import openai
+c = openai.OpenAI(base_url="{url}/v1", api_key="{key}")
+try:
+    r = c.completions.create(model="smollm2-135m-instruct", prompt="Hi", max_tokens=2)
+    got = "ok"
+except openai.AuthenticationError as e:
+    assert e.status_code == 401 and e.body["code"] == "invalid_api_key", e.body
+    got = "401"
+assert got == "{expect}", got
+"#,
+            url = cluster.url
+        );
+        let out = std::process::Command::new("python3")
+            .arg("-c")
+            .arg(&script)
+            .output()
+            .expect("python3");
+        assert!(
+            out.status.success(),
+            "key {key:?}, expected {expect}:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    run("sk-first", "ok");
+    run("sk-wrong", "401");
+    std::fs::write(&keys, "sk-second\n").unwrap();
+    run("sk-second", "ok");
+    run("sk-first", "401");
+    rt().block_on(async {
+        let c = reqwest::Client::new();
+        let health = c
+            .get(format!("{}/health", cluster.url))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(health.status(), 200, "probes stay open");
+        let admin = c
+            .get(format!("{}/admin/workers", cluster.url))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(admin.status(), 401, "admin routes need a key");
+    });
+}

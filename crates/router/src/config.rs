@@ -48,6 +48,9 @@ pub struct RawConfig {
     /// Retries of a request that failed before its first token.
     #[serde(default)]
     pub retry: RetryConfig,
+    /// API keys; every route open when absent.
+    #[serde(default)]
+    pub auth: crate::auth::AuthConfig,
 }
 
 /// How a request that failed before its first token (on a retryable class: unavailable,
@@ -215,6 +218,8 @@ pub struct RouterConfig {
     pub admission: AdmissionConfig,
     /// Retries before the first token.
     pub retry: RetryConfig,
+    /// API keys.
+    pub auth: crate::auth::AuthConfig,
 }
 
 /// A worker the router may send requests to.
@@ -332,6 +337,11 @@ impl RawConfig {
                 self.retry.attempts
             ));
         }
+        if self.auth.enabled() {
+            if let Err(p) = crate::auth::ApiKeys::from_config(&self.auth) {
+                problems.push(p);
+            }
+        }
         match listen {
             Some(listen) if problems.is_empty() => Ok(RouterConfig {
                 listen,
@@ -344,6 +354,7 @@ impl RawConfig {
                 discovery: self.discovery,
                 admission: self.admission,
                 retry: self.retry,
+                auth: self.auth,
             }),
             _ => Err(Error::InvalidConfig(problems.join("; "))),
         }

@@ -73,6 +73,8 @@ enum Reason {
     RouteNotFound,
     /// The path exists, not for this method.
     MethodNotAllowed,
+    /// No API key, or one not accepted.
+    Unauthorized,
     /// The request body exceeds the size limit.
     PayloadTooLarge,
 }
@@ -143,6 +145,16 @@ impl ApiError {
         }
     }
 
+    /// The request carries no accepted API key.
+    pub fn unauthorized(message: impl Into<String>) -> Self {
+        Self {
+            reason: Reason::Unauthorized,
+            message: message.into(),
+            param: None,
+            code: Some("invalid_api_key".to_owned()),
+        }
+    }
+
     /// The body is larger than the limit.
     pub fn payload_too_large(message: impl Into<String>) -> Self {
         Self {
@@ -160,6 +172,7 @@ impl ApiError {
             Reason::ModelNotFound
             | Reason::RouteNotFound
             | Reason::MethodNotAllowed
+            | Reason::Unauthorized
             | Reason::PayloadTooLarge => ErrorClass::InvalidRequest,
         }
     }
@@ -181,6 +194,7 @@ impl ApiError {
             },
             Reason::ModelNotFound | Reason::RouteNotFound => StatusCode::NOT_FOUND,
             Reason::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
+            Reason::Unauthorized => StatusCode::UNAUTHORIZED,
             Reason::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
         }
     }

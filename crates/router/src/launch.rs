@@ -191,6 +191,13 @@ pub async fn run_from_config(
             crate::trace::record,
         ));
     }
+    if let Some(keys) = crate::auth::ApiKeys::from_config(&config.auth)? {
+        tracing::info!(keys = keys.count(), "API keys required");
+        app = app.layer(axum::middleware::from_fn_with_state(
+            keys,
+            crate::auth::require,
+        ));
+    }
     axum::serve(listener, app)
         .with_graceful_shutdown(shutdown)
         .await?;

@@ -15,6 +15,8 @@
 //! Failures are classified (`ErrorClass`) where they happen and rendered to HTTP in one place,
 //! [`ApiError::status`].
 
+/// API keys on the HTTP routes.
+pub mod auth;
 /// Compiling and rendering Hugging Face chat templates.
 /// Per-worker circuit breakers.
 pub mod breaker;
