@@ -330,3 +330,67 @@ fn a_recorded_step_replays_with_refreshed_weights_without_a_new_capture() {
         "the replay after the refresh did not use the new weights"
     );
 }
+
+/// Penalties, bias, `min_tokens` and log-probabilities go through the backend's default
+/// (host-copy) logit adjustment and row download on CUDA: the same tokens and
+/// log-probabilities as the CPU engine on the same f32 checkpoint.
+#[test]
+fn sampling_controls_and_logprobs_on_cuda_match_the_cpu_engine() {
+    let Some(g) = gpu() else { return };
+    let dir = synth("tiny");
+    let cuda = Engine::start(
+        LlamaModel::load(dir.path(), g, DType::F32).expect("load"),
+        EngineConfig::default(),
+    );
+    let cpu = Engine::start(
+        LlamaModel::load(dir.path(), tandem_engine::CpuBackend::new(), DType::F32).expect("load"),
+        EngineConfig::default(),
+    );
+    let params = SamplingParams {
+        frequency_penalty: 1.5,
+        repetition_penalty: 1.3,
+        logit_bias: vec![(7, 3.0)],
+        min_tokens: 6,
+        logprobs: Some(3),
+        ignore_eos: false,
+        ..SamplingParams::greedy(10)
+    };
+    let prompt: Vec<u32> = (0..21u32).map(|i| (i * 17) % 300 + 3).collect();
+    let collect = |e: &Engine| {
+        let mut rx = e
+            .submit(prompt.clone(), params.clone(), SeqKind::Generate)
+            .expect("submitted");
+        let mut out = Vec::new();
+        while let Some(ev) = rx.blocking_recv() {
+            if let tandem_engine::EngineEvent::Token {
+                token_id,
+                finish,
+                logprobs,
+            } = ev
+            {
+                out.push((token_id, logprobs.expect("asked for")));
+                if finish.is_some() {
+                    break;
+                }
+            }
+        }
+        out
+    };
+    let (a, b) = (collect(&cuda), collect(&cpu));
+    let ids = |v: &[(u32, tandem_core::TokenLogprobs)]| v.iter().map(|t| t.0).collect::<Vec<_>>();
+    assert_eq!(ids(&a), ids(&b), "tokens differ from the CPU's");
+    for ((_, x), (_, y)) in a.iter().zip(&b) {
+        assert!((x.logprob - y.logprob).abs() < 1e-3, "{x:?} vs {y:?}");
+        assert_eq!(x.top.len(), 3);
+        assert_eq!(x.top[0].0, y.top[0].0);
+    }
+    let plain = tandem_engine::blocking_tokens(
+        cuda.submit(
+            prompt.clone(),
+            SamplingParams::greedy(10),
+            SeqKind::Generate,
+        )
+        .expect("submitted"),
+    );
+    assert_ne!(plain, ids(&a), "the controls changed nothing on CUDA");
+}
