@@ -12,7 +12,7 @@ use crate::metrics::Endpoint;
 use crate::protocol::{
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatDelta,
     ChatLogprobs, ChatTokenLogprob, ChatTopLogprob, Completion, CompletionChoice,
-    CompletionLogprobs, Usage,
+    CompletionLogprobs, StopReason, Usage,
 };
 use crate::server::{unix_now, RouterState, SYSTEM_FINGERPRINT};
 use crate::text_stream::{TextEvent, TextStream};
@@ -77,6 +77,7 @@ async fn handle(
     let detokenizer =
         Detokenizer::new(state.model().tokenizer().clone(), &request.prompt_token_ids);
     let max_tokens = request.sampling.max_tokens;
+    let request_stop_ids = request.sampling.stop_token_ids.clone();
     let tokens = match state.generator().generate(request).await {
         Ok(tokens) => tokens,
         Err(err) => {
@@ -85,7 +86,8 @@ async fn handle(
             return err.into_response();
         }
     };
-    let text = TextStream::new(tokens, detokenizer, stop, max_tokens, record);
+    let stop_ids = request_stop_ids.clone();
+    let text = TextStream::new(tokens, detokenizer, stop, stop_ids, max_tokens, record);
     if stream {
         respond_streamed(text, shape).await
     } else {
@@ -150,6 +152,7 @@ struct Whole {
     text: String,
     logprobs: Vec<(u32, TokenLogprobs)>,
     reason: FinishReason,
+    stop_reason: Option<StopReason>,
     completion_tokens: u32,
 }
 
@@ -160,12 +163,14 @@ async fn collect(mut text: TextStream) -> Result<Whole, ApiError> {
             Some(Ok(TextEvent::Delta(delta))) => content.push_str(&delta),
             Some(Ok(TextEvent::Finished {
                 reason,
+                stop_reason,
                 completion_tokens,
             })) => {
                 return Ok(Whole {
                     text: content,
                     logprobs: text.take_logprobs(),
                     reason,
+                    stop_reason,
                     completion_tokens,
                 })
             }
@@ -177,7 +182,7 @@ async fn collect(mut text: TextStream) -> Result<Whole, ApiError> {
 
 async fn respond_whole(text: TextStream, shape: Shape) -> Response {
     match collect(text).await {
-        Ok(w) => shape.whole(w.text, &w.logprobs, w.reason, w.completion_tokens),
+        Ok(w) => shape.whole(w),
         Err(err) => err.into_response(),
     }
 }
@@ -220,9 +225,10 @@ async fn respond_batch(
                     &p.request.prompt_token_ids,
                 );
                 let max_tokens = p.request.sampling.max_tokens;
+                let stop_ids = p.request.sampling.stop_token_ids.clone();
                 match state.generator().generate(p.request).await {
                     Ok(tokens) => Ok((
-                        TextStream::new(tokens, detok, p.stop, max_tokens, record),
+                        TextStream::new(tokens, detok, p.stop, stop_ids, max_tokens, record),
                         shape,
                     )),
                     Err(err) => {
@@ -273,7 +279,7 @@ async fn respond_batch(
                 system_fingerprint: SYSTEM_FINGERPRINT,
                 choices: done
                     .into_iter()
-                    .map(|(shape, w)| shape.chat_choice(w.text, &w.logprobs, w.reason))
+                    .map(|(shape, w)| shape.chat_choice(w))
                     .collect(),
                 usage,
             })
@@ -286,7 +292,7 @@ async fn respond_batch(
                 system_fingerprint: SYSTEM_FINGERPRINT,
                 choices: done
                     .into_iter()
-                    .map(|(shape, w)| shape.completion_choice(w.text, &w.logprobs, Some(w.reason)))
+                    .map(|(shape, w)| shape.completion_choice(w))
                     .collect(),
                 usage: Some(Some(usage)),
             })
@@ -316,10 +322,11 @@ async fn respond_batch(
                     }
                     Some(Ok(TextEvent::Finished {
                         reason,
+                        stop_reason,
                         completion_tokens,
                     })) => {
                         tokens.fetch_add(completion_tokens, std::sync::atomic::Ordering::Relaxed);
-                        events.push(shape.finish_chunk(reason, &logprobs));
+                        events.push(shape.finish_chunk(reason, stop_reason, &logprobs));
                         false
                     }
                     Some(Err(err)) => {
@@ -408,9 +415,10 @@ impl SseDriver {
             }
             Some(Ok(TextEvent::Finished {
                 reason,
+                stop_reason,
                 completion_tokens,
             })) => {
-                events.push(self.shape.finish_chunk(reason, &logprobs));
+                events.push(self.shape.finish_chunk(reason, stop_reason, &logprobs));
                 if self.shape.include_usage {
                     events.push(self.shape.usage_chunk(completion_tokens));
                 }
@@ -485,34 +493,26 @@ impl Shape {
         }
     }
 
-    fn chat_choice(
-        &self,
-        text: String,
-        logprobs: &[(u32, TokenLogprobs)],
-        finish_reason: FinishReason,
-    ) -> ChatChoice {
+    fn chat_choice(&self, w: Whole) -> ChatChoice {
         ChatChoice {
             index: self.index,
             message: AssistantMessage {
                 role: "assistant",
-                content: text,
+                content: w.text,
             },
-            logprobs: self.chat_logprobs(logprobs),
-            finish_reason,
+            logprobs: self.chat_logprobs(&w.logprobs),
+            finish_reason: w.reason,
+            stop_reason: w.stop_reason,
         }
     }
 
-    fn completion_choice(
-        &self,
-        text: String,
-        logprobs: &[(u32, TokenLogprobs)],
-        finish_reason: Option<FinishReason>,
-    ) -> CompletionChoice {
+    fn completion_choice(&self, w: Whole) -> CompletionChoice {
         CompletionChoice {
             index: self.index,
-            text,
-            logprobs: self.completion_logprobs(logprobs),
-            finish_reason,
+            text: w.text,
+            logprobs: self.completion_logprobs(&w.logprobs),
+            finish_reason: Some(w.reason),
+            stop_reason: w.stop_reason,
         }
     }
 
@@ -569,14 +569,8 @@ impl Shape {
         Some(out)
     }
 
-    fn whole(
-        &self,
-        text: String,
-        logprobs: &[(u32, TokenLogprobs)],
-        reason: FinishReason,
-        completion_tokens: u32,
-    ) -> Response {
-        let usage = Usage::new(self.prompt_tokens, completion_tokens);
+    fn whole(&self, w: Whole) -> Response {
+        let usage = Usage::new(self.prompt_tokens, w.completion_tokens);
         match self.endpoint {
             Endpoint::ChatCompletions => Json(ChatCompletion {
                 id: self.id.clone(),
@@ -584,7 +578,7 @@ impl Shape {
                 created: self.created,
                 model: self.model.clone(),
                 system_fingerprint: SYSTEM_FINGERPRINT,
-                choices: vec![self.chat_choice(text, logprobs, reason)],
+                choices: vec![self.chat_choice(w)],
                 usage,
             })
             .into_response(),
@@ -594,7 +588,7 @@ impl Shape {
                 created: self.created,
                 model: self.model.clone(),
                 system_fingerprint: SYSTEM_FINGERPRINT,
-                choices: vec![self.completion_choice(text, logprobs, Some(reason))],
+                choices: vec![self.completion_choice(w)],
                 usage: Some(Some(usage)),
             })
             .into_response(),
@@ -611,6 +605,7 @@ impl Shape {
                 },
                 &[],
                 None,
+                None,
             )
         })
     }
@@ -623,11 +618,17 @@ impl Shape {
             },
             logprobs,
             None,
+            None,
         )
     }
 
-    fn finish_chunk(&self, reason: FinishReason, logprobs: &[(u32, TokenLogprobs)]) -> Event {
-        self.chunk(ChatDelta::default(), logprobs, Some(reason))
+    fn finish_chunk(
+        &self,
+        reason: FinishReason,
+        stop_reason: Option<StopReason>,
+        logprobs: &[(u32, TokenLogprobs)],
+    ) -> Event {
+        self.chunk(ChatDelta::default(), logprobs, Some(reason), stop_reason)
     }
 
     /// A content chunk; `delta.content` becomes `text` for completions. Carries the
@@ -637,6 +638,7 @@ impl Shape {
         delta: ChatDelta,
         logprobs: &[(u32, TokenLogprobs)],
         finish_reason: Option<FinishReason>,
+        stop_reason: Option<StopReason>,
     ) -> Event {
         let some = |l: &[(u32, TokenLogprobs)]| !l.is_empty();
         let usage = self.include_usage.then_some(None);
@@ -652,6 +654,7 @@ impl Shape {
                     delta,
                     logprobs: self.chat_logprobs(logprobs).filter(|_| some(logprobs)),
                     finish_reason,
+                    stop_reason,
                 }],
                 usage,
             }),
@@ -668,6 +671,7 @@ impl Shape {
                         .completion_logprobs(logprobs)
                         .filter(|_| some(logprobs)),
                     finish_reason,
+                    stop_reason,
                 }],
                 usage,
             }),

@@ -227,6 +227,8 @@ pub struct ChatChoice {
     pub logprobs: Option<ChatLogprobs>,
     /// Why generation ended.
     pub finish_reason: FinishReason,
+    /// The stop string or stop token id that ended it (else `null`).
+    pub stop_reason: Option<StopReason>,
 }
 
 /// `{"role": "assistant", "content": ...}`
@@ -269,6 +271,8 @@ pub struct ChatChunkChoice {
     pub logprobs: Option<ChatLogprobs>,
     /// Set on the last content chunk.
     pub finish_reason: Option<FinishReason>,
+    /// The stop string or stop token id that ended it (else `null`).
+    pub stop_reason: Option<StopReason>,
 }
 
 /// Incremental message.
@@ -313,6 +317,19 @@ pub struct CompletionChoice {
     pub logprobs: Option<CompletionLogprobs>,
     /// Why generation ended; `null` on intermediate chunks.
     pub finish_reason: Option<FinishReason>,
+    /// The stop string or stop token id that ended it (else `null`).
+    pub stop_reason: Option<StopReason>,
+}
+
+/// What stopped a choice (vLLM's `stop_reason`): the stop string matched, or the stop token
+/// id (from `stop_token_ids`); `null` for EOS and length.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(untagged)]
+pub enum StopReason {
+    /// A stop string.
+    Text(String),
+    /// A stop token id.
+    Token(u32),
 }
 
 /// A chat choice's `logprobs`: one entry per generated token.

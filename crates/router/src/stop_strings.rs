@@ -20,6 +20,8 @@ pub struct StopMatcher {
     stops: Vec<String>,
     held: String,
     stopped: bool,
+    /// The stop string that matched.
+    matched: Option<String>,
 }
 
 impl StopMatcher {
@@ -29,12 +31,18 @@ impl StopMatcher {
             stops: stops.into_iter().filter(|s| !s.is_empty()).collect(),
             held: String::new(),
             stopped: false,
+            matched: None,
         }
     }
 
     /// Whether a stop string matched.
     pub fn is_stopped(&self) -> bool {
         self.stopped
+    }
+
+    /// The stop string that ended the text, once one has.
+    pub fn matched(&self) -> Option<&str> {
+        self.matched.as_deref()
     }
 
     /// Feeds the next delta.
@@ -52,9 +60,10 @@ impl StopMatcher {
         let earliest = self
             .stops
             .iter()
-            .filter_map(|stop| self.held.find(stop.as_str()))
-            .min();
-        if let Some(at) = earliest {
+            .filter_map(|stop| self.held.find(stop.as_str()).map(|at| (at, stop)))
+            .min_by_key(|&(at, _)| at);
+        if let Some((at, stop)) = earliest {
+            self.matched = Some(stop.clone());
             self.held.truncate(at);
             self.stopped = true;
             return Pushed {

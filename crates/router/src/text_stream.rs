@@ -10,6 +10,7 @@ use crate::detokenizer::Detokenizer;
 use crate::error::ApiError;
 use crate::generator::TokenStream;
 use crate::metrics::RequestRecord;
+use crate::protocol::StopReason;
 use crate::stop_strings::StopMatcher;
 use futures::StreamExt;
 use std::collections::VecDeque;
@@ -24,6 +25,8 @@ pub enum TextEvent {
     Finished {
         /// Why.
         reason: FinishReason,
+        /// The stop string or stop token that ended it.
+        stop_reason: Option<StopReason>,
         /// Tokens generated, the last one included.
         completion_tokens: u32,
     },
@@ -40,6 +43,9 @@ pub(crate) struct TextStream {
     record: RequestRecord,
     /// Log-probabilities of the tokens since the last [`TextStream::take_logprobs`].
     logprobs: Vec<(u32, TokenLogprobs)>,
+    /// The request's stop token ids (EOS aside), and the last token generated.
+    stop_token_ids: Vec<u32>,
+    last_token: Option<u32>,
 }
 
 impl TextStream {
@@ -49,6 +55,7 @@ impl TextStream {
         tokens: TokenStream,
         detokenizer: Detokenizer,
         stop: Vec<String>,
+        stop_token_ids: Vec<u32>,
         max_tokens: u32,
         record: RequestRecord,
     ) -> Self {
@@ -61,6 +68,8 @@ impl TextStream {
             queued: VecDeque::new(),
             record,
             logprobs: Vec::new(),
+            stop_token_ids,
+            last_token: None,
         }
     }
 
@@ -88,6 +97,7 @@ impl TextStream {
                 }
             };
             self.completion_tokens += 1;
+            self.last_token = Some(token.token_id);
             self.record.token();
             if let Some(lp) = token.logprobs {
                 self.logprobs.push((token.token_id, lp));
@@ -142,8 +152,16 @@ impl TextStream {
         if !text.is_empty() {
             self.queued.push_back(TextEvent::Delta(text));
         }
+        let stop_reason = match (self.stop.matched(), self.last_token) {
+            (Some(s), _) => Some(StopReason::Text(s.to_owned())),
+            (None, Some(t)) if reason == FinishReason::Stop && self.stop_token_ids.contains(&t) => {
+                Some(StopReason::Token(t))
+            }
+            _ => None,
+        };
         self.queued.push_back(TextEvent::Finished {
             reason,
+            stop_reason,
             completion_tokens: self.completion_tokens,
         });
         self.record.succeeded();

@@ -204,6 +204,10 @@ async fn stop_strings_truncate_and_cancel_generation() {
             .or(choice["text"].as_str());
         assert_eq!(text, Some("hello worl"));
         assert_eq!(choice["finish_reason"], "stop");
+        assert_eq!(
+            choice["stop_reason"], "d, h",
+            "the matched stop string: {answer}"
+        );
         assert_eq!(answer["usage"]["completion_tokens"], stop_at);
 
         let mut body = body;
@@ -214,6 +218,10 @@ async fn stop_strings_truncate_and_cancel_generation() {
         assert_eq!(
             chunks.last().expect("chunks")["choices"][0]["finish_reason"],
             "stop"
+        );
+        assert_eq!(
+            chunks.last().expect("chunks")["choices"][0]["stop_reason"],
+            "d, h"
         );
         generator.wait_for_live_streams(0).await;
     }
@@ -343,6 +351,23 @@ async fn finish_reason_comes_from_the_generator() {
         serde_json::to_value(FinishReason::Length).expect("serializes"),
         "length"
     );
+}
+
+#[tokio::test]
+async fn stop_reason_names_the_stop_token_and_is_null_at_eos() {
+    let (router, state, _) = app_answering(ANSWER);
+    let ids = encode(&state, ANSWER);
+    // The memory generator stops at a listed stop token (finish "stop").
+    let (_, answer) = post_json(
+        &router,
+        COMPLETIONS,
+        json!({"prompt": "x", "stop_token_ids": [ids[1]]}),
+    )
+    .await;
+    assert_eq!(answer["choices"][0]["finish_reason"], "stop", "{answer}");
+    assert_eq!(answer["choices"][0]["stop_reason"], ids[1], "{answer}");
+    let (_, answer) = post_json(&router, COMPLETIONS, json!({"prompt": "x"})).await;
+    assert_eq!(answer["choices"][0]["stop_reason"], Value::Null, "{answer}");
 }
 
 #[tokio::test]
