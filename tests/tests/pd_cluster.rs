@@ -232,7 +232,8 @@ fn concurrent_requests_and_bad_inputs() {
             (json!({"messages": [{"role": "user", "content": "hi"}], "top_p": 0}), 400),
             (json!({"messages": []}), 400),
             (json!({"messages": [{"role": "user", "content": "word ".repeat(9000)}]}), 400),
-            (json!({"messages": [{"role": "user", "content": "hi"}], "n": 3}), 400),
+            (json!({"messages": [{"role": "user", "content": "hi"}], "n": 17}), 400),
+            (json!({"messages": [{"role": "user", "content": "hi"}], "temprature": 0}), 400),
         ];
         for (body, want) in bad {
             let resp = c.post(&chat_url).json(&body).send().await.unwrap();

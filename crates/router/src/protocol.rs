@@ -1,7 +1,7 @@
 //! OpenAI wire types: what clients send (parsed, not yet checked — see `validation`) and what
-//! the router answers. Unknown request fields are ignored, as OpenAI SDKs send fields this
-//! server has no use for; fields whose meaning the server cannot honour are rejected in
-//! validation instead.
+//! the router answers. Unknown request fields are refused, as OpenAI refuses them, except
+//! the few that only describe the caller ([`IGNORED_FIELDS`]); fields whose meaning the
+//! server cannot honour are rejected in validation too.
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -100,6 +100,10 @@ pub struct ChatCompletionRequest {
     /// The shared fields.
     #[serde(flatten)]
     pub params: GenerationParams,
+    /// Every other field (refused unless it only describes the caller: see
+    /// [`IGNORED_FIELDS`]).
+    #[serde(flatten)]
+    pub unknown: std::collections::BTreeMap<String, Value>,
 }
 
 /// One message of a chat.
@@ -156,7 +160,57 @@ pub struct CompletionRequest {
     /// The shared fields.
     #[serde(flatten)]
     pub params: GenerationParams,
+    /// Every other field (refused unless it only describes the caller: see
+    /// [`IGNORED_FIELDS`]).
+    #[serde(flatten)]
+    pub unknown: std::collections::BTreeMap<String, Value>,
 }
+
+/// Fields of [`GenerationParams`] and [`UnsupportedParams`] (flattened structs do not take
+/// their fields out of the catch-all map, so the check subtracts them by name).
+pub const SHARED_FIELDS: [&str; 20] = [
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "n",
+    "stop",
+    "seed",
+    "stream",
+    "stream_options",
+    "stop_token_ids",
+    "ignore_eos",
+    "logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_p",
+    "min_tokens",
+    "logit_bias",
+    "response_format",
+    "tool_choice",
+];
+/// Fields of [`ChatCompletionRequest`] besides the shared ones.
+pub const CHAT_FIELDS: [&str; 5] = [
+    "model",
+    "messages",
+    "max_completion_tokens",
+    "tools",
+    "top_logprobs",
+];
+/// Fields of [`CompletionRequest`] besides the shared ones.
+pub const COMPLETION_FIELDS: [&str; 5] = ["model", "prompt", "echo", "suffix", "best_of"];
+
+/// Request fields accepted and not acted on: they describe the caller or ask for storage
+/// and tiers, never change what is generated.
+pub const IGNORED_FIELDS: [&str; 6] = [
+    "user",
+    "metadata",
+    "store",
+    "service_tier",
+    "prompt_cache_key",
+    "safety_identifier",
+];
 
 /// A completion `prompt`: text or token ids, alone or as a batch of one.
 #[derive(Clone, Debug, Deserialize)]

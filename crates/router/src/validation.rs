@@ -72,6 +72,7 @@ pub fn prepare_chat(
     request: ChatCompletionRequest,
 ) -> Result<Prepared, ApiError> {
     check_model(request.model.as_deref(), served_name)?;
+    check_unknown(&request.unknown, &crate::protocol::CHAT_FIELDS)?;
     let params = &request.params;
     let mut common = check_params(params, model)?;
     common.sampling.logprobs = chat_logprobs(&params.logprobs, &request.top_logprobs)?;
@@ -168,6 +169,7 @@ pub fn prepare_completion_batch(
     request: CompletionRequest,
 ) -> Result<Vec<Prepared>, ApiError> {
     check_model(request.model.as_deref(), served_name)?;
+    check_unknown(&request.unknown, &crate::protocol::COMPLETION_FIELDS)?;
     let params = &request.params;
     let mut common = check_params(params, model)?;
     common.sampling.logprobs = match &params.logprobs {
@@ -242,6 +244,26 @@ struct Common {
     stream: bool,
     include_usage: bool,
     choices: u32,
+}
+
+/// Refuses fields this server does not know (OpenAI's "Unrecognized request argument"),
+/// except those that only describe the caller.
+fn check_unknown(
+    unknown: &std::collections::BTreeMap<String, Value>,
+    own: &[&str],
+) -> Result<(), ApiError> {
+    use crate::protocol::{IGNORED_FIELDS, SHARED_FIELDS};
+    match unknown
+        .keys()
+        .map(String::as_str)
+        .find(|k| !(own.contains(k) || SHARED_FIELDS.contains(k) || IGNORED_FIELDS.contains(k)))
+    {
+        Some(k) => Err(ApiError::invalid(
+            format!("Unrecognized request argument supplied: {k}"),
+            Some(k),
+        )),
+        None => Ok(()),
+    }
 }
 
 pub(crate) fn check_model(requested: Option<&str>, served_name: &str) -> Result<(), ApiError> {
@@ -825,6 +847,31 @@ mod tests {
         ] {
             assert!(with(field, value.clone()).is_ok(), "{field} {value}");
         }
+    }
+
+    #[test]
+    fn unknown_fields_are_refused_by_name_and_caller_fields_accepted() {
+        use serde_json::json;
+        let err = completion(json!({"prompt": "x", "temprature": 0.5})).expect_err("typo");
+        assert_eq!(err.body().error.param.as_deref(), Some("temprature"));
+        assert!(err
+            .body()
+            .error
+            .message
+            .contains("Unrecognized request argument"));
+        let ok = completion(json!({"prompt": "x", "user": "u1", "metadata": {"a": "b"},
+                                    "max_tokens": 3, "presence_penalty": 0.1}));
+        assert!(ok.is_ok(), "{:?}", ok.err());
+        let chat = |body: serde_json::Value| {
+            let request = serde_json::from_value(body).expect("parses");
+            prepare_chat(&model(), "tiny", RequestId("chatcmpl-1".into()), request)
+        };
+        let msgs = json!([{"role": "user", "content": "hi"}]);
+        let err = chat(json!({"messages": msgs, "prompt": "x"})).expect_err("a completion field");
+        assert_eq!(err.body().error.param.as_deref(), Some("prompt"));
+        assert!(
+            chat(json!({"messages": msgs, "max_completion_tokens": 3, "store": false})).is_ok()
+        );
     }
 
     #[test]
