@@ -750,3 +750,67 @@ fn aggregated_workers_serve_beside_pd_pairs() {
         assert!(tandem_e2e::pools_full(&workers, None), "{workers}");
     });
 }
+
+/// A decode worker killed while its request's prompt is still prefilling: the router sees the
+/// decode stream end, cancels the prefill at once (the prefill worker's engine stops
+/// computing that prompt) and retries on the other decode worker, and the client gets the
+/// answer. Without the cancellation the first prefill would run to its end before the
+/// failure was noticed: the prefill worker would compute the prompt twice in full.
+#[test]
+fn a_prefill_stops_when_its_decode_worker_dies() {
+    let cluster = Cluster::start(ClusterOptions {
+        second_decode: true,
+        prefill_args: vec!["--max-batch-tokens".to_string(), "16".to_string()],
+        ..ClusterOptions::default()
+    });
+    let url = cluster.url.clone();
+    let prefill = cluster.prefill_addr.clone();
+    let prompt: Vec<u32> = (0..120 * 16).map(|i| 100 + (i * 7) % 1000).collect();
+    let len = prompt.len() as u64;
+    rt().block_on(async {
+        let c = reqwest::Client::new();
+        let mut worker = tandem_proto::v1::worker_client::WorkerClient::connect(prefill)
+            .await
+            .unwrap();
+        let stats = |wait_busy_ms: u32| {
+            let mut worker = worker.clone();
+            async move {
+                worker
+                    .stats(tandem_proto::v1::StatsRequest {
+                        wait_idle_ms: 0,
+                        wait_busy_ms,
+                    })
+                    .await
+                    .unwrap()
+                    .into_inner()
+            }
+        };
+        let body = json!({"model": "smollm2-135m-instruct", "prompt": prompt,
+                          "max_tokens": 4, "temperature": 0});
+        let (c2, url2) = (c.clone(), url.clone());
+        let request =
+            tokio::spawn(async move { post(&c2, &format!("{url2}/v1/completions"), body).await });
+        // The first attempt goes to the first decode worker (round-robin from the start).
+        let busy = stats(60_000).await;
+        assert!(
+            busy.kv_blocks_total > busy.kv_blocks_free,
+            "the prompt never reached the engine"
+        );
+        assert!(
+            busy.prefill_tokens < len,
+            "the first prefill ended before the kill"
+        );
+        cluster.signal("decode", "KILL");
+        let (status, answer) = request.await.unwrap();
+        assert_eq!(status, 200, "{answer}");
+        assert_eq!(answer["usage"]["prompt_tokens"], len);
+        let after = stats(0).await;
+        assert!(
+            after.prefill_tokens < 2 * len,
+            "the prefill of the first attempt ran on after its decode worker died: {} prompt \
+             tokens computed for two attempts of {len}",
+            after.prefill_tokens
+        );
+        let _ = &mut worker;
+    });
+}

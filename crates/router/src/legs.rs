@@ -157,14 +157,33 @@ pub(crate) async fn try_pair(
         }
     };
     tracker.phase(crate::inflight::Phase::Prefilling);
-    let first = p
-        .client
-        .clone()
-        .prefill(pb::PrefillRequest {
-            request: Some(request),
-            kv_target: Some(target),
-        })
-        .await
+    let mut prefill_client = p.client.clone();
+    let prefill_call = prefill_client.prefill(pb::PrefillRequest {
+        request: Some(request),
+        kv_target: Some(target),
+    });
+    tokio::pin!(prefill_call);
+    // Watch the decode stream while the prefill runs: a decode worker that goes away ends the
+    // attempt at once, and dropping the prefill call cancels the prompt's computation on the
+    // prefill worker (its engine frees the request). A token that arrives before the prefill
+    // answers (the KV landed first) is kept for after the first token.
+    let mut early: Option<Option<pb::DecodeEvent>> = None;
+    let answered = loop {
+        tokio::select! {
+            r = &mut prefill_call => break r,
+            m = decode.message(), if early.is_none() => match m {
+                Ok(Some(ev)) => early = Some(Some(ev)),
+                Ok(None) => {
+                    return Err(on_decode(GenerateError::new(
+                        ErrorClass::Unavailable,
+                        format!("decode worker {} ended its stream during the prefill", d.id),
+                    )))
+                }
+                Err(s) => return Err(on_decode(classify_status(s))),
+            },
+        }
+    };
+    let first = answered
         .map_err(|s| {
             let e = classify_status(s);
             // A failed transfer may be either side's fault: move both.
@@ -191,11 +210,15 @@ pub(crate) async fn try_pair(
     }
     let decode_id = d.id.clone();
     // The DP slot rides along with the stream: released when the request ends or is dropped.
-    let rest = futures::stream::unfold(Some((decode, dp_slot)), move |state| {
+    let rest = futures::stream::unfold(Some((decode, dp_slot, early)), move |state| {
         let decode_id = decode_id.clone();
         async move {
-            let (mut decode, dp_slot) = state?;
-            let item = match decode.message().await {
+            let (mut decode, dp_slot, early) = state?;
+            let next = match early {
+                Some(ev) => Ok(ev),
+                None => decode.message().await,
+            };
+            let item = match next {
                 Ok(Some(pb::DecodeEvent {
                     event: Some(pb::decode_event::Event::Token(t)),
                 })) => {
@@ -205,7 +228,7 @@ pub(crate) async fn try_pair(
                         logprobs: t.logprobs.map(logprobs_from_pb),
                     };
                     let more = tok.finish_reason.is_none();
-                    return Some((Ok(tok), more.then_some((decode, dp_slot))));
+                    return Some((Ok(tok), more.then_some((decode, dp_slot, None))));
                 }
                 Ok(None) => GenerateError::new(
                     ErrorClass::Unavailable,

@@ -625,6 +625,7 @@ impl pb::worker_server::Worker for WorkerService {
             kv_bytes_transferred: s.kv_bytes_sent.load(Ordering::Relaxed) + received,
             draining: s.admission.is_draining(),
             in_flight: s.admission.in_flight() as u32,
+            prefill_tokens: s.engine.0.stats().prefill_tokens,
         }))
     }
 
