@@ -71,11 +71,14 @@ async fn handle(
         stop,
         stream,
         include_usage,
+        skip_special_tokens: prepared_skip,
+        include_stop_str: prepared_include,
         ..
     } = prepared;
     let shape = Shape::new(&state, endpoint, &request, include_usage, base_id, 0);
     let detokenizer =
-        Detokenizer::new(state.model().tokenizer().clone(), &request.prompt_token_ids);
+        Detokenizer::new(state.model().tokenizer().clone(), &request.prompt_token_ids)
+            .skip_special_tokens(prepared_skip);
     let max_tokens = request.sampling.max_tokens;
     let request_stop_ids = request.sampling.stop_token_ids.clone();
     let tokens = match state.generator().generate(request).await {
@@ -87,7 +90,8 @@ async fn handle(
         }
     };
     let stop_ids = request_stop_ids.clone();
-    let text = TextStream::new(tokens, detokenizer, stop, stop_ids, max_tokens, record);
+    let text = TextStream::new(tokens, detokenizer, stop, stop_ids, max_tokens, record)
+        .include_stop_str(prepared_include);
     if stream {
         respond_streamed(text, shape).await
     } else {
@@ -223,12 +227,14 @@ async fn respond_batch(
                 let detok = Detokenizer::new(
                     state.model().tokenizer().clone(),
                     &p.request.prompt_token_ids,
-                );
+                )
+                .skip_special_tokens(p.skip_special_tokens);
                 let max_tokens = p.request.sampling.max_tokens;
                 let stop_ids = p.request.sampling.stop_token_ids.clone();
                 match state.generator().generate(p.request).await {
                     Ok(tokens) => Ok((
-                        TextStream::new(tokens, detok, p.stop, stop_ids, max_tokens, record),
+                        TextStream::new(tokens, detok, p.stop, stop_ids, max_tokens, record)
+                            .include_stop_str(p.include_stop_str),
                         shape,
                     )),
                     Err(err) => {

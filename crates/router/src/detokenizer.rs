@@ -33,6 +33,8 @@ pub struct Detokenizer {
     partial: usize,
     /// The token where the held-back trailing bytes began (at most).
     hold_from: usize,
+    /// Leave special tokens out of the text.
+    skip_special: bool,
 }
 
 impl Detokenizer {
@@ -47,7 +49,14 @@ impl Detokenizer {
             read_offset,
             partial: 0,
             hold_from: read_offset,
+            skip_special: true,
         }
+    }
+
+    /// Keeps special tokens in the text (`false`) or leaves them out (`true`, the default).
+    pub fn skip_special_tokens(mut self, skip: bool) -> Self {
+        self.skip_special = skip;
+        self
     }
 
     /// Adds one token; returns the text that became final (often empty).
@@ -102,7 +111,8 @@ impl Detokenizer {
     }
 
     fn decode(&self, start: usize, end: usize) -> Result<String, tokenizers::Error> {
-        self.tokenizer.decode(&self.ids[start..end], true)
+        self.tokenizer
+            .decode(&self.ids[start..end], self.skip_special)
     }
 }
 
@@ -153,6 +163,19 @@ mod tests {
         out.push_str(&detok.finish().expect("decodes"));
         assert_eq!(out, tokenizer.decode(&ids, true).expect("decodes"));
         assert_eq!(out, text);
+    }
+
+    #[test]
+    fn special_tokens_stay_when_asked() {
+        let tokenizer = fixture();
+        let ids = encode(&tokenizer, "hello<|im_end|>");
+        let mut detok = Detokenizer::new(tokenizer, &[]).skip_special_tokens(false);
+        let mut out: String = ids
+            .iter()
+            .map(|&id| detok.push(id).expect("decodes"))
+            .collect();
+        out.push_str(&detok.finish().expect("decodes"));
+        assert_eq!(out, "hello<|im_end|>");
     }
 
     #[test]

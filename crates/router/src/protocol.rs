@@ -49,6 +49,10 @@ pub struct GenerationParams {
     pub min_tokens: Option<Value>,
     /// Token id (as a string) → bias in -100..=100.
     pub logit_bias: Option<Value>,
+    /// Extension: keep special tokens (`<|im_end|>`, …) in the text (default true: skipped).
+    pub skip_special_tokens: Option<bool>,
+    /// Extension: end the text with the stop string that matched (default false).
+    pub include_stop_str_in_output: Option<bool>,
     /// Fields this server cannot honour yet: refused when set to anything but their
     /// neutral value, never silently ignored (a client asking for JSON must not get prose).
     #[serde(flatten)]
@@ -168,7 +172,9 @@ pub struct CompletionRequest {
 
 /// Fields of [`GenerationParams`] and [`UnsupportedParams`] (flattened structs do not take
 /// their fields out of the catch-all map, so the check subtracts them by name).
-pub const SHARED_FIELDS: [&str; 20] = [
+pub const SHARED_FIELDS: [&str; 22] = [
+    "skip_special_tokens",
+    "include_stop_str_in_output",
     "max_tokens",
     "temperature",
     "top_p",

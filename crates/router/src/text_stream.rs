@@ -46,6 +46,8 @@ pub(crate) struct TextStream {
     /// The request's stop token ids (EOS aside), and the last token generated.
     stop_token_ids: Vec<u32>,
     last_token: Option<u32>,
+    /// End the text with the stop string that matched.
+    include_stop_str: bool,
 }
 
 impl TextStream {
@@ -70,7 +72,14 @@ impl TextStream {
             logprobs: Vec::new(),
             stop_token_ids,
             last_token: None,
+            include_stop_str: false,
         }
+    }
+
+    /// Ends the text with the stop string that matched (vLLM's `include_stop_str_in_output`).
+    pub(crate) fn include_stop_str(mut self, include: bool) -> Self {
+        self.include_stop_str = include;
+        self
     }
 
     /// The next event; `None` after `Finished` or an error.
@@ -147,6 +156,11 @@ impl TextStream {
                 reason = FinishReason::Stop;
             } else {
                 text.push_str(&self.stop.finish());
+            }
+        }
+        if self.include_stop_str {
+            if let Some(s) = self.stop.matched() {
+                text.push_str(s);
             }
         }
         if !text.is_empty() {

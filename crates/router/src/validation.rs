@@ -37,6 +37,10 @@ pub struct Prepared {
     pub include_usage: bool,
     /// Choices to generate for the prompt (`n`).
     pub choices: u32,
+    /// Leave special tokens out of the text.
+    pub skip_special_tokens: bool,
+    /// End the text with the matched stop string.
+    pub include_stop_str: bool,
 }
 
 impl Prepared {
@@ -244,6 +248,8 @@ struct Common {
     stream: bool,
     include_usage: bool,
     choices: u32,
+    skip_special_tokens: bool,
+    include_stop_str: bool,
 }
 
 /// Refuses fields this server does not know (OpenAI's "Unrecognized request argument"),
@@ -375,6 +381,8 @@ fn check_params(params: &GenerationParams, model: &ModelAssets) -> Result<Common
         stream,
         include_usage,
         choices,
+        skip_special_tokens: params.skip_special_tokens.unwrap_or(true),
+        include_stop_str: params.include_stop_str_in_output.unwrap_or(false),
     })
 }
 
@@ -631,6 +639,8 @@ fn finish(
         stream: common.stream,
         include_usage: common.include_usage,
         choices: common.choices,
+        skip_special_tokens: common.skip_special_tokens,
+        include_stop_str: common.include_stop_str,
     })
 }
 

@@ -354,6 +354,20 @@ async fn finish_reason_comes_from_the_generator() {
 }
 
 #[tokio::test]
+async fn the_stop_string_can_end_the_text() {
+    let (router, _, _) = app_answering(ANSWER);
+    let (_, answer) = post_json(
+        &router,
+        COMPLETIONS,
+        json!({"prompt": "x", "stop": "wor", "include_stop_str_in_output": true}),
+    )
+    .await;
+    assert_eq!(answer["choices"][0]["text"], "hello wor", "{answer}");
+    let (_, answer) = post_json(&router, COMPLETIONS, json!({"prompt": "x", "stop": "wor"})).await;
+    assert_eq!(answer["choices"][0]["text"], "hello ", "{answer}");
+}
+
+#[tokio::test]
 async fn stop_reason_names_the_stop_token_and_is_null_at_eos() {
     let (router, state, _) = app_answering(ANSWER);
     let ids = encode(&state, ANSWER);
