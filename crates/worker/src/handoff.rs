@@ -1,8 +1,8 @@
 //! The KV handoff message a prefill worker sends to a decode worker over the transport: a
 //! fixed header (reservation, fencing epoch, first token, tokens covered, the sending model's
-//! identity, body size, checksum), a typed manifest saying what each byte range of the body
-//! is (segment kind, layer, dtype, shape, and for state the shard it came from), then the
-//! body. The decode side rejects a message whose epoch, size, checksum, model identity or
+//! identity, body size, the manifest's CRC32), a typed manifest saying what each byte range
+//! of the body is (segment kind, layer, dtype, shape, for state the shard it came from, and
+//! the segment's own CRC32), then the body. The decode side rejects a message whose epoch, size, checksum, model identity or
 //! manifest does not match what it reserved and runs, so a stale, corrupted or foreign
 //! transfer can never reach the running batch.
 
@@ -10,7 +10,7 @@ use tandem_core::{Epoch, ReservationId};
 use tandem_engine::handoff::{dtype_code, dtype_from_code};
 pub use tandem_engine::handoff::{Segment, SegmentKind};
 
-const MAGIC: u32 = 0x5456_4B32; // "TVK2"
+const MAGIC: u32 = 0x5456_4B33; // "TVK3"
 /// Bytes of the fixed header (before the manifest).
 pub const HEADER_LEN: usize = 4 + 8 + 8 + 4 + 4 + 8 + 8 + 8 + 4;
 
@@ -29,7 +29,7 @@ pub struct HandoffHeader {
     pub model_id: u64,
     /// Bytes in the body.
     pub body_len: u64,
-    /// FNV-1a 64 of the manifest and body bytes.
+    /// CRC32 of the manifest (which holds every segment's CRC32).
     pub checksum: u64,
     /// Segments of the body, in order (empty until [`decode_bytes`] parses them).
     pub segments: Vec<Segment>,
@@ -49,9 +49,17 @@ pub enum HandoffError {
         /// Bytes present.
         got: u64,
     },
-    /// The body's checksum does not match the header.
-    #[error("KV checksum mismatch")]
+    /// The manifest's checksum does not match the header.
+    #[error("KV manifest checksum mismatch")]
     Checksum,
+    /// A segment's bytes do not match its checksum.
+    #[error("KV segment {index} ({segment}) checksum mismatch")]
+    SegmentChecksum {
+        /// Its position in the manifest.
+        index: usize,
+        /// What it holds.
+        segment: String,
+    },
     /// The manifest's segments do not add up to the body.
     #[error("KV manifest describes {described} bytes, the body has {body}")]
     Manifest {
@@ -62,22 +70,16 @@ pub enum HandoffError {
     },
 }
 
-/// FNV-1a, 64 bit: cheap and good enough to catch torn or misdirected transfers.
-pub fn checksum(bytes: &[u8]) -> u64 {
-    checksum_from(0xcbf2_9ce4_8422_2325, bytes)
+/// CRC32 (IEEE) of `bytes`, SIMD-accelerated where the CPU has it.
+pub fn checksum(bytes: &[u8]) -> u32 {
+    crc32fast::hash(bytes)
 }
 
-fn checksum_from(mut h: u64, bytes: &[u8]) -> u64 {
-    for &b in bytes {
-        h ^= u64::from(b);
-        h = h.wrapping_mul(0x0000_0100_0000_01b3);
-    }
-    h
-}
-
-fn encode_manifest(segments: &[Segment]) -> Vec<u8> {
+fn encode_manifest(segments: &[Segment], body: &[u8]) -> Vec<u8> {
     let mut out = Vec::new();
+    let mut at = 0usize;
     for s in segments {
+        let n = (s.len_bytes() as usize).min(body.len().saturating_sub(at));
         out.push(s.kind.code());
         out.push(dtype_code(s.dtype));
         out.extend_from_slice(&s.layer.to_le_bytes());
@@ -86,6 +88,8 @@ fn encode_manifest(segments: &[Segment]) -> Vec<u8> {
         for d in &s.shape {
             out.extend_from_slice(&d.to_le_bytes());
         }
+        out.extend_from_slice(&checksum(&body[at..at + n]).to_le_bytes());
+        at += n;
     }
     out
 }
@@ -101,8 +105,8 @@ pub fn encode(
     segments: &[Segment],
     body: &[u8],
 ) -> Vec<u8> {
-    let manifest = encode_manifest(segments);
-    let sum = checksum_from(checksum(&manifest), body);
+    let manifest = encode_manifest(segments, body);
+    let sum = u64::from(checksum(&manifest));
     let mut out = Vec::with_capacity(HEADER_LEN + manifest.len() + body.len());
     out.extend_from_slice(&MAGIC.to_le_bytes());
     out.extend_from_slice(&reservation.0.to_le_bytes());
@@ -151,6 +155,7 @@ pub fn decode_bytes(msg: &[u8]) -> Result<(HandoffHeader, &[u8]), HandoffError> 
     let count = u32_at(msg, 52) as usize;
     let mut at = HEADER_LEN;
     let mut segments = Vec::with_capacity(count.min(1 << 16));
+    let mut crcs = Vec::with_capacity(count.min(1 << 16));
     for _ in 0..count {
         if msg.len() < at + 11 {
             return Err(HandoffError::Malformed);
@@ -164,8 +169,13 @@ pub fn decode_bytes(msg: &[u8]) -> Result<(HandoffHeader, &[u8]), HandoffError> 
         if msg.len() < at + 4 * ndim {
             return Err(HandoffError::Malformed);
         }
+        if msg.len() < at + 4 * ndim + 4 {
+            return Err(HandoffError::Malformed);
+        }
         let shape = (0..ndim).map(|d| u32_at(msg, at + 4 * d)).collect();
         at += 4 * ndim;
+        crcs.push(u32_at(msg, at));
+        at += 4;
         segments.push(Segment {
             kind,
             layer,
@@ -181,7 +191,7 @@ pub fn decode_bytes(msg: &[u8]) -> Result<(HandoffHeader, &[u8]), HandoffError> 
             got: body.len() as u64,
         });
     }
-    if checksum_from(checksum(manifest), body) != header.checksum {
+    if u64::from(checksum(manifest)) != header.checksum {
         return Err(HandoffError::Checksum);
     }
     let described: u64 = segments.iter().map(Segment::len_bytes).sum();
@@ -190,6 +200,17 @@ pub fn decode_bytes(msg: &[u8]) -> Result<(HandoffHeader, &[u8]), HandoffError> 
             described,
             body: header.body_len,
         });
+    }
+    let mut from = 0usize;
+    for (index, (s, &crc)) in segments.iter().zip(&crcs).enumerate() {
+        let n = s.len_bytes() as usize;
+        if checksum(&body[from..from + n]) != crc {
+            return Err(HandoffError::SegmentChecksum {
+                index,
+                segment: s.describe(),
+            });
+        }
+        from += n;
     }
     header.segments = segments;
     Ok((header, body))
@@ -236,7 +257,13 @@ mod tests {
         let mut msg = encode(ReservationId(1), Epoch(1), 0, 1, 1, &segs, &body);
         let last = msg.len() - 1;
         msg[last] ^= 0x40;
-        assert_eq!(decode_bytes(&msg).map(|_| ()), Err(HandoffError::Checksum));
+        match decode_bytes(&msg) {
+            Err(HandoffError::SegmentChecksum { index, segment }) => {
+                assert_eq!(index, 1, "the corrupted byte is in the last segment");
+                assert!(segment.contains("layer 1"), "{segment}");
+            }
+            other => panic!("a flipped body byte gave {other:?}"),
+        }
         msg.truncate(last);
         assert!(matches!(
             decode_bytes(&msg),
