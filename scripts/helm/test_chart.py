@@ -32,12 +32,13 @@ VALUE_SETS = {
     "ci-hpa": [os.path.join(CHART, "ci", "hpa-values.yaml")],
 }
 # crates/router/src/config.rs: RawConfig and its sections (deny_unknown_fields).
-ROUTER_CONFIG_KEYS = {"listen", "model", "prefill", "decode", "aggregated", "policy", "timeouts", "discovery"}
+ROUTER_CONFIG_KEYS = {"listen", "model", "prefill", "decode", "aggregated", "policy", "timeouts", "discovery", "auth"}
 ROUTER_SECTION_KEYS = {
     "model": {"served_name", "dir"},
     "timeouts": {"connect", "first_token", "inter_token", "request"},
     "policy": {"kind"},
     "discovery": {"etcd"},
+    "auth": {"api_keys", "api_keys_file", "api_keys_env", "protect_health", "protect_metrics"},
 }
 POOL_ROLES = {"prefill": "prefill", "decode": "decode", "aggregated": "both"}
 # Margin the chart requires past the drain deadline (deregistration and exit).
@@ -319,6 +320,23 @@ class Examples(unittest.TestCase):
         for name, files in VALUE_SETS.items():
             with self.subTest(values=name):
                 check_release(render(*files), name)
+
+    def test_api_keys_come_from_a_mounted_secret(self):
+        docs = render(sets=["router.apiKeys.secretName=tandem-keys", "router.apiKeys.secretKey=keys"])
+        cm = by(docs, "ConfigMap", "router")
+        cfg = yaml.safe_load(cm["data"]["router.yaml"])
+        self.assertEqual(cfg["auth"]["api_keys_file"], "/etc/tandem-keys/keys")
+        self.assertFalse(cfg["auth"]["protect_health"], "probes must stay open")
+        d = by(docs, "Deployment", "router")
+        vols = {v["name"]: v for v in pod_spec(d)["volumes"]}
+        self.assertEqual(vols["api-keys"]["secret"]["secretName"], "tandem-keys")
+        mounts = {m["name"]: m["mountPath"] for m in container(d, "router")["volumeMounts"]}
+        self.assertEqual(mounts["api-keys"], "/etc/tandem-keys")
+        # Without a Secret: no auth section, no volume.
+        docs = render()
+        cfg = yaml.safe_load(by(docs, "ConfigMap", "router")["data"]["router.yaml"])
+        self.assertNotIn("auth", cfg)
+        self.assertNotIn("api-keys", {v["name"] for v in pod_spec(by(docs, "Deployment", "router"))["volumes"]})
 
     def test_default_image_is_the_app_version(self):
         docs = render()
