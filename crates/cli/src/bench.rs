@@ -285,6 +285,8 @@ fn engine_bench(
         lora: None,
         dtype,
         device: crate::device::Device::Cpu,
+        engine: crate::EngineKind::Model,
+        synthetic_step: std::time::Duration::ZERO,
     };
     let engine = args.start()?;
     eprintln!("warming up…");

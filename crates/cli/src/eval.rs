@@ -51,6 +51,16 @@ pub fn family(dir: &Path) -> Result<Family> {
 }
 
 /// EOS ids from `config.json` (int or list; GLM nests them under `text_config`).
+/// `vocab_size` of `config.json` (its `text_config` for multimodal spellings).
+pub fn vocab_size(dir: &Path) -> Result<usize> {
+    let cfg = config_json(dir)?;
+    let text = cfg.get("text_config").unwrap_or(&cfg);
+    text.get("vocab_size")
+        .and_then(serde_json::Value::as_u64)
+        .map(|v| v as usize)
+        .ok_or_else(|| anyhow::anyhow!("{}: config.json has no vocab_size", dir.display()))
+}
+
 pub fn eos_ids(dir: &Path) -> Result<Vec<u32>> {
     let cfg = config_json(dir)?;
     let eos = cfg

@@ -208,6 +208,22 @@ struct EngineArgs {
     /// Device the model runs on: cpu, cuda or cuda:N.
     #[arg(long, default_value = "cpu", value_parser = device::parse, env = "TANDEM_DEVICE")]
     device: device::Device,
+    /// What computes tokens: the model, or `synthetic` (no compute: every step takes
+    /// `--synthetic-step` and tokens are a function of position; for control-plane load
+    /// tests; the model directory gives only the vocabulary, context and EOS ids).
+    #[arg(long, value_enum, default_value_t = EngineKind::Model)]
+    engine: EngineKind,
+    /// Time one synthetic step takes.
+    #[arg(long, default_value = "0ms", value_parser = humantime::parse_duration)]
+    synthetic_step: Duration,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum EngineKind {
+    /// The checkpoint's model.
+    Model,
+    /// No compute (see `--engine`).
+    Synthetic,
 }
 
 impl EngineArgs {
@@ -249,6 +265,21 @@ impl EngineArgs {
     /// The engine for a worker: Llama or KDA hybrid, from the checkpoint's `model_type`.
     fn start_worker_engine(&self) -> Result<tandem_worker::WorkerEngine> {
         let dir = models::resolve(&self.model)?;
+        if self.engine == EngineKind::Synthetic {
+            let vocab_size = eval::vocab_size(&dir)?;
+            let spec = tandem_engine::synthetic::SyntheticSpec {
+                vocab_size,
+                max_context: eval::context_length(&dir, None)?,
+                eos_ids: eval::eos_ids(&dir)?,
+                step_time: self.synthetic_step,
+            };
+            tracing::info!(step = ?self.synthetic_step, vocab_size, "synthetic engine: no model compute");
+            return Ok(tandem_engine::synthetic::SyntheticServed::start(
+                spec,
+                self.engine_config(),
+            )?
+            .into());
+        }
         Ok(match eval::family(&dir)? {
             eval::Family::Llama => {
                 if self.lora.is_some() {
@@ -673,6 +704,8 @@ fn generate(args: GenerateArgs) -> Result<()> {
         lora: None,
         dtype: args.dtype,
         device: args.device,
+        engine: EngineKind::Model,
+        synthetic_step: Duration::ZERO,
     }
     .start()?;
     let ids = tandem_engine::blocking_tokens(engine.submit(

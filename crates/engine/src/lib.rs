@@ -31,6 +31,8 @@ pub mod scheduler;
 pub mod served;
 /// Per-step metadata buffers on the device.
 pub mod step;
+/// A model that computes nothing (control-plane load tests).
+pub mod synthetic;
 /// Typed tensors: dtypes, host tensors, device tensors.
 pub mod tensor;
 
