@@ -9,7 +9,7 @@ export UCX_NET_DEVICES ?= lo
 NVRTC_HOME := $(or $(TANDEM_HOME),$(HOME)/.cache/tandem)/nvrtc
 
 
-.PHONY: test-gpu helm-check
+.PHONY: chaos-10k test-gpu helm-check
 .PHONY: chaos run run-aggregated test deps build build-debug lint fmt bench-engine bench-engine-compare bench-kda bench-kv model clean help
 
 help:
@@ -23,6 +23,7 @@ help:
 	@echo "make bench-kda     KDA projections fused/unfused, decode step, chunked/recurrent"
 	@echo "make bench-kv      KV transfer bandwidth vs ucx_perftest"
 	@echo "make chaos         chaos replays at scale (2,000 requests at C128 under 502s/resets/transfer faults; 512 at C128 with one 502)"
+	@echo "make chaos-10k     10,000 requests at C128 under the same faults, against synthetic workers"
 	@echo "make test-gpu      build the CUDA tests and tandem into .gpu/ for a GPU machine (then: bash .gpu/run.sh all there)"
 
 # Installs the system packages the build needs (Debian/Ubuntu), only when something is missing.
@@ -96,3 +97,10 @@ chaos: deps
 	$(CARGO) build --bin tandem
 	$(TARGET_DIR)/debug/tandem model pull smollm2-135m-instruct
 	TANDEM_CHAOS_SCALE=full $(CARGO) nextest run -p tandem-e2e --test chaos --no-capture --test-threads 1 --no-fail-fast
+
+# 10,000 requests at concurrency 128 under 502s, resets and transfer faults, against
+# synthetic workers (no model compute: the control plane alone).
+chaos-10k: deps
+	$(CARGO) build --bin tandem
+	$(TARGET_DIR)/debug/tandem model pull smollm2-135m-instruct
+	TANDEM_CHAOS_SCALE=10k TANDEM_CHAOS_ENGINE=synthetic $(CARGO) nextest run -p tandem-e2e --test chaos --no-capture --test-threads 1 -E 'test(a_trace_replayed_under_502s_resets_and_transfer_faults_loses_nothing)'

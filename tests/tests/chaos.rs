@@ -12,18 +12,34 @@ fn tandem(args: &[&str]) -> std::process::Output {
     Command::new(tandem_bin()).args(args).output().unwrap()
 }
 
-/// Requests and concurrency of a replay: the CI sizes, or `TANDEM_CHAOS_SCALE=full` (what
-/// `make chaos` sets) for the large runs.
+/// Requests and concurrency of a replay: the CI sizes, `TANDEM_CHAOS_SCALE=full` (what
+/// `make chaos` sets) for the large runs, or `TANDEM_CHAOS_SCALE=10k` (`make chaos-10k`):
+/// 10,000 requests at concurrency 128.
 fn sizes(ci: (usize, usize), full: (usize, usize)) -> (usize, usize) {
-    if full_scale() {
-        full
-    } else {
-        ci
+    match std::env::var("TANDEM_CHAOS_SCALE").as_deref() {
+        Ok("10k") => (10_000, 128),
+        Ok("full") => full,
+        _ => ci,
     }
 }
 
 fn full_scale() -> bool {
-    std::env::var("TANDEM_CHAOS_SCALE").as_deref() == Ok("full")
+    matches!(
+        std::env::var("TANDEM_CHAOS_SCALE").as_deref(),
+        Ok("full" | "10k")
+    )
+}
+
+/// `TANDEM_CHAOS_ENGINE=synthetic`: the workers compute nothing (`--engine synthetic`), so a
+/// large replay measures the control plane alone.
+fn engine_args() -> Vec<String> {
+    if std::env::var("TANDEM_CHAOS_ENGINE").as_deref() == Ok("synthetic") {
+        ["--engine", "synthetic", "--synthetic-step", "2ms"]
+            .map(String::from)
+            .to_vec()
+    } else {
+        Vec::new()
+    }
 }
 
 /// Where a replay's proxy scenario applies.
@@ -46,11 +62,11 @@ fn replay_case(
     transfer: Option<&str>,
 ) -> Value {
     let dir = tempfile::tempdir().unwrap();
-    let mut prefill_args = Vec::new();
+    let mut prefill_args = engine_args();
     if let Some(t) = transfer {
         let path = dir.path().join("transfer.yaml");
         std::fs::write(&path, t).unwrap();
-        prefill_args = vec!["--chaos-scenario".into(), path.display().to_string()];
+        prefill_args.extend(["--chaos-scenario".into(), path.display().to_string()]);
     }
     let cluster = Cluster::start(ClusterOptions {
         proxies: true,
@@ -58,7 +74,7 @@ fn replay_case(
         // A lost push is noticed when the decode side's KV lease ends: shorter than the
         // default, but longer than a prompt may queue on a loaded prefill worker (3 s leases
         // expired under `make test`'s parallel load and at full scale, failing baselines).
-        decode_args: vec!["--kv-lease".into(), "20s".into()],
+        decode_args: [vec!["--kv-lease".into(), "20s".into()], engine_args()].concat(),
         // At full scale the router keeps what exceeds the workers' share queued (128 clients
         // against two CPU workers) instead of piling it onto them.
         // Under ~19% failed attempts (6% 502s on each leg, 8% transfer faults) three attempts
