@@ -861,3 +861,58 @@ fn synthetic_workers_serve_the_whole_path_without_a_model() {
         assert_pools_full(&c, &url).await;
     });
 }
+
+/// The request's remaining time travels as the gRPC deadline: with the router stopped
+/// (SIGSTOP: its connections stay open, it can tell the workers nothing), the decode worker
+/// still ends a long generation at the request's 4 s limit and frees its KV, instead of
+/// generating all 1,500 tokens for nobody.
+#[test]
+fn workers_end_a_request_at_its_deadline_when_the_router_cannot_tell_them() {
+    let cluster = Cluster::start(ClusterOptions {
+        router_config: "timeouts: {first_token: 30s, inter_token: 30s, request: 4s}\n".into(),
+        ..ClusterOptions::default()
+    });
+    let url = cluster.url.clone();
+    let decode = cluster.decode_addr.clone();
+    rt().block_on(async {
+        let c = reqwest::Client::new();
+        let body = json!({"model": "smollm2-135m-instruct", "prompt": "Once upon a time",
+                          "max_tokens": 1500, "temperature": 0, "stream": true,
+                          "ignore_eos": true});
+        let resp = c
+            .post(format!("{url}/v1/completions"))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status().as_u16(), 200);
+        let mut stream = resp.bytes_stream();
+        let mut seen = String::new();
+        while let Some(chunk) = stream.next().await {
+            seen.push_str(&String::from_utf8_lossy(&chunk.unwrap()));
+            if seen.matches("\"text\"").count() >= 2 {
+                break;
+            }
+        }
+        cluster.signal("router", "STOP");
+        let mut worker = tandem_proto::v1::worker_client::WorkerClient::connect(decode)
+            .await
+            .unwrap();
+        // 1,500 tokens take well over a minute here; the deadline ends them at 4 s.
+        let stats = worker
+            .stats(tandem_proto::v1::StatsRequest {
+                wait_idle_ms: 30_000,
+                wait_busy_ms: 0,
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        cluster.signal("router", "CONT");
+        assert_eq!(
+            stats.kv_blocks_free, stats.kv_blocks_total,
+            "the decode worker still holds the request past its deadline: {stats:?}"
+        );
+        assert_eq!(stats.in_flight, 0, "{stats:?}");
+        drop(stream);
+    });
+}

@@ -56,6 +56,7 @@ pub(crate) fn to_pb(req: &ValidGenerateRequest) -> pb::GenerateRequest {
 pub(crate) async fn try_aggregated(
     w: &WorkerHandle,
     req: &ValidGenerateRequest,
+    budget: Budget,
     tracker: &crate::inflight::Tracker,
 ) -> Result<TokenStream, GenerateError> {
     let claim = w.claim();
@@ -63,7 +64,7 @@ pub(crate) async fn try_aggregated(
     let mut events = w
         .client
         .clone()
-        .generate(to_pb(req))
+        .generate(with_deadline(to_pb(req), budget.request))
         .await
         .map_err(classify_status)?
         .into_inner();
@@ -108,6 +109,23 @@ pub(crate) async fn try_aggregated(
     Ok(head.chain(rest).boxed())
 }
 
+/// What is left of a request's time when an attempt starts: the workers get it as their
+/// gRPC deadlines (`grpc-timeout`), so they stop the work on their own once it has passed,
+/// even when the router can no longer tell them (partitioned, stopped).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Budget {
+    /// Until this attempt's first token (the prefill call).
+    pub first_token: std::time::Duration,
+    /// Until the request's end (the decode or generate stream).
+    pub request: std::time::Duration,
+}
+
+fn with_deadline<T>(msg: T, left: std::time::Duration) -> tonic::Request<T> {
+    let mut r = tonic::Request::new(msg);
+    r.set_timeout(left);
+    r
+}
+
 /// Which side of a pair an attempt failed on.
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum Leg {
@@ -120,6 +138,7 @@ pub(crate) async fn try_pair(
     p: &WorkerHandle,
     d: &WorkerHandle,
     req: &ValidGenerateRequest,
+    budget: Budget,
     tracker: &crate::inflight::Tracker,
 ) -> Result<TokenStream, (Leg, GenerateError)> {
     let on_decode = |e: GenerateError| (Leg::Decode, e);
@@ -131,10 +150,13 @@ pub(crate) async fn try_pair(
     let mut decode = d
         .client
         .clone()
-        .decode(pb::DecodeRequest {
-            request: Some(request.clone()),
-            dp_rank,
-        })
+        .decode(with_deadline(
+            pb::DecodeRequest {
+                request: Some(request.clone()),
+                dp_rank,
+            },
+            budget.request,
+        ))
         .await
         .map_err(|s| on_decode(classify_status(s)))?
         .into_inner();
@@ -158,10 +180,13 @@ pub(crate) async fn try_pair(
     };
     tracker.phase(crate::inflight::Phase::Prefilling);
     let mut prefill_client = p.client.clone();
-    let prefill_call = prefill_client.prefill(pb::PrefillRequest {
-        request: Some(request),
-        kv_target: Some(target),
-    });
+    let prefill_call = prefill_client.prefill(with_deadline(
+        pb::PrefillRequest {
+            request: Some(request),
+            kv_target: Some(target),
+        },
+        budget.first_token,
+    ));
     tokio::pin!(prefill_call);
     // Watch the decode stream while the prefill runs: a decode worker that goes away ends the
     // attempt at once, and dropping the prefill call cancels the prompt's computation on the

@@ -8,7 +8,7 @@
 use crate::generator::{
     GenerateError, GenerateFuture, Generator, TokenStream, ValidGenerateRequest,
 };
-use crate::legs::{try_aggregated, try_pair, Leg};
+use crate::legs::{try_aggregated, try_pair, Budget, Leg};
 pub use crate::workers::{classify_status, Pools, WorkerHandle};
 use crate::workers::{Outcome, LOAD_RELEASED};
 use futures::StreamExt;
@@ -369,9 +369,14 @@ impl PdGenerator {
             let result = if let Some(w) = pools.aggregated.get(cursor.route) {
                 let _ = w.admit();
                 tracker.attempt(&w.id.0, None);
-                let attempt_result = tokio::time::timeout(budget, try_aggregated(w, req, tracker))
-                    .await
-                    .unwrap_or_else(|_| Err(stalled(format!("worker {}", w.id))));
+                let legs = Budget {
+                    first_token: budget,
+                    request: left,
+                };
+                let attempt_result =
+                    tokio::time::timeout(budget, try_aggregated(w, req, legs, tracker))
+                        .await
+                        .unwrap_or_else(|_| Err(stalled(format!("worker {}", w.id))));
                 w.report(
                     attempt_result
                         .as_ref()
@@ -388,15 +393,20 @@ impl PdGenerator {
                     break;
                 };
                 tracker.attempt(&p.id.0, Some(&d.id.0));
-                let attempt_result = tokio::time::timeout(budget, try_pair(&p, &d, req, tracker))
-                    .await
-                    .unwrap_or_else(|_| {
-                        // Which side stalled is not known: move both.
-                        Err((
-                            Leg::Both,
-                            stalled(format!("prefill {} and decode {}", p.id, d.id)),
-                        ))
-                    });
+                let legs = Budget {
+                    first_token: budget,
+                    request: left,
+                };
+                let attempt_result =
+                    tokio::time::timeout(budget, try_pair(&p, &d, req, legs, tracker))
+                        .await
+                        .unwrap_or_else(|_| {
+                            // Which side stalled is not known: move both.
+                            Err((
+                                Leg::Both,
+                                stalled(format!("prefill {} and decode {}", p.id, d.id)),
+                            ))
+                        });
                 let (p_out, d_out) = match &attempt_result {
                     Ok(_) => (Outcome::Ok, Outcome::Ok),
                     Err((Leg::Prefill, e)) => (Outcome::Failed(e.class), Outcome::Ok),

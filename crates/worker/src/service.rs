@@ -223,6 +223,41 @@ fn sampling_from(p: Option<pb::SamplingParams>) -> SamplingParams {
     }
 }
 
+/// The caller's deadline (`grpc-timeout`: at most 8 digits and a unit, H M S m u n) as an
+/// instant, if it sent one. The server enforces it for unary calls; streams end here.
+fn grpc_deadline(meta: &tonic::metadata::MetadataMap) -> Option<tokio::time::Instant> {
+    let v = meta.get("grpc-timeout")?.to_str().ok()?;
+    let (digits, unit) = v.split_at(v.len().checked_sub(1)?);
+    let n: u64 = digits.parse().ok().filter(|_| digits.len() <= 8)?;
+    let d = match unit {
+        "H" => Duration::from_secs(n.saturating_mul(3600)),
+        "M" => Duration::from_secs(n.saturating_mul(60)),
+        "S" => Duration::from_secs(n),
+        "m" => Duration::from_millis(n),
+        "u" => Duration::from_micros(n),
+        "n" => Duration::from_nanos(n),
+        _ => return None,
+    };
+    Some(tokio::time::Instant::now() + d)
+}
+
+/// Runs `work` until `deadline` (when there is one): past it the work is dropped — its
+/// engine request cancelled, its reservation freed — and the stream ends with
+/// `DeadlineExceeded`.
+async fn until(
+    deadline: Option<tokio::time::Instant>,
+    work: impl std::future::Future<Output = Result<()>>,
+) -> Result<()> {
+    match deadline {
+        None => work.await,
+        Some(at) => tokio::time::timeout_at(at, work).await.unwrap_or_else(|_| {
+            Err(Error::Deadline(
+                "the caller's deadline passed before the request finished".into(),
+            ))
+        }),
+    }
+}
+
 fn logprobs_to_pb(l: tandem_core::TokenLogprobs) -> pb::Logprobs {
     pb::Logprobs {
         logprob: l.logprob,
@@ -511,11 +546,13 @@ impl pb::worker_server::Worker for WorkerService {
         let shared = self.shared.clone();
         shared.check_role(Role::Both)?;
         let claim = shared.admission.admit()?;
+        let deadline = grpc_deadline(request.metadata());
         let (prompt, params) = shared.checked_request(Some(request.into_inner()))?;
         let (tx, rx) = mpsc::channel(64);
         tokio::spawn(async move {
             let _claim = claim;
-            if let Err(e) = shared.generate_all(prompt, params, &tx).await {
+            let work = shared.generate_all(prompt, params, &tx);
+            if let Err(e) = until(deadline, work).await {
                 tracing::warn!(error = %e, "generate failed");
                 let _ = tx.send(Err(Status::from(e))).await;
             }
@@ -530,6 +567,7 @@ impl pb::worker_server::Worker for WorkerService {
         let shared = self.shared.clone();
         shared.check_role(Role::Decode)?;
         let claim = shared.admission.admit()?;
+        let deadline = grpc_deadline(request.metadata());
         let request = request.into_inner();
         let dp_rank = request.dp_rank.map(|r| r as usize);
         let (prompt, params) = shared.checked_request(request.request)?;
@@ -552,11 +590,10 @@ impl pb::worker_server::Worker for WorkerService {
             .map_err(|_| Status::cancelled("client went away"))?;
         tokio::spawn(async move {
             let _claim = claim;
-            if let Err(e) = shared
+            let work = shared
                 .clone()
-                .decode_rest(prompt, params, allocation, pending, &tx)
-                .await
-            {
+                .decode_rest(prompt, params, allocation, pending, &tx);
+            if let Err(e) = until(deadline, work).await {
                 tracing::warn!(error = %e, "decode failed");
                 let _ = tx.send(Err(Status::from(e))).await;
             }
