@@ -29,6 +29,44 @@ pub fn tandem_bin() -> PathBuf {
 
 /// A blocking HTTP/1.1 POST of a JSON body to `url` (`http://host:port/path`); returns the
 /// response body. Enough for tests that need no async runtime.
+/// A multi-threaded Tokio runtime for a test's async part.
+pub fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("a runtime")
+}
+
+/// POSTs JSON; returns the status and the JSON answer.
+pub async fn post(
+    client: &reqwest::Client,
+    url: &str,
+    body: serde_json::Value,
+) -> (u16, serde_json::Value) {
+    let resp = client.post(url).json(&body).send().await.expect("sent");
+    let status = resp.status().as_u16();
+    (status, resp.json().await.expect("a JSON answer"))
+}
+
+/// Runs a Python script (the official `openai` client's tests) and fails the test with its
+/// output — and `cluster`'s logs — unless it exits 0.
+pub fn python(script: &str, cluster: &Cluster) {
+    let out = Command::new("python3")
+        .arg("-c")
+        .arg(script)
+        .output()
+        .expect("python3");
+    if !out.status.success() {
+        cluster.dump_logs();
+    }
+    assert!(
+        out.status.success(),
+        "python failed:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 pub fn post_json(url: &str, body: &str) -> String {
     use std::io::{Read, Write};
     let rest = url.strip_prefix("http://").expect("http URL");

@@ -7,14 +7,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use serde_json::{json, Value};
-use tandem_e2e::{Cluster, ClusterOptions};
-
-fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .unwrap()
-}
+use tandem_e2e::{python, rt, Cluster, ClusterOptions};
 
 /// A prompt whose greedy continuation repeats itself: penalties must change it.
 const LOOP: &str = "one two one two one two one two one two";
@@ -190,20 +183,7 @@ print("ok", repr(a))
         pd = pd.url,
         one = one.url
     );
-    let out = std::process::Command::new("python3")
-        .arg("-c")
-        .arg(&script)
-        .output()
-        .expect("python3");
-    if !out.status.success() {
-        pd.dump_logs();
-    }
-    assert!(
-        out.status.success(),
-        "openai client:\n{}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    python(&script, &pd);
 }
 
 /// Log-probabilities: greedy tokens carry the top log-probability, alternatives come most
@@ -302,20 +282,7 @@ print("ok")
 "#,
         pd = pd.url
     );
-    let out = std::process::Command::new("python3")
-        .arg("-c")
-        .arg(&script)
-        .output()
-        .expect("python3");
-    if !out.status.success() {
-        pd.dump_logs();
-    }
-    assert!(
-        out.status.success(),
-        "openai client:\n{}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    python(&script, &pd);
 }
 
 /// API keys from a file: the official client gets 401 (`AuthenticationError`) without one

@@ -49,6 +49,8 @@ pub mod policy;
 pub mod pool_metrics;
 /// OpenAI request and response wire types.
 pub mod protocol;
+/// Sampling controls and log-probability fields of a request, checked.
+pub mod sampling_fields;
 /// Router state, routes, and `serve`.
 pub mod server;
 /// Stop-string matching across text deltas.
