@@ -7,7 +7,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use serde_json::{json, Value};
-use tandem_e2e::{python, rt, Cluster, ClusterOptions};
+use tandem_e2e::{post, python, rt, Cluster, ClusterOptions};
 
 /// A prompt whose greedy continuation repeats itself: penalties must change it.
 const LOOP: &str = "one two one two one two one two one two";
@@ -17,16 +17,20 @@ async fn complete(c: &reqwest::Client, url: &str, extra: Value) -> Value {
     for (k, v) in extra.as_object().expect("object") {
         body[k] = v.clone();
     }
-    let resp = c
-        .post(format!("{url}/v1/completions"))
-        .json(&body)
-        .send()
-        .await
-        .expect("send");
-    let status = resp.status();
-    let v: Value = resp.json().await.expect("json");
+    let (status, v) = post(c, &format!("{url}/v1/completions"), body.clone()).await;
     assert_eq!(status, 200, "{body} -> {v}");
     v
+}
+
+/// A P/D cluster and an aggregated worker (one process) serving the same model.
+fn pd_and_one() -> (Cluster, Cluster) {
+    let pd = Cluster::start(ClusterOptions::default());
+    let one = Cluster::start(ClusterOptions {
+        pd_pair: false,
+        aggregated: true,
+        ..ClusterOptions::default()
+    });
+    (pd, one)
 }
 
 fn text(v: &Value) -> String {
@@ -35,12 +39,7 @@ fn text(v: &Value) -> String {
 
 #[test]
 fn sampling_controls_change_the_output_and_pd_equals_one_process() {
-    let pd = Cluster::start(ClusterOptions::default());
-    let one = Cluster::start(ClusterOptions {
-        pd_pair: false,
-        aggregated: true,
-        ..ClusterOptions::default()
-    });
+    let (pd, one) = pd_and_one();
     let (pd_url, one_url) = (pd.url.clone(), one.url.clone());
     rt().block_on(async move {
         let c = reqwest::Client::new();
@@ -132,24 +131,9 @@ fn sampling_controls_change_the_output_and_pd_equals_one_process() {
                    "max_tokens": 40, "temperature": 0, "min_tokens": min})
         };
         for url in [&pd_url, &one_url] {
-            let short: Value = c
-                .post(format!("{url}/v1/chat/completions"))
-                .json(&chat(0))
-                .send()
-                .await
-                .unwrap()
-                .json()
-                .await
-                .unwrap();
-            let long: Value = c
-                .post(format!("{url}/v1/chat/completions"))
-                .json(&chat(30))
-                .send()
-                .await
-                .unwrap()
-                .json()
-                .await
-                .unwrap();
+            let chat_url = format!("{url}/v1/chat/completions");
+            let (_, short) = post(&c, &chat_url, chat(0)).await;
+            let (_, long) = post(&c, &chat_url, chat(30)).await;
             let n = |v: &Value| v["usage"]["completion_tokens"].as_u64().unwrap_or(0);
             assert!(n(&short) < 30, "{short}");
             assert!(n(&long) >= 30, "min_tokens 30 gave {long}");
@@ -191,12 +175,7 @@ print("ok", repr(a))
 /// legacy shape, and a P/D pair reports what one process does.
 #[test]
 fn logprobs_follow_openai_shapes_and_pd_equals_one_process() {
-    let pd = Cluster::start(ClusterOptions::default());
-    let one = Cluster::start(ClusterOptions {
-        pd_pair: false,
-        aggregated: true,
-        ..ClusterOptions::default()
-    });
+    let (pd, one) = pd_and_one();
     let (pd_url, one_url) = (pd.url.clone(), one.url.clone());
     rt().block_on(async move {
         let c = reqwest::Client::new();
@@ -204,15 +183,7 @@ fn logprobs_follow_openai_shapes_and_pd_equals_one_process() {
                           "temperature": 0, "logprobs": 3});
         let mut got = Vec::new();
         for url in [&pd_url, &one_url] {
-            let v: Value = c
-                .post(format!("{url}/v1/completions"))
-                .json(&body)
-                .send()
-                .await
-                .unwrap()
-                .json()
-                .await
-                .unwrap();
+            let (_, v) = post(&c, &format!("{url}/v1/completions"), body.clone()).await;
             let lp = &v["choices"][0]["logprobs"];
             let tokens = lp["tokens"].as_array().expect("tokens");
             assert_eq!(tokens.len(), 6, "{v}");

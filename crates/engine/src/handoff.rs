@@ -176,27 +176,6 @@ impl Handoff {
         }
         Ok(())
     }
-
-    /// The segments with their bytes, in order (the sizes must have been checked).
-    pub fn parts(&self) -> impl Iterator<Item = (&Segment, &[u8])> {
-        let mut at = 0usize;
-        self.segments.iter().map(move |s| {
-            let n = s.len_bytes() as usize;
-            let bytes = &self.body[at.min(self.body.len())..(at + n).min(self.body.len())];
-            at += n;
-            (s, bytes)
-        })
-    }
-
-    /// Segment `i` as a host tensor.
-    pub fn tensor(&self, i: usize) -> Result<HostTensor> {
-        let (s, bytes) = self
-            .parts()
-            .nth(i)
-            .ok_or_else(|| Error::InvalidRequest(format!("handoff has no segment {i}")))?;
-        let shape: Vec<usize> = s.shape.iter().map(|&d| d as usize).collect();
-        HostTensor::from_le_bytes(s.dtype, &shape, bytes)
-    }
 }
 
 /// Reads the f32 segments of a handoff in order, each checked against what the receiver

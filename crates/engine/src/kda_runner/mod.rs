@@ -21,10 +21,10 @@ pub mod state_io;
 pub use model::KdaModel;
 
 use self::slots::{bind_latents, latent_sets, reset_state};
-use self::state_io::{encode_group, import_group, KdaHandoffSpec};
+use self::state_io::{encode_group, import_group, on_scratch, KdaHandoffSpec};
 use crate::batch::ForwardBatch;
 use crate::handoff::Handoff;
-use crate::kda_hybrid::{KdaHybridState, LatentPool, LayerState};
+use crate::kda_hybrid::{KdaHybridState, LatentPool};
 use crate::kv_pool::BlockAllocator;
 use crate::sampling::{adjust_row, Adjustment, SampleRow};
 use crate::scheduler::{Engine, EngineConfig};
@@ -126,14 +126,7 @@ impl ServedModel for KdaServed {
     }
 
     fn handoff_spec(&self) -> Arc<dyn HandoffSpec> {
-        let mut template = self.model.group_states().swap_remove(0);
-        let scratch = LatentPool::default();
-        for layer in &mut template.layers {
-            if let LayerState::Mla(m) = layer {
-                m.kv_latent = m.kv_latent.copy_into(&scratch);
-                m.k_rope = m.k_rope.copy_into(&scratch);
-            }
-        }
+        let template = on_scratch(self.model.group_states().swap_remove(0));
         Arc::new(KdaHandoffSpec {
             layout: self.info.layout,
             config: self.model.config().clone(),
@@ -144,12 +137,15 @@ impl ServedModel for KdaServed {
     fn step(&mut self, batch: &ForwardBatch) -> Result<()> {
         let mut work = Vec::with_capacity(batch.seqs.len());
         let mut wants = Vec::with_capacity(batch.seqs.len());
+        // Logits rows are the last rows of the sequences that want them, in sequence order.
+        let mut rows = batch.logits_rows.iter().peekable();
         for s in &batch.seqs {
             let slot = s.state.ok_or_else(no_slot)?;
             let ids = batch.token_ids[s.start..s.start + s.len].to_vec();
             let states = std::mem::take(self.slot_states(slot)?);
             work.push((slot.group, ids, states));
-            wants.push(s.len > 0 && batch.logits_rows.contains(&(s.start + s.len - 1)));
+            let last = (s.len > 0).then(|| s.start + s.len - 1);
+            wants.push(last.is_some_and(|l| rows.next_if(|&&r| r == l).is_some()));
         }
         let out = self.model.step(&mut work);
         // The states go back to their slots whatever the outcome.
@@ -188,15 +184,12 @@ impl ServedModel for KdaServed {
     fn begin(&mut self, r: &mut Reservation) -> Result<()> {
         let slot = r.slot().ok_or_else(no_slot)?;
         let tokens = r.tokens();
-        let states = std::mem::take(self.slot_states(slot)?);
-        let mut states = states;
+        let states = self.slot_states(slot)?;
         states.iter_mut().for_each(reset_state);
-        let bound = match r.latent_claim() {
-            Some(claim) => bind_latents(&mut states, tokens, claim),
+        match r.latent_claim() {
+            Some(claim) => bind_latents(states, tokens, claim),
             None => Ok(()),
-        };
-        *self.slot_states(slot)? = states;
-        bound
+        }
     }
 
     fn end(&mut self, r: &Reservation) {

@@ -144,17 +144,25 @@ pub(crate) fn import_group(
     r.finish()
 }
 
-/// A state of the same model for attention-TP size `a_to`, made from one for `a_from`: KDA
-/// blocks scale with the heads a rank holds; MLA latents are replicated. Its latent rows
-/// draw on a scratch pool, never on the worker's bounded one.
-fn rescale_template(t: &KdaHybridState, a_from: usize, a_to: usize) -> Result<KdaHybridState> {
-    let mut out = t.clone();
+/// `st` with its MLA latent rows on a scratch pool of their own: received and template
+/// states must not draw on (or be refused by) the worker's bounded pool.
+pub(crate) fn on_scratch(mut st: KdaHybridState) -> KdaHybridState {
     let scratch = LatentPool::default();
-    for layer in &mut out.layers {
+    for layer in &mut st.layers {
         if let LayerState::Mla(m) = layer {
             m.kv_latent = m.kv_latent.copy_into(&scratch);
             m.k_rope = m.k_rope.copy_into(&scratch);
         }
+    }
+    st
+}
+
+/// A state of the same model for attention-TP size `a_to`, made from one for `a_from`: KDA
+/// blocks scale with the heads a rank holds; MLA latents are replicated. Its latent rows
+/// draw on a scratch pool, never on the worker's bounded one.
+fn rescale_template(t: &KdaHybridState, a_from: usize, a_to: usize) -> Result<KdaHybridState> {
+    let mut out = on_scratch(t.clone());
+    for layer in &mut out.layers {
         if let LayerState::Kda(k) = layer {
             for v in [
                 &mut k.recurrent,
@@ -182,7 +190,8 @@ pub(crate) struct KdaHandoffSpec {
     pub(crate) layout: Layout,
     /// The receiving model's configuration.
     pub(crate) config: KdaHybridConfig,
-    /// A fresh state of one rank of a receiving group (latents on a scratch pool).
+    /// A fresh state of one rank of a receiving group (latents on a scratch pool: see
+    /// [`on_scratch`]).
     pub(crate) template: KdaHybridState,
 }
 
@@ -214,8 +223,7 @@ impl KdaHandoffSpec {
         for (k, st) in received.into_iter().enumerate() {
             from[k] = st;
         }
-        let mine = rescale_template(&self.template, 1, 1)?;
-        let mut to: Vec<KdaHybridState> = vec![mine; decode.tp()];
+        let mut to: Vec<KdaHybridState> = vec![self.template.clone(); decode.tp()];
         let kda = self.config.kda;
         apply_transfer_plan(&plan, &from, &mut to, kda.head_dim, kda.conv_kernel);
         let a = decode.attn_tp();
