@@ -48,8 +48,10 @@ kernels!(
     embed_f32,
     embed_bf16,
     rms_norm,
+    rms_norm_to_bf16,
     rope,
     silu_mul,
+    silu_mul_bf16,
     gather_rows,
     f32_to_bf16,
     write_kv_f32,
@@ -88,7 +90,7 @@ kernels!(
     prefill_attention_bf16_d128,
 );
 
-/// Queries per block of the tensor-core prefill attention (`PF_M` in kernels.cu).
+/// The fewest tokens of a step that takes the tensor-core prefill attention.
 pub(crate) const PREFILL_TILE: usize = 64;
 /// Dynamic shared memory the RMSNorm-fused GEMVs may use for their normalised rows.
 const GEMV_SMEM: usize = 96 << 10;
@@ -144,6 +146,9 @@ pub fn kernel_names() -> Vec<String> {
 #[derive(Default)]
 pub(crate) struct Scratch {
     pub(crate) bf16: Option<CudaStorage>,
+    /// A prompt step's MLP: [gate | up] rows in bf16, and silu(gate)·up in bf16.
+    pub(crate) mlp_gate_up: Option<CudaStorage>,
+    pub(crate) mlp_act: Option<CudaStorage>,
     pub(crate) params: Option<CudaStorage>,
     pub(crate) ids: Option<CudaStorage>,
     pub(crate) attention: Option<CudaStorage>,

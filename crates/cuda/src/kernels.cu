@@ -90,17 +90,47 @@ extern "C" __global__ void embed_bf16(const __nv_bfloat16* table, const u32* ids
     embed_impl(table, ids, dim, out);
 }
 
-// One block per row: out = x / rms(x) * w.
-extern "C" __global__ void rms_norm(const float* x, const float* w, int dim, float eps, float* out) {
+// One block per row: out = x / rms(x) * w (f32 out, or bf16 for a GEMM's input); rows whose
+// width is a multiple of 4 move as float4.
+__device__ __forceinline__ void store4(float* p, long i, float4 v) { *reinterpret_cast<float4*>(p + i) = v; }
+__device__ __forceinline__ void store4(__nv_bfloat16* p, long i, float4 v) {
+    __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y), hi = __floats2bfloat162_rn(v.z, v.w);
+    uint2 packed = make_uint2(*reinterpret_cast<u32*>(&lo), *reinterpret_cast<u32*>(&hi));
+    *reinterpret_cast<uint2*>(p + i) = packed;
+}
+template <typename T>
+__device__ void rms_norm_impl(const float* x, const float* w, int dim, float eps, T* out) {
     pdl_start();
     __shared__ float shared[32];
     long row = blockIdx.x;
     const float* xr = x + row * dim;
     float ss = 0.0f;
+    if ((dim & 3) == 0) {
+        const float4* x4 = reinterpret_cast<const float4*>(xr);
+        for (int i = threadIdx.x; i < dim / 4; i += blockDim.x) {
+            float4 v = x4[i];
+            ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+        }
+        ss = block_sum(ss, shared);
+        float inv = rsqrtf(ss / (float)dim + eps);
+        const float4* w4 = reinterpret_cast<const float4*>(w);
+        for (int i = threadIdx.x; i < dim / 4; i += blockDim.x) {
+            float4 v = x4[i], g = w4[i];
+            store4(out, row * dim + 4 * i, make_float4(v.x * inv * g.x, v.y * inv * g.y, v.z * inv * g.z, v.w * inv * g.w));
+        }
+        return;
+    }
     for (int i = threadIdx.x; i < dim; i += blockDim.x) ss += xr[i] * xr[i];
     ss = block_sum(ss, shared);
     float inv = rsqrtf(ss / (float)dim + eps);
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) out[row * dim + i] = xr[i] * inv * w[i];
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) store_f(out, row * dim + i, xr[i] * inv * w[i]);
+}
+extern "C" __global__ void rms_norm(const float* x, const float* w, int dim, float eps, float* out) {
+    rms_norm_impl(x, w, dim, eps, out);
+}
+extern "C" __global__ void rms_norm_to_bf16(const float* x, const float* w, int dim, float eps,
+                                            __nv_bfloat16* out) {
+    rms_norm_impl(x, w, dim, eps, out);
 }
 
 // Rotate-half RoPE on the first `rot_heads` heads of each row of a fused QKV activation; one
@@ -131,6 +161,22 @@ extern "C" __global__ void silu_mul(const float* gate_up, long rows, int width, 
     int i = (int)(t % width);
     float x = gate_up[row * 2 * width + i];
     out[t] = x / (1.0f + expf(-x)) * gate_up[row * 2 * width + width + i];
+}
+
+// silu(gate) · up over bf16 rows of [gate | up], two features a thread, into bf16 (a prompt
+// step's MLP between its two GEMMs; `width` is even).
+extern "C" __global__ void silu_mul_bf16(const __nv_bfloat16* gate_up, long rows, int width,
+                                         __nv_bfloat16* out) {
+    pdl_start();
+    long t = blockIdx.x * (long)blockDim.x + threadIdx.x, half = width / 2;
+    if (t >= rows * half) return;
+    long row = t / half;
+    int i = 2 * (int)(t % half);
+    const __nv_bfloat16* r = gate_up + row * 2 * width;
+    float2 g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(r + i));
+    float2 u = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(r + width + i));
+    float a = g.x / (1.0f + __expf(-g.x)) * u.x, b = g.y / (1.0f + __expf(-g.y)) * u.y;
+    *reinterpret_cast<__nv_bfloat162*>(out + row * width + i) = __floats2bfloat162_rn(a, b);
 }
 
 extern "C" __global__ void gather_rows(const float* x, int dim, const u32* index, float* out) {
@@ -170,39 +216,43 @@ extern "C" __global__ void write_kv_bf16(const float* qkv, int rows, int width, 
     write_kv_impl(qkv, rows, width, k_off, v_off, kv_dim, slots, k, v);
 }
 
-// RoPE and the K/V write in one pass: one thread per (row, head, pair (i, i + half)) over every
-// head of the fused QKV row. Query and key heads are rotated in place (attention reads the
-// queries from there); key heads are also stored rotated into the cache at the row's slot, and
-// value heads are only stored.
+// RoPE and the K/V write in one pass: a thread per (head, pair (i, i + half)) of a row (the
+// grid's x), rows on the grid's y (striding past 65,535). Query and key heads are rotated in
+// place (attention reads the queries from there); key heads are also stored rotated into the
+// cache at the row's slot, and value heads are only stored. A block's frequencies are
+// computed once (the double-precision power is the costly part) into shared memory.
 template <typename T>
 __device__ void rope_write_kv_impl(float* qkv, const u32* positions, int rows, int num_heads,
                                    int num_kv_heads, int head_dim, float theta, const u32* slots, T* k,
                                    T* v) {
-    pdl_start();
+    __shared__ float s_freq[128];
     int half = head_dim / 2, heads = num_heads + 2 * num_kv_heads;
-    long pairs = (long)heads * half;
-    long t = blockIdx.x * (long)blockDim.x + threadIdx.x;
-    if (t >= rows * pairs) return;
-    long row = t / pairs;
-    int h = (int)(t % pairs) / half, i = (int)(t % pairs) % half;
-    float* head = qkv + row * heads * head_dim + (long)h * head_dim;
-    float a = head[i], b = head[i + half];
-    if (h < num_heads + num_kv_heads) {
-        float pos = (float)positions[row];
-        float s, c;
-        sincosf(pos * rope_inv_freq(theta, i, head_dim), &s, &c);
-        float ra = a * c - b * s, rb = b * c + a * s;
-        head[i] = ra;
-        head[i + half] = rb;
-        a = ra;
-        b = rb;
-    }
-    if (h >= num_heads) {
-        int kv = h - num_heads;  // 0 .. 2 * num_kv_heads: keys, then values
-        T* dst = kv < num_kv_heads ? k : v;
-        long at = (long)slots[row] * num_kv_heads * head_dim + (long)(kv % num_kv_heads) * head_dim;
-        store_f(dst, at + i, a);
-        store_f(dst, at + i + half, b);
+    for (int i = threadIdx.x; i < half; i += blockDim.x) s_freq[i] = rope_inv_freq(theta, i, head_dim);
+    __syncthreads();
+    pdl_start();
+    int p = blockIdx.x * blockDim.x + threadIdx.x;
+    if (p >= heads * half) return;
+    int h = p / half, i = p % half;
+    float freq = s_freq[i];
+    for (long row = blockIdx.y; row < rows; row += gridDim.y) {
+        float* head = qkv + row * heads * head_dim + (long)h * head_dim;
+        float a = head[i], b = head[i + half];
+        if (h < num_heads + num_kv_heads) {
+            float s, c;
+            sincosf((float)positions[row] * freq, &s, &c);
+            float ra = a * c - b * s, rb = b * c + a * s;
+            head[i] = ra;
+            head[i + half] = rb;
+            a = ra;
+            b = rb;
+        }
+        if (h >= num_heads) {
+            int kv = h - num_heads;  // 0 .. 2 * num_kv_heads: keys, then values
+            T* dst = kv < num_kv_heads ? k : v;
+            long at = (long)slots[row] * num_kv_heads * head_dim + (long)(kv % num_kv_heads) * head_dim;
+            store_f(dst, at + i, a);
+            store_f(dst, at + i + half, b);
+        }
     }
 }
 extern "C" __global__ void rope_write_kv_f32(float* qkv, const u32* positions, int rows, int num_heads,
@@ -911,18 +961,21 @@ extern "C" __global__ void sample_rows(const float* logits, int vocab, const flo
 // ---- prefill attention on tensor cores -----------------------------------------------------
 //
 // For steps with many new tokens per sequence (prompts), over a bf16 cache. One block of four
-// warps per (tile of PF_M queries of one sequence, query head); each warp owns 16 query rows,
-// kept in registers as bf16 MMA fragments. The block walks the keys up to its last query's
-// position in tiles of PF_N, gathered from the paged cache into shared memory; each warp
-// computes its scores S = Q·Kᵀ with `mma.sync` m16n8k16 (bf16 in, f32 accumulation), masks
-// them causally, runs an online softmax in registers (a row's four owning lanes exchange
-// maxima by shuffles; sums stay per lane until the end), and adds P·V, reusing the score
-// registers as the A operand. V's B fragments come transposed out of shared memory with
-// `ldmatrix.trans`. Accumulator layout of m16n8k16 (PTX ISA): lane = 4·g + t holds rows g and
-// g + 8, columns 2t and 2t + 1.
-
-#define PF_M 64
-#define PF_N 64
+// warps per (KV head, tile of queries of one sequence): its 64·MT rows are the (query, head)
+// pairs of the tile's queries and the G query heads sharing the KV head, query-major (row r is
+// query r / G of head r % G), so every K/V tile the block loads serves all G heads. Each warp
+// owns MT tiles of 16 rows, kept in registers as bf16 MMA fragments. The block walks the keys
+// up to its last query's position in tiles of NK, gathered from the paged cache into shared memory by
+// `cp.async` one tile ahead of the one being computed (two stages). Each warp computes its
+// scores S = Q·Kᵀ with `mma.sync` m16n8k16 (bf16 in, f32 accumulation) — every K fragment,
+// read from shared memory with `ldmatrix`, serves the warp's MT row tiles, which halves the
+// shared-memory traffic per product at MT = 2 — masks them causally (only tiles that reach
+// past a row's position), runs an online softmax in base 2 in registers (a row's four owning
+// lanes exchange maxima by shuffles; sums stay per lane until the end), and adds P·V, reusing
+// the score registers as the A operand. V's B fragments come transposed out of shared memory
+// with `ldmatrix.trans`. Accumulator layout of m16n8k16 (PTX ISA): lane = 4·g + t holds rows
+// g and g + 8, columns 2t and 2t + 1. Rows past the tile's queries compute a copy of its last
+// query and are never written.
 
 __device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
     __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x (lo) in the low half
@@ -938,165 +991,235 @@ __device__ __forceinline__ void mma_bf16(float* d, const u32* a, u32 b0, u32 b1)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+__device__ __forceinline__ float exp2_approx(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// 16 bytes global → shared without a register round trip; `valid` false fills zeros.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+    unsigned s = (unsigned)__cvta_generic_to_shared(dst);
+    int n = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(src), "r"(n));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_one() { asm volatile("cp.async.wait_group 1;\n" ::); }
+
+// Rows per block for head width D (four warps of MT row tiles each); the host side mirrors
+// it (`prefill_block_rows`).
+template <int D> struct PrefillShape;
+template <> struct PrefillShape<64> { static constexpr int MT = 2, NK = 64; };
+template <> struct PrefillShape<128> { static constexpr int MT = 1, NK = 32; };
+
 template <int D>
 __device__ void prefill_attention_impl(const float* qkv, int width, int num_heads, int num_kv_heads,
                                        const __nv_bfloat16* k_cache, const __nv_bfloat16* v_cache,
                                        int block_size, const u32* seq_info, int num_seqs,
                                        const u32* tables, int table_stride, float scale, float* out) {
+    constexpr int MT = PrefillShape<D>::MT, NK = PrefillShape<D>::NK, BM = 64 * MT;
+    constexpr int LD = D + 8;  // padded rows: the 8 rows of an ldmatrix hit different banks
+    constexpr int CHUNKS = D / 8;  // 16-byte chunks per row
+    __shared__ __align__(16) __nv_bfloat16 s_k[2][NK * LD];
+    __shared__ __align__(16) __nv_bfloat16 s_v[2][NK * LD];
     pdl_start();
-    constexpr int LD = D + 8;  // padded rows: fragment loads of nearby rows hit different banks
-    __shared__ __align__(16) __nv_bfloat16 s_k[PF_N * LD];
-    __shared__ __align__(16) __nv_bfloat16 s_v[PF_N * LD];
 
-    // This block's sequence and query tile (a sequence's longest tiles first).
-    int t = blockIdx.x, seq = -1;
+    // This block's sequence and query tile (every KV head of a sequence's longest tiles first).
+    int group = num_heads / num_kv_heads, QT = BM / group;  // queries per tile
+    int t = blockIdx.y, seq = -1;
     for (int s = 0; s < num_seqs; ++s) {
-        int tiles = (int)((seq_info[3 * s + 1] + PF_M - 1) / PF_M);
+        int tiles = (int)((seq_info[3 * s + 1] + QT - 1) / QT);
         if (t < tiles) { seq = s; t = tiles - 1 - t; break; }
         t -= tiles;
     }
     if (seq < 0) return;
     u32 start = seq_info[3 * seq], len = seq_info[3 * seq + 1], cached = seq_info[3 * seq + 2];
-    int head = blockIdx.y, kvh = head / (num_heads / num_kv_heads);
-    int q0 = t * PF_M, nq = min(PF_M, (int)len - q0);
+    int kvh = blockIdx.x;
+    int q0 = t * QT, nq = min(QT, (int)len - q0);
     int keys = (int)cached + q0 + nq;  // the block's last query's context
     const u32* table = tables + (long)seq * table_stride;
     long kv_dim = (long)num_kv_heads * D;
     int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     int g = lane >> 2, tq = lane & 3;
 
-    // This lane's two rows (of the tile) and their positions; rows past the prompt are
-    // computed on a copy of the last row and never written.
-    int ra = warp * 16 + g, rb = ra + 8;
-    int pos_a = (int)cached + q0 + ra, pos_b = (int)cached + q0 + rb;
-    bool ok_a = ra < nq, ok_b = rb < nq;
-    int warp_last = (int)cached + q0 + min(warp * 16 + 15, nq - 1);
+    // Tile `it` of keys into stage `st`.
+    auto load = [&](int it, int st) {
+        int k0 = it * NK;
+        for (int c = tid; c < NK * CHUNKS; c += blockDim.x) {
+            int key = c / CHUNKS, part = c % CHUNKS, kk = k0 + key;
+            bool valid = kk < keys;
+            long at = 0;
+            if (valid) {
+                long slot = (long)table[kk / block_size] * block_size + kk % block_size;
+                at = slot * kv_dim + (long)kvh * D + part * 8;
+            }
+            cp_async16(&s_k[st][key * LD + part * 8], k_cache + at, valid);
+            cp_async16(&s_v[st][key * LD + part * 8], v_cache + at, valid);
+        }
+    };
+    int tiles_k = (keys + NK - 1) / NK;
+    load(0, 0);
+    cp_async_commit();
 
-    u32 qf[D / 16][4];
-    {
-        const float* qa = qkv + (long)(start + q0 + min(ra, nq - 1)) * width + (long)head * D;
-        const float* qb = qkv + (long)(start + q0 + min(rb, nq - 1)) * width + (long)head * D;
+    // Rows of this lane: row tile m holds rows warp·16·MT + 16m + g (a) and + 8 (b).
+    int warp_row0 = warp * 16 * MT;
+    int warp_first = (int)cached + q0 + min(warp_row0 / group, nq - 1);
+    int warp_last = (int)cached + q0 + min((warp_row0 + 16 * MT - 1) / group, nq - 1);
+    int pos[MT][2];
+    u32 qf[MT][D / 16][4];
+    const float qs = scale * 1.4426950408889634f;  // softmax in base 2
+    #pragma unroll
+    for (int m = 0; m < MT; ++m) {
+        int row_a = warp_row0 + 16 * m + g, row_b = row_a + 8;
+        int qa_i = min(row_a / group, nq - 1), qb_i = min(row_b / group, nq - 1);
+        int ha = kvh * group + row_a % group, hb = kvh * group + row_b % group;
+        pos[m][0] = (int)cached + q0 + qa_i;
+        pos[m][1] = (int)cached + q0 + qb_i;
+        const float* qa = qkv + (long)(start + q0 + qa_i) * width + (long)ha * D;
+        const float* qb = qkv + (long)(start + q0 + qb_i) * width + (long)hb * D;
         #pragma unroll
         for (int ks = 0; ks < D / 16; ++ks) {
             int c = ks * 16 + 2 * tq;
-            qf[ks][0] = pack_bf16(qa[c] * scale, qa[c + 1] * scale);
-            qf[ks][1] = pack_bf16(qb[c] * scale, qb[c + 1] * scale);
-            qf[ks][2] = pack_bf16(qa[c + 8] * scale, qa[c + 9] * scale);
-            qf[ks][3] = pack_bf16(qb[c + 8] * scale, qb[c + 9] * scale);
+            float2 a0 = *reinterpret_cast<const float2*>(qa + c), a1 = *reinterpret_cast<const float2*>(qa + c + 8);
+            float2 b0 = *reinterpret_cast<const float2*>(qb + c), b1 = *reinterpret_cast<const float2*>(qb + c + 8);
+            qf[m][ks][0] = pack_bf16(a0.x * qs, a0.y * qs);
+            qf[m][ks][1] = pack_bf16(b0.x * qs, b0.y * qs);
+            qf[m][ks][2] = pack_bf16(a1.x * qs, a1.y * qs);
+            qf[m][ks][3] = pack_bf16(b1.x * qs, b1.y * qs);
         }
     }
-    float o[D / 8][4];
+    float o[MT][D / 8][4];
+    float mx[MT][2], l[MT][2];
     #pragma unroll
-    for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
-    float m_a = -INFINITY, m_b = -INFINITY, l_a = 0.0f, l_b = 0.0f;
+    for (int m = 0; m < MT; ++m) {
+        #pragma unroll
+        for (int n = 0; n < D / 8; ++n) o[m][n][0] = o[m][n][1] = o[m][n][2] = o[m][n][3] = 0.0f;
+        mx[m][0] = mx[m][1] = -INFINITY;
+        l[m][0] = l[m][1] = 0.0f;
+    }
 
-    for (int k0 = 0; k0 < keys; k0 += PF_N) {
-        __syncthreads();  // every warp is done with the previous tile
-        constexpr int CHUNKS = D / 8;  // 16-byte chunks per row
-        for (int c = tid; c < PF_N * CHUNKS; c += blockDim.x) {
-            int key = c / CHUNKS, part = c % CHUNKS, kk = k0 + key;
-            uint4 kz = make_uint4(0, 0, 0, 0), vz = kz;
-            if (kk < keys) {
-                long slot = (long)table[kk / block_size] * block_size + kk % block_size;
-                long at = slot * kv_dim + (long)kvh * D + part * 8;
-                kz = *reinterpret_cast<const uint4*>(k_cache + at);
-                vz = *reinterpret_cast<const uint4*>(v_cache + at);
-            }
-            *reinterpret_cast<uint4*>(s_k + key * LD + part * 8) = kz;
-            *reinterpret_cast<uint4*>(s_v + key * LD + part * 8) = vz;
-        }
-        __syncthreads();
-        if (k0 > warp_last) continue;  // every key of the tile is after this warp's rows
-
-        float s[PF_N / 8][4];
-        #pragma unroll
-        for (int j = 0; j < PF_N / 8; ++j) {
-            s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
-            const __nv_bfloat16* kr = s_k + (j * 8 + g) * LD + 2 * tq;
+    for (int it = 0; it < tiles_k; ++it) {
+        if (it + 1 < tiles_k) load(it + 1, (it + 1) & 1);
+        cp_async_commit();  // an empty group on the last tile keeps the wait count uniform
+        cp_async_wait_one();
+        __syncthreads();  // tile `it` is in shared memory for every warp
+        int k0 = it * NK, st = it & 1;
+        if (k0 <= warp_last) {
+            float s[MT][NK / 8][4];
             #pragma unroll
-            for (int ks = 0; ks < D / 16; ++ks) {
-                u32 b0 = *reinterpret_cast<const u32*>(kr + ks * 16);
-                u32 b1 = *reinterpret_cast<const u32*>(kr + ks * 16 + 8);
-                mma_bf16(s[j], qf[ks], b0, b1);
+            for (int j = 0; j < NK / 8; ++j) {
+                #pragma unroll
+                for (int m = 0; m < MT; ++m) s[m][j][0] = s[m][j][1] = s[m][j][2] = s[m][j][3] = 0.0f;
+                // ldmatrix.x4: lane 8·i + r addresses key j·8 + r at dims 8·i.. of a 32-dim
+                // slice: registers 0/1 are the B fragment of k-step 2p, 2/3 that of 2p + 1.
+                const __nv_bfloat16* krow = &s_k[st][(j * 8 + (lane & 7)) * LD + (lane >> 3) * 8];
+                #pragma unroll
+                for (int p = 0; p < D / 32; ++p) {
+                    u32 b0, b1, b2, b3;
+                    unsigned addr = (unsigned)__cvta_generic_to_shared(krow + p * 32);
+                    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                                 : "=r"(b0), "=r"(b1), "=r"(b2), "=r"(b3)
+                                 : "r"(addr));
+                    #pragma unroll
+                    for (int m = 0; m < MT; ++m) {
+                        mma_bf16(s[m][j], qf[m][2 * p], b0, b1);
+                        mma_bf16(s[m][j], qf[m][2 * p + 1], b2, b3);
+                    }
+                }
             }
-        }
-        // Causal mask, then the tile's row maxima over the row's four lanes.
-        float mx_a = -INFINITY, mx_b = -INFINITY;
-        #pragma unroll
-        for (int j = 0; j < PF_N / 8; ++j) {
+            bool masked = k0 + NK - 1 > warp_first;  // some key of the tile is after a row
             #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                int key = k0 + j * 8 + 2 * tq + e;
-                if (!ok_a || key > pos_a) s[j][e] = -INFINITY;
-                if (!ok_b || key > pos_b) s[j][2 + e] = -INFINITY;
-                mx_a = fmaxf(mx_a, s[j][e]);
-                mx_b = fmaxf(mx_b, s[j][2 + e]);
+            for (int m = 0; m < MT; ++m) {
+                float tile_max[2] = {-INFINITY, -INFINITY};
+                #pragma unroll
+                for (int j = 0; j < NK / 8; ++j) {
+                    #pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        int key = k0 + j * 8 + 2 * tq + (e & 1);
+                        if (masked && key > pos[m][e >> 1]) s[m][j][e] = -INFINITY;
+                        tile_max[e >> 1] = fmaxf(tile_max[e >> 1], s[m][j][e]);
+                    }
+                }
+                float corr[2], use[2];
+                #pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
+                    tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
+                    float nm = fmaxf(mx[m][r], tile_max[r]);
+                    use[r] = nm == -INFINITY ? 0.0f : nm;  // a row that has seen nothing yet
+                    corr[r] = exp2_approx(mx[m][r] - use[r]);
+                    mx[m][r] = nm;
+                }
+                float sum[2] = {0.0f, 0.0f};
+                #pragma unroll
+                for (int j = 0; j < NK / 8; ++j) {
+                    #pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        s[m][j][e] = exp2_approx(s[m][j][e] - use[e >> 1]);
+                        sum[e >> 1] += s[m][j][e];
+                    }
+                }
+                l[m][0] = l[m][0] * corr[0] + sum[0];
+                l[m][1] = l[m][1] * corr[1] + sum[1];
+                #pragma unroll
+                for (int n = 0; n < D / 8; ++n) {
+                    o[m][n][0] *= corr[0]; o[m][n][1] *= corr[0];
+                    o[m][n][2] *= corr[1]; o[m][n][3] *= corr[1];
+                }
             }
-        }
-        #pragma unroll
-        for (int x = 1; x <= 2; x <<= 1) {
-            mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, x));
-            mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, x));
-        }
-        float new_a = fmaxf(m_a, mx_a), new_b = fmaxf(m_b, mx_b);
-        float use_a = new_a == -INFINITY ? 0.0f : new_a;  // a row that has seen nothing yet
-        float use_b = new_b == -INFINITY ? 0.0f : new_b;
-        float corr_a = __expf(m_a - use_a), corr_b = __expf(m_b - use_b);
-        m_a = new_a;
-        m_b = new_b;
-        float sum_a = 0.0f, sum_b = 0.0f;
-        #pragma unroll
-        for (int j = 0; j < PF_N / 8; ++j) {
-            s[j][0] = __expf(s[j][0] - use_a);
-            s[j][1] = __expf(s[j][1] - use_a);
-            s[j][2] = __expf(s[j][2] - use_b);
-            s[j][3] = __expf(s[j][3] - use_b);
-            sum_a += s[j][0] + s[j][1];
-            sum_b += s[j][2] + s[j][3];
-        }
-        l_a = l_a * corr_a + sum_a;
-        l_b = l_b * corr_b + sum_b;
-        #pragma unroll
-        for (int n = 0; n < D / 8; ++n) {
-            o[n][0] *= corr_a; o[n][1] *= corr_a;
-            o[n][2] *= corr_b; o[n][3] *= corr_b;
-        }
-        // O += P V, 16 keys at a time: two score tiles make one A fragment.
-        #pragma unroll
-        for (int kk = 0; kk < PF_N / 16; ++kk) {
-            u32 pa[4] = {pack_bf16(s[2 * kk][0], s[2 * kk][1]), pack_bf16(s[2 * kk][2], s[2 * kk][3]),
-                         pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                         pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-            // ldmatrix.x4.trans: lanes 0-15 address keys kk*16 + 0..15 at dims n0..n0+7, lanes
-            // 16-31 the same keys at n0+8..n0+15; registers 0/1 are the B fragment of
-            // columns n0.., 2/3 that of n0+8...
-            const __nv_bfloat16* vrow = s_v + (kk * 16 + (lane & 15)) * LD + (lane >> 4) * 8;
+            // O += P V, 16 keys at a time: two score tiles make one A fragment; each V
+            // fragment serves every row tile.
             #pragma unroll
-            for (int n = 0; n < D / 8; n += 2) {
-                u32 b0, b1, b2, b3;
-                unsigned addr = (unsigned)__cvta_generic_to_shared(vrow + n * 8);
-                asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                             : "=r"(b0), "=r"(b1), "=r"(b2), "=r"(b3)
-                             : "r"(addr));
-                mma_bf16(o[n], pa, b0, b1);
-                mma_bf16(o[n + 1], pa, b2, b3);
+            for (int kk = 0; kk < NK / 16; ++kk) {
+                u32 pa[MT][4];
+                #pragma unroll
+                for (int m = 0; m < MT; ++m) {
+                    pa[m][0] = pack_bf16(s[m][2 * kk][0], s[m][2 * kk][1]);
+                    pa[m][1] = pack_bf16(s[m][2 * kk][2], s[m][2 * kk][3]);
+                    pa[m][2] = pack_bf16(s[m][2 * kk + 1][0], s[m][2 * kk + 1][1]);
+                    pa[m][3] = pack_bf16(s[m][2 * kk + 1][2], s[m][2 * kk + 1][3]);
+                }
+                // ldmatrix.x4.trans: lanes 0-15 address keys kk·16 + 0..15 at dims n0..n0+7,
+                // lanes 16-31 the same keys at n0+8..n0+15; registers 0/1 are the B fragment
+                // of columns n0.., 2/3 that of n0+8...
+                const __nv_bfloat16* vrow = &s_v[st][(kk * 16 + (lane & 15)) * LD + (lane >> 4) * 8];
+                #pragma unroll
+                for (int n = 0; n < D / 8; n += 2) {
+                    u32 b0, b1, b2, b3;
+                    unsigned addr = (unsigned)__cvta_generic_to_shared(vrow + n * 8);
+                    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                                 : "=r"(b0), "=r"(b1), "=r"(b2), "=r"(b3)
+                                 : "r"(addr));
+                    #pragma unroll
+                    for (int m = 0; m < MT; ++m) {
+                        mma_bf16(o[m][n], pa[m], b0, b1);
+                        mma_bf16(o[m][n + 1], pa[m], b2, b3);
+                    }
+                }
             }
         }
+        __syncthreads();  // every warp is done with stage `st` before it is loaded again
     }
     // Row sums over the row's four lanes, then the output rows.
-    #pragma unroll
-    for (int x = 1; x <= 2; x <<= 1) {
-        l_a += __shfl_xor_sync(0xffffffffu, l_a, x);
-        l_b += __shfl_xor_sync(0xffffffffu, l_b, x);
-    }
     long stride = (long)num_heads * D;
-    float* oa = out + (long)(start + q0 + ra) * stride + (long)head * D;
-    float* ob = out + (long)(start + q0 + rb) * stride + (long)head * D;
     #pragma unroll
-    for (int n = 0; n < D / 8; ++n) {
-        int c = n * 8 + 2 * tq;
-        if (ok_a) { oa[c] = o[n][0] / l_a; oa[c + 1] = o[n][1] / l_a; }
-        if (ok_b) { ob[c] = o[n][2] / l_b; ob[c + 1] = o[n][3] / l_b; }
+    for (int m = 0; m < MT; ++m) {
+        #pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            l[m][r] += __shfl_xor_sync(0xffffffffu, l[m][r], 1);
+            l[m][r] += __shfl_xor_sync(0xffffffffu, l[m][r], 2);
+        }
+        int row_a = warp_row0 + 16 * m + g, row_b = row_a + 8;
+        int qa_i = row_a / group, qb_i = row_b / group;  // past nq: not a row of this tile
+        float inv_a = 1.0f / l[m][0], inv_b = 1.0f / l[m][1];
+        float* oa = out + (long)(start + q0 + qa_i) * stride + (long)(kvh * group + row_a % group) * D;
+        float* ob = out + (long)(start + q0 + qb_i) * stride + (long)(kvh * group + row_b % group) * D;
+        #pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+            int c = n * 8 + 2 * tq;
+            if (qa_i < nq) *reinterpret_cast<float2*>(oa + c) = make_float2(o[m][n][0] * inv_a, o[m][n][1] * inv_a);
+            if (qb_i < nq) *reinterpret_cast<float2*>(ob + c) = make_float2(o[m][n][2] * inv_b, o[m][n][3] * inv_b);
+        }
     }
 }
 

@@ -24,6 +24,7 @@ pub mod compile;
 mod device;
 /// The environment variables the backend reads.
 mod env;
+mod gemm;
 /// Decode steps captured as CUDA graphs and replayed.
 pub mod graph;
 mod ops;

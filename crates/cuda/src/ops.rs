@@ -2,7 +2,8 @@
 //! call) on the backend's stream over the leading `rows` of its buffers.
 
 use crate::device::{check, Arg as A, CudaBackend, CudaStorage};
-use cudarc::cublas::{result as blas, sys as blas_sys};
+use crate::gemm::Product;
+use cudarc::cublas::sys as blas_sys;
 use cudarc::driver::LaunchConfig;
 use tandem_core::{BlockId, SamplingParams};
 use tandem_engine::backend::QkvLayout;
@@ -14,7 +15,7 @@ pub(crate) type T = Tensor<CudaBackend>;
 const SPLIT_KEYS: usize = 64;
 /// Warps per block of the GEMV kernels (`GEMV_WARPS` in kernels.cu); their launch bounds
 /// keep two blocks resident per SM.
-const GEMV_WARPS: usize = 8;
+pub(crate) const GEMV_WARPS: usize = 8;
 
 /// The power-of-two bucket of `SPLIT_KEYS` runs covering a context (1 up to `SPLIT_KEYS`).
 pub(crate) fn context_bucket(max_context: usize) -> usize {
@@ -40,7 +41,7 @@ pub(crate) fn attention_splits(
     context_bucket(max_context).min(cap)
 }
 
-fn rows_cfg(rows: usize, threads: u32) -> LaunchConfig {
+pub(crate) fn rows_cfg(rows: usize, threads: u32) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (rows as u32, 1, 1),
         block_dim: (threads, 1, 1),
@@ -52,7 +53,7 @@ pub(crate) fn ptr(t: &T) -> u64 {
     t.storage().ptr()
 }
 
-fn need(t: &T, dtype: DType, elems: usize, what: &str) {
+pub(crate) fn need(t: &T, dtype: DType, elems: usize, what: &str) {
     assert!(
         t.dtype() == dtype && t.len() >= elems,
         "{what}: needs {elems} {dtype} values, has {} {}",
@@ -62,7 +63,7 @@ fn need(t: &T, dtype: DType, elems: usize, what: &str) {
 }
 
 /// One thread per element over `n` elements, 256 to a block.
-fn flat_cfg(n: usize) -> LaunchConfig {
+pub(crate) fn flat_cfg(n: usize) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (n.div_ceil(256).max(1) as u32, 1, 1),
         block_dim: (256, 1, 1),
@@ -70,170 +71,8 @@ fn flat_cfg(n: usize) -> LaunchConfig {
     }
 }
 
-fn threads_for(width: usize) -> u32 {
+pub(crate) fn threads_for(width: usize) -> u32 {
     (width.next_power_of_two().clamp(32, 1024)) as u32
-}
-
-/// One `out (rows, n) (+)= x (rows, k) · W (n, k)ᵀ` on device addresses.
-#[derive(Clone, Copy)]
-struct Product {
-    x: u64,
-    rows: usize,
-    w: u64,
-    n: usize,
-    k: usize,
-    out: u64,
-    accumulate: bool,
-}
-
-impl CudaBackend {
-    /// cuBLAS, with `x` and `W` of the given types and f32 output and accumulation.
-    fn gemm(&self, p: Product, x_type: blas_sys::cudaDataType, w_type: blas_sys::cudaDataType) {
-        let (alpha, beta) = (1.0f32, if p.accumulate { 1.0f32 } else { 0.0f32 });
-        // Row-major out (rows, n) = x (rows, k) · Wᵀ is, column-major, out (n, rows) =
-        // W(k, n)ᵀ · x(k, rows).
-        // SAFETY: the pointers are live device buffers whose sizes the caller checked.
-        let r = unsafe {
-            blas::gemm_ex(
-                *self.inner.blas.handle(),
-                blas_sys::cublasOperation_t::CUBLAS_OP_T,
-                blas_sys::cublasOperation_t::CUBLAS_OP_N,
-                p.n as i32,
-                p.rows as i32,
-                p.k as i32,
-                (&alpha as *const f32).cast(),
-                p.w as *const _,
-                w_type,
-                p.k as i32,
-                p.x as *const _,
-                x_type,
-                p.k as i32,
-                (&beta as *const f32).cast(),
-                p.out as *mut _,
-                blas_sys::cudaDataType::CUDA_R_32F,
-                p.n as i32,
-                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-            )
-        };
-        check(r, "GEMM");
-    }
-
-    /// The GEMV kernel: f32 activations (up to 8 rows), bf16 weights.
-    fn gemv_bf16(&self, p: Product) {
-        let kn = &self.inner.kernels;
-        let f = match p.rows {
-            1 => &kn.gemv_bf16_1,
-            2 => &kn.gemv_bf16_2,
-            3 => &kn.gemv_bf16_3,
-            4 => &kn.gemv_bf16_4,
-            5 => &kn.gemv_bf16_5,
-            6 => &kn.gemv_bf16_6,
-            7 => &kn.gemv_bf16_7,
-            _ => &kn.gemv_bf16_8,
-        };
-        let cfg = self.gemv_cfg(p.n, 0);
-        let (k32, n32, acc32) = (p.k as i32, p.n as i32, i32::from(p.accumulate));
-        self.launch(
-            f,
-            cfg,
-            &[
-                A::from(p.x),
-                A::from(k32),
-                A::from(p.w),
-                A::from(n32),
-                A::from(p.out),
-                A::from(acc32),
-            ],
-        );
-    }
-}
-
-impl CudaBackend {
-    /// At most two blocks per SM (by default), each warp taking every so many of `items`
-    /// (evenly: the items per warp are what the largest grid needs, the grid what those
-    /// items need).
-    fn gemv_cfg(&self, items: usize, shared_mem_bytes: usize) -> LaunchConfig {
-        let per_warp = match self.inner.gemv_blocks_per_sm {
-            0 => 1,
-            b => items.div_ceil(b * self.inner.sms * GEMV_WARPS).max(1),
-        };
-        LaunchConfig {
-            grid_dim: (items.div_ceil(per_warp * GEMV_WARPS).max(1) as u32, 1, 1),
-            block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
-            shared_mem_bytes: shared_mem_bytes as u32,
-        }
-    }
-
-    /// Whether `rows` rows through `w` take an RMSNorm-fused GEMV (bf16 weights, few rows,
-    /// the normalised rows fit in shared memory).
-    fn fused_gemv(&self, rows: usize, w: &tandem_engine::backend::Linear<Self>) -> bool {
-        w.weight.dtype() == DType::BF16
-            && rows <= self.inner.gemv_rows
-            && w.in_features.is_multiple_of(8)
-            && rows * w.in_features * 4 <= self.inner.gemv_smem
-    }
-
-    /// `out = rms_norm(x) · Wᵀ` (`silu`: `out = silu(g) * u` of the gate/up halves) for up to
-    /// 8 rows in one kernel.
-    #[allow(clippy::too_many_arguments)]
-    fn gemv_norm(
-        &self,
-        x: &T,
-        norm: &T,
-        rows: usize,
-        eps: f32,
-        w: &tandem_engine::backend::Linear<Self>,
-        out: &mut T,
-        silu: bool,
-    ) {
-        let k = w.in_features;
-        let items = if silu {
-            w.out_features / 2
-        } else {
-            w.out_features
-        };
-        need(x, DType::F32, rows * k, "fused GEMV input");
-        need(out, DType::F32, rows * items, "fused GEMV output");
-        need(norm, DType::F32, k, "RMSNorm weight");
-        assert_eq!(w.weight.len(), w.out_features * k, "GEMV weight shape");
-        let kn = &self.inner.kernels;
-        let plain = [
-            &kn.gemv_norm_bf16_1,
-            &kn.gemv_norm_bf16_2,
-            &kn.gemv_norm_bf16_3,
-            &kn.gemv_norm_bf16_4,
-            &kn.gemv_norm_bf16_5,
-            &kn.gemv_norm_bf16_6,
-            &kn.gemv_norm_bf16_7,
-            &kn.gemv_norm_bf16_8,
-        ];
-        let gated = [
-            &kn.gemv_norm_silu_bf16_1,
-            &kn.gemv_norm_silu_bf16_2,
-            &kn.gemv_norm_silu_bf16_3,
-            &kn.gemv_norm_silu_bf16_4,
-            &kn.gemv_norm_silu_bf16_5,
-            &kn.gemv_norm_silu_bf16_6,
-            &kn.gemv_norm_silu_bf16_7,
-            &kn.gemv_norm_silu_bf16_8,
-        ];
-        let f = if silu { gated } else { plain }[rows.clamp(1, 8) - 1];
-        let (k32, n32) = (k as i32, items as i32);
-        self.launch(
-            f,
-            self.gemv_cfg(items, rows * k * 4),
-            &[
-                A::from(ptr(x)),
-                A::from(ptr(norm)),
-                A::from(eps),
-                A::from(k32),
-                A::from(ptr(&w.weight)),
-                A::from(n32),
-                A::from(ptr(out)),
-            ],
-        );
-    }
 }
 
 impl Ops for CudaBackend {
@@ -284,7 +123,7 @@ impl Ops for CudaBackend {
         let f = &self.inner.kernels.rms_norm;
         self.launch(
             f,
-            rows_cfg(rows, threads_for(dim).min(1024)),
+            rows_cfg(rows, threads_for(dim.div_ceil(4)).min(256)),
             &[
                 A::from(xp),
                 A::from(wp),
@@ -367,6 +206,8 @@ impl Ops for CudaBackend {
         }
         if self.fused_gemv(rows, w) {
             self.gemv_norm(x, norm, rows, eps, w, out, false);
+        } else if self.bf16_gemm_rows(rows, w) {
+            self.norm_linear_bf16(x, norm, rows, eps, w, out);
         } else {
             self.rms_norm(x, norm, rows, eps, normed);
             self.linear(normed, rows, w, out, false);
@@ -393,6 +234,27 @@ impl Ops for CudaBackend {
             self.rms_norm(x, norm, rows, eps, normed);
             self.linear(normed, rows, w, gate_up, false);
             self.silu_mul(gate_up, rows, w.out_features / 2, act);
+        }
+    }
+
+    fn mlp(
+        &self,
+        x: &mut T,
+        norm: &T,
+        rows: usize,
+        eps: f32,
+        normed: &mut T,
+        gate_up_w: &tandem_engine::backend::Linear<Self>,
+        gate_up: &mut T,
+        act: &mut T,
+        down: &tandem_engine::backend::Linear<Self>,
+        accumulate: bool,
+    ) {
+        if self.bf16_gemm_rows(rows, gate_up_w) && self.bf16_gemm_rows(rows, down) {
+            self.mlp_bf16(x, norm, rows, eps, gate_up_w, down, accumulate);
+        } else {
+            self.rms_norm_gate_up(x, norm, rows, eps, normed, gate_up_w, gate_up, act);
+            self.linear(act, rows, down, x, accumulate);
         }
     }
 
@@ -809,9 +671,17 @@ impl CudaBackend {
             layout.num_kv_heads as i32,
             layout.head_dim as i32,
         );
+        assert!(layout.head_dim <= 256, "RoPE takes heads of up to 256");
+        // A thread per (head, pair) of a row; rows on the grid's y.
+        let pairs = heads * layout.head_dim / 2;
+        let cfg = LaunchConfig {
+            grid_dim: (pairs.div_ceil(256) as u32, rows.min(65_535) as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
         self.launch(
             f,
-            flat_cfg(rows * heads * layout.head_dim / 2),
+            cfg,
             &[
                 A::from(ptr(qkv)),
                 A::from(ptr(positions)),

@@ -237,6 +237,7 @@ fn fused_operations_match_the_cpu() {
                 },
             );
             let norm = host(&[k], noise(42, k), DType::F32);
+            let down = host(&[k, n / 2], noise(44, k * n / 2), dtype);
             let (nc, ng) = both(&c, &g, &norm);
             for rows in [1, 2, 5] {
                 // The GEMV path keeps activations in f32; above it cuBLAS rounds them to bf16.
@@ -281,6 +282,37 @@ fn fused_operations_match_the_cpu() {
                     &f32s(&g, &ag, rows * width),
                     tol,
                 );
+                // The whole MLP on the residual stream (above the GEMV rows over bf16
+                // weights the CUDA backend keeps its intermediates in bf16).
+                let (dc, dg) = (
+                    Linear {
+                        weight: c.upload_weight(&down),
+                        out_features: k,
+                        in_features: width,
+                    },
+                    Linear {
+                        weight: g.upload_weight(&down),
+                        out_features: k,
+                        in_features: width,
+                    },
+                );
+                for accumulate in [true, false] {
+                    let (mut rc, mut rg) = both(&c, &g, &x);
+                    c.mlp(
+                        &mut rc, &nc, rows, 1e-5, &mut hc, &lc, &mut gc, &mut ac, &dc, accumulate,
+                    );
+                    g.mlp(
+                        &mut rg, &ng, rows, 1e-5, &mut hg, &lg, &mut gg, &mut ag, &dg, accumulate,
+                    );
+                    close(
+                        &format!("mlp {dtype} {n}x{k} rows={rows} accumulate={accumulate}"),
+                        &f32s(&c, &rc, rows * k),
+                        &f32s(&g, &rg, rows * k),
+                        // Two bf16 products in a row (the CPU rounds the activation to bf16
+                        // for the second, the GEMV keeps it f32).
+                        if dtype == DType::F32 { 1e-4 } else { 2e-2 },
+                    );
+                }
             }
         }
     }
@@ -397,13 +429,15 @@ fn long_decodes(block: usize) -> ForwardBatch {
 }
 
 /// A prompt-shaped step (the tensor-core prefill path over a bf16 cache): a fresh prompt of
-/// 150 tokens, a 90-token chunk continuing a prompt with 40 cached, and one decode.
+/// 150 tokens, a 90-token chunk continuing a prompt with 40 cached, one decode, and a
+/// 200-token chunk after 60 cached (query tiles and key tiles that straddle each other).
 fn prompts(block: usize) -> ForwardBatch {
     let mut b = ForwardBatch::default();
     let table = |first: u32, n: u32| -> Vec<BlockId> { (first..first + n).map(BlockId).collect() };
     b.push(&[7; 150], 0, &table(0, 10), block, true);
     b.push(&[8; 90], 40, &table(10, 9), block, true);
     b.push(&[9], 50, &table(19, 4), block, true);
+    b.push(&[5; 200], 60, &table(23, 17), block, true);
     b
 }
 

@@ -525,8 +525,8 @@ impl<B: Ops> LlamaModel<B> {
             b.rope_write_kv_attention(&mut ws.qkv, ql, c.rope_theta, cache, l, meta, &mut ws.attn);
             b.linear(&ws.attn, n, &layer.o_proj, &mut ws.x, residual);
             reduce(&mut ws.x)?;
-            b.rms_norm_gate_up(
-                &ws.x,
+            b.mlp(
+                &mut ws.x,
                 &layer.post_norm,
                 n,
                 eps,
@@ -534,8 +534,9 @@ impl<B: Ops> LlamaModel<B> {
                 &layer.gate_up,
                 &mut ws.gate_up,
                 &mut ws.act,
+                &layer.down,
+                residual,
             );
-            b.linear(&ws.act, n, &layer.down, &mut ws.x, residual);
             reduce(&mut ws.x)?;
         }
         let rows = meta.num_logits;

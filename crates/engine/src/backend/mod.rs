@@ -213,6 +213,28 @@ pub trait Ops: Backend {
         self.linear(normed, rows, w, gate_up, false);
         self.silu_mul(gate_up, rows, w.out_features / 2, act);
     }
+    /// A SwiGLU MLP on the residual stream `x`: [`Ops::rms_norm_gate_up`] of `x` (through
+    /// `normed`, `gate_up` and `act`), then the `down` product of the activation added to `x`
+    /// (`accumulate`) or written over it (a tensor-parallel rank's partial sum). A backend may
+    /// keep the intermediates in its own buffers and precision (and then need not write
+    /// `normed`, `gate_up` or `act`).
+    #[allow(clippy::too_many_arguments)]
+    fn mlp(
+        &self,
+        x: &mut Tensor<Self>,
+        norm: &Tensor<Self>,
+        rows: usize,
+        eps: f32,
+        normed: &mut Tensor<Self>,
+        gate_up_w: &Linear<Self>,
+        gate_up: &mut Tensor<Self>,
+        act: &mut Tensor<Self>,
+        down: &Linear<Self>,
+        accumulate: bool,
+    ) {
+        self.rms_norm_gate_up(x, norm, rows, eps, normed, gate_up_w, gate_up, act);
+        self.linear(act, rows, down, x, accumulate);
+    }
     /// [`Ops::rope`] at the step's positions, [`Ops::write_kv`] of the rotated keys and the
     /// values at its slots, then [`Ops::paged_attention`]: a backend may fold the first two
     /// into its attention kernel (decode steps) and then need not rotate Q in `qkv`.

@@ -1,0 +1,187 @@
+//! Products on the device: cuBLAS GEMMs (f32 or bf16 inputs, f32 or bf16 output) and the
+//! GEMV kernels that serve one or two rows over bf16 weights, alone or with the RMSNorm (and
+//! SiLU·mul) before them fused in.
+
+use crate::device::{check, Arg as A, CudaBackend};
+use crate::ops::{need, ptr, GEMV_WARPS, T};
+use cudarc::cublas::{result as blas, sys as blas_sys};
+use cudarc::driver::LaunchConfig;
+use tandem_engine::DType;
+
+/// One `out (rows, n) (+)= x (rows, k) · W (n, k)ᵀ` on device addresses.
+#[derive(Clone, Copy)]
+pub(crate) struct Product {
+    pub(crate) x: u64,
+    pub(crate) rows: usize,
+    pub(crate) w: u64,
+    pub(crate) n: usize,
+    pub(crate) k: usize,
+    pub(crate) out: u64,
+    pub(crate) accumulate: bool,
+}
+
+impl CudaBackend {
+    /// cuBLAS, with `x` and `W` of the given types and f32 output and accumulation.
+    pub(crate) fn gemm(
+        &self,
+        p: Product,
+        x_type: blas_sys::cudaDataType,
+        w_type: blas_sys::cudaDataType,
+    ) {
+        self.gemm_to(p, x_type, w_type, blas_sys::cudaDataType::CUDA_R_32F);
+    }
+
+    /// [`CudaBackend::gemm`] with an output of `out_type` (f32 accumulation either way).
+    pub(crate) fn gemm_to(
+        &self,
+        p: Product,
+        x_type: blas_sys::cudaDataType,
+        w_type: blas_sys::cudaDataType,
+        out_type: blas_sys::cudaDataType,
+    ) {
+        let (alpha, beta) = (1.0f32, if p.accumulate { 1.0f32 } else { 0.0f32 });
+        // Row-major out (rows, n) = x (rows, k) · Wᵀ is, column-major, out (n, rows) =
+        // W(k, n)ᵀ · x(k, rows).
+        // SAFETY: the pointers are live device buffers whose sizes the caller checked.
+        let r = unsafe {
+            blas::gemm_ex(
+                *self.inner.blas.handle(),
+                blas_sys::cublasOperation_t::CUBLAS_OP_T,
+                blas_sys::cublasOperation_t::CUBLAS_OP_N,
+                p.n as i32,
+                p.rows as i32,
+                p.k as i32,
+                (&alpha as *const f32).cast(),
+                p.w as *const _,
+                w_type,
+                p.k as i32,
+                p.x as *const _,
+                x_type,
+                p.k as i32,
+                (&beta as *const f32).cast(),
+                p.out as *mut _,
+                out_type,
+                p.n as i32,
+                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        };
+        check(r, "GEMM");
+    }
+
+    /// The GEMV kernel: f32 activations (up to 8 rows), bf16 weights.
+    pub(crate) fn gemv_bf16(&self, p: Product) {
+        let kn = &self.inner.kernels;
+        let f = match p.rows {
+            1 => &kn.gemv_bf16_1,
+            2 => &kn.gemv_bf16_2,
+            3 => &kn.gemv_bf16_3,
+            4 => &kn.gemv_bf16_4,
+            5 => &kn.gemv_bf16_5,
+            6 => &kn.gemv_bf16_6,
+            7 => &kn.gemv_bf16_7,
+            _ => &kn.gemv_bf16_8,
+        };
+        let cfg = self.gemv_cfg(p.n, 0);
+        let (k32, n32, acc32) = (p.k as i32, p.n as i32, i32::from(p.accumulate));
+        self.launch(
+            f,
+            cfg,
+            &[
+                A::from(p.x),
+                A::from(k32),
+                A::from(p.w),
+                A::from(n32),
+                A::from(p.out),
+                A::from(acc32),
+            ],
+        );
+    }
+}
+
+impl CudaBackend {
+    /// At most two blocks per SM (by default), each warp taking every so many of `items`
+    /// (evenly: the items per warp are what the largest grid needs, the grid what those
+    /// items need).
+    pub(crate) fn gemv_cfg(&self, items: usize, shared_mem_bytes: usize) -> LaunchConfig {
+        let per_warp = match self.inner.gemv_blocks_per_sm {
+            0 => 1,
+            b => items.div_ceil(b * self.inner.sms * GEMV_WARPS).max(1),
+        };
+        LaunchConfig {
+            grid_dim: (items.div_ceil(per_warp * GEMV_WARPS).max(1) as u32, 1, 1),
+            block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
+            shared_mem_bytes: shared_mem_bytes as u32,
+        }
+    }
+
+    /// Whether `rows` rows through `w` take an RMSNorm-fused GEMV (bf16 weights, few rows,
+    /// the normalised rows fit in shared memory).
+    pub(crate) fn fused_gemv(&self, rows: usize, w: &tandem_engine::backend::Linear<Self>) -> bool {
+        w.weight.dtype() == DType::BF16
+            && rows <= self.inner.gemv_rows
+            && w.in_features.is_multiple_of(8)
+            && rows * w.in_features * 4 <= self.inner.gemv_smem
+    }
+
+    /// `out = rms_norm(x) · Wᵀ` (`silu`: `out = silu(g) * u` of the gate/up halves) for up to
+    /// 8 rows in one kernel.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn gemv_norm(
+        &self,
+        x: &T,
+        norm: &T,
+        rows: usize,
+        eps: f32,
+        w: &tandem_engine::backend::Linear<Self>,
+        out: &mut T,
+        silu: bool,
+    ) {
+        let k = w.in_features;
+        let items = if silu {
+            w.out_features / 2
+        } else {
+            w.out_features
+        };
+        need(x, DType::F32, rows * k, "fused GEMV input");
+        need(out, DType::F32, rows * items, "fused GEMV output");
+        need(norm, DType::F32, k, "RMSNorm weight");
+        assert_eq!(w.weight.len(), w.out_features * k, "GEMV weight shape");
+        let kn = &self.inner.kernels;
+        let plain = [
+            &kn.gemv_norm_bf16_1,
+            &kn.gemv_norm_bf16_2,
+            &kn.gemv_norm_bf16_3,
+            &kn.gemv_norm_bf16_4,
+            &kn.gemv_norm_bf16_5,
+            &kn.gemv_norm_bf16_6,
+            &kn.gemv_norm_bf16_7,
+            &kn.gemv_norm_bf16_8,
+        ];
+        let gated = [
+            &kn.gemv_norm_silu_bf16_1,
+            &kn.gemv_norm_silu_bf16_2,
+            &kn.gemv_norm_silu_bf16_3,
+            &kn.gemv_norm_silu_bf16_4,
+            &kn.gemv_norm_silu_bf16_5,
+            &kn.gemv_norm_silu_bf16_6,
+            &kn.gemv_norm_silu_bf16_7,
+            &kn.gemv_norm_silu_bf16_8,
+        ];
+        let f = if silu { gated } else { plain }[rows.clamp(1, 8) - 1];
+        let (k32, n32) = (k as i32, items as i32);
+        self.launch(
+            f,
+            self.gemv_cfg(items, rows * k * 4),
+            &[
+                A::from(ptr(x)),
+                A::from(ptr(norm)),
+                A::from(eps),
+                A::from(k32),
+                A::from(ptr(&w.weight)),
+                A::from(n32),
+                A::from(ptr(out)),
+            ],
+        );
+    }
+}
