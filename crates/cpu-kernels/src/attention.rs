@@ -303,72 +303,116 @@ mod x86 {
         pub out_width: usize,
     }
 
-    /// Scores of `N` consecutive query vectors from `first` against the 16 transposed keys:
-    /// `scores[u] = Σ_d q[first + u][d] · kt[d]`. Returns `N`.
+    /// Keys per chunk of the tile kernel: four cache blocks of 16, one panel of 16 keys each.
+    const CHUNK: usize = 64;
+    const PANELS: usize = CHUNK / 16;
+    /// Query vectors scored together (6 × 4 panels = 24 accumulators in registers).
+    const SCORE_ROWS: usize = 6;
+    /// Query vectors whose weighted values accumulate together (4 × 4 = 16 accumulators).
+    const VALUE_ROWS: usize = 4;
+
+    /// Scores of `R` consecutive query vectors (rows of `q`, `hd` apart) against a chunk's
+    /// four transposed key panels (`kt[(p * hd + d) * 16 + j]`): per dimension, four panel
+    /// loads serve `R` broadcasts and `4R` FMAs, no horizontal sums.
     ///
     /// # Safety
-    /// AVX-512 F present; the query vectors and `hd` rows of `kt` are in bounds.
+    /// AVX-512 F present; `R` query vectors of `hd` and four panels of `hd × 16` are in bounds.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-    unsafe fn scores_n<const N: usize>(
-        qbuf: &[f32],
-        first: usize,
+    unsafe fn scores<const R: usize>(
+        q: *const f32,
         hd: usize,
-        kt: &[f32],
-        scores: &mut [__m512; 4],
-    ) -> usize {
-        let q = qbuf.as_ptr().add(first * hd);
-        let k = kt.as_ptr();
-        // Two chains per vector hide the FMA latency.
-        let mut even = [_mm512_setzero_ps(); N];
-        let mut odd = [_mm512_setzero_ps(); N];
-        let mut d = 0;
-        while d < hd {
-            let k0 = _mm512_loadu_ps(k.add(d * 16));
-            let k1 = _mm512_loadu_ps(k.add((d + 1) * 16));
-            for u in 0..N {
-                even[u] = _mm512_fmadd_ps(_mm512_set1_ps(*q.add(u * hd + d)), k0, even[u]);
-                odd[u] = _mm512_fmadd_ps(_mm512_set1_ps(*q.add(u * hd + d + 1)), k1, odd[u]);
+        kt: *const f32,
+        out: &mut [[__m512; PANELS]; SCORE_ROWS],
+    ) {
+        let mut acc = [[_mm512_setzero_ps(); PANELS]; R];
+        for d in 0..hd {
+            let k = [
+                _mm512_loadu_ps(kt.add(d * 16)),
+                _mm512_loadu_ps(kt.add((hd + d) * 16)),
+                _mm512_loadu_ps(kt.add((2 * hd + d) * 16)),
+                _mm512_loadu_ps(kt.add((3 * hd + d) * 16)),
+            ];
+            for (r, a) in acc.iter_mut().enumerate() {
+                let b = _mm512_set1_ps(*q.add(r * hd + d));
+                for (x, &kp) in a.iter_mut().zip(&k) {
+                    *x = _mm512_fmadd_ps(b, kp, *x);
+                }
             }
-            d += 2;
         }
-        for u in 0..N {
-            scores[u] = _mm512_add_ps(even[u], odd[u]);
-        }
-        N
+        out[..R].copy_from_slice(&acc);
     }
 
-    /// `acc[0..64] += Σ_j p[j] · v[j * stride ..][0..64]`, the 4 accumulator vectors in
-    /// registers across the rows.
+    /// `acc[r][0..16C] += Σ_j probs[r * CHUNK + j] · vb[j * hd ..][0..16C]` for `R` query
+    /// vectors over `keys` keys: each value row's `C` vectors are loaded once for all `R`.
     ///
     /// # Safety
-    /// AVX-512 F present; `acc` holds 64 values and each row of `v` 64 values.
+    /// AVX-512 F present; `R` accumulator rows (`hd` apart) and probability rows, and `keys`
+    /// value rows of at least `16C` values, are in bounds.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-    unsafe fn weighted4(acc: *mut f32, p: &[f32], v: *const f32, stride: usize) {
-        let mut a = [
-            _mm512_loadu_ps(acc),
-            _mm512_loadu_ps(acc.add(16)),
-            _mm512_loadu_ps(acc.add(32)),
-            _mm512_loadu_ps(acc.add(48)),
-        ];
-        for (j, &pj) in p.iter().enumerate() {
-            let b = _mm512_set1_ps(pj);
-            let row = v.add(j * stride);
-            a[0] = _mm512_fmadd_ps(b, _mm512_loadu_ps(row), a[0]);
-            a[1] = _mm512_fmadd_ps(b, _mm512_loadu_ps(row.add(16)), a[1]);
-            a[2] = _mm512_fmadd_ps(b, _mm512_loadu_ps(row.add(32)), a[2]);
-            a[3] = _mm512_fmadd_ps(b, _mm512_loadu_ps(row.add(48)), a[3]);
+    unsafe fn weighted<const R: usize, const C: usize>(
+        acc: *mut f32,
+        hd: usize,
+        probs: *const f32,
+        vb: *const f32,
+        keys: usize,
+    ) {
+        let mut a = [[_mm512_setzero_ps(); C]; R];
+        for (r, row) in a.iter_mut().enumerate() {
+            for (c, x) in row.iter_mut().enumerate() {
+                *x = _mm512_loadu_ps(acc.add(r * hd + 16 * c));
+            }
         }
-        for (q, x) in a.iter().enumerate() {
-            _mm512_storeu_ps(acc.add(16 * q), *x);
+        for j in 0..keys {
+            let mut v = [_mm512_setzero_ps(); C];
+            for (c, x) in v.iter_mut().enumerate() {
+                *x = _mm512_loadu_ps(vb.add(j * hd + 16 * c));
+            }
+            for (r, row) in a.iter_mut().enumerate() {
+                let b = _mm512_set1_ps(*probs.add(r * CHUNK + j));
+                for (x, &vc) in row.iter_mut().zip(&v) {
+                    *x = _mm512_fmadd_ps(b, vc, *x);
+                }
+            }
+        }
+        for (r, row) in a.iter().enumerate() {
+            for (c, x) in row.iter().enumerate() {
+                _mm512_storeu_ps(acc.add(r * hd + 16 * c), *x);
+            }
         }
     }
 
-    /// Attention of a tile over its causal context in cache blocks of 16 keys: each block's
-    /// keys are transposed (and its values widened to f32) once, then every query vector
-    /// scores all 16 keys with broadcast FMAs (no horizontal sums), updates its online
-    /// softmax with one vector max and exp, and adds the weighted values.
+    /// [`weighted`] over every column of `R` query vectors: slices of four vectors, then one
+    /// at a time.
+    ///
+    /// # Safety
+    /// As [`weighted`], with `hd` a multiple of 16.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    unsafe fn weighted_rows<const R: usize>(
+        acc: *mut f32,
+        hd: usize,
+        probs: *const f32,
+        vb: *const f32,
+        keys: usize,
+    ) {
+        let mut col = 0;
+        while col + 64 <= hd {
+            weighted::<R, 4>(acc.add(col), hd, probs, vb.add(col), keys);
+            col += 64;
+        }
+        while col < hd {
+            weighted::<R, 1>(acc.add(col), hd, probs, vb.add(col), keys);
+            col += 16;
+        }
+    }
+
+    /// Attention of a tile over its causal context in chunks of 64 keys (four cache blocks of
+    /// 16): each chunk's keys are transposed into four panels (and its values widened to f32)
+    /// once; query vectors score the chunk six at a time in registers; each updates its
+    /// online softmax once per chunk; the weighted values accumulate four query vectors at a
+    /// time, every value row loaded once for the four.
     ///
     /// # Safety
     /// AVX-512 F/BW/VL present; `t.hd` is a multiple of 16 and at most `MAX_HEAD_DIM`; the
@@ -394,92 +438,123 @@ mod x86 {
                 }
             }
         }
-        // Keys transposed: kt[d * 16 + j] is key j's value d; values widened: vb[j * hd + d].
-        let mut kt = [0.0f32; MAX_HEAD_DIM * 16];
-        let mut vb = [0.0f32; 16 * MAX_HEAD_DIM];
-        let mut probs = [0.0f32; 16];
+        // Keys transposed into panels: kt[(p * hd + d) * 16 + j] is key 16p + j's value d;
+        // values widened: vb[j * hd + d].
+        let mut kt = [0.0f32; PANELS * MAX_HEAD_DIM * 16];
+        let mut vb = [0.0f32; CHUNK * MAX_HEAD_DIM];
+        let mut probs = [0.0f32; QUERY_VECTORS * CHUNK];
+        // Keys of the chunk each query vector sees.
+        let mut visible = [0usize; QUERY_VECTORS];
         let ctx_last = t.cached + t.r1;
-        let mut key = 0;
-        while key < ctx_last {
-            let kb = (ctx_last - key).min(16);
-            let base = t.blocks[key / 16] as usize * 16 * t.kv_dim + t.kvh * hd;
-            for j in 0..16 {
-                if j < kb {
-                    let kr = &k[base + j * t.kv_dim..][..hd];
-                    for (d, x) in kr.iter().enumerate() {
-                        kt[d * 16 + j] = x.to_f32();
-                    }
-                    let vr = &v[base + j * t.kv_dim..][..hd];
-                    for (dst, x) in vb[j * hd..(j + 1) * hd].iter_mut().zip(vr) {
-                        *dst = x.to_f32();
-                    }
-                } else {
-                    for d in 0..hd {
-                        kt[d * 16 + j] = 0.0;
+        let mut key0 = 0;
+        while key0 < ctx_last {
+            let kc = (ctx_last - key0).min(CHUNK);
+            for p in 0..kc.div_ceil(16) {
+                let base = t.blocks[key0 / 16 + p] as usize * 16 * t.kv_dim + t.kvh * hd;
+                let panel = &mut kt[p * hd * 16..(p + 1) * hd * 16];
+                for j in 0..16 {
+                    if 16 * p + j < kc {
+                        let kr = &k[base + j * t.kv_dim..][..hd];
+                        for (d, x) in kr.iter().enumerate() {
+                            panel[d * 16 + j] = x.to_f32();
+                        }
+                        let vr = &v[base + j * t.kv_dim..][..hd];
+                        let dst = &mut vb[(16 * p + j) * hd..(16 * p + j + 1) * hd];
+                        for (dst, x) in dst.iter_mut().zip(vr) {
+                            *dst = x.to_f32();
+                        }
+                    } else {
+                        for d in 0..hd {
+                            panel[d * 16 + j] = 0.0;
+                        }
                     }
                 }
             }
-            for r in t.r0..t.r1 {
-                // Causal: row r (position cached + r) sees keys up to cached + r.
-                let visible = (t.cached + r + 1).saturating_sub(key).min(kb);
-                if visible == 0 {
-                    continue;
+            // Panels past the context hold zeros (their scores are masked).
+            for p in kc.div_ceil(16)..PANELS {
+                kt[p * hd * 16..(p + 1) * hd * 16].fill(0.0);
+            }
+            let mut first = 0;
+            while first < nq {
+                let n = (nq - first).min(SCORE_ROWS);
+                let mut s = [[_mm512_setzero_ps(); PANELS]; SCORE_ROWS];
+                let q = qbuf.as_ptr().add(first * hd);
+                match n {
+                    1 => scores::<1>(q, hd, kt.as_ptr(), &mut s),
+                    2 => scores::<2>(q, hd, kt.as_ptr(), &mut s),
+                    3 => scores::<3>(q, hd, kt.as_ptr(), &mut s),
+                    4 => scores::<4>(q, hd, kt.as_ptr(), &mut s),
+                    5 => scores::<5>(q, hd, kt.as_ptr(), &mut s),
+                    _ => scores::<6>(q, hd, kt.as_ptr(), &mut s),
                 }
-                let mask: __mmask16 = ((1u32 << visible) - 1) as u16;
-                let mut g0 = 0;
-                while g0 < group {
-                    // Up to four heads at once: each transposed key row is loaded once for all.
-                    let mut scores = [_mm512_setzero_ps(); 4];
-                    let first = (r - t.r0) * group + g0;
-                    let n = match group - g0 {
-                        1 => scores_n::<1>(&qbuf, first, hd, &kt, &mut scores),
-                        2 => scores_n::<2>(&qbuf, first, hd, &kt, &mut scores),
-                        3 => scores_n::<3>(&qbuf, first, hd, &kt, &mut scores),
-                        _ => scores_n::<4>(&qbuf, first, hd, &kt, &mut scores),
-                    };
-                    for (u, &sc) in scores.iter().enumerate().take(n) {
-                        let qi = first + u;
-                        let sc = _mm512_mask_blend_ps(mask, _mm512_set1_ps(f32::NEG_INFINITY), sc);
-                        let block_max = _mm512_mask_reduce_max_ps(mask, sc);
+                for (u, sc) in s.iter().enumerate().take(n) {
+                    let qi = first + u;
+                    // Causal: query vector qi (row r0 + qi / group, position cached + that)
+                    // sees keys up to its position.
+                    let seen = (t.cached + t.r0 + qi / group + 1)
+                        .saturating_sub(key0)
+                        .min(kc);
+                    visible[qi] = seen;
+                    if seen == 0 {
+                        continue;
+                    }
+                    let neg = _mm512_set1_ps(f32::NEG_INFINITY);
+                    let mut masked = [neg; PANELS];
+                    let mut top = neg;
+                    for (p, x) in masked.iter_mut().enumerate() {
+                        let lanes = seen.saturating_sub(16 * p).min(16);
+                        let mask: __mmask16 = ((1u32 << lanes) - 1) as u16;
+                        *x = _mm512_mask_blend_ps(mask, neg, sc[p]);
+                        top = _mm512_max_ps(top, *x);
+                    }
+                    let chunk_max = _mm512_reduce_max_ps(top);
+                    if chunk_max > m[qi] {
+                        let c = (m[qi] - chunk_max).exp();
+                        l[qi] *= c;
+                        let cv = _mm512_set1_ps(c);
                         let a = acc.as_mut_ptr().add(qi * hd);
-                        if block_max > m[qi] {
-                            let c = (m[qi] - block_max).exp();
-                            l[qi] *= c;
-                            let cv = _mm512_set1_ps(c);
-                            for q in 0..nvec {
-                                let x = _mm512_loadu_ps(a.add(16 * q));
-                                _mm512_storeu_ps(a.add(16 * q), _mm512_mul_ps(x, cv));
-                            }
-                            m[qi] = block_max;
+                        for q in 0..nvec {
+                            let x = _mm512_loadu_ps(a.add(16 * q));
+                            _mm512_storeu_ps(a.add(16 * q), _mm512_mul_ps(x, cv));
                         }
-                        let p = exp_ps(_mm512_sub_ps(sc, _mm512_set1_ps(m[qi])));
-                        l[qi] += _mm512_reduce_add_ps(p);
-                        _mm512_storeu_ps(probs.as_mut_ptr(), p);
-                        // acc += Σ_j p_j · v_j, four accumulator vectors at a time in registers.
-                        let mut q = 0;
-                        while q + 4 <= nvec {
-                            weighted4(
-                                a.add(16 * q),
-                                &probs[..visible],
-                                vb.as_ptr().add(16 * q),
-                                hd,
-                            );
-                            q += 4;
-                        }
-                        while q < nvec {
-                            let mut x = _mm512_loadu_ps(a.add(16 * q));
-                            for (j, &pj) in probs.iter().enumerate().take(visible) {
-                                let vj = _mm512_loadu_ps(vb.as_ptr().add(j * hd + 16 * q));
-                                x = _mm512_fmadd_ps(_mm512_set1_ps(pj), vj, x);
-                            }
-                            _mm512_storeu_ps(a.add(16 * q), x);
-                            q += 1;
+                        m[qi] = chunk_max;
+                    }
+                    let mv = _mm512_set1_ps(m[qi]);
+                    let mut total = _mm512_setzero_ps();
+                    for (p, &x) in masked.iter().enumerate() {
+                        let e = exp_ps(_mm512_sub_ps(x, mv));
+                        total = _mm512_add_ps(total, e);
+                        _mm512_storeu_ps(probs.as_mut_ptr().add(qi * CHUNK + 16 * p), e);
+                    }
+                    l[qi] += _mm512_reduce_add_ps(total);
+                }
+                first += n;
+            }
+            // acc += P · V, four query vectors at a time over the keys the last of them sees
+            // (the others' probabilities past their own are zero).
+            let mut first = 0;
+            while first < nq {
+                let n = (nq - first).min(VALUE_ROWS);
+                let keys = visible[first..first + n].iter().copied().max().unwrap_or(0);
+                if keys > 0 {
+                    for (qi, &seen) in visible.iter().enumerate().skip(first).take(n) {
+                        if seen == 0 {
+                            // Not yet in the context: zero weights for this chunk.
+                            probs[qi * CHUNK..(qi + 1) * CHUNK].fill(0.0);
                         }
                     }
-                    g0 += n;
+                    let a = acc.as_mut_ptr().add(first * hd);
+                    let pr = probs.as_ptr().add(first * CHUNK);
+                    match n {
+                        1 => weighted_rows::<1>(a, hd, pr, vb.as_ptr(), keys),
+                        2 => weighted_rows::<2>(a, hd, pr, vb.as_ptr(), keys),
+                        3 => weighted_rows::<3>(a, hd, pr, vb.as_ptr(), keys),
+                        _ => weighted_rows::<4>(a, hd, pr, vb.as_ptr(), keys),
+                    }
                 }
+                first += n;
             }
-            key += kb;
+            key0 += kc;
         }
         for r in t.r0..t.r1 {
             let row = t.start + r;
