@@ -991,6 +991,21 @@ __device__ __forceinline__ void mma_bf16(float* d, const u32* a, u32 b0, u32 b1)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// Four 8×8 bf16 matrices from shared memory (`ldmatrix.x4`, transposed with TRANS): lane l
+// addresses row l % 8 of matrix l / 8; register i holds this lane's part of matrix i.
+template <bool TRANS>
+__device__ __forceinline__ void ldmatrix_x4(const __nv_bfloat16* p, u32& r0, u32& r1, u32& r2, u32& r3) {
+    unsigned addr = (unsigned)__cvta_generic_to_shared(p);
+    if (TRANS)
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                     : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                     : "r"(addr));
+    else
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                     : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                     : "r"(addr));
+}
+
 __device__ __forceinline__ float exp2_approx(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -1116,10 +1131,7 @@ __device__ void prefill_attention_impl(const float* qkv, int width, int num_head
                 #pragma unroll
                 for (int p = 0; p < D / 32; ++p) {
                     u32 b0, b1, b2, b3;
-                    unsigned addr = (unsigned)__cvta_generic_to_shared(krow + p * 32);
-                    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                                 : "=r"(b0), "=r"(b1), "=r"(b2), "=r"(b3)
-                                 : "r"(addr));
+                    ldmatrix_x4<false>(krow + p * 32, b0, b1, b2, b3);
                     #pragma unroll
                     for (int m = 0; m < MT; ++m) {
                         mma_bf16(s[m][j], qf[m][2 * p], b0, b1);
@@ -1186,10 +1198,7 @@ __device__ void prefill_attention_impl(const float* qkv, int width, int num_head
                 #pragma unroll
                 for (int n = 0; n < D / 8; n += 2) {
                     u32 b0, b1, b2, b3;
-                    unsigned addr = (unsigned)__cvta_generic_to_shared(vrow + n * 8);
-                    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                                 : "=r"(b0), "=r"(b1), "=r"(b2), "=r"(b3)
-                                 : "r"(addr));
+                    ldmatrix_x4<true>(vrow + n * 8, b0, b1, b2, b3);
                     #pragma unroll
                     for (int m = 0; m < MT; ++m) {
                         mma_bf16(o[m][n], pa[m], b0, b1);

@@ -54,6 +54,28 @@ fn close(what: &str, a: &[f32], b: &[f32], tol: f32) {
     );
 }
 
+/// The same `(n, k)` weight as a linear layer on both devices.
+fn linears<C: Ops, G: Ops>(
+    c: &C,
+    g: &G,
+    w: &HostTensor,
+    n: usize,
+    k: usize,
+) -> (Linear<C>, Linear<G>) {
+    (
+        Linear {
+            weight: c.upload_weight(w),
+            out_features: n,
+            in_features: k,
+        },
+        Linear {
+            weight: g.upload_weight(w),
+            out_features: n,
+            in_features: k,
+        },
+    )
+}
+
 fn f32s<B: Backend>(b: &B, t: &tandem_engine::Tensor<B>, n: usize) -> Vec<f32> {
     let mut v = b.download(t).to_f32_vec();
     v.truncate(n);
@@ -224,18 +246,7 @@ fn fused_operations_match_the_cpu() {
     for (n, k) in [(72, 264), (2200, 2056)] {
         for dtype in [DType::F32, DType::BF16] {
             let w = host(&[n, k], noise(41, n * k), dtype);
-            let (lc, lg) = (
-                Linear {
-                    weight: c.upload_weight(&w),
-                    out_features: n,
-                    in_features: k,
-                },
-                Linear {
-                    weight: g.upload_weight(&w),
-                    out_features: n,
-                    in_features: k,
-                },
-            );
+            let (lc, lg) = linears(&c, &g, &w, n, k);
             let norm = host(&[k], noise(42, k), DType::F32);
             let down = host(&[k, n / 2], noise(44, k * n / 2), dtype);
             let (nc, ng) = both(&c, &g, &norm);
@@ -284,18 +295,7 @@ fn fused_operations_match_the_cpu() {
                 );
                 // The whole MLP on the residual stream (above the GEMV rows over bf16
                 // weights the CUDA backend keeps its intermediates in bf16).
-                let (dc, dg) = (
-                    Linear {
-                        weight: c.upload_weight(&down),
-                        out_features: k,
-                        in_features: width,
-                    },
-                    Linear {
-                        weight: g.upload_weight(&down),
-                        out_features: k,
-                        in_features: width,
-                    },
-                );
+                let (dc, dg) = linears(&c, &g, &down, k, width);
                 for accumulate in [true, false] {
                     let (mut rc, mut rg) = both(&c, &g, &x);
                     c.mlp(
