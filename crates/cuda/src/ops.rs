@@ -116,22 +116,9 @@ impl Ops for CudaBackend {
     }
 
     fn rms_norm(&self, x: &T, weight: &T, rows: usize, eps: f32, out: &mut T) {
-        let dim = weight.len();
-        need(x, DType::F32, rows * dim, "rms_norm input");
-        need(out, DType::F32, rows * dim, "rms_norm output");
-        let (xp, wp, op, d) = (ptr(x), ptr(weight), ptr(out), dim as i32);
+        need(out, DType::F32, rows * weight.len(), "rms_norm output");
         let f = &self.inner.kernels.rms_norm;
-        self.launch(
-            f,
-            rows_cfg(rows, threads_for(dim.div_ceil(4)).min(256)),
-            &[
-                A::from(xp),
-                A::from(wp),
-                A::from(d),
-                A::from(eps),
-                A::from(op),
-            ],
-        );
+        self.launch_rms_norm(f, x, weight, rows, eps, ptr(out));
     }
 
     fn matmul(

@@ -6,7 +6,7 @@ use crate::device::{Arg as A, CudaBackend};
 use crate::gemm::Product;
 use crate::ops::{flat_cfg, need, ptr, rows_cfg, threads_for, T};
 use cudarc::cublas::sys::cudaDataType;
-use cudarc::driver::LaunchConfig;
+use cudarc::driver::{CudaFunction, LaunchConfig};
 use tandem_engine::backend::{Linear, QkvLayout};
 use tandem_engine::{DType, KvCache, StepMeta};
 
@@ -100,13 +100,23 @@ impl CudaBackend {
         w.weight.dtype() == DType::BF16 && rows > self.inner.gemv_rows
     }
 
-    /// RMSNorm of `rows` of `x` into `out` (bf16, at the device address), one block a row.
-    fn rms_norm_into_bf16(&self, x: &T, norm: &T, rows: usize, eps: f32, out: u64) {
+    /// RMSNorm of `rows` of `x` by `norm` into `out` (a device address) with `kernel`
+    /// (`rms_norm`: f32 rows, `rms_norm_to_bf16`: bf16 rows), one block a row.
+    pub(crate) fn launch_rms_norm(
+        &self,
+        kernel: &CudaFunction,
+        x: &T,
+        norm: &T,
+        rows: usize,
+        eps: f32,
+        out: u64,
+    ) {
         let dim = norm.len();
         need(x, DType::F32, rows * dim, "rms_norm input");
         let (xp, wp, d) = (ptr(x), ptr(norm), dim as i32);
         self.launch(
-            &self.inner.kernels.rms_norm_to_bf16,
+            kernel,
+            // A thread per four values (the kernels move float4s), at most 256.
             rows_cfg(rows, threads_for(dim.div_ceil(4)).min(256)),
             &[
                 A::from(xp),
@@ -132,7 +142,7 @@ impl CudaBackend {
         let mut scratch = self.inner.scratch.lock();
         let s = &mut *scratch;
         let xb = self.ensure(&mut s.retired, &mut s.bf16, rows * w.in_features * 2);
-        self.rms_norm_into_bf16(x, norm, rows, eps, xb);
+        self.launch_rms_norm(&self.inner.kernels.rms_norm_to_bf16, x, norm, rows, eps, xb);
         let p = Product {
             x: xb,
             rows,
@@ -171,7 +181,7 @@ impl CudaBackend {
         let xb = self.ensure(&mut s.retired, &mut s.bf16, rows * hidden * 2);
         let gu = self.ensure(&mut s.retired, &mut s.mlp_gate_up, rows * 2 * width * 2);
         let act = self.ensure(&mut s.retired, &mut s.mlp_act, rows * width * 2);
-        self.rms_norm_into_bf16(x, norm, rows, eps, xb);
+        self.launch_rms_norm(&self.inner.kernels.rms_norm_to_bf16, x, norm, rows, eps, xb);
         let first = Product {
             x: xb,
             rows,
