@@ -100,13 +100,11 @@ impl CudaBackend {
 }
 
 impl CudaBackend {
-    /// At most two blocks per SM (by default), each warp taking every so many of `items`
-    /// (evenly: the items per warp are what the largest grid needs, the grid what those
-    /// items need).
+    /// About two blocks per SM (by default), each warp taking every so many of `items`.
     pub(crate) fn gemv_cfg(&self, items: usize, shared_mem_bytes: usize) -> LaunchConfig {
         let per_warp = match self.inner.gemv_blocks_per_sm {
             0 => 1,
-            b => items.div_ceil(b * self.inner.sms * GEMV_WARPS).max(1),
+            b => gemv_items_per_warp(items, b, self.inner.sms),
         };
         LaunchConfig {
             grid_dim: (items.div_ceil(per_warp * GEMV_WARPS).max(1) as u32, 1, 1),
@@ -183,5 +181,38 @@ impl CudaBackend {
                 A::from(ptr(out)),
             ],
         );
+    }
+}
+
+/// Items per warp for a GEMV grid of about `blocks_per_sm` blocks per SM: what the largest such
+/// grid needs (rounded up), unless rounding down (a few more blocks, which SMs that finish
+/// early pick up) leaves less on the busiest SM. E.g. 3,072 QKV features on 132 SMs: two per
+/// warp is 192 blocks, so 60 SMs stream two blocks' features while 72 stream one (32 vs 23.3
+/// features a warp slot on average); one per warp is 384 blocks, at most 3 × 8 = 24 on any SM.
+fn gemv_items_per_warp(items: usize, blocks_per_sm: usize, sms: usize) -> usize {
+    let slots = blocks_per_sm * sms * GEMV_WARPS;
+    let up = items.div_ceil(slots).max(1);
+    let down = (items / slots).max(1);
+    // The features the busiest SM streams with `per` features a warp.
+    let busiest = |per: usize| items.div_ceil(per * GEMV_WARPS).div_ceil(sms) * per * GEMV_WARPS;
+    if busiest(down) < busiest(up) {
+        down
+    } else {
+        up
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::gemv_items_per_warp;
+
+    #[test]
+    fn gemv_grid_balances_the_busiest_sm() {
+        // H200 (132 SMs), two blocks per SM: QKV rounds down, the rest up.
+        assert_eq!(gemv_items_per_warp(3072, 2, 132), 1);
+        assert_eq!(gemv_items_per_warp(8192, 2, 132), 4);
+        assert_eq!(gemv_items_per_warp(2048, 2, 132), 1);
+        assert_eq!(gemv_items_per_warp(128_256, 2, 132), 61);
+        assert_eq!(gemv_items_per_warp(5, 2, 132), 1);
     }
 }

@@ -358,6 +358,8 @@ __device__ void attention_impl(const float* qkv, int width, int num_heads, int n
     __shared__ float s_l[ATTN_WARPS][G];
     __shared__ __align__(16) float s_acc[ATTN_WARPS][G * D];
     __shared__ int s_last;
+    __shared__ float s_cos[D / 2], s_sin[D / 2];       // decode_rope: the token's rotation
+    __shared__ __align__(16) T s_knew[D], s_vnew[D];    // decode_rope: the token's key and value
 
     int token = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, kq = lane >> 3, dc = lane & 7;
@@ -388,33 +390,50 @@ __device__ void attention_impl(const float* qkv, int width, int num_heads, int n
     // The first pass's keys of earlier steps: no kernel of this step writes them.
     attn_load<T, D, J, CPL>(kr, vr, kc, vc, table, block_size, kv_dim, first + warp * KW, first,
                             min(last, (int)cached), kq, dc);
+    constexpr int H = D / 2;
+    bool rope = decode_rope > 0.0f;
+    if (rope) {
+        // The rotation depends on the position only (metadata, not written by any kernel).
+        float pos = (float)positions[token];
+        for (int j = threadIdx.x; j < H; j += blockDim.x) {
+            float sn, cs;
+            sincosf(pos * rope_inv_freq(decode_rope, j, D), &sn, &cs);
+            s_sin[j] = sn;
+            s_cos[j] = cs;
+        }
+        __syncthreads();
+    }
     pdl_start();
 
     const float* row = qkv + (long)token * width;
-    if (decode_rope > 0.0f) {
-        constexpr int H = D / 2;
-        float pos = (float)positions[token];
+    bool holds_new = rope && first <= (int)cached && (int)cached < last;
+    if (rope) {
         for (int i = threadIdx.x; i < G * H; i += blockDim.x) {
             int g = i / H, j = i % H;
-            float sn, cs;
-            sincosf(pos * rope_inv_freq(decode_rope, j, D), &sn, &cs);
+            float sn = s_sin[j], cs = s_cos[j];
             const float* q = row + (long)(kvh * G + g) * D;
             float a = q[j], b = q[j + H];
             s_q[g * D + j] = (a * cs - b * sn) * scale;
             s_q[g * D + j + H] = (b * cs + a * sn) * scale;
         }
-        if (first <= (int)cached && (int)cached < last) {
+        if (holds_new) {
+            // Into the cache, and into shared memory, where this block's passes take it from.
             const float* k = row + (long)(num_heads + kvh) * D;
             const float* v = row + (long)(num_heads + num_kv_heads + kvh) * D;
             long at = (long)slots[token] * kv_dim + (long)kvh * D;
             for (int j = threadIdx.x; j < H; j += blockDim.x) {
-                float sn, cs;
-                sincosf(pos * rope_inv_freq(decode_rope, j, D), &sn, &cs);
+                float sn = s_sin[j], cs = s_cos[j];
                 float a = k[j], b = k[j + H];
-                store_f(k_cache, at + j, a * cs - b * sn);
-                store_f(k_cache, at + j + H, b * cs + a * sn);
+                float ra = a * cs - b * sn, rb = b * cs + a * sn;
+                store_f(k_cache, at + j, ra);
+                store_f(k_cache, at + j + H, rb);
+                store_f(s_knew, j, ra);
+                store_f(s_knew, j + H, rb);
             }
-            for (int d = threadIdx.x; d < D; d += blockDim.x) store_f(v_cache, at + d, v[d]);
+            for (int d = threadIdx.x; d < D; d += blockDim.x) {
+                store_f(v_cache, at + d, v[d]);
+                store_f(s_vnew, d, v[d]);
+            }
         }
     } else {
         for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
@@ -433,7 +452,24 @@ __device__ void attention_impl(const float* qkv, int width, int num_heads, int n
     }
     for (int base = first; base < last; base += KB) {
         int wb = base + warp * KW;
-        if (base == first) {
+        if (rope) {
+            // Earlier keys from the cache (the first pass's are in already), the new one from
+            // shared memory.
+            if (base != first)
+                attn_load<T, D, J, CPL>(kr, vr, kc, vc, table, block_size, kv_dim, wb, base,
+                                        min(last, (int)cached), kq, dc);
+            if (holds_new) {
+                #pragma unroll
+                for (int j = 0; j < J; ++j)
+                    if (wb + kq + 4 * j == (int)cached) {
+                        #pragma unroll
+                        for (int cc = 0; cc < CPL; ++cc) {
+                            kr[j][cc] = reinterpret_cast<const uint4*>(s_knew)[dc + 8 * cc];
+                            vr[j][cc] = reinterpret_cast<const uint4*>(s_vnew)[dc + 8 * cc];
+                        }
+                    }
+            }
+        } else if (base == first) {
             // This step's keys (written by the kernel before).
             attn_load<T, D, J, CPL>(kr, vr, kc, vc, table, block_size, kv_dim, wb, (int)cached, last,
                                     kq, dc);
