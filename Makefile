@@ -21,7 +21,7 @@ help:
 	@echo "make bench-engine  engine prefill/decode throughput vs the memory-bandwidth floor"
 	@echo "make bench-engine-compare  tandem vs llama.cpp on the same weights, same run (builds llama.cpp once, ~8 min)"
 	@echo "make bench-kda     KDA projections fused/unfused, decode step, chunked/recurrent"
-	@echo "make bench-kv      KV transfer bandwidth vs ucx_perftest"
+	@echo "make bench-kv      KV transfer bandwidth vs ucx_perftest (tcp tags; shared-memory landing vs sm puts)"
 	@echo "make chaos         chaos replays at scale (2,000 requests at C128 under 502s/resets/transfer faults; 512 at C128 with one 502)"
 	@echo "make chaos-10k     10,000 requests at C128 under the same faults, against synthetic workers"
 	@echo "make test-gpu      build the CUDA tests and tandem into .gpu/ for a GPU machine (then: bash .gpu/run.sh all there)"
@@ -88,6 +88,7 @@ bench-kda: build
 
 bench-kv: deps
 	scripts/bench-kv.sh tcp
+	scripts/bench-kv.sh landing
 
 clean:
 	$(CARGO) clean

@@ -180,7 +180,12 @@ impl Default for ClusterOptions {
     fn default() -> Self {
         Self {
             kv_blocks: 512,
-            worker_env: vec![("UCX_TLS".into(), "tcp".into())],
+            // Landing arenas small enough for many test clusters at once (long prompts then
+            // fall back to the transport).
+            worker_env: vec![
+                ("UCX_TLS".into(), "tcp".into()),
+                ("TANDEM_KV_LANDING_MIB".into(), "32".into()),
+            ],
             model: None,
             prefill_args: Vec::new(),
             decode_args: Vec::new(),

@@ -726,3 +726,90 @@ fn aggregated_workers_serve_beside_pd_pairs() {
         assert!(tandem_e2e::pools_full(&workers, None), "{workers}");
     });
 }
+
+/// Free bytes of /dev/shm (0 when it cannot be read).
+fn shm_free_bytes() -> u64 {
+    let out = std::process::Command::new("df")
+        .args(["-B1", "--output=avail", "/dev/shm"])
+        .output();
+    out.ok()
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+        .and_then(|t| t.lines().nth(1).and_then(|l| l.trim().parse().ok()))
+        .unwrap_or(0)
+}
+
+/// Prefill and decode on one host: each handoff is written straight into the decode
+/// worker's shared-memory landing slot and only a completion record crosses UCX; the answers
+/// equal those of a pair whose decode worker offers no slot (every handoff over the
+/// transport), and a prompt too long for its slot falls back to the transport.
+#[test]
+fn handoffs_land_in_shared_memory_on_one_host_and_answer_the_same() {
+    if shm_free_bytes() < 64 << 20 {
+        eprintln!("skipping: /dev/shm has less than 64 MiB free for a landing arena");
+        return;
+    }
+    // SmolLM2 f32 K/V is ~46 KB a token: a 3 MiB arena takes the short prompt (~40 tokens
+    // with the chat template), not the long one (~160).
+    let long = format!(
+        "Repeat after me: {}",
+        "the quick brown fox jumps. ".repeat(20)
+    );
+    let mut answers = Vec::new();
+    for mib in ["3", "0"] {
+        let cluster = Cluster::start(ClusterOptions {
+            worker_env: vec![
+                ("UCX_TLS".into(), "tcp".into()),
+                ("TANDEM_KV_LANDING_MIB".into(), mib.into()),
+            ],
+            ..ClusterOptions::default()
+        });
+        let (url, long) = (cluster.url.clone(), long.clone());
+        let got = rt().block_on(async move {
+            let c = reqwest::Client::new();
+            let chat_url = format!("{url}/v1/chat/completions");
+            let (status, short) = post(&c, &chat_url, chat(FRANCE, 16, false)).await;
+            assert_eq!(status, 200, "{short}");
+            let landed_after_short = landed(&c, &url).await;
+            let (status, long) = post(&c, &chat_url, chat(&long, 8, false)).await;
+            assert_eq!(status, 200, "{long}");
+            let landed_after_long = landed(&c, &url).await;
+            assert_eq!(
+                landed_after_long, landed_after_short,
+                "the long prompt's handoff does not fit a 3 MiB arena: it went over the transport"
+            );
+            assert_pools_full(&c, &url).await;
+            (
+                short["choices"][0]["message"]["content"].clone(),
+                long["choices"][0]["message"]["content"].clone(),
+                landed_after_short,
+            )
+        });
+        answers.push(got);
+    }
+    let (with_slots, without) = (&answers[0], &answers[1]);
+    assert_eq!(with_slots.0, "The capital of France is Paris.");
+    assert_eq!((&with_slots.0, &with_slots.1), (&without.0, &without.1));
+    let (prefill_wrote, decode_landed) = with_slots.2;
+    assert!(
+        prefill_wrote > 0,
+        "the short prompt's handoff landed in shared memory"
+    );
+    assert_eq!(
+        prefill_wrote, decode_landed,
+        "what the prefill wrote is what the decode took"
+    );
+    assert_eq!(without.2, (0, 0), "no arena, no landing");
+}
+
+/// (prefill's, decode's) `kv_bytes_landed`, once the cluster is idle.
+async fn landed(c: &reqwest::Client, url: &str) -> (u64, u64) {
+    let workers = tandem_e2e::workers_when_idle(c, url).await;
+    let list = workers["workers"].as_array().expect("workers");
+    let of = |role: &str| {
+        list.iter()
+            .filter(|w| w["role"] == role)
+            .map(|w| w["kv_bytes_landed"].as_u64().expect("kv_bytes_landed"))
+            .sum::<u64>()
+    };
+    (of("prefill"), of("decode"))
+}

@@ -40,6 +40,7 @@ impl pb::worker_server::Worker for NullWorker {
                 reservation_id: id,
                 epoch: 1,
                 layout: Some(pb::KvLayout::default()),
+                landing: None,
             };
             let _ = tx
                 .send(Ok(pb::DecodeEvent {

@@ -324,6 +324,11 @@ struct WorkerArgs {
     /// Prefill role: the longest one KV push may take.
     #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
     transfer_timeout: Duration,
+    /// Decode role: MiB of shared memory (/dev/shm) that prefill workers on this host write
+    /// handoffs into directly (only the completion record then crosses the transport); 0
+    /// sends every handoff over the transport.
+    #[arg(long, env = "TANDEM_KV_LANDING_MIB", default_value_t = 256)]
+    kv_landing_mib: usize,
     /// On SIGTERM or `tandem admin drain`: how long to wait for in-flight requests before
     /// exiting anyway.
     #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
@@ -599,6 +604,7 @@ async fn worker(args: WorkerArgs) -> Result<()> {
         transfer_bind: args.transfer_listen,
         kv_lease: args.kv_lease,
         transfer_timeout: args.transfer_timeout,
+        kv_landing_bytes: args.kv_landing_mib << 20,
         model_id,
         drain_deadline: args.drain_deadline,
         transfer_chaos: match &args.chaos_scenario {

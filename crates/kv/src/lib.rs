@@ -43,6 +43,8 @@
 
 /// `Error` and its classification into `tandem_core::ErrorClass`.
 mod error;
+/// Shared-memory landing slots for prefill workers on the decode worker's host.
+pub mod landing;
 /// `KvMessage`: one complete tagged message.
 mod message;
 /// "host:port" parsing and resolution.

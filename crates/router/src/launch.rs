@@ -42,6 +42,7 @@ async fn worker_report(pd: &PdGenerator, wait_idle: Duration) -> Vec<Value> {
                 "kv_blocks_total": s.kv_blocks_total, "kv_blocks_free": s.kv_blocks_free,
                 "running_requests": s.running_requests, "pending_reservations": s.pending_reservations,
                 "kv_bytes_transferred": s.kv_bytes_transferred,
+                "kv_bytes_landed": s.kv_bytes_landed,
                 "layout": s.layout, "dp_size": s.dp_size, "dp_free_slots": s.dp_free_slots,
                 "cancelled_requests": s.cancelled_requests,
                 "in_flight": s.in_flight,

@@ -70,6 +70,22 @@ impl Endpoint {
         })
     }
 
+    /// Connects to the worker whose [`Worker::address`] is `address` (no listener involved).
+    /// UCX reads the address during this call only. As with [`Endpoint::connect`], the
+    /// connection completes in the background and failures surface on the operations.
+    pub fn connect_to_worker(worker: &Worker, address: &[u8]) -> Result<Endpoint> {
+        if address.is_empty() {
+            return Err(Error::from_status(
+                "ucp_ep_create",
+                sys::UCS_ERR_INVALID_PARAM,
+            ));
+        }
+        Endpoint::create(&worker.inner, None, |params| {
+            params.field_mask |= u64::from(sys::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS);
+            params.address = address.as_ptr().cast();
+        })
+    }
+
     /// Accepts a connection request from a [`Listener`](crate::Listener).
     pub fn accept(request: ConnRequest) -> Result<Endpoint> {
         let peer = request.client_addr();

@@ -113,6 +113,25 @@ impl Worker {
     }
 
     /// A handle that can wake this worker from another thread.
+    /// This worker's address (`ucp_worker_get_address`): every transport it can be reached
+    /// on, shared memory included. A peer that has it connects with
+    /// [`Endpoint::connect_to_worker`](crate::Endpoint::connect_to_worker), and UCX picks the
+    /// best transport the two share (shared memory on one host, where the sockaddr connection
+    /// manager only offers TCP).
+    pub fn address(&self) -> Result<Vec<u8>> {
+        let mut address = ptr::null_mut();
+        let mut len = 0usize;
+        // SAFETY: the worker is alive; both out-pointers are valid.
+        let status =
+            unsafe { sys::ucp_worker_get_address(self.inner.handle, &mut address, &mut len) };
+        check("ucp_worker_get_address", status)?;
+        // SAFETY: UCX returned `len` readable bytes at `address`, ours until released below.
+        let bytes = unsafe { std::slice::from_raw_parts(address.cast::<u8>(), len) }.to_vec();
+        // SAFETY: `address` came from ucp_worker_get_address on this worker, released once.
+        unsafe { sys::ucp_worker_release_address(self.inner.handle, address) };
+        Ok(bytes)
+    }
+
     pub fn waker(&self) -> Waker {
         Waker {
             slot: Arc::clone(&self.inner.waker),

@@ -98,3 +98,44 @@ fn connecting_to_a_closed_port_fails_instead_of_hanging() {
         ep.failure()
     );
 }
+
+#[test]
+fn worker_address_endpoints_carry_tags() {
+    // No listener: the client connects with the server worker's address alone. (With the
+    // peer-failure error mode every endpoint here uses, UCX 1.13 finds no shared-memory
+    // transport that supports it: `UCX_TLS=sm,self` is "Destination is unreachable".)
+    let server_ctx = context();
+    let server = Worker::new(&server_ctx).expect("server worker");
+    let address = server.address().expect("worker address");
+    assert!(!address.is_empty());
+
+    let client_ctx = context();
+    let client = Worker::new(&client_ctx).expect("client worker");
+    let ep = Endpoint::connect_to_worker(&client, &address).expect("connect by address");
+    let payload: Vec<u8> = (0..(8 << 20) + 3).map(|i: u32| (i % 251) as u8).collect();
+    let send = ep.tag_send(42, payload.clone()).expect("send");
+
+    let mut recv: Option<RecvOp> = None;
+    let ok = drive(&client, &server, Duration::from_secs(20), || {
+        if recv.is_none() {
+            recv = server.tag_probe_recv(0, 0).expect("probe");
+        }
+        recv.as_ref().is_some_and(|r| r.result().is_some()) && send.result().is_some()
+    });
+    assert!(ok, "message did not arrive");
+    assert!(matches!(send.result(), Some(Ok(()))));
+    let recv = recv.expect("received");
+    assert_eq!(recv.tag(), 42);
+    assert!(recv.into_data().ok().expect("receive succeeded") == payload);
+
+    let closing = ep.close(CloseMode::Flush);
+    assert!(drive(&client, &server, Duration::from_secs(5), || closing
+        .is_done()));
+}
+
+#[test]
+fn an_empty_worker_address_is_refused() {
+    let ctx = context();
+    let worker = Worker::new(&ctx).expect("worker");
+    assert!(Endpoint::connect_to_worker(&worker, &[]).is_err());
+}

@@ -149,6 +149,47 @@ pub fn decode_header(msg: &[u8]) -> Result<HandoffHeader, HandoffError> {
     })
 }
 
+const LANDED_MAGIC: u32 = 0x5456_4B4C; // "TVKL"
+const LANDED_LEN: usize = 4 + 8 + 8 + 8 + 8;
+
+/// The completion record of a handoff written into a shared-memory landing slot: the whole
+/// handoff message (as [`encode`] makes it) lies at `offset`, `len` bytes long.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Landed {
+    /// The reservation the handoff belongs to.
+    pub reservation: ReservationId,
+    /// Its epoch when the prefill wrote it.
+    pub epoch: Epoch,
+    /// The slot's offset in the decode worker's arena.
+    pub offset: u64,
+    /// Bytes written.
+    pub len: u64,
+}
+
+/// Serialises a [`Landed`] record.
+pub fn encode_landed(l: &Landed) -> Vec<u8> {
+    let mut out = Vec::with_capacity(LANDED_LEN);
+    out.extend_from_slice(&LANDED_MAGIC.to_le_bytes());
+    out.extend_from_slice(&l.reservation.0.to_le_bytes());
+    out.extend_from_slice(&l.epoch.0.to_le_bytes());
+    out.extend_from_slice(&l.offset.to_le_bytes());
+    out.extend_from_slice(&l.len.to_le_bytes());
+    out
+}
+
+/// Parses a [`Landed`] record; `None` when `msg` is not one (e.g. a whole handoff message).
+pub fn decode_landed(msg: &[u8]) -> Option<Landed> {
+    if msg.len() != LANDED_LEN || u32_at(msg, 0) != LANDED_MAGIC {
+        return None;
+    }
+    Some(Landed {
+        reservation: ReservationId(u64_at(msg, 4)),
+        epoch: Epoch(u64_at(msg, 12)),
+        offset: u64_at(msg, 20),
+        len: u64_at(msg, 28),
+    })
+}
+
 /// Checks a whole message and returns its header (with the manifest) and body bytes.
 pub fn decode_bytes(msg: &[u8]) -> Result<(HandoffHeader, &[u8]), HandoffError> {
     let mut header = decode_header(msg)?;
@@ -220,6 +261,22 @@ pub fn decode_bytes(msg: &[u8]) -> Result<(HandoffHeader, &[u8]), HandoffError> 
 mod tests {
     use super::*;
     use tandem_engine::DType;
+
+    #[test]
+    fn landed_records_round_trip_and_are_not_handoffs() {
+        let l = Landed {
+            reservation: ReservationId(9),
+            epoch: Epoch(4),
+            offset: 8192,
+            len: 1 << 30,
+        };
+        let bytes = encode_landed(&l);
+        assert_eq!(decode_landed(&bytes), Some(l));
+        assert_eq!(decode_header(&bytes), Err(HandoffError::Malformed));
+        let handoff = encode(ReservationId(9), Epoch(4), 1, 1, 7, &[], &[]);
+        assert_eq!(decode_landed(&handoff), None);
+        assert_eq!(decode_landed(&bytes[..bytes.len() - 1]), None);
+    }
 
     fn kv_segments(layers: u32, tokens: u32, kv_dim: u32, dtype: DType) -> Vec<Segment> {
         (0..layers)

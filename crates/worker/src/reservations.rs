@@ -1,15 +1,47 @@
 //! Decode-side reservations waiting for their KV. The transport's receive loop looks a
-//! message up here by reservation id; the epoch fences out stale senders.
+//! message (or a landing slot's completion record) up here by reservation id; the epoch
+//! fences out stale senders.
 
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use tandem_core::{Epoch, ReservationId};
+use tandem_kv::landing::LandingSlot;
 use tokio::sync::oneshot;
 
-/// A reservation's epoch and where its KV message goes.
-type Waiting = (Epoch, oneshot::Sender<Vec<u8>>);
+/// How a reservation's handoff message arrived.
+#[derive(Debug)]
+pub enum Arrived {
+    /// Over the transport, as a message.
+    Message(Vec<u8>),
+    /// Written into the reservation's landing slot: its first `len` bytes.
+    Landed {
+        /// The slot (released when this is dropped; at once, since it landed).
+        slot: LandingSlot,
+        /// Bytes written.
+        len: usize,
+    },
+}
+
+impl Arrived {
+    /// The handoff message's bytes; `None` when a landing record claimed more bytes than its
+    /// slot holds.
+    pub fn bytes(&mut self) -> Option<&[u8]> {
+        match self {
+            Arrived::Message(m) => Some(m),
+            Arrived::Landed { slot, len } => slot.landed(*len),
+        }
+    }
+}
+
+/// A reservation's epoch, its landing slot if it has one, and where its KV goes.
+#[derive(Debug)]
+struct Waiting {
+    epoch: Epoch,
+    slot: Option<LandingSlot>,
+    tx: oneshot::Sender<Arrived>,
+}
 
 /// Pending reservations of a decode worker.
 #[derive(Debug, Default)]
@@ -28,7 +60,7 @@ pub struct Pending {
     /// Its epoch.
     pub epoch: Epoch,
     /// Resolves with the raw handoff message.
-    pub kv: oneshot::Receiver<Vec<u8>>,
+    pub kv: oneshot::Receiver<Arrived>,
 }
 
 impl Drop for Pending {
@@ -40,12 +72,17 @@ impl Drop for Pending {
 impl Reservations {
     /// Registers a new reservation.
     pub fn register(self: &Arc<Self>) -> Pending {
+        self.register_with(None)
+    }
+
+    /// Registers a new reservation that may receive its KV in `slot`.
+    pub fn register_with(self: &Arc<Self>, slot: Option<LandingSlot>) -> Pending {
         let n = self.next.fetch_add(1, Ordering::Relaxed) + 1;
         let id = ReservationId(n);
         // One epoch per reservation id here; a retried prefill gets a fresh reservation.
         let epoch = Epoch(n);
         let (tx, rx) = oneshot::channel();
-        self.pending.lock().insert(id, (epoch, tx));
+        self.pending.lock().insert(id, Waiting { epoch, slot, tx });
         Pending {
             owner: self.clone(),
             id,
@@ -57,13 +94,35 @@ impl Reservations {
     /// Hands a received message to its reservation. Returns false (and counts a rejection)
     /// when no reservation with that id and epoch is waiting.
     pub fn deliver(&self, id: ReservationId, epoch: Epoch, message: Vec<u8>) -> bool {
+        self.hand_over(id, epoch, None, |_| Some(Arrived::Message(message)))
+    }
+
+    /// Hands a reservation its landing slot, `len` bytes of which a prefill worker wrote
+    /// (announced by a completion record). Returns false (and counts a rejection) when no
+    /// reservation with that id and epoch is waiting, or its slot is not at `offset`.
+    pub fn deliver_landed(&self, id: ReservationId, epoch: Epoch, offset: u64, len: usize) -> bool {
+        self.hand_over(id, epoch, Some(offset), |slot| {
+            slot.map(|slot| Arrived::Landed { slot, len })
+        })
+    }
+
+    fn hand_over(
+        &self,
+        id: ReservationId,
+        epoch: Epoch,
+        slot_offset: Option<u64>,
+        arrived: impl FnOnce(Option<LandingSlot>) -> Option<Arrived>,
+    ) -> bool {
         let mut pending = self.pending.lock();
-        let ok = match pending.get(&id) {
-            Some((e, _)) if *e == epoch => pending
-                .remove(&id)
-                .is_some_and(|(_, tx)| tx.send(message).is_ok()),
-            _ => false,
-        };
+        let matches = pending.get(&id).is_some_and(|w| {
+            w.epoch == epoch
+                && slot_offset.is_none_or(|o| w.slot.as_ref().is_some_and(|s| s.offset() == o))
+        });
+        let ok = matches
+            && pending.remove(&id).is_some_and(|w| match arrived(w.slot) {
+                Some(a) => w.tx.send(a).is_ok(),
+                None => false,
+            });
         if !ok {
             self.rejected.fetch_add(1, Ordering::Relaxed);
         }
@@ -98,7 +157,8 @@ mod tests {
         assert!(!r.deliver(ReservationId(999), p.epoch, vec![1]));
         assert_eq!(r.rejected(), 2);
         assert!(r.deliver(p.id, p.epoch, vec![7]));
-        assert_eq!(p.kv.try_recv().expect("delivered"), vec![7]);
+        let mut got = p.kv.try_recv().expect("delivered");
+        assert_eq!(got.bytes(), Some(&[7u8][..]));
         assert!(!r.deliver(p.id, p.epoch, vec![8]), "delivered only once");
     }
 
@@ -111,5 +171,33 @@ mod tests {
         drop(p);
         assert!(r.is_empty());
         assert!(!r.deliver(id, Epoch(id.0), vec![]));
+    }
+
+    #[test]
+    fn landing_records_need_the_reservations_own_slot() {
+        use tandem_kv::landing::{LandingArena, LandingWriter};
+        let arena = LandingArena::create(1 << 20).expect("arena");
+        let r = Arc::new(Reservations::default());
+        let plain = r.register();
+        assert!(
+            !r.deliver_landed(plain.id, plain.epoch, 4096, 1),
+            "no slot: a landing record cannot be for it"
+        );
+        let slot = arena.slot(8192).expect("slot");
+        let landing = slot.landing(u64::MAX);
+        let mut p = r.register_with(Some(slot));
+        assert!(
+            !r.deliver_landed(p.id, p.epoch, landing.offset + 4096, 3),
+            "another slot's offset"
+        );
+        assert!(
+            !r.deliver_landed(p.id, Epoch(p.epoch.0 + 1), landing.offset, 3),
+            "stale epoch"
+        );
+        LandingWriter::new().write(&landing, b"kv!").expect("write");
+        assert!(r.deliver_landed(p.id, p.epoch, landing.offset, 3));
+        let mut got = p.kv.try_recv().expect("delivered");
+        assert_eq!(got.bytes(), Some(&b"kv!"[..]));
+        assert_eq!(r.rejected(), 3);
     }
 }

@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tandem_core::{FinishReason, SamplingParams};
+use tandem_kv::landing::{Landing, LandingArena, LandingWriter};
 use tandem_kv::{UcxReceiver, UcxSender};
 use tandem_proto::v1 as pb;
 use tokio::sync::mpsc;
@@ -47,6 +48,9 @@ pub struct WorkerOptions {
     pub kv_lease: Duration,
     /// Prefill role: how long one KV push may take.
     pub transfer_timeout: Duration,
+    /// Decode role: bytes of the shared-memory landing arena prefill workers on this host
+    /// write handoffs into (0: none; every handoff travels over the transport).
+    pub kv_landing_bytes: usize,
     /// Identity of the served checkpoint (`tandem_model::model_identity`): handoffs between
     /// workers of different identities are refused.
     pub model_id: u64,
@@ -64,7 +68,13 @@ struct Shared {
     transfer_address: String,
     receiver: Option<Mutex<UcxReceiver>>,
     sender: Option<UcxSender>,
+    /// Decode role: the landing arena, when it could be made.
+    landing: Option<Arc<LandingArena>>,
+    /// Prefill role: writes handoffs into landing slots on this host.
+    landing_writer: Arc<LandingWriter>,
     kv_bytes_sent: AtomicU64,
+    /// Handoff bytes that went through landing slots (written here, or landed here).
+    kv_bytes_landed: Arc<AtomicU64>,
     /// Decode requests whose caller went away before they finished.
     cancelled: AtomicU64,
     admission: crate::drain::Admission,
@@ -99,6 +109,7 @@ pub async fn serve_registered(
     registration: Option<tandem_discovery::Registration>,
 ) -> Result<()> {
     let reservations = Arc::new(Reservations::default());
+    let kv_bytes_landed = Arc::new(AtomicU64::new(0));
     let (receiver, sender, transfer_address) = match opts.role {
         Role::Decode => {
             let mut receiver = UcxReceiver::listen(&opts.transfer_bind)?;
@@ -106,12 +117,27 @@ pub async fn serve_registered(
             let incoming = receiver
                 .take_incoming()
                 .ok_or_else(|| Error::InvalidRequest("transport receiver already taken".into()))?;
-            tokio::spawn(dispatch_incoming(incoming, reservations.clone()));
+            tokio::spawn(dispatch_incoming(
+                incoming,
+                reservations.clone(),
+                kv_bytes_landed.clone(),
+            ));
             tracing::info!(%address, "KV transport listening");
             (Some(Mutex::new(receiver)), None, address)
         }
         Role::Prefill => (None, Some(UcxSender::new()?), String::new()),
         Role::Both => (None, None, String::new()),
+    };
+    let landing = match (opts.role, opts.kv_landing_bytes) {
+        (Role::Decode, n) if n > 0 => match LandingArena::create(n) {
+            Ok(arena) => Some(arena),
+            Err(e) => {
+                tracing::warn!(error = %e, bytes = n,
+                    "no shared-memory KV landing arena: every handoff travels over the transport");
+                None
+            }
+        },
+        _ => None,
     };
     let admission = crate::drain::Admission::new(registration.as_ref().map(|r| r.registered()));
     let shared = Arc::new(Shared {
@@ -121,7 +147,10 @@ pub async fn serve_registered(
         transfer_address,
         receiver,
         sender,
+        landing,
+        landing_writer: Arc::new(LandingWriter::new()),
         kv_bytes_sent: AtomicU64::new(0),
+        kv_bytes_landed,
         cancelled: AtomicU64::new(0),
         admission,
     });
@@ -174,12 +203,26 @@ pub async fn serve_registered(
     Ok(())
 }
 
-/// Routes each received handoff message to the reservation waiting for it.
+/// Routes each received handoff message (or landing slot's completion record) to the
+/// reservation waiting for it.
 async fn dispatch_incoming(
     mut incoming: mpsc::UnboundedReceiver<tandem_kv::KvMessage>,
     reservations: Arc<Reservations>,
+    kv_bytes_landed: Arc<AtomicU64>,
 ) {
     while let Some(msg) = incoming.recv().await {
+        if let Some(l) = handoff::decode_landed(&msg.payload) {
+            if l.reservation.0 != msg.tag {
+                tracing::warn!(tag = msg.tag, reservation = %l.reservation, "KV landing record tag mismatch dropped");
+            } else if reservations.deliver_landed(l.reservation, l.epoch, l.offset, l.len as usize)
+            {
+                kv_bytes_landed.fetch_add(l.len, Ordering::Relaxed);
+            } else {
+                tracing::warn!(reservation = %l.reservation, epoch = %l.epoch,
+                    "KV landing record for an unknown or stale reservation (or another slot) dropped");
+            }
+            continue;
+        }
         match handoff::decode_header(&msg.payload) {
             Ok(h) if h.reservation.0 == msg.tag => {
                 if !reservations.deliver(h.reservation, h.epoch, msg.payload) {
@@ -415,11 +458,17 @@ impl Shared {
                 .as_ref()
                 .ok_or_else(|| Error::InvalidRequest("no transport".into()))?;
             if !dropped {
+                // Into the decode worker's landing slot when it is on this host; then only
+                // the completion record travels.
+                let message = match &target.landing {
+                    Some(l) => self.write_landing(l, reservation, epoch, payload).await?,
+                    None => payload,
+                };
                 sender
                     .send(
                         &target.transfer_address,
                         target.reservation_id,
-                        payload,
+                        message,
                         self.opts.transfer_timeout,
                     )
                     .await?;
@@ -435,6 +484,39 @@ impl Shared {
         })
     }
 
+    /// Writes `payload` into the landing slot `l` and returns the completion record to send;
+    /// returns `payload` itself when the slot cannot take it (another host, no room, expired).
+    async fn write_landing(
+        &self,
+        l: &pb::KvLanding,
+        reservation: tandem_core::ReservationId,
+        epoch: tandem_core::Epoch,
+        payload: Vec<u8>,
+    ) -> Result<Vec<u8>> {
+        let landing = landing_from_pb(l);
+        let (writer, landed) = (self.landing_writer.clone(), self.kv_bytes_landed.clone());
+        tokio::task::spawn_blocking(move || {
+            match writer.write(&landing, &payload) {
+                Ok(()) => {
+                    let len = payload.len() as u64;
+                    landed.fetch_add(len, Ordering::Relaxed);
+                    handoff::encode_landed(&handoff::Landed {
+                        reservation,
+                        epoch,
+                        offset: landing.offset,
+                        len,
+                    })
+                }
+                Err(e) => {
+                    tracing::debug!(error = %e, "KV landing slot not used; sending the handoff over the transport");
+                    payload
+                }
+            }
+        })
+        .await
+        .map_err(|e| Error::InvalidRequest(format!("landing write task failed: {e}")))
+    }
+
     /// The decode leg after the KV target was sent: wait for KV, then stream tokens.
     async fn decode_rest(
         self: Arc<Self>,
@@ -445,7 +527,7 @@ impl Shared {
         tx: &mpsc::Sender<std::result::Result<pb::DecodeEvent, Status>>,
     ) -> Result<()> {
         let lease = self.opts.kv_lease;
-        let message = tokio::select! {
+        let mut message = tokio::select! {
             m = &mut pending.kv => m.map_err(|_| Error::Deadline("reservation dropped".into()))?,
             _ = tokio::time::sleep(lease) => {
                 return Err(Error::KvNotArrived(format!("no KV arrived within the {lease:?} lease")));
@@ -456,7 +538,10 @@ impl Shared {
         let engine = self.engine.clone();
         let model_id = self.opts.model_id;
         let mut events = tokio::task::spawn_blocking(move || -> Result<_> {
-            let (header, body) = handoff::decode_bytes(&message)?;
+            let bytes = message.bytes().ok_or_else(|| {
+                Error::InvalidRequest("a KV landing record claims more bytes than its slot".into())
+            })?;
+            let (header, body) = handoff::decode_bytes(bytes)?;
             if header.model_id != model_id {
                 return Err(Error::InvalidRequest(format!(
                     "KV computed by a different checkpoint (model id {:016x}, this decode worker's is {model_id:016x})",
@@ -574,12 +659,23 @@ impl pb::worker_server::Worker for WorkerService {
         let allocation = shared
             .engine
             .reserve(prompt.len() + params.max_tokens as usize, dp_rank)?;
-        let pending = shared.reservations.register();
+        let layout = shared.kv_layout(prompt.len());
+        let slot = shared
+            .landing
+            .as_ref()
+            .zip(handoff_bound(&layout))
+            .and_then(|(arena, bytes)| arena.slot(bytes));
+        let expires_unix_ms = now_unix_ms() + shared.opts.kv_lease.as_millis() as u64;
+        let landing = slot
+            .as_ref()
+            .map(|s| landing_to_pb(&s.landing(expires_unix_ms)));
+        let pending = shared.reservations.register_with(slot);
         let target = pb::KvTarget {
             transfer_address: shared.transfer_address.clone(),
             reservation_id: pending.id.0,
             epoch: pending.epoch.0,
-            layout: Some(shared.kv_layout(prompt.len())),
+            layout: Some(layout),
+            landing,
         };
         let (tx, rx) = mpsc::channel(64);
         let first = pb::DecodeEvent {
@@ -659,7 +755,14 @@ impl pb::worker_server::Worker for WorkerService {
             dp_free_slots: dp_free.into_iter().map(|f| f as u32).collect(),
             cancelled_requests: s.cancelled.load(Ordering::Relaxed),
             pending_reservations: s.reservations.len() as u32,
-            kv_bytes_transferred: s.kv_bytes_sent.load(Ordering::Relaxed) + received,
+            kv_bytes_transferred: s.kv_bytes_sent.load(Ordering::Relaxed)
+                + received
+                + if s.opts.role == Role::Decode {
+                    s.kv_bytes_landed.load(Ordering::Relaxed)
+                } else {
+                    0
+                },
+            kv_bytes_landed: s.kv_bytes_landed.load(Ordering::Relaxed),
             draining: s.admission.is_draining(),
             in_flight: s.admission.in_flight() as u32,
             prefill_tokens: s.engine.0.stats().prefill_tokens,
@@ -685,5 +788,49 @@ impl pb::worker_server::Worker for WorkerService {
         };
         tracing::info!(%message, "drain requested");
         Ok(Response::new(pb::DrainResponse { in_flight, message }))
+    }
+}
+
+fn now_unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// The most bytes a handoff for `layout` takes (header, manifest and body), when the layout
+/// says (paged K/V); `None` for per-layer state, whose handoffs travel over the transport.
+fn handoff_bound(layout: &pb::KvLayout) -> Option<usize> {
+    let dtype = tandem_engine::DType::parse(&layout.dtype)?;
+    if layout.num_kv_heads == 0 {
+        return None;
+    }
+    let body = layout.num_layers as usize
+        * 2
+        * layout.num_tokens as usize
+        * layout.num_kv_heads as usize
+        * layout.head_dim as usize
+        * dtype.size();
+    Some(body + handoff::HEADER_LEN + 4096 + 64 * layout.num_layers as usize)
+}
+
+fn landing_to_pb(l: &Landing) -> pb::KvLanding {
+    pb::KvLanding {
+        shm_name: l.name.clone(),
+        nonce: l.nonce,
+        arena_len: l.arena_len,
+        offset: l.offset,
+        capacity: l.capacity,
+        expires_unix_ms: l.expires_unix_ms,
+    }
+}
+
+fn landing_from_pb(l: &pb::KvLanding) -> Landing {
+    Landing {
+        name: l.shm_name.clone(),
+        nonce: l.nonce,
+        arena_len: l.arena_len,
+        offset: l.offset,
+        capacity: l.capacity,
+        expires_unix_ms: l.expires_unix_ms,
     }
 }

@@ -1,0 +1,652 @@
+//! Shared-memory landing slots: how a prefill worker on the same host puts a handoff straight
+//! into the decode worker's memory, without a socket in between.
+//!
+//! The decode worker owns a [`LandingArena`]: one POSIX shared-memory file (`/dev/shm`),
+//! its pages reserved up front (`posix_fallocate`, so a full tmpfs fails at start-up rather
+//! than as a `SIGBUS` later), mapped once. Each reservation that may receive KV takes a
+//! [`LandingSlot`] of it and advertises a [`Landing`] descriptor in its KV target. A prefill
+//! worker that can open the same file (same host, same `/dev/shm`, and the file's nonce
+//! matches the descriptor's) copies the handoff into the slot with a [`LandingWriter`] and then
+//! sends only a short completion record over the transport; any other prefill worker sends
+//! the whole handoff as before. Either way the decode side parses and verifies the same bytes
+//! (header, manifest checksum, per-segment checksums, epoch), so what reaches the batch is
+//! checked identically.
+//!
+//! Fencing. A slot whose reservation ended without its KV landing (lease expired, request
+//! cancelled) may still be written by a slow prefill worker, so it is quarantined before it is
+//! handed out again; writers refuse a descriptor past its expiry, which comes well before the
+//! quarantine ends. A slot whose KV did land was written by a writer that has finished (the
+//! completion record is sent after the copy), so it is reused at once.
+
+// Mapping shared memory needs `unsafe` (mmap, raw copies); every block says why it holds.
+#![allow(unsafe_code)]
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::ffi::CString;
+use std::io;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use parking_lot::Mutex;
+
+/// Bytes at the start of the arena that hold its header (magic, nonce, length); slots follow.
+const HEADER_BYTES: usize = 4096;
+/// Slots start and end on this boundary.
+const SLOT_ALIGN: usize = 4096;
+const MAGIC: u64 = 0x4c44_4e41_4b44_4e54; // "TNDKANDL"
+/// Prefix of every arena's file name in /dev/shm: `tandem-kv-<pid>-<nonce>`.
+const NAME_PREFIX: &str = "tandem-kv-";
+/// How long a slot released without its KV landing waits before it is reused.
+pub const DEFAULT_QUARANTINE: Duration = Duration::from_secs(30);
+/// A writer refuses a descriptor this close to its expiry (it could not finish in time).
+const EXPIRY_MARGIN: Duration = Duration::from_millis(500);
+/// Arenas a writer keeps mapped (one per decode worker it sends to).
+const WRITER_CACHE: usize = 16;
+
+/// Where a reservation's handoff may be written: everything a writer needs, as it travels in
+/// the KV target.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Landing {
+    /// The arena's file name in /dev/shm.
+    pub name: String,
+    /// The arena's random nonce (also in its header): a file of the same name on another host
+    /// or from another incarnation does not match.
+    pub nonce: u64,
+    /// The arena's length in bytes.
+    pub arena_len: u64,
+    /// The slot's offset in the arena.
+    pub offset: u64,
+    /// The slot's capacity in bytes.
+    pub capacity: u64,
+    /// Unix time (ms) after which the decode worker stops waiting for this reservation.
+    pub expires_unix_ms: u64,
+}
+
+/// Why a landing write did not happen (the caller falls back to sending the handoff).
+#[derive(Debug, thiserror::Error)]
+pub enum LandingError {
+    /// The arena file cannot be opened or mapped from here (another host, another /dev/shm).
+    #[error("landing arena {name} is not reachable from this process")]
+    Unreachable {
+        /// The arena's name.
+        name: String,
+        /// What the system said.
+        #[source]
+        source: io::Error,
+    },
+    /// A file of that name exists but is not the arena the descriptor describes.
+    #[error("landing arena {0} is not the one the KV target describes")]
+    Mismatch(String),
+    /// The handoff does not fit the slot.
+    #[error("handoff of {len} bytes does not fit the {capacity}-byte landing slot")]
+    TooLarge {
+        /// Bytes to write.
+        len: u64,
+        /// The slot's capacity.
+        capacity: u64,
+    },
+    /// The descriptor's slot lies outside the arena.
+    #[error("landing slot [{offset}, +{capacity}) lies outside the {arena_len}-byte arena")]
+    OutOfBounds {
+        /// The slot's offset.
+        offset: u64,
+        /// Its capacity.
+        capacity: u64,
+        /// The arena's length.
+        arena_len: u64,
+    },
+    /// Too close to (or past) the descriptor's expiry: the decode side may have let go.
+    #[error("landing slot expired")]
+    Expired,
+}
+
+fn now_unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// A shared mapping of an arena file; unmapped on drop.
+struct Mapping {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the mapping is plain shared memory, valid until drop; concurrent access goes
+// through raw copies whose ranges the arena's allocator (or the descriptor) keeps apart.
+unsafe impl Send for Mapping {}
+// SAFETY: as above; `&Mapping` only hands out raw pointers and copies.
+unsafe impl Sync for Mapping {}
+
+impl Mapping {
+    /// Maps `len` bytes of the open file `fd` shared, read-write.
+    fn new(fd: libc::c_int, len: usize) -> io::Result<Mapping> {
+        // SAFETY: a fresh mapping of an open descriptor; the kernel checks the arguments.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd,
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(Mapping {
+            ptr: ptr.cast(),
+            len,
+        })
+    }
+
+    fn read_u64(&self, at: usize) -> u64 {
+        assert!(at + 8 <= self.len);
+        // SAFETY: in bounds (asserted); unaligned read of plain bytes.
+        unsafe { std::ptr::read_unaligned(self.ptr.add(at).cast::<u64>()) }
+    }
+
+    fn write_u64(&self, at: usize, v: u64) {
+        assert!(at + 8 <= self.len);
+        // SAFETY: in bounds (asserted); unaligned write of plain bytes.
+        unsafe { std::ptr::write_unaligned(self.ptr.add(at).cast::<u64>(), v) }
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: `ptr`/`len` are exactly what mmap returned; unmapped once.
+        unsafe { libc::munmap(self.ptr.cast(), self.len) };
+    }
+}
+
+/// An open file descriptor, closed on drop.
+struct Fd(libc::c_int);
+
+impl Drop for Fd {
+    fn drop(&mut self) {
+        // SAFETY: an fd this process opened, closed once.
+        unsafe { libc::close(self.0) };
+    }
+}
+
+fn shm_open(name: &str, flags: libc::c_int) -> io::Result<Fd> {
+    let c = CString::new(format!("/{name}")).map_err(|_| io::ErrorKind::InvalidInput)?;
+    // SAFETY: a NUL-terminated name; the kernel checks the flags.
+    let fd = unsafe { libc::shm_open(c.as_ptr(), flags, 0o600) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(Fd(fd))
+}
+
+fn shm_unlink(name: &str) {
+    if let Ok(c) = CString::new(format!("/{name}")) {
+        // SAFETY: a NUL-terminated name; failure (already gone) is harmless.
+        unsafe { libc::shm_unlink(c.as_ptr()) };
+    }
+}
+
+/// Free bytes of the filesystem holding /dev/shm.
+fn shm_free_bytes() -> io::Result<u64> {
+    let path = CString::new("/dev/shm").map_err(|_| io::ErrorKind::InvalidInput)?;
+    // SAFETY: statvfs fills the struct it is given; zeroed is a valid starting value.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: valid path and out-pointer.
+    if unsafe { libc::statvfs(path.as_ptr(), &mut st) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(st.f_bavail as u64 * st.f_frsize as u64)
+}
+
+/// Removes arenas left in /dev/shm by decode workers that died without cleaning up.
+fn remove_stale_arenas() {
+    let Ok(dir) = std::fs::read_dir("/dev/shm") else {
+        return;
+    };
+    for entry in dir.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let Some(rest) = name.strip_prefix(NAME_PREFIX) else {
+            continue;
+        };
+        let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<i32>().ok()) else {
+            continue;
+        };
+        // SAFETY: signal 0 only checks whether the process exists.
+        let gone = unsafe { libc::kill(pid, 0) } != 0
+            && io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH);
+        if gone {
+            tracing::info!(%name, "removing a KV landing arena left by a stopped worker");
+            shm_unlink(&name);
+        }
+    }
+}
+
+#[derive(Default)]
+struct Slots {
+    /// Free ranges, offset → length, coalesced.
+    free: BTreeMap<usize, usize>,
+    /// Ranges released without their KV landing, with when they may be reused.
+    quarantined: VecDeque<(Instant, usize, usize)>,
+    in_use: usize,
+}
+
+impl Slots {
+    fn release(&mut self, offset: usize, len: usize) {
+        let (mut offset, mut len) = (offset, len);
+        if let Some((&prev, &prev_len)) = self.free.range(..offset).next_back() {
+            if prev + prev_len == offset {
+                self.free.remove(&prev);
+                offset = prev;
+                len += prev_len;
+            }
+        }
+        if let Some(&next_len) = self.free.get(&(offset + len)) {
+            self.free.remove(&(offset + len));
+            len += next_len;
+        }
+        self.free.insert(offset, len);
+    }
+
+    fn reclaim(&mut self, now: Instant) {
+        while self
+            .quarantined
+            .front()
+            .is_some_and(|(at, _, _)| *at <= now)
+        {
+            if let Some((_, offset, len)) = self.quarantined.pop_front() {
+                self.release(offset, len);
+            }
+        }
+    }
+
+    /// First fit.
+    fn take(&mut self, len: usize) -> Option<usize> {
+        let (&offset, &have) = self.free.iter().find(|(_, &have)| have >= len)?;
+        self.free.remove(&offset);
+        if have > len {
+            self.free.insert(offset + len, have - len);
+        }
+        self.in_use += len;
+        Some(offset)
+    }
+}
+
+/// The decode worker's shared-memory arena of landing slots (see the module docs).
+pub struct LandingArena {
+    name: String,
+    nonce: u64,
+    map: Mapping,
+    slots: Mutex<Slots>,
+    quarantine: Duration,
+}
+
+impl std::fmt::Debug for LandingArena {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LandingArena")
+            .field("name", &self.name)
+            .field("len", &self.map.len)
+            .finish()
+    }
+}
+
+impl LandingArena {
+    /// Creates an arena of `len` bytes (rounded up to pages, plus a header page) in /dev/shm.
+    /// Fails when /dev/shm has less than twice that free (other users of it keep room).
+    pub fn create(len: usize) -> io::Result<Arc<LandingArena>> {
+        Self::with_quarantine(len, DEFAULT_QUARANTINE)
+    }
+
+    /// [`LandingArena::create`] with another quarantine for abandoned slots.
+    pub fn with_quarantine(len: usize, quarantine: Duration) -> io::Result<Arc<LandingArena>> {
+        remove_stale_arenas();
+        let total = HEADER_BYTES + len.div_ceil(SLOT_ALIGN) * SLOT_ALIGN;
+        let free = shm_free_bytes()?;
+        if free < 2 * total as u64 {
+            return Err(io::Error::new(
+                io::ErrorKind::OutOfMemory,
+                format!("/dev/shm has {free} bytes free, a {total}-byte arena needs twice that"),
+            ));
+        }
+        let nonce: u64 = rand::random::<u64>() | 1;
+        let name = format!("{NAME_PREFIX}{}-{nonce:016x}", std::process::id());
+        let fd = shm_open(&name, libc::O_RDWR | libc::O_CREAT | libc::O_EXCL)?;
+        let reserve = || -> io::Result<Mapping> {
+            // SAFETY: an fd we just created; reserves the file's pages now.
+            let rc = unsafe { libc::posix_fallocate(fd.0, 0, total as libc::off_t) };
+            if rc != 0 {
+                return Err(io::Error::from_raw_os_error(rc));
+            }
+            Mapping::new(fd.0, total)
+        };
+        let map = match reserve() {
+            Ok(map) => map,
+            Err(e) => {
+                shm_unlink(&name);
+                return Err(e);
+            }
+        };
+        map.write_u64(0, MAGIC);
+        map.write_u64(8, nonce);
+        map.write_u64(16, total as u64);
+        let mut slots = Slots::default();
+        slots.release(HEADER_BYTES, total - HEADER_BYTES);
+        tracing::info!(%name, bytes = total, "KV landing arena ready (shared memory for prefill workers on this host)");
+        Ok(Arc::new(LandingArena {
+            name,
+            nonce,
+            map,
+            slots: Mutex::new(slots),
+            quarantine,
+        }))
+    }
+
+    /// A slot of at least `len` bytes, or `None` while the arena has no room (the transfer
+    /// then travels over the transport).
+    pub fn slot(self: &Arc<Self>, len: usize) -> Option<LandingSlot> {
+        let len = len.max(1).div_ceil(SLOT_ALIGN) * SLOT_ALIGN;
+        let mut slots = self.slots.lock();
+        slots.reclaim(Instant::now());
+        let offset = slots.take(len)?;
+        Some(LandingSlot {
+            arena: Arc::clone(self),
+            offset,
+            len,
+            landed: false,
+        })
+    }
+
+    /// Bytes held by live slots (quarantined ones not counted).
+    pub fn bytes_in_use(&self) -> usize {
+        let slots = self.slots.lock();
+        slots.in_use
+    }
+
+    /// The arena's file name in /dev/shm.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+}
+
+impl Drop for LandingArena {
+    fn drop(&mut self) {
+        shm_unlink(&self.name);
+    }
+}
+
+/// One reservation's part of a [`LandingArena`]; released when dropped (at once if its KV
+/// landed, after the quarantine otherwise).
+pub struct LandingSlot {
+    arena: Arc<LandingArena>,
+    offset: usize,
+    len: usize,
+    landed: bool,
+}
+
+impl std::fmt::Debug for LandingSlot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LandingSlot")
+            .field("offset", &self.offset)
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+impl LandingSlot {
+    /// The descriptor a writer needs, valid until `expires_unix_ms`.
+    pub fn landing(&self, expires_unix_ms: u64) -> Landing {
+        Landing {
+            name: self.arena.name.clone(),
+            nonce: self.arena.nonce,
+            arena_len: self.arena.map.len as u64,
+            offset: self.offset as u64,
+            capacity: self.len as u64,
+            expires_unix_ms,
+        }
+    }
+
+    /// The slot's offset in its arena.
+    pub fn offset(&self) -> u64 {
+        self.offset as u64
+    }
+
+    /// The first `len` bytes written into the slot, once a completion record said they
+    /// landed (`None` when `len` exceeds the slot). Marks the slot landed: it is reused at
+    /// once when dropped.
+    ///
+    /// The bytes are shared memory: only a writer that ignored the fencing rules could
+    /// change them while they are read, and the checksums the decode side verifies over them
+    /// would then fail.
+    pub fn landed(&mut self, len: usize) -> Option<&[u8]> {
+        if len > self.len {
+            return None;
+        }
+        self.landed = true;
+        // SAFETY: [offset, offset + len) lies inside the mapping (the allocator handed out
+        // [offset, offset + self.len)), which lives as long as `self.arena`.
+        Some(unsafe { std::slice::from_raw_parts(self.arena.map.ptr.add(self.offset), len) })
+    }
+}
+
+impl Drop for LandingSlot {
+    fn drop(&mut self) {
+        let mut slots = self.arena.slots.lock();
+        if self.landed {
+            slots.in_use -= self.len;
+            slots.release(self.offset, self.len);
+        } else {
+            let until = Instant::now() + self.arena.quarantine;
+            slots.in_use -= self.len;
+            slots.quarantined.push_back((until, self.offset, self.len));
+        }
+    }
+}
+
+/// The prefill side: writes handoffs into landing slots of arenas it can map, keeping the
+/// last few arenas mapped.
+#[derive(Default)]
+pub struct LandingWriter {
+    maps: Mutex<HashMap<(String, u64), Arc<Mapping>>>,
+}
+
+impl std::fmt::Debug for LandingWriter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LandingWriter").finish_non_exhaustive()
+    }
+}
+
+impl LandingWriter {
+    /// A writer with no arena mapped yet.
+    pub fn new() -> LandingWriter {
+        LandingWriter::default()
+    }
+
+    /// Copies `payload` into the slot `to` describes. On error nothing was written (or the
+    /// slot is past its expiry and no longer watched): send the handoff another way.
+    pub fn write(&self, to: &Landing, payload: &[u8]) -> Result<(), LandingError> {
+        if payload.len() as u64 > to.capacity {
+            return Err(LandingError::TooLarge {
+                len: payload.len() as u64,
+                capacity: to.capacity,
+            });
+        }
+        if to.offset < HEADER_BYTES as u64
+            || to
+                .offset
+                .checked_add(to.capacity)
+                .is_none_or(|end| end > to.arena_len)
+        {
+            return Err(LandingError::OutOfBounds {
+                offset: to.offset,
+                capacity: to.capacity,
+                arena_len: to.arena_len,
+            });
+        }
+        let map = self.mapping(to)?;
+        if now_unix_ms() + EXPIRY_MARGIN.as_millis() as u64 >= to.expires_unix_ms {
+            return Err(LandingError::Expired);
+        }
+        // SAFETY: [offset, offset + len) is inside the mapping (checked against arena_len,
+        // which equals the mapping's length); the decode side does not read the slot before
+        // the completion record sent after this copy.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                payload.as_ptr(),
+                map.ptr.add(to.offset as usize),
+                payload.len(),
+            )
+        };
+        Ok(())
+    }
+
+    fn mapping(&self, to: &Landing) -> Result<Arc<Mapping>, LandingError> {
+        let key = (to.name.clone(), to.nonce);
+        if let Some(m) = self.maps.lock().get(&key) {
+            return Ok(Arc::clone(m));
+        }
+        let unreachable = |source| LandingError::Unreachable {
+            name: to.name.clone(),
+            source,
+        };
+        let fd = shm_open(&to.name, libc::O_RDWR).map_err(unreachable)?;
+        // SAFETY: fstat fills the struct it is given; zeroed is a valid starting value.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: an open fd and a valid out-pointer.
+        if unsafe { libc::fstat(fd.0, &mut st) } != 0 {
+            return Err(unreachable(io::Error::last_os_error()));
+        }
+        if st.st_size as u64 != to.arena_len {
+            return Err(LandingError::Mismatch(to.name.clone()));
+        }
+        let map = Mapping::new(fd.0, to.arena_len as usize).map_err(unreachable)?;
+        if map.read_u64(0) != MAGIC || map.read_u64(8) != to.nonce {
+            return Err(LandingError::Mismatch(to.name.clone()));
+        }
+        let map = Arc::new(map);
+        let mut maps = self.maps.lock();
+        if maps.len() >= WRITER_CACHE {
+            maps.clear(); // decode workers come and go; remapping is cheap
+        }
+        maps.insert(key, Arc::clone(&map));
+        Ok(map)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: usize = 1 << 20;
+
+    fn far() -> u64 {
+        now_unix_ms() + 60_000
+    }
+
+    #[test]
+    fn a_write_lands_in_the_slot_and_nowhere_else() {
+        let arena = LandingArena::create(4 * MIB).expect("arena");
+        let mut a = arena.slot(MIB).expect("slot a");
+        let mut b = arena.slot(MIB).expect("slot b");
+        let writer = LandingWriter::new();
+        let payload: Vec<u8> = (0..MIB - 5).map(|i| (i % 253) as u8).collect();
+        writer.write(&a.landing(far()), &payload).expect("write a");
+        writer
+            .write(&b.landing(far()), &[7u8; 100])
+            .expect("write b");
+        assert!(a.landed(payload.len()).expect("fits") == &payload[..]);
+        assert_eq!(b.landed(100).expect("fits"), &[7u8; 100]);
+        assert!(a.landed(MIB + 1).is_none(), "past the slot");
+    }
+
+    #[test]
+    fn writers_refuse_what_does_not_fit_or_has_expired_or_is_another_arena() {
+        let arena = LandingArena::create(2 * MIB).expect("arena");
+        let slot = arena.slot(4096).expect("slot");
+        let writer = LandingWriter::new();
+        let to = slot.landing(far());
+        assert!(matches!(
+            writer.write(&to, &vec![0u8; 4097]),
+            Err(LandingError::TooLarge { .. })
+        ));
+        let expired = slot.landing(now_unix_ms());
+        assert!(matches!(
+            writer.write(&expired, b"late"),
+            Err(LandingError::Expired)
+        ));
+        let other = Landing {
+            nonce: to.nonce ^ 2,
+            ..to.clone()
+        };
+        assert!(matches!(
+            writer.write(&other, b"x"),
+            Err(LandingError::Mismatch(_))
+        ));
+        let gone = Landing {
+            name: format!("{NAME_PREFIX}0-none"),
+            ..to.clone()
+        };
+        assert!(matches!(
+            writer.write(&gone, b"x"),
+            Err(LandingError::Unreachable { .. })
+        ));
+        let outside = Landing {
+            offset: to.arena_len - 4096,
+            capacity: 8192,
+            ..to
+        };
+        assert!(matches!(
+            writer.write(&outside, b"x"),
+            Err(LandingError::OutOfBounds { .. })
+        ));
+    }
+
+    #[test]
+    fn abandoned_slots_wait_out_the_quarantine_landed_ones_do_not() {
+        let arena =
+            LandingArena::with_quarantine(2 * MIB, Duration::from_secs(3600)).expect("arena");
+        let whole = 2 * MIB; // every byte after the header
+        let mut landed = arena.slot(whole).expect("the whole arena");
+        assert!(arena.slot(4096).is_none(), "full");
+        landed.landed(10);
+        drop(landed);
+        let abandoned = arena.slot(whole).expect("reused at once after landing");
+        drop(abandoned);
+        assert!(
+            arena.slot(4096).is_none(),
+            "an abandoned slot is not handed out before its quarantine ends"
+        );
+        let short = LandingArena::with_quarantine(2 * MIB, Duration::ZERO).expect("arena");
+        drop(short.slot(whole).expect("slot"));
+        assert!(
+            short.slot(whole).is_some(),
+            "reclaimed once the quarantine is over"
+        );
+    }
+
+    #[test]
+    fn free_ranges_coalesce() {
+        let arena = LandingArena::create(3 * MIB).expect("arena");
+        let mut s: Vec<LandingSlot> = (0..3).map(|_| arena.slot(MIB).expect("slot")).collect();
+        for slot in &mut s {
+            slot.landed(0);
+        }
+        // Free the middle, then the ends: one 3 MiB range again.
+        let last = s.pop().expect("three");
+        let middle = s.pop().expect("three");
+        drop(middle);
+        drop(s);
+        drop(last);
+        assert!(arena.slot(3 * MIB).is_some());
+        assert_eq!(arena.bytes_in_use(), 0);
+    }
+
+    #[test]
+    fn the_arena_file_goes_with_the_arena() {
+        let arena = LandingArena::create(MIB).expect("arena");
+        let path = format!("/dev/shm/{}", arena.name());
+        assert!(std::path::Path::new(&path).exists());
+        drop(arena);
+        assert!(!std::path::Path::new(&path).exists());
+    }
+}
