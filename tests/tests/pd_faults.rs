@@ -174,3 +174,91 @@ fn workers_end_a_request_at_its_deadline_when_the_router_cannot_tell_them() {
         drop(stream);
     });
 }
+
+/// The stale-writer race at the workers themselves (no router to cancel the late prefill): a
+/// decode reservation whose KV does not arrive within its 1 s lease is released; a prefill
+/// that only then pushes to that stale target touches nobody's memory — its writer refuses
+/// the expired landing slot (nothing lands: `kv_bytes_landed` stays 0) and the message it
+/// sends over the transport instead is dropped for its stale reservation — and the request
+/// made next, on the blocks the first one held, answers as an undisturbed pair does, its KV
+/// landing in shared memory as usual.
+#[test]
+fn a_push_to_an_expired_reservation_touches_nobody_elses_memory() {
+    use tandem_proto::v1 as pb;
+    let cluster = Cluster::start(ClusterOptions {
+        decode_args: vec!["--kv-lease".to_string(), "1s".to_string()],
+        ..ClusterOptions::default()
+    });
+    let (url, prefill, decode) = (
+        cluster.url.clone(),
+        cluster.prefill_addr.clone(),
+        cluster.decode_addr.clone(),
+    );
+    rt().block_on(async move {
+        let request = pb::GenerateRequest {
+            request_id: "stale".into(),
+            prompt_token_ids: (0..40).map(|i| 200 + i * 3).collect(),
+            sampling: Some(pb::SamplingParams {
+                max_tokens: 4,
+                ..Default::default()
+            }),
+        };
+        let mut decoder = pb::worker_client::WorkerClient::connect(decode).await.unwrap();
+        let mut stream = decoder
+            .decode(pb::DecodeRequest {
+                request: Some(request.clone()),
+                dp_rank: None,
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        let target = match stream.next().await {
+            Some(Ok(pb::DecodeEvent {
+                event: Some(pb::decode_event::Event::KvTarget(t)),
+            })) => t,
+            other => panic!("expected the KV target first, got {other:?}"),
+        };
+        assert!(target.landing.is_some(), "a landing slot was offered: {target:?}");
+        // The lease runs out: the decode side gives up and releases the reservation.
+        let ended = stream.next().await;
+        assert!(
+            matches!(ended, Some(Err(_))),
+            "the decode stream ends with an error when no KV arrives: {ended:?}"
+        );
+        let mut prefiller = pb::worker_client::WorkerClient::connect(prefill).await.unwrap();
+        let landed = |mut w: pb::worker_client::WorkerClient<tonic::transport::Channel>| async move {
+            w.stats(pb::StatsRequest::default())
+                .await
+                .unwrap()
+                .into_inner()
+                .kv_bytes_landed
+        };
+        let late = prefiller
+            .prefill(pb::PrefillRequest {
+                request: Some(request),
+                kv_target: Some(target),
+            })
+            .await;
+        assert!(late.is_ok(), "the late push itself goes out: {late:?}");
+        assert_eq!(
+            landed(prefiller.clone()).await,
+            0,
+            "the expired slot was not written"
+        );
+        let c = reqwest::Client::new();
+        let body = json!({"model": "smollm2-135m-instruct", "max_tokens": 16, "temperature": 0,
+                          "messages": [{"role": "user", "content": "What is the capital of France?"}]});
+        let (status, answer) = post(&c, &format!("{url}/v1/chat/completions"), body).await;
+        assert_eq!(status, 200, "{answer}");
+        assert_eq!(
+            answer["choices"][0]["message"]["content"],
+            "The capital of France is Paris."
+        );
+        assert!(
+            landed(prefiller).await > 0,
+            "the next request's KV landed in shared memory"
+        );
+        let workers = tandem_e2e::workers_when_idle(&c, &url).await;
+        assert!(tandem_e2e::pools_full(&workers, None), "{workers}");
+    });
+}

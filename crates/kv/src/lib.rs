@@ -5,6 +5,9 @@
 //! messages, so one code path runs over TCP or shared memory on a laptop and over RDMA in
 //! production.
 //!
+//! Between workers on one host the handoff itself skips the transport: the decode worker's
+//! [`landing`] arena (shared memory) takes it, and only a completion record is sent.
+//!
 //! Why it looks the way it does:
 //!
 //! - **One background thread per side.** A UCX worker is single-threaded and must be
