@@ -62,6 +62,14 @@ phase_pd() {
     for _ in $(seq 1 180); do curl -sf "localhost:$port/ready" >/dev/null && break; sleep 1; done
     curl -s "localhost:$port/v1/completions" -H 'Content-Type: application/json' \
       -d "{\"model\": \"smollm2\", \"prompt\": \"$prompt\", \"max_tokens\": 16, \"temperature\": 0}" > "$OUT/pd-$port.json"
+    # Which path the handoff took: shared-memory landing slot or the transport.
+    curl -s "localhost:$port/admin/workers?wait_idle_ms=5000" > "$OUT/pd-workers-$port.json"
+    python3 - "$OUT/pd-workers-$port.json" <<'PY' || true
+import json, sys
+for w in json.load(open(sys.argv[1]))["workers"]:
+    print("  %s: kv_bytes_transferred %s, landed in shared memory %s"
+          % (w["role"], w["kv_bytes_transferred"], w.get("kv_bytes_landed", 0)))
+PY
     kill "$pid"; wait "$pid" 2>/dev/null
     python3 - "$OUT/pd-single.json" "$OUT/pd-$port.json" "$1" "$2" <<'PY' || status=1
 import json, sys
