@@ -465,9 +465,21 @@ impl LandingWriter {
     /// Copies `payload` into the slot `to` describes. On error nothing was written (or the
     /// slot is past its expiry and no longer watched): send the handoff another way.
     pub fn write(&self, to: &Landing, payload: &[u8]) -> Result<(), LandingError> {
-        if payload.len() as u64 > to.capacity {
+        self.write_with(to, payload.len(), |dst| dst.copy_from_slice(payload))
+    }
+
+    /// Lets `fill` write the first `len` bytes of the slot `to` describes (e.g. encode a
+    /// message straight into it). `fill` only runs when the slot can take them; on error
+    /// nothing was written.
+    pub fn write_with(
+        &self,
+        to: &Landing,
+        len: usize,
+        fill: impl FnOnce(&mut [u8]),
+    ) -> Result<(), LandingError> {
+        if len as u64 > to.capacity {
             return Err(LandingError::TooLarge {
-                len: payload.len() as u64,
+                len: len as u64,
                 capacity: to.capacity,
             });
         }
@@ -488,15 +500,11 @@ impl LandingWriter {
             return Err(LandingError::Expired);
         }
         // SAFETY: [offset, offset + len) is inside the mapping (checked against arena_len,
-        // which equals the mapping's length); the decode side does not read the slot before
-        // the completion record sent after this copy.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                payload.as_ptr(),
-                map.ptr.add(to.offset as usize),
-                payload.len(),
-            )
-        };
+        // which equals the mapping's length) and the mapping outlives the call; the decode
+        // side does not touch the slot before the completion record sent after this write,
+        // and no other writer is given the same slot.
+        let dst = unsafe { std::slice::from_raw_parts_mut(map.ptr.add(to.offset as usize), len) };
+        fill(dst);
         Ok(())
     }
 

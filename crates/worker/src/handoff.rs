@@ -105,9 +105,35 @@ pub fn encode(
     segments: &[Segment],
     body: &[u8],
 ) -> Vec<u8> {
+    let mut out = encode_head(
+        reservation,
+        epoch,
+        first_token,
+        num_tokens,
+        model_id,
+        segments,
+        body,
+    );
+    out.reserve_exact(body.len());
+    out.extend_from_slice(body);
+    out
+}
+
+/// The part of a handoff message before its body (header and manifest, whose checksums
+/// cover `body`): the message is these bytes followed by `body`.
+#[allow(clippy::too_many_arguments)]
+pub fn encode_head(
+    reservation: ReservationId,
+    epoch: Epoch,
+    first_token: u32,
+    num_tokens: u32,
+    model_id: u64,
+    segments: &[Segment],
+    body: &[u8],
+) -> Vec<u8> {
     let manifest = encode_manifest(segments, body);
     let sum = u64::from(checksum(&manifest));
-    let mut out = Vec::with_capacity(HEADER_LEN + manifest.len() + body.len());
+    let mut out = Vec::with_capacity(HEADER_LEN + manifest.len());
     out.extend_from_slice(&MAGIC.to_le_bytes());
     out.extend_from_slice(&reservation.0.to_le_bytes());
     out.extend_from_slice(&epoch.0.to_le_bytes());
@@ -118,7 +144,6 @@ pub fn encode(
     out.extend_from_slice(&sum.to_le_bytes());
     out.extend_from_slice(&(segments.len() as u32).to_le_bytes());
     out.extend_from_slice(&manifest);
-    out.extend_from_slice(body);
     out
 }
 

@@ -414,23 +414,9 @@ impl Shared {
         if finish.is_none() {
             let reservation = tandem_core::ReservationId(target.reservation_id);
             let epoch = tandem_core::Epoch(target.epoch);
-            let body_len = handoff.body.len();
             let model_id = self.opts.model_id;
-            let payload = tokio::task::spawn_blocking(move || {
-                handoff::encode(
-                    reservation,
-                    epoch,
-                    first_token,
-                    prompt_len as u32,
-                    model_id,
-                    &handoff.segments,
-                    &handoff.body,
-                )
-            })
-            .await
-            .map_err(|e| Error::InvalidRequest(format!("encoding task failed: {e}")))?;
-            let mut payload = payload;
             let mut dropped = false;
+            let mut corrupt = None;
             if let Some(chaos) = &self.opts.transfer_chaos {
                 use tandem_chaos::TransferFault;
                 let fault = chaos.next();
@@ -441,29 +427,39 @@ impl Shared {
                     Some(TransferFault::Abort) => {
                         return Err(Error::InjectedTransferFault("KV push aborted".into()))
                     }
-                    Some(TransferFault::Corrupt(i)) => {
-                        // In the body, past the header and manifest: what the checksum covers.
-                        let n = body_len.max(1);
-                        let at = payload.len() - n + i % n;
-                        payload[at] ^= 0x5a;
-                    }
+                    Some(TransferFault::Corrupt(i)) => corrupt = Some(i),
                     Some(TransferFault::Delay(d)) => tokio::time::sleep(d).await,
                     Some(TransferFault::Drop) => dropped = true,
                     None => {}
                 }
             }
-            sent = payload.len() as u64;
             let sender = self
                 .sender
                 .as_ref()
                 .ok_or_else(|| Error::InvalidRequest("no transport".into()))?;
+            let message = Outgoing {
+                reservation,
+                epoch,
+                first_token,
+                num_tokens: prompt_len as u32,
+                model_id,
+                handoff,
+                corrupt,
+            };
+            // A dropped push (chaos) writes nowhere.
+            let landing = target
+                .landing
+                .as_ref()
+                .filter(|_| !dropped)
+                .map(landing_from_pb);
+            let (writer, landed) = (self.landing_writer.clone(), self.kv_bytes_landed.clone());
+            let (message, len) = tokio::task::spawn_blocking(move || {
+                message.encode(landing.as_ref().map(|l| (l, &*writer, &*landed)))
+            })
+            .await
+            .map_err(|e| Error::InvalidRequest(format!("encoding task failed: {e}")))?;
+            sent = len as u64;
             if !dropped {
-                // Into the decode worker's landing slot when it is on this host; then only
-                // the completion record travels.
-                let message = match &target.landing {
-                    Some(l) => self.write_landing(l, reservation, epoch, payload).await?,
-                    None => payload,
-                };
                 sender
                     .send(
                         &target.transfer_address,
@@ -482,39 +478,6 @@ impl Shared {
             finish_reason: finish_to_pb(finish),
             first_logprobs: logprobs.map(logprobs_to_pb),
         })
-    }
-
-    /// Writes `payload` into the landing slot `l` and returns the completion record to send;
-    /// returns `payload` itself when the slot cannot take it (another host, no room, expired).
-    async fn write_landing(
-        &self,
-        l: &pb::KvLanding,
-        reservation: tandem_core::ReservationId,
-        epoch: tandem_core::Epoch,
-        payload: Vec<u8>,
-    ) -> Result<Vec<u8>> {
-        let landing = landing_from_pb(l);
-        let (writer, landed) = (self.landing_writer.clone(), self.kv_bytes_landed.clone());
-        tokio::task::spawn_blocking(move || {
-            match writer.write(&landing, &payload) {
-                Ok(()) => {
-                    let len = payload.len() as u64;
-                    landed.fetch_add(len, Ordering::Relaxed);
-                    handoff::encode_landed(&handoff::Landed {
-                        reservation,
-                        epoch,
-                        offset: landing.offset,
-                        len,
-                    })
-                }
-                Err(e) => {
-                    tracing::debug!(error = %e, "KV landing slot not used; sending the handoff over the transport");
-                    payload
-                }
-            }
-        })
-        .await
-        .map_err(|e| Error::InvalidRequest(format!("landing write task failed: {e}")))
     }
 
     /// The decode leg after the KV target was sent: wait for KV, then stream tokens.
@@ -832,5 +795,64 @@ fn landing_from_pb(l: &pb::KvLanding) -> Landing {
         offset: l.offset,
         capacity: l.capacity,
         expires_unix_ms: l.expires_unix_ms,
+    }
+}
+
+/// A handoff on its way out of a prefill worker.
+struct Outgoing {
+    reservation: tandem_core::ReservationId,
+    epoch: tandem_core::Epoch,
+    first_token: u32,
+    num_tokens: u32,
+    model_id: u64,
+    handoff: tandem_engine::Handoff,
+    /// Chaos: flip the byte at this index of the body (modulo its length).
+    corrupt: Option<usize>,
+}
+
+impl Outgoing {
+    /// Encodes the handoff message straight into the landing slot when one is offered and
+    /// reachable (returning the completion record to send), or into a message of its own;
+    /// returns it with the handoff message's length.
+    fn encode(self, landing: Option<(&Landing, &LandingWriter, &AtomicU64)>) -> (Vec<u8>, usize) {
+        let h = &self.handoff;
+        let head = handoff::encode_head(
+            self.reservation,
+            self.epoch,
+            self.first_token,
+            self.num_tokens,
+            self.model_id,
+            &h.segments,
+            &h.body,
+        );
+        let len = head.len() + h.body.len();
+        let fill = |out: &mut [u8]| {
+            out[..head.len()].copy_from_slice(&head);
+            out[head.len()..].copy_from_slice(&h.body);
+            if let Some(i) = self.corrupt {
+                // In the body, past the header and manifest: what the checksums cover.
+                let n = h.body.len().max(1);
+                out[len - n + i % n] ^= 0x5a;
+            }
+        };
+        if let Some((to, writer, landed)) = landing {
+            match writer.write_with(to, len, fill) {
+                Ok(()) => {
+                    landed.fetch_add(len as u64, Ordering::Relaxed);
+                    let record = handoff::encode_landed(&handoff::Landed {
+                        reservation: self.reservation,
+                        epoch: self.epoch,
+                        offset: to.offset,
+                        len: len as u64,
+                    });
+                    return (record, len);
+                }
+                Err(e) => tracing::debug!(error = %e,
+                    "KV landing slot not used; sending the handoff over the transport"),
+            }
+        }
+        let mut message = vec![0u8; len];
+        fill(&mut message);
+        (message, len)
     }
 }
