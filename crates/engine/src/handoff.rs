@@ -6,6 +6,7 @@
 
 use crate::tensor::{DType, HostTensor};
 use crate::{Error, Result};
+use std::sync::Arc;
 
 /// What a segment of the body holds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -129,7 +130,82 @@ pub struct Handoff {
     /// Segments, in body order.
     pub segments: Vec<Segment>,
     /// Their bytes, concatenated (little-endian elements).
-    pub body: Vec<u8>,
+    pub body: Body,
+}
+
+/// A handoff's bytes: owned, or a range of memory the handoff shares with whoever received it
+/// (the transport's message, a shared-memory landing slot), so an import reads them where they
+/// arrived instead of from a copy.
+#[derive(Clone)]
+pub enum Body {
+    /// Bytes of its own.
+    Owned(Vec<u8>),
+    /// `range` of bytes kept alive by `bytes`.
+    Shared {
+        /// What holds the bytes.
+        bytes: Arc<dyn AsRef<[u8]> + Send + Sync>,
+        /// The body's part of them.
+        range: std::ops::Range<usize>,
+    },
+}
+
+impl Body {
+    /// `range` of `bytes` (which must lie inside them).
+    pub fn shared(
+        bytes: Arc<dyn AsRef<[u8]> + Send + Sync>,
+        range: std::ops::Range<usize>,
+    ) -> Self {
+        assert!(
+            range.end <= (*bytes).as_ref().len(),
+            "body range past its bytes"
+        );
+        Body::Shared { bytes, range }
+    }
+
+    /// The bytes to change in place (a shared body is copied first).
+    pub fn to_mut(&mut self) -> &mut Vec<u8> {
+        if let Body::Shared { .. } = self {
+            *self = Body::Owned(self.to_vec());
+        }
+        match self {
+            Body::Owned(v) => v,
+            Body::Shared { .. } => unreachable!("made owned above"),
+        }
+    }
+}
+
+impl Default for Body {
+    fn default() -> Self {
+        Body::Owned(Vec::new())
+    }
+}
+
+impl From<Vec<u8>> for Body {
+    fn from(v: Vec<u8>) -> Self {
+        Body::Owned(v)
+    }
+}
+
+impl std::ops::Deref for Body {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            Body::Owned(v) => v,
+            Body::Shared { bytes, range } => &(**bytes).as_ref()[range.clone()],
+        }
+    }
+}
+
+impl PartialEq for Body {
+    fn eq(&self, other: &Self) -> bool {
+        **self == **other
+    }
+}
+
+impl std::fmt::Debug for Body {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Body({} bytes)", self.len())
+    }
 }
 
 impl Handoff {
@@ -142,7 +218,7 @@ impl Handoff {
             dtype: t.dtype(),
             shape: t.shape().iter().map(|&d| d as u32).collect(),
         });
-        self.body.extend_from_slice(&t.to_le_bytes());
+        self.body.to_mut().extend_from_slice(&t.to_le_bytes());
     }
 
     /// Appends f32 values as a segment of the given shape.
@@ -162,7 +238,9 @@ impl Handoff {
             dtype: DType::F32,
             shape: shape.iter().map(|&d| d as u32).collect(),
         });
-        self.body.extend_from_slice(bytemuck::cast_slice(values));
+        self.body
+            .to_mut()
+            .extend_from_slice(bytemuck::cast_slice(values));
     }
 
     /// Checks that the manifest describes exactly the body.
@@ -278,6 +356,21 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_shared_body_reads_its_range_and_copies_only_when_changed() {
+        let bytes: Arc<dyn AsRef<[u8]> + Send + Sync> = Arc::new(vec![9u8, 1, 2, 3, 9]);
+        let mut body = Body::shared(bytes.clone(), 1..4);
+        assert_eq!(&*body, &[1, 2, 3]);
+        assert_eq!(body, Body::from(vec![1, 2, 3]));
+        body.to_mut().push(4);
+        assert_eq!(&*body, &[1, 2, 3, 4]);
+        assert_eq!(
+            (*bytes).as_ref(),
+            &[9, 1, 2, 3, 9],
+            "the shared bytes are untouched"
+        );
+    }
+
+    #[test]
     fn codes_round_trip() {
         for k in SegmentKind::ALL {
             assert_eq!(SegmentKind::from_code(k.code()), Some(k));
@@ -307,7 +400,7 @@ mod tests {
         );
         r.finish().expect("nothing left");
         let mut h = h.clone();
-        h.body.pop();
+        h.body.to_mut().pop();
         assert!(SegmentReader::new(&h).is_err(), "a short body");
     }
 }

@@ -37,7 +37,7 @@ pub mod synthetic;
 pub mod tensor;
 
 pub use backend::{Backend, CpuBackend, Ops, StepShape};
-pub use handoff::{Handoff, Segment, SegmentKind};
+pub use handoff::{Body, Handoff, Segment, SegmentKind};
 pub use kv_pool::{BlockAllocation, BlockAllocator, KvCache, KvLayout};
 pub use llama::{LlamaModel, LlamaWorkspace, TpShard};
 pub use llama_ranks::{LlamaRanks, LlamaServed};

@@ -529,7 +529,7 @@ impl<B: Ops> ServedModel for LlamaServed<B> {
         let kv = self.ranks.read_kv(r.blocks(), prompt_len)?;
         Ok(Handoff {
             segments: kv_segments(&self.ranks.layout(), prompt_len),
-            body: kv.to_le_bytes(),
+            body: kv.to_le_bytes().into(),
         })
     }
 

@@ -234,8 +234,8 @@ impl HostTensor {
     pub fn to_le_bytes(&self) -> Vec<u8> {
         match &self.data {
             HostData::F32(v) => bytemuck::cast_slice(v).to_vec(),
-            HostData::BF16(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-            HostData::F16(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            HostData::BF16(v) => bytemuck::cast_slice(v).to_vec(),
+            HostData::F16(v) => bytemuck::cast_slice(v).to_vec(),
             HostData::F8E4M3(v) => v.clone(),
             HostData::U32(v) => bytemuck::cast_slice(v).to_vec(),
             HostData::I32(v) => bytemuck::cast_slice(v).to_vec(),
@@ -251,14 +251,19 @@ impl HostTensor {
                 bytes.len()
             )));
         }
-        let w4 = || bytes.chunks_exact(4).map(|b| [b[0], b[1], b[2], b[3]]);
-        let w2 = || bytes.chunks_exact(2).map(|b| [b[0], b[1]]);
+        // One copy into storage of the element type (hosts are little-endian, as in
+        // `to_le_bytes`); an element-by-element collect was most of a long prompt's import.
+        fn copied<T: bytemuck::Pod>(bytes: &[u8]) -> Vec<T> {
+            let mut v = vec![T::zeroed(); bytes.len() / std::mem::size_of::<T>()];
+            bytemuck::cast_slice_mut::<T, u8>(&mut v).copy_from_slice(bytes);
+            v
+        }
         let data = match dtype {
-            DType::F32 => HostData::F32(w4().map(f32::from_le_bytes).collect()),
-            DType::U32 => HostData::U32(w4().map(u32::from_le_bytes).collect()),
-            DType::I32 => HostData::I32(w4().map(i32::from_le_bytes).collect()),
-            DType::BF16 => HostData::BF16(w2().map(bf16::from_le_bytes).collect()),
-            DType::F16 => HostData::F16(w2().map(f16::from_le_bytes).collect()),
+            DType::F32 => HostData::F32(copied(bytes)),
+            DType::U32 => HostData::U32(copied(bytes)),
+            DType::I32 => HostData::I32(copied(bytes)),
+            DType::BF16 => HostData::BF16(copied::<bf16>(bytes)),
+            DType::F16 => HostData::F16(copied::<f16>(bytes)),
             DType::F8E4M3 => HostData::F8E4M3(bytes.to_vec()),
         };
         Self::new(shape, data)
@@ -346,6 +351,13 @@ mod tests {
         }
         assert!(HostTensor::from_le_bytes(DType::BF16, &[2, 3], &[0; 11]).is_err());
         assert!(HostTensor::from_f32(&[4], vec![1.0]).is_err());
+        // The wire order is little-endian whatever the element type (what other workers read).
+        let one = HostTensor::from_f32(&[1], vec![1.0]).expect("1");
+        assert_eq!(one.to_le_bytes(), [0, 0, 0x80, 0x3f]);
+        let one_bf16 = one.to_dtype(DType::BF16).expect("float");
+        assert_eq!(one_bf16.to_le_bytes(), [0x80, 0x3f]);
+        let back = HostTensor::from_le_bytes(DType::BF16, &[1], &[0x80, 0x3f]).expect("2 bytes");
+        assert_eq!(back.to_f32_vec(), [1.0]);
     }
 
     #[test]

@@ -429,6 +429,33 @@ impl LandingSlot {
     }
 }
 
+impl LandingSlot {
+    /// [`LandingSlot::landed`], keeping the slot: the bytes stay readable (and the slot held)
+    /// as long as the returned value lives.
+    pub fn into_landed(mut self, len: usize) -> Option<LandedBytes> {
+        self.landed(len)?;
+        Some(LandedBytes { slot: self, len })
+    }
+}
+
+/// The bytes of a slot whose handoff landed (see [`LandingSlot::into_landed`]); the slot is
+/// released when this is dropped.
+#[derive(Debug)]
+pub struct LandedBytes {
+    slot: LandingSlot,
+    len: usize,
+}
+
+impl AsRef<[u8]> for LandedBytes {
+    fn as_ref(&self) -> &[u8] {
+        let s = &self.slot;
+        // SAFETY: `len` was checked against the slot's length in `into_landed`; the slot lies
+        // inside the mapping, which lives as long as `s.arena` (see `LandingSlot::landed` on
+        // what may write it meanwhile).
+        unsafe { std::slice::from_raw_parts(s.arena.map.ptr.add(s.offset), self.len) }
+    }
+}
+
 impl Drop for LandingSlot {
     fn drop(&mut self) {
         let mut slots = self.arena.slots.lock();

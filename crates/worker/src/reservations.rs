@@ -25,12 +25,12 @@ pub enum Arrived {
 }
 
 impl Arrived {
-    /// The handoff message's bytes; `None` when a landing record claimed more bytes than its
-    /// slot holds.
-    pub fn bytes(&mut self) -> Option<&[u8]> {
+    /// The handoff message's bytes, shareable with the handoff that reads them; `None` when a
+    /// landing record claimed more bytes than its slot holds.
+    pub fn into_shared(self) -> Option<Arc<dyn AsRef<[u8]> + Send + Sync>> {
         match self {
-            Arrived::Message(m) => Some(m),
-            Arrived::Landed { slot, len } => slot.landed(*len),
+            Arrived::Message(m) => Some(Arc::new(m)),
+            Arrived::Landed { slot, len } => Some(Arc::new(slot.into_landed(len)?)),
         }
     }
 }
@@ -157,8 +157,12 @@ mod tests {
         assert!(!r.deliver(ReservationId(999), p.epoch, vec![1]));
         assert_eq!(r.rejected(), 2);
         assert!(r.deliver(p.id, p.epoch, vec![7]));
-        let mut got = p.kv.try_recv().expect("delivered");
-        assert_eq!(got.bytes(), Some(&[7u8][..]));
+        let got =
+            p.kv.try_recv()
+                .expect("delivered")
+                .into_shared()
+                .expect("bytes");
+        assert_eq!((*got).as_ref(), &[7u8][..]);
         assert!(!r.deliver(p.id, p.epoch, vec![8]), "delivered only once");
     }
 
@@ -196,8 +200,12 @@ mod tests {
         );
         LandingWriter::new().write(&landing, b"kv!").expect("write");
         assert!(r.deliver_landed(p.id, p.epoch, landing.offset, 3));
-        let mut got = p.kv.try_recv().expect("delivered");
-        assert_eq!(got.bytes(), Some(&b"kv!"[..]));
+        let got =
+            p.kv.try_recv()
+                .expect("delivered")
+                .into_shared()
+                .expect("bytes");
+        assert_eq!((*got).as_ref(), &b"kv!"[..]);
         assert_eq!(r.rejected(), 3);
     }
 }

@@ -490,7 +490,7 @@ impl Shared {
         tx: &mpsc::Sender<std::result::Result<pb::DecodeEvent, Status>>,
     ) -> Result<()> {
         let lease = self.opts.kv_lease;
-        let mut message = tokio::select! {
+        let message = tokio::select! {
             m = &mut pending.kv => m.map_err(|_| Error::Deadline("reservation dropped".into()))?,
             _ = tokio::time::sleep(lease) => {
                 return Err(Error::KvNotArrived(format!("no KV arrived within the {lease:?} lease")));
@@ -501,10 +501,15 @@ impl Shared {
         let engine = self.engine.clone();
         let model_id = self.opts.model_id;
         let mut events = tokio::task::spawn_blocking(move || -> Result<_> {
-            let bytes = message.bytes().ok_or_else(|| {
+            // The handoff reads its body where it arrived (the message, or the landing slot,
+            // released once the import is done with it).
+            let shared = message.into_shared().ok_or_else(|| {
                 Error::InvalidRequest("a KV landing record claims more bytes than its slot".into())
             })?;
+            let bytes = (*shared).as_ref();
             let (header, body) = handoff::decode_bytes(bytes)?;
+            let start = body.as_ptr() as usize - bytes.as_ptr() as usize;
+            let body = tandem_engine::Body::shared(shared.clone(), start..start + body.len());
             if header.model_id != model_id {
                 return Err(Error::InvalidRequest(format!(
                     "KV computed by a different checkpoint (model id {:016x}, this decode worker's is {model_id:016x})",
@@ -521,7 +526,7 @@ impl Shared {
             let first_token = header.first_token;
             let handoff = tandem_engine::Handoff {
                 segments: header.segments,
-                body: body.to_vec(),
+                body,
             };
             engine.decode(prompt, params, allocation, handoff, first_token)
         })

@@ -310,13 +310,13 @@ mod tests {
         // Wrong prompt length, a truncated body, a missing segment: refused.
         assert!(spec.prepare(h.clone(), 8, &r).is_err());
         let mut short = h.clone();
-        short.body.truncate(short.body.len() - 4);
+        let n = short.body.len() - 4;
+        short.body.to_mut().truncate(n);
         assert!(spec.prepare(short, 7, &r).is_err());
         let mut missing = h.clone();
         let last = missing.segments.pop().expect("a segment");
-        missing
-            .body
-            .truncate(missing.body.len() - last.len_bytes() as usize);
+        let n = missing.body.len() - last.len_bytes() as usize;
+        missing.body.to_mut().truncate(n);
         let err = spec.prepare(missing, 7, &r).expect_err("missing segment");
         assert!(err.to_string().contains("ends before"), "{err}");
         assert_eq!(
