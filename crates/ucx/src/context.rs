@@ -6,7 +6,7 @@ use tandem_ucx_sys as sys;
 use crate::config::Config;
 use crate::error::{check, Result};
 
-/// A UCP application context with the tag-matching and wakeup features.
+/// A UCP application context with the tag-matching, RMA (one-sided put) and wakeup features.
 ///
 /// Cheap to clone (reference-counted); the context is cleaned up when the last clone and the
 /// last [`Worker`](crate::Worker) made from it are gone.
@@ -24,7 +24,9 @@ impl Context {
     pub fn new(config: &Config) -> Result<Context> {
         let params = sys::ucp_params_t {
             field_mask: u64::from(sys::UCP_PARAM_FIELD_FEATURES),
-            features: u64::from(sys::UCP_FEATURE_TAG | sys::UCP_FEATURE_WAKEUP),
+            features: u64::from(
+                sys::UCP_FEATURE_TAG | sys::UCP_FEATURE_RMA | sys::UCP_FEATURE_WAKEUP,
+            ),
             ..Default::default()
         };
         let mut handle = ptr::null_mut();

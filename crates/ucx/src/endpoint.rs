@@ -138,6 +138,14 @@ impl Endpoint {
         })
     }
 
+    pub(crate) fn handle(&self) -> sys::ucp_ep_h {
+        self.handle
+    }
+
+    pub(crate) fn worker_inner(&self) -> Rc<WorkerInner> {
+        Rc::clone(&self.worker)
+    }
+
     /// The peer's socket address, when known.
     pub fn peer_addr(&self) -> Option<SocketAddr> {
         self.peer

@@ -4,8 +4,9 @@
 //! shared memory on a laptop and over RDMA in production. This crate owns every `unsafe` call
 //! into UCX and exposes only what the KV transport needs: a [`Context`], a [`Worker`] driven
 //! by one thread, sockaddr-based connection establishment ([`Listener`] → [`ConnRequest`] →
-//! [`Endpoint`]), tagged sends, and probe-then-receive so messages of unknown size can be
-//! received.
+//! [`Endpoint`]), tagged sends, probe-then-receive so messages of unknown size can be
+//! received, and one-sided puts into a peer's registered memory ([`MemoryRegion`],
+//! [`RemoteKey`], [`Endpoint::put`], [`Endpoint::flush`]).
 //!
 //! Design choices, and why:
 //!
@@ -39,6 +40,8 @@ mod error;
 mod listener;
 /// Non-blocking operations (`SendOp`, `RecvOp`, `Closing`) and their completion callbacks.
 mod request;
+/// One-sided puts: `MemoryRegion`, `RemoteKey`, `Endpoint::put` and `Endpoint::flush`.
+mod rma;
 /// Conversions between `std::net::SocketAddr` and C `sockaddr`.
 mod sockaddr;
 /// `Worker`: progress, event-fd waits, probe-and-receive; `Waker` to wake it from elsewhere.
@@ -50,6 +53,7 @@ pub use endpoint::{CloseMode, Endpoint};
 pub use error::{status_text, Error, Result};
 pub use listener::{ConnRequest, Listener};
 pub use request::{Closing, RecvOp, SendOp};
+pub use rma::{MemoryRegion, RemoteKey};
 pub use worker::{Waker, Worker};
 
 /// The raw bindings, for status constants (`sys::UCS_ERR_UNREACHABLE`, …) and types.

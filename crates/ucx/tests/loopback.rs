@@ -1,9 +1,14 @@
 //! Two workers in one thread talking over loopback through the real UCX library.
 
+// Registering memory for peers to write is `unsafe` (the caller keeps it alive).
+#![allow(unsafe_code)]
+
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use tandem_ucx::{CloseMode, Config, Context, Endpoint, Listener, RecvOp, Worker};
+use tandem_ucx::{
+    CloseMode, Config, Context, Endpoint, Listener, MemoryRegion, RecvOp, RemoteKey, Worker,
+};
 
 fn context() -> Context {
     let mut config = Config::read().expect("read UCX config");
@@ -138,4 +143,69 @@ fn an_empty_worker_address_is_refused() {
     let ctx = context();
     let worker = Worker::new(&ctx).expect("worker");
     assert!(Endpoint::connect_to_worker(&worker, &[]).is_err());
+}
+
+#[test]
+fn puts_land_in_the_peers_registered_memory_once_flushed() {
+    let server_ctx = context();
+    let server = Worker::new(&server_ctx).expect("server worker");
+    let any: SocketAddr = "127.0.0.1:0".parse().expect("literal");
+    let listener = Listener::bind(&server, any).expect("listen");
+    let addr = listener.local_addr().expect("local addr");
+    // 3 MiB the peer may write, registered; only the middle MiB is written below.
+    let mut target = vec![0u8; 3 << 20];
+    // SAFETY: `target` outlives `region` (dropped first at the end of the test).
+    let region = unsafe { MemoryRegion::map(&server_ctx, target.as_mut_ptr(), target.len()) }
+        .expect("ucp_mem_map");
+    assert_eq!(region.len(), 3 << 20);
+    let packed = region.packed_key().expect("rkey");
+
+    let client_ctx = context();
+    let client = Worker::new(&client_ctx).expect("client worker");
+    let ep = Endpoint::connect(&client, addr).expect("connect");
+    let mut server_eps = Vec::new();
+    // The connection first (puts need the wire-up done on both sides).
+    let hello = ep.tag_send(1, b"hi".to_vec()).expect("send");
+    let mut recv = None;
+    assert!(drive(&client, &server, Duration::from_secs(20), || {
+        while let Some(req) = listener.next_conn_request() {
+            server_eps.push(Endpoint::accept(req).expect("accept"));
+        }
+        if recv.is_none() {
+            recv = server.tag_probe_recv(0, 0).expect("probe");
+        }
+        hello.result().is_some() && recv.as_ref().is_some_and(|r: &RecvOp| r.result().is_some())
+    }));
+    let key = RemoteKey::unpack(&ep, &packed).expect("unpack rkey");
+    let data: Vec<u8> = (0..1 << 20).map(|i: u32| (i % 241) as u8 + 1).collect();
+    let put = ep
+        .put(data.clone(), region.address() + (1 << 20), &key)
+        .expect("put");
+    let flush = ep.flush().expect("flush");
+    assert!(
+        drive(&client, &server, Duration::from_secs(20), || flush
+            .result()
+            .is_some()),
+        "flush did not complete"
+    );
+    assert!(matches!(put.result(), Some(Ok(()))));
+    assert!(matches!(flush.result(), Some(Ok(()))));
+    drop(region);
+    assert!(
+        target[..1 << 20].iter().all(|&b| b == 0),
+        "before the put's range untouched"
+    );
+    assert!(
+        target[1 << 20..2 << 20] == data[..],
+        "the put's bytes landed"
+    );
+    assert!(
+        target[2 << 20..].iter().all(|&b| b == 0),
+        "after the put's range untouched"
+    );
+    drop(key);
+    let closing = ep.close(CloseMode::Flush);
+    assert!(drive(&client, &server, Duration::from_secs(5), || closing
+        .is_done()));
+    drop(server_eps);
 }

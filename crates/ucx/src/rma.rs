@@ -1,0 +1,168 @@
+//! One-sided puts: memory a peer may write ([`MemoryRegion`], packed into a remote key for
+//! it), the peer's view of that key ([`RemoteKey`]), and puts and flushes on an
+//! [`Endpoint`].
+
+use std::ffi::c_void;
+use std::ptr;
+use std::rc::Rc;
+
+use tandem_ucx_sys as sys;
+
+use crate::context::Context;
+use crate::endpoint::Endpoint;
+use crate::error::{check, Result};
+use crate::request::{send_callback, OpState, RawBuf, SendOp};
+use crate::worker::{request_param, WorkerInner};
+
+/// Memory registered with a context (`ucp_mem_map`) so peers can put into it; unregistered
+/// when dropped. The memory itself belongs to whoever registered it.
+pub struct MemoryRegion {
+    handle: sys::ucp_mem_h,
+    address: u64,
+    len: usize,
+    context: Context,
+}
+
+impl MemoryRegion {
+    /// Registers `len` bytes at `address`.
+    ///
+    /// # Safety
+    /// The memory must stay allocated (and not be registered for another purpose that frees
+    /// it) for as long as the region lives; peers holding its remote key may write into it at
+    /// any time until then.
+    pub unsafe fn map(context: &Context, address: *mut u8, len: usize) -> Result<MemoryRegion> {
+        let params = sys::ucp_mem_map_params {
+            field_mask: u64::from(
+                sys::UCP_MEM_MAP_PARAM_FIELD_ADDRESS | sys::UCP_MEM_MAP_PARAM_FIELD_LENGTH,
+            ),
+            address: address.cast(),
+            length: len,
+            ..Default::default()
+        };
+        let mut handle = ptr::null_mut();
+        // SAFETY: the context is alive; `params` marks only address and length valid; the
+        // caller keeps the memory alive for the region's lifetime.
+        let status = unsafe { sys::ucp_mem_map(context.handle(), &params, &mut handle) };
+        check("ucp_mem_map", status)?;
+        Ok(MemoryRegion {
+            handle,
+            address: address as u64,
+            len,
+            context: context.clone(),
+        })
+    }
+
+    /// The remote key a peer unpacks ([`RemoteKey::unpack`]) to put into this region.
+    pub fn packed_key(&self) -> Result<Vec<u8>> {
+        let mut buffer: *mut c_void = ptr::null_mut();
+        let mut size = 0usize;
+        // SAFETY: the context and the memory handle are alive; both out-pointers are valid.
+        let status = unsafe {
+            sys::ucp_rkey_pack(self.context.handle(), self.handle, &mut buffer, &mut size)
+        };
+        check("ucp_rkey_pack", status)?;
+        // SAFETY: UCX returned `size` readable bytes at `buffer`, ours until released below.
+        let key = unsafe { std::slice::from_raw_parts(buffer.cast::<u8>(), size) }.to_vec();
+        // SAFETY: `buffer` came from ucp_rkey_pack and is released once.
+        unsafe { sys::ucp_rkey_buffer_release(buffer) };
+        Ok(key)
+    }
+
+    /// The region's first address (what a peer puts to, plus an offset).
+    pub fn address(&self) -> u64 {
+        self.address
+    }
+
+    /// Its length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl Drop for MemoryRegion {
+    fn drop(&mut self) {
+        // SAFETY: the handle came from ucp_mem_map on this context, unmapped once.
+        let status = unsafe { sys::ucp_mem_unmap(self.context.handle(), self.handle) };
+        if status != sys::UCS_OK {
+            tracing::warn!(status = %crate::status_text(status), "ucp_mem_unmap failed");
+        }
+    }
+}
+
+/// A peer's [`MemoryRegion`] as seen through one endpoint (`ucp_ep_rkey_unpack`). Drop it
+/// before the endpoint it was unpacked on.
+pub struct RemoteKey {
+    handle: sys::ucp_rkey_h,
+    _worker: Rc<WorkerInner>,
+}
+
+impl RemoteKey {
+    /// Unpacks `packed` (from [`MemoryRegion::packed_key`]) for puts through `ep`.
+    pub fn unpack(ep: &Endpoint, packed: &[u8]) -> Result<RemoteKey> {
+        let mut handle = ptr::null_mut();
+        // SAFETY: the endpoint is open; `packed` is read during the call only.
+        let status =
+            unsafe { sys::ucp_ep_rkey_unpack(ep.handle(), packed.as_ptr().cast(), &mut handle) };
+        check("ucp_ep_rkey_unpack", status)?;
+        Ok(RemoteKey {
+            handle,
+            _worker: ep.worker_inner(),
+        })
+    }
+}
+
+impl Drop for RemoteKey {
+    fn drop(&mut self) {
+        // SAFETY: the handle came from ucp_ep_rkey_unpack, destroyed once.
+        unsafe { sys::ucp_rkey_destroy(self.handle) };
+    }
+}
+
+impl Endpoint {
+    /// Writes `data` to `remote_address` in the peer's region that `key` describes
+    /// (`ucp_put_nbx`). Completion means the data left this side's buffer; a
+    /// [`Endpoint::flush`] after it completes once the data is in the peer's memory.
+    pub fn put(&self, data: Vec<u8>, remote_address: u64, key: &RemoteKey) -> Result<SendOp> {
+        let len = data.len();
+        let state = OpState::new(Some(RawBuf::from_vec(data)));
+        let user_data = OpState::user_data(&state);
+        let mut param = request_param(user_data);
+        param.op_attr_mask |= sys::UCP_OP_ATTR_FIELD_CALLBACK;
+        param.cb.send = Some(send_callback);
+        // SAFETY: endpoint open; the buffer holds `len` bytes and lives in `state`, which
+        // UCX's `user_data` reference keeps alive until the callback; the key is alive.
+        let ret = unsafe {
+            sys::ucp_put_nbx(
+                self.handle(),
+                state.buffer_ptr().cast_const().cast(),
+                len,
+                remote_address,
+                key.handle,
+                &param,
+            )
+        };
+        // SAFETY: `user_data` and `ret` belong to this call.
+        unsafe { OpState::started(&state, "ucp_put_nbx", user_data, ret) }?;
+        Ok(SendOp { state, len })
+    }
+
+    /// Completes once every put issued on this endpoint before it is in the peer's memory
+    /// (`ucp_ep_flush_nbx`).
+    pub fn flush(&self) -> Result<SendOp> {
+        let state = OpState::new(None);
+        let user_data = OpState::user_data(&state);
+        let mut param = request_param(user_data);
+        param.op_attr_mask |= sys::UCP_OP_ATTR_FIELD_CALLBACK;
+        param.cb.send = Some(send_callback);
+        // SAFETY: endpoint open; `state` outlives the request through `user_data`.
+        let ret = unsafe { sys::ucp_ep_flush_nbx(self.handle(), &param) };
+        // SAFETY: `user_data` and `ret` belong to this call.
+        unsafe { OpState::started(&state, "ucp_ep_flush_nbx", user_data, ret) }?;
+        Ok(SendOp { state, len: 0 })
+    }
+}
