@@ -9,7 +9,7 @@ use tandem_ucx_sys as sys;
 
 use crate::error::{check, Error, Result};
 use crate::listener::ConnRequest;
-use crate::request::{send_callback, Closing, OpState, RawBuf, SendOp};
+use crate::request::{send_callback, start_send, Closing, OpState, SendOp};
 use crate::sockaddr::CSockAddr;
 use crate::worker::{request_param, Worker, WorkerInner};
 
@@ -167,26 +167,12 @@ impl Endpoint {
     /// Sends `data` with `tag` (`ucp_tag_send_nbx`). The returned operation owns the data
     /// until UCX is done with it.
     pub fn tag_send(&self, tag: u64, data: Vec<u8>) -> Result<SendOp> {
-        let len = data.len();
-        let state = OpState::new(Some(RawBuf::from_vec(data)));
-        let user_data = OpState::user_data(&state);
-        let mut param = request_param(user_data);
-        param.op_attr_mask |= sys::UCP_OP_ATTR_FIELD_CALLBACK;
-        param.cb.send = Some(send_callback);
-        // SAFETY: endpoint open; the buffer holds `len` bytes and lives in `state`, kept
-        // alive by UCX's `user_data` reference until the callback.
-        let ret = unsafe {
-            sys::ucp_tag_send_nbx(
-                self.handle,
-                state.buffer_ptr().cast_const().cast(),
-                len,
-                tag,
-                &param,
-            )
-        };
-        // SAFETY: `user_data` and `ret` belong to this call.
-        unsafe { OpState::started(&state, "ucp_tag_send_nbx", user_data, ret) }?;
-        Ok(SendOp { state, len })
+        // SAFETY: endpoint open; UCX gets the operation's own buffer and parameters.
+        unsafe {
+            start_send("ucp_tag_send_nbx", Some(data), |buf, len, param| {
+                sys::ucp_tag_send_nbx(self.handle, buf, len, tag, param)
+            })
+        }
     }
 
     /// Starts closing the endpoint; progress the worker until the returned [`Closing`] is

@@ -183,6 +183,32 @@ pub(crate) unsafe extern "C" fn recv_callback(
     unsafe { send_callback(request, status, user_data) }
 }
 
+/// Starts an operation that completes through the send callback (a send, a put, a flush)
+/// over `data` (owned by the operation until UCX is done with it). `call` issues it with the
+/// buffer's address and length and the request parameters.
+///
+/// # Safety
+/// `call` must pass UCX the parameters it is given and only the buffer it is given, for the
+/// length it is given, on a live endpoint.
+pub(crate) unsafe fn start_send(
+    op: &'static str,
+    data: Option<Vec<u8>>,
+    call: impl FnOnce(*const c_void, usize, &sys::ucp_request_param_t) -> sys::ucs_status_ptr_t,
+) -> Result<SendOp> {
+    let len = data.as_ref().map_or(0, Vec::len);
+    let state = OpState::new(data.map(RawBuf::from_vec));
+    let user_data = OpState::user_data(&state);
+    let mut param = crate::worker::request_param(user_data);
+    param.op_attr_mask |= sys::UCP_OP_ATTR_FIELD_CALLBACK;
+    param.cb.send = Some(send_callback);
+    // The buffer lives in `state`, which UCX's `user_data` reference keeps alive until the
+    // callback.
+    let ret = call(state.buffer_ptr().cast_const().cast(), len, &param);
+    // SAFETY: `user_data` and `ret` belong to this call.
+    unsafe { OpState::started(&state, op, user_data, ret) }?;
+    Ok(SendOp { state, len })
+}
+
 /// A tagged send in flight. Dropping it does not cancel the send; the payload stays alive
 /// until UCX is done with it.
 pub struct SendOp {

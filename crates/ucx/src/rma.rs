@@ -11,8 +11,8 @@ use tandem_ucx_sys as sys;
 use crate::context::Context;
 use crate::endpoint::Endpoint;
 use crate::error::{check, Result};
-use crate::request::{send_callback, OpState, RawBuf, SendOp};
-use crate::worker::{request_param, WorkerInner};
+use crate::request::{start_send, SendOp};
+use crate::worker::WorkerInner;
 
 /// Memory registered with a context (`ucp_mem_map`) so peers can put into it; unregistered
 /// when dropped. The memory itself belongs to whoever registered it.
@@ -128,41 +128,23 @@ impl Endpoint {
     /// (`ucp_put_nbx`). Completion means the data left this side's buffer; a
     /// [`Endpoint::flush`] after it completes once the data is in the peer's memory.
     pub fn put(&self, data: Vec<u8>, remote_address: u64, key: &RemoteKey) -> Result<SendOp> {
-        let len = data.len();
-        let state = OpState::new(Some(RawBuf::from_vec(data)));
-        let user_data = OpState::user_data(&state);
-        let mut param = request_param(user_data);
-        param.op_attr_mask |= sys::UCP_OP_ATTR_FIELD_CALLBACK;
-        param.cb.send = Some(send_callback);
-        // SAFETY: endpoint open; the buffer holds `len` bytes and lives in `state`, which
-        // UCX's `user_data` reference keeps alive until the callback; the key is alive.
-        let ret = unsafe {
-            sys::ucp_put_nbx(
-                self.handle(),
-                state.buffer_ptr().cast_const().cast(),
-                len,
-                remote_address,
-                key.handle,
-                &param,
-            )
-        };
-        // SAFETY: `user_data` and `ret` belong to this call.
-        unsafe { OpState::started(&state, "ucp_put_nbx", user_data, ret) }?;
-        Ok(SendOp { state, len })
+        // SAFETY: endpoint open and key alive; UCX gets the operation's own buffer and
+        // parameters.
+        unsafe {
+            start_send("ucp_put_nbx", Some(data), |buf, len, param| {
+                sys::ucp_put_nbx(self.handle(), buf, len, remote_address, key.handle, param)
+            })
+        }
     }
 
     /// Completes once every put issued on this endpoint before it is in the peer's memory
     /// (`ucp_ep_flush_nbx`).
     pub fn flush(&self) -> Result<SendOp> {
-        let state = OpState::new(None);
-        let user_data = OpState::user_data(&state);
-        let mut param = request_param(user_data);
-        param.op_attr_mask |= sys::UCP_OP_ATTR_FIELD_CALLBACK;
-        param.cb.send = Some(send_callback);
-        // SAFETY: endpoint open; `state` outlives the request through `user_data`.
-        let ret = unsafe { sys::ucp_ep_flush_nbx(self.handle(), &param) };
-        // SAFETY: `user_data` and `ret` belong to this call.
-        unsafe { OpState::started(&state, "ucp_ep_flush_nbx", user_data, ret) }?;
-        Ok(SendOp { state, len: 0 })
+        // SAFETY: endpoint open; UCX gets the operation's parameters (no buffer).
+        unsafe {
+            start_send("ucp_ep_flush_nbx", None, |_, _, param| {
+                sys::ucp_ep_flush_nbx(self.handle(), param)
+            })
+        }
     }
 }

@@ -6,7 +6,7 @@
 use std::time::Instant;
 use tandem_core::{Epoch, ReservationId};
 use tandem_engine::{DType, Segment, SegmentKind};
-use tandem_worker::handoff::{decode_bytes, encode};
+use tandem_worker::handoff::{decode_bytes, encode, Head};
 
 fn main() {
     let mib: usize = std::env::args()
@@ -43,7 +43,14 @@ fn main() {
     let t_copy = best(&mut || copy = std::hint::black_box(body.clone()));
     let mut msg = Vec::new();
     let t_encode = best(&mut || {
-        msg = encode(ReservationId(1), Epoch(1), 7, tokens, 42, &segments, &body);
+        let head = Head {
+            reservation: ReservationId(1),
+            epoch: Epoch(1),
+            first_token: 7,
+            num_tokens: tokens,
+            model_id: 42,
+        };
+        msg = encode(&head, &segments, &body);
     });
     let t_decode = best(&mut || {
         let (h, b) = decode_bytes(&msg).expect("valid");

@@ -94,26 +94,24 @@ fn encode_manifest(segments: &[Segment], body: &[u8]) -> Vec<u8> {
     out
 }
 
+/// What a handoff message's header says besides sizes and checksums.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Head {
+    /// The decode reservation the KV belongs to.
+    pub reservation: ReservationId,
+    /// The reservation's epoch when the prefill was sent.
+    pub epoch: Epoch,
+    /// The token the prefill worker sampled.
+    pub first_token: u32,
+    /// Prompt tokens covered.
+    pub num_tokens: u32,
+    /// Identity of the sending worker's model.
+    pub model_id: u64,
+}
+
 /// Serialises a handoff message: header, manifest of `segments`, `body`.
-#[allow(clippy::too_many_arguments)]
-pub fn encode(
-    reservation: ReservationId,
-    epoch: Epoch,
-    first_token: u32,
-    num_tokens: u32,
-    model_id: u64,
-    segments: &[Segment],
-    body: &[u8],
-) -> Vec<u8> {
-    let mut out = encode_head(
-        reservation,
-        epoch,
-        first_token,
-        num_tokens,
-        model_id,
-        segments,
-        body,
-    );
+pub fn encode(head: &Head, segments: &[Segment], body: &[u8]) -> Vec<u8> {
+    let mut out = encode_head(head, segments, body);
     out.reserve_exact(body.len());
     out.extend_from_slice(body);
     out
@@ -121,25 +119,16 @@ pub fn encode(
 
 /// The part of a handoff message before its body (header and manifest, whose checksums
 /// cover `body`): the message is these bytes followed by `body`.
-#[allow(clippy::too_many_arguments)]
-pub fn encode_head(
-    reservation: ReservationId,
-    epoch: Epoch,
-    first_token: u32,
-    num_tokens: u32,
-    model_id: u64,
-    segments: &[Segment],
-    body: &[u8],
-) -> Vec<u8> {
+pub fn encode_head(head: &Head, segments: &[Segment], body: &[u8]) -> Vec<u8> {
     let manifest = encode_manifest(segments, body);
     let sum = u64::from(checksum(&manifest));
     let mut out = Vec::with_capacity(HEADER_LEN + manifest.len());
     out.extend_from_slice(&MAGIC.to_le_bytes());
-    out.extend_from_slice(&reservation.0.to_le_bytes());
-    out.extend_from_slice(&epoch.0.to_le_bytes());
-    out.extend_from_slice(&first_token.to_le_bytes());
-    out.extend_from_slice(&num_tokens.to_le_bytes());
-    out.extend_from_slice(&model_id.to_le_bytes());
+    out.extend_from_slice(&head.reservation.0.to_le_bytes());
+    out.extend_from_slice(&head.epoch.0.to_le_bytes());
+    out.extend_from_slice(&head.first_token.to_le_bytes());
+    out.extend_from_slice(&head.num_tokens.to_le_bytes());
+    out.extend_from_slice(&head.model_id.to_le_bytes());
     out.extend_from_slice(&(body.len() as u64).to_le_bytes());
     out.extend_from_slice(&sum.to_le_bytes());
     out.extend_from_slice(&(segments.len() as u32).to_le_bytes());
@@ -287,6 +276,22 @@ mod tests {
     use super::*;
     use tandem_engine::DType;
 
+    fn head(
+        reservation: u64,
+        epoch: u64,
+        first_token: u32,
+        num_tokens: u32,
+        model_id: u64,
+    ) -> Head {
+        Head {
+            reservation: ReservationId(reservation),
+            epoch: Epoch(epoch),
+            first_token,
+            num_tokens,
+            model_id,
+        }
+    }
+
     #[test]
     fn landed_records_round_trip_and_are_not_handoffs() {
         let l = Landed {
@@ -298,7 +303,7 @@ mod tests {
         let bytes = encode_landed(&l);
         assert_eq!(decode_landed(&bytes), Some(l));
         assert_eq!(decode_header(&bytes), Err(HandoffError::Malformed));
-        let handoff = encode(ReservationId(9), Epoch(4), 1, 1, 7, &[], &[]);
+        let handoff = encode(&head(9, 4, 1, 1, 7), &[], &[]);
         assert_eq!(decode_landed(&handoff), None);
         assert_eq!(decode_landed(&bytes[..bytes.len() - 1]), None);
     }
@@ -319,7 +324,7 @@ mod tests {
     fn round_trip_with_manifest() {
         let segs = kv_segments(3, 5, 8, DType::BF16);
         let body: Vec<u8> = (0..3 * 2 * 5 * 8 * 2).map(|i| i as u8).collect();
-        let msg = encode(ReservationId(9), Epoch(4), 77, 5, 0xabc, &segs, &body);
+        let msg = encode(&head(9, 4, 77, 5, 0xabc), &segs, &body);
         let (h, back) = decode_bytes(&msg).expect("valid message");
         assert_eq!(h.reservation, ReservationId(9));
         assert_eq!(h.epoch, Epoch(4));
@@ -336,7 +341,7 @@ mod tests {
     fn corruption_truncation_and_bad_manifests_are_caught() {
         let segs = kv_segments(2, 1, 16, DType::F32);
         let body = vec![7u8; 2 * 2 * 16 * 4];
-        let mut msg = encode(ReservationId(1), Epoch(1), 0, 1, 1, &segs, &body);
+        let mut msg = encode(&head(1, 1, 0, 1, 1), &segs, &body);
         let last = msg.len() - 1;
         msg[last] ^= 0x40;
         match decode_bytes(&msg) {
@@ -357,13 +362,13 @@ mod tests {
         );
         // A manifest that describes less than the body.
         let short = kv_segments(1, 1, 16, DType::F32);
-        let msg = encode(ReservationId(1), Epoch(1), 0, 1, 1, &short, &body);
+        let msg = encode(&head(1, 1, 0, 1, 1), &short, &body);
         assert!(matches!(
             decode_bytes(&msg),
             Err(HandoffError::Manifest { .. })
         ));
         // A flipped manifest byte (the layer) breaks the checksum.
-        let mut msg = encode(ReservationId(1), Epoch(1), 0, 1, 1, &segs, &body);
+        let mut msg = encode(&head(1, 1, 0, 1, 1), &segs, &body);
         msg[HEADER_LEN + 2] ^= 1;
         assert_eq!(decode_bytes(&msg).map(|_| ()), Err(HandoffError::Checksum));
     }

@@ -438,11 +438,13 @@ impl Shared {
                 .as_ref()
                 .ok_or_else(|| Error::InvalidRequest("no transport".into()))?;
             let message = Outgoing {
-                reservation,
-                epoch,
-                first_token,
-                num_tokens: prompt_len as u32,
-                model_id,
+                head: handoff::Head {
+                    reservation,
+                    epoch,
+                    first_token,
+                    num_tokens: prompt_len as u32,
+                    model_id,
+                },
                 handoff,
                 corrupt,
             };
@@ -805,11 +807,7 @@ fn landing_from_pb(l: &pb::KvLanding) -> Landing {
 
 /// A handoff on its way out of a prefill worker.
 struct Outgoing {
-    reservation: tandem_core::ReservationId,
-    epoch: tandem_core::Epoch,
-    first_token: u32,
-    num_tokens: u32,
-    model_id: u64,
+    head: handoff::Head,
     handoff: tandem_engine::Handoff,
     /// Chaos: flip the byte at this index of the body (modulo its length).
     corrupt: Option<usize>,
@@ -821,15 +819,7 @@ impl Outgoing {
     /// returns it with the handoff message's length.
     fn encode(self, landing: Option<(&Landing, &LandingWriter, &AtomicU64)>) -> (Vec<u8>, usize) {
         let h = &self.handoff;
-        let head = handoff::encode_head(
-            self.reservation,
-            self.epoch,
-            self.first_token,
-            self.num_tokens,
-            self.model_id,
-            &h.segments,
-            &h.body,
-        );
+        let head = handoff::encode_head(&self.head, &h.segments, &h.body);
         let len = head.len() + h.body.len();
         let fill = |out: &mut [u8]| {
             out[..head.len()].copy_from_slice(&head);
@@ -845,8 +835,8 @@ impl Outgoing {
                 Ok(()) => {
                     landed.fetch_add(len as u64, Ordering::Relaxed);
                     let record = handoff::encode_landed(&handoff::Landed {
-                        reservation: self.reservation,
-                        epoch: self.epoch,
+                        reservation: self.head.reservation,
+                        epoch: self.head.epoch,
                         offset: to.offset,
                         len: len as u64,
                     });
