@@ -184,7 +184,7 @@ impl Default for ClusterOptions {
             // fall back to the transport).
             worker_env: vec![
                 ("UCX_TLS".into(), "tcp".into()),
-                ("TANDEM_KV_LANDING_MIB".into(), "32".into()),
+                ("TANDEM_KV_LANDING_MIB".into(), "8".into()),
             ],
             model: None,
             prefill_args: Vec::new(),
@@ -699,4 +699,16 @@ mod probe {
             s.read_exact(&mut buf).is_ok() && buf.starts_with(b"HTTP/1.1 200")
         }
     }
+}
+
+/// Free bytes of /dev/shm (0 when it cannot be read): tests of the shared-memory landing
+/// path skip when a small /dev/shm (e.g. a container's 64 MB) cannot hold their arenas.
+pub fn shm_free_bytes() -> u64 {
+    let out = std::process::Command::new("df")
+        .args(["-B1", "--output=avail", "/dev/shm"])
+        .output();
+    out.ok()
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+        .and_then(|t| t.lines().nth(1).and_then(|l| l.trim().parse().ok()))
+        .unwrap_or(0)
 }

@@ -727,25 +727,14 @@ fn aggregated_workers_serve_beside_pd_pairs() {
     });
 }
 
-/// Free bytes of /dev/shm (0 when it cannot be read).
-fn shm_free_bytes() -> u64 {
-    let out = std::process::Command::new("df")
-        .args(["-B1", "--output=avail", "/dev/shm"])
-        .output();
-    out.ok()
-        .and_then(|o| String::from_utf8(o.stdout).ok())
-        .and_then(|t| t.lines().nth(1).and_then(|l| l.trim().parse().ok()))
-        .unwrap_or(0)
-}
-
 /// Prefill and decode on one host: each handoff is written straight into the decode
 /// worker's shared-memory landing slot and only a completion record crosses UCX; the answers
 /// equal those of a pair whose decode worker offers no slot (every handoff over the
 /// transport), and a prompt too long for its slot falls back to the transport.
 #[test]
 fn handoffs_land_in_shared_memory_on_one_host_and_answer_the_same() {
-    if shm_free_bytes() < 64 << 20 {
-        eprintln!("skipping: /dev/shm has less than 64 MiB free for a landing arena");
+    if tandem_e2e::shm_free_bytes() < 32 << 20 {
+        eprintln!("skipping: /dev/shm has less than 32 MiB free for landing arenas");
         return;
     }
     // SmolLM2 f32 K/V is ~46 KB a token: a 3 MiB arena takes the short prompt (~40 tokens

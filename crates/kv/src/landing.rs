@@ -40,6 +40,8 @@ const NAME_PREFIX: &str = "tandem-kv-";
 pub const DEFAULT_QUARANTINE: Duration = Duration::from_secs(30);
 /// A writer refuses a descriptor this close to its expiry (it could not finish in time).
 const EXPIRY_MARGIN: Duration = Duration::from_millis(500);
+/// Bytes of /dev/shm an arena leaves free for other users.
+const SHM_HEADROOM: usize = 16 << 20;
 /// Arenas a writer keeps mapped (one per decode worker it sends to).
 const WRITER_CACHE: usize = 16;
 
@@ -293,7 +295,7 @@ impl std::fmt::Debug for LandingArena {
 
 impl LandingArena {
     /// Creates an arena of `len` bytes (rounded up to pages, plus a header page) in /dev/shm.
-    /// Fails when /dev/shm has less than twice that free (other users of it keep room).
+    /// Fails when /dev/shm would keep less than 16 MiB free for other users.
     pub fn create(len: usize) -> io::Result<Arc<LandingArena>> {
         Self::with_quarantine(len, DEFAULT_QUARANTINE)
     }
@@ -303,10 +305,13 @@ impl LandingArena {
         remove_stale_arenas();
         let total = HEADER_BYTES + len.div_ceil(SLOT_ALIGN) * SLOT_ALIGN;
         let free = shm_free_bytes()?;
-        if free < 2 * total as u64 {
+        if free < (total + SHM_HEADROOM) as u64 {
             return Err(io::Error::new(
                 io::ErrorKind::OutOfMemory,
-                format!("/dev/shm has {free} bytes free, a {total}-byte arena needs twice that"),
+                format!(
+                    "/dev/shm has {free} bytes free, a {total}-byte arena needs {} more kept free for others",
+                    SHM_HEADROOM
+                ),
             ));
         }
         let nonce: u64 = rand::random::<u64>() | 1;
