@@ -102,7 +102,8 @@ pub enum LandingError {
     Expired,
 }
 
-fn now_unix_ms() -> u64 {
+/// Now as Unix time in milliseconds (the clock a [`Landing`]'s expiry is read against).
+pub fn now_unix_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64)
@@ -428,9 +429,15 @@ impl LandingSlot {
             return None;
         }
         self.landed = true;
+        Some(self.bytes(len))
+    }
+
+    /// The slot's first `len <= self.len` bytes.
+    fn bytes(&self, len: usize) -> &[u8] {
+        assert!(len <= self.len, "past the slot");
         // SAFETY: [offset, offset + len) lies inside the mapping (the allocator handed out
         // [offset, offset + self.len)), which lives as long as `self.arena`.
-        Some(unsafe { std::slice::from_raw_parts(self.arena.map.ptr.add(self.offset), len) })
+        unsafe { std::slice::from_raw_parts(self.arena.map.ptr.add(self.offset), len) }
     }
 }
 
@@ -453,23 +460,18 @@ pub struct LandedBytes {
 
 impl AsRef<[u8]> for LandedBytes {
     fn as_ref(&self) -> &[u8] {
-        let s = &self.slot;
-        // SAFETY: `len` was checked against the slot's length in `into_landed`; the slot lies
-        // inside the mapping, which lives as long as `s.arena` (see `LandingSlot::landed` on
-        // what may write it meanwhile).
-        unsafe { std::slice::from_raw_parts(s.arena.map.ptr.add(s.offset), self.len) }
+        self.slot.bytes(self.len)
     }
 }
 
 impl Drop for LandingSlot {
     fn drop(&mut self) {
         let mut slots = self.arena.slots.lock();
+        slots.in_use -= self.len;
         if self.landed {
-            slots.in_use -= self.len;
             slots.release(self.offset, self.len);
         } else {
             let until = Instant::now() + self.arena.quarantine;
-            slots.in_use -= self.len;
             slots.quarantined.push_back((until, self.offset, self.len));
         }
     }

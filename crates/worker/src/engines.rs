@@ -113,6 +113,14 @@ impl WorkerEngine {
         }
     }
 
+    /// The most bytes a handoff of `tokens` prompt tokens takes (header, manifest and body)
+    /// for paged K/V; `None` for per-layer state, whose handoffs travel over the transport.
+    pub fn handoff_bound(&self, tokens: usize) -> Option<usize> {
+        let l = self.0.info().kv?;
+        // The manifest: a few dozen bytes a segment, one segment a layer (per shard at most).
+        Some(l.bytes_per_token() * tokens + crate::handoff::HEADER_LEN + 4096 + 64 * l.num_layers)
+    }
+
     /// Reserves space for a request of `tokens` tokens (decode role), on attention-DP group
     /// `dp_rank` when given.
     pub fn reserve(&self, tokens: usize, dp_rank: Option<usize>) -> Result<Reservation> {

@@ -633,9 +633,10 @@ impl pb::worker_server::Worker for WorkerService {
         let slot = shared
             .landing
             .as_ref()
-            .zip(handoff_bound(&layout))
+            .zip(shared.engine.handoff_bound(prompt.len()))
             .and_then(|(arena, bytes)| arena.slot(bytes));
-        let expires_unix_ms = now_unix_ms() + shared.opts.kv_lease.as_millis() as u64;
+        let expires_unix_ms =
+            tandem_kv::landing::now_unix_ms() + shared.opts.kv_lease.as_millis() as u64;
         let landing = slot
             .as_ref()
             .map(|s| landing_to_pb(&s.landing(expires_unix_ms)));
@@ -759,28 +760,6 @@ impl pb::worker_server::Worker for WorkerService {
         tracing::info!(%message, "drain requested");
         Ok(Response::new(pb::DrainResponse { in_flight, message }))
     }
-}
-
-fn now_unix_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
-}
-
-/// The most bytes a handoff for `layout` takes (header, manifest and body), when the layout
-/// says (paged K/V); `None` for per-layer state, whose handoffs travel over the transport.
-fn handoff_bound(layout: &pb::KvLayout) -> Option<usize> {
-    let dtype = tandem_engine::DType::parse(&layout.dtype)?;
-    if layout.num_kv_heads == 0 {
-        return None;
-    }
-    let body = layout.num_layers as usize
-        * 2
-        * layout.num_tokens as usize
-        * layout.num_kv_heads as usize
-        * layout.head_dim as usize
-        * dtype.size();
-    Some(body + handoff::HEADER_LEN + 4096 + 64 * layout.num_layers as usize)
 }
 
 fn landing_to_pb(l: &Landing) -> pb::KvLanding {
