@@ -100,6 +100,11 @@ impl<W: PackElem> Packed<W> {
         self.k
     }
 
+    /// Address of the packed buffer (to check that a refresh kept it in place).
+    pub fn as_ptr(&self) -> *const W {
+        self.data.as_ptr()
+    }
+
     /// Values stored (padding included).
     pub fn stored_len(&self) -> usize {
         self.data.len()

@@ -8,10 +8,11 @@ use crate::backend::Backend;
 use crate::{Error, Result};
 use half::{bf16, f16};
 
-/// Element types a tensor can hold.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+/// Element types a tensor can hold (f32 by default).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum DType {
     /// 32-bit float.
+    #[default]
     F32,
     /// bfloat16.
     BF16,

@@ -3,6 +3,7 @@
 //! sequence into prefill / decode calls gives the logits of one full pass.
 
 use tandem_engine::kda_hybrid::{KdaForm, KdaHybridModel, KdaHybridState};
+use tandem_engine::Tensor;
 use tandem_testkit::{max_abs_diff, noise};
 
 /// f32 rounding only: the forms differ in summation order, nothing else.
@@ -29,16 +30,19 @@ fn chunked_equals_recurrent_on_a_layer(name: &str) {
     let layer_index = m.config().kda_layers().next().expect("a KDA layer");
     let layer = m.kda_layer(layer_index).expect("KDA layer");
     // Carry in a state that has seen 10 tokens (non-zero S and conv window).
-    let mut warm = layer.new_state();
-    layer.forward(&noise(7, 10 * hidden), 10, &mut warm, KdaForm::Recurrent);
+    let b = m.backend();
+    let input =
+        |seed: u64, rows: usize| Tensor::from_f32s(&[rows, hidden], noise(seed, rows * hidden));
+    let mut warm = layer.new_state(b);
+    layer.forward(b, &input(7, 10), 10, &mut warm, KdaForm::Recurrent);
     for len in [67, 130] {
-        let x = noise(len as u64, len * hidden);
+        let x = input(len as u64, len);
         let (mut s_chunk, mut s_rec) = (warm.clone(), warm.clone());
-        let y_chunk = layer.forward(&x, len, &mut s_chunk, KdaForm::Chunked);
-        let y_rec = layer.forward(&x, len, &mut s_rec, KdaForm::Recurrent);
+        let y_chunk = layer.forward(b, &x, len, &mut s_chunk, KdaForm::Chunked);
+        let y_rec = layer.forward(b, &x, len, &mut s_rec, KdaForm::Recurrent);
         let (dy, ds) = (
-            max_abs_diff(&y_chunk, &y_rec),
-            max_abs_diff(&s_chunk.recurrent, &s_rec.recurrent),
+            max_abs_diff(y_chunk.f32s(), y_rec.f32s()),
+            max_abs_diff(s_chunk.recurrent.f32s(), s_rec.recurrent.f32s()),
         );
         eprintln!("{name} layer {layer_index}, {len} tokens: output {dy:.2e}, state {ds:.2e}");
         assert!(dy <= FORM_TOL, "{name} T={len}: outputs differ by {dy}");
@@ -98,7 +102,7 @@ fn splits_equal_one_pass(name: &str, len: usize) {
             use tandem_engine::kda_hybrid::LayerState;
             match (a, b) {
                 (LayerState::Kda(a), LayerState::Kda(b)) => {
-                    assert!(max_abs_diff(&a.recurrent, &b.recurrent) <= SPLIT_TOL);
+                    assert!(max_abs_diff(a.recurrent.f32s(), b.recurrent.f32s()) <= SPLIT_TOL);
                     assert!(max_abs_diff(&a.conv.to_stacked(), &b.conv.to_stacked()) <= SPLIT_TOL);
                 }
                 (LayerState::Mla(a), LayerState::Mla(b)) => {

@@ -326,14 +326,14 @@ fn lora_keeps_its_group_unfused_and_equals_merged_weights() {
     assert!(d <= FUSE_TOL, "LoRA o_proj differs from merged by {d}");
 }
 
-fn fused_ptrs(m: &KdaHybridModel, layer: usize) -> (Option<*const f32>, Option<*const f32>) {
+fn fused_ptrs(m: &KdaHybridModel, layer: usize) -> (Option<usize>, Option<usize>) {
     let l = m.kda_layer(layer).expect("KDA");
     let input = match &l.input {
-        KdaInputProjection::Fused { weight, .. } => Some(weight.weight.as_ptr()),
+        KdaInputProjection::Fused { weight, .. } => Some(weight.weight.address()),
         KdaInputProjection::Separate { .. } => None,
     };
     let gate = match &l.gate {
-        KdaGateProjection::Paired { weight, .. } => Some(weight.as_ptr()),
+        KdaGateProjection::Paired { weight, .. } => Some(weight.weight.address()),
         KdaGateProjection::Separate { .. } => None,
     };
     (input, gate)

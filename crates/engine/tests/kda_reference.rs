@@ -154,7 +154,7 @@ fn check_prefill_state(reference: &Reference, model: &KdaHybridModel) {
                 compared += 1;
             };
             if let Some(kda) = state.kda(i) {
-                check("kda.recurrent_state_HKV", &kda.recurrent);
+                check("kda.recurrent_state_HKV", kda.recurrent.f32s());
                 check("kda.conv_window_pre_conv", &kda.conv.to_stacked());
             } else {
                 let mla = state.mla(i).expect("every layer is KDA or MLA");

@@ -6,9 +6,9 @@ use std::path::Path;
 use tandem_engine::kda_hybrid::{KdaHybridModel, KdaInputProjection, ShardedKdaHybrid};
 use tandem_topology::{Layout, Rank};
 
-fn fused_input_ptr(m: &KdaHybridModel, layer: usize) -> *const f32 {
+fn fused_input_ptr(m: &KdaHybridModel, layer: usize) -> usize {
     match &m.kda_layer(layer).expect("layer 0 is KDA").input {
-        KdaInputProjection::Fused { weight, .. } => weight.weight.as_ptr(),
+        KdaInputProjection::Fused { weight, .. } => weight.weight.address(),
         KdaInputProjection::Separate { .. } => panic!("kimi_tiny's KDA layers fuse"),
     }
 }
@@ -42,13 +42,13 @@ fn sharded_refresh_rewrites_in_place_and_matches_a_fresh_load() {
     for (tp, dp) in [(2, 1), (2, 2)] {
         let layout = Layout::new(tp, dp, 1).expect("layout");
         let mut model = ShardedKdaHybrid::load(&base, layout).expect("load");
-        let before: Vec<*const f32> = (0..tp)
+        let before: Vec<usize> = (0..tp)
             .map(|r| fused_input_ptr(model.rank(Rank(r)).expect("rank"), 0))
             .collect();
         let seqs = vec![ids.clone(); dp];
         let old_logits = model.forward_full(&seqs).expect("forward");
         model.refresh_weights(&other).expect("refresh");
-        let after: Vec<*const f32> = (0..tp)
+        let after: Vec<usize> = (0..tp)
             .map(|r| fused_input_ptr(model.rank(Rank(r)).expect("rank"), 0))
             .collect();
         assert_eq!(

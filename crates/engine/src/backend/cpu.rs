@@ -87,6 +87,74 @@ fn u32s(t: &T) -> &[u32] {
 }
 
 impl CpuStorage {
+    /// Address of the first element (to check that a refresh kept a buffer in place).
+    pub fn address(&self) -> usize {
+        match self {
+            CpuStorage::F32(v) => v.as_ptr() as usize,
+            CpuStorage::BF16(v) => v.as_ptr() as usize,
+            CpuStorage::F16(v) => v.as_ptr() as usize,
+            CpuStorage::F8E4M3(v) => v.as_ptr() as usize,
+            CpuStorage::U32(v) => v.as_ptr() as usize,
+            CpuStorage::I32(v) => v.as_ptr() as usize,
+            CpuStorage::PackedF32(p) => p.as_ptr() as usize,
+            CpuStorage::PackedBF16(p) => p.as_ptr() as usize,
+        }
+    }
+}
+
+/// Host access to CPU tensors, for code that reads or fills them directly (state
+/// hand-off, tests).
+impl Tensor<CpuBackend> {
+    /// An f32 tensor holding `data`.
+    ///
+    /// # Panics
+    /// If `data` does not have `shape`'s element count.
+    pub fn from_f32s(shape: &[usize], data: Vec<f32>) -> Self {
+        assert_eq!(
+            shape.iter().product::<usize>(),
+            data.len(),
+            "shape and data differ"
+        );
+        Tensor::from_storage(CpuStorage::F32(data), DType::F32, shape)
+    }
+
+    /// The values of an f32 tensor.
+    ///
+    /// # Panics
+    /// If the tensor is not f32.
+    pub fn f32s(&self) -> &[f32] {
+        f32s(self)
+    }
+
+    /// The values of an f32 tensor, mutably.
+    ///
+    /// # Panics
+    /// If the tensor is not f32.
+    pub fn f32s_mut(&mut self) -> &mut [f32] {
+        f32s_mut(self)
+    }
+
+    /// Address of the first element.
+    pub fn address(&self) -> usize {
+        self.storage.address()
+    }
+}
+
+impl Clone for Tensor<CpuBackend> {
+    fn clone(&self) -> Self {
+        Tensor::from_storage(self.storage.clone(), self.dtype, &self.shape)
+    }
+}
+
+impl PartialEq for Tensor<CpuBackend> {
+    fn eq(&self, other: &Self) -> bool {
+        self.dtype == other.dtype
+            && self.shape == other.shape
+            && self.storage.to_host() == other.storage.to_host()
+    }
+}
+
+impl CpuStorage {
     fn from_host(data: &HostData) -> Self {
         match data {
             HostData::F32(v) => CpuStorage::F32(v.clone()),

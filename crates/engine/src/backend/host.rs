@@ -1,6 +1,6 @@
-//! Host-side f32 matrices for the KDA-hybrid family, which still computes on host `Vec<f32>`
-//! (its move onto [`super::Ops`] is the next step of the one-engine work). The products run
-//! on the same CPU kernels as the backend.
+//! Host-side f32 matrices as a checkpoint reader hands them out (the KDA-hybrid loader
+//! slices, fuses and merges LoRA adapters into them before uploading them to a backend), and
+//! the host products of the CPU kernels.
 
 /// A weight matrix `(out, in)` in host memory, row-major: `y = x · Wᵀ`.
 #[derive(Debug)]

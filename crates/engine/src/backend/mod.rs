@@ -12,10 +12,14 @@
 /// Collectives over device tensors (tensor parallelism).
 pub mod comm;
 mod cpu;
+mod cpu_hybrid;
 pub mod host;
+/// The KDA-hybrid family's operations.
+pub mod hybrid;
 
 pub use comm::TensorComm;
 pub use cpu::{CpuBackend, CpuStorage};
+pub use hybrid::HybridOps;
 
 use crate::kv_pool::KvCache;
 use crate::sampling::{Adjustment, SampleRow};

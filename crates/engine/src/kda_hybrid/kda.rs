@@ -16,12 +16,13 @@
 //! local `H/A`, its state covers those heads, and `forward` returns `o_proj` partial sums the
 //! caller reduces over the attention-TP group.
 
-use super::config::{KdaConfig, KdaGate};
-use super::delta_rule::{self, DeltaRuleInputs};
-use super::loading::{FusionInputs, FusionPolicy, RankShard};
-use super::ops::{l2norm_rows, linear, rms_norm_rows, sigmoid, silu, softplus};
+use super::config::KdaConfig;
+use super::loading::{FusionInputs, FusionPolicy, RankShard, Upload};
+use super::ops::silu;
 use super::weights::Checkpoint;
-use crate::backend::host::Linear;
+use crate::backend::hybrid::{DeltaForm, DeltaInputs, HybridOps};
+use crate::backend::{CpuBackend, Linear, Ops};
+use crate::tensor::{DType, Tensor};
 use crate::Result;
 use tandem_model::fusion::{decide, FusionDecision};
 use tandem_topology::{KdaParam, KdaShape, KdaShard};
@@ -43,66 +44,100 @@ pub use super::projection::{KdaGateProjection, KdaInputProjection, KdaProjected}
 
 /// The last `W-1` pre-conv inputs of each of q, k, v: each `[P, W-1]`, channel-major, oldest
 /// column first (zeros before the first token) — the layout of causal-conv1d's state.
-#[derive(Clone, Debug, PartialEq)]
-pub struct ConvWindow {
+#[derive(Debug)]
+pub struct ConvWindow<B: Ops = CpuBackend> {
     /// q block `[P, W-1]`.
-    pub q: Vec<f32>,
+    pub q: Tensor<B>,
     /// k block `[P, W-1]`.
-    pub k: Vec<f32>,
+    pub k: Tensor<B>,
     /// v block `[P, W-1]`.
-    pub v: Vec<f32>,
+    pub v: Tensor<B>,
 }
 
 impl ConvWindow {
     /// The three blocks stacked as `[3P, W-1]`, rows q | k | v (transformers' cache layout).
     pub fn to_stacked(&self) -> Vec<f32> {
-        [&self.q[..], &self.k[..], &self.v[..]].concat()
+        [self.q.f32s(), self.k.f32s(), self.v.f32s()].concat()
     }
 
-    /// The inverse of [`ConvWindow::to_stacked`].
-    pub fn from_stacked(stacked: &[f32]) -> Self {
+    /// The inverse of [`ConvWindow::to_stacked`], blocks of shape `shape` each.
+    pub fn from_stacked(stacked: &[f32], shape: &[usize]) -> Self {
         let third = stacked.len() / 3;
+        let block =
+            |i: usize| Tensor::from_f32s(shape, stacked[i * third..(i + 1) * third].to_vec());
         Self {
-            q: stacked[..third].to_vec(),
-            k: stacked[third..2 * third].to_vec(),
-            v: stacked[2 * third..].to_vec(),
+            q: block(0),
+            k: block(1),
+            v: block(2),
         }
     }
 }
 
 /// What one KDA layer keeps per request: fixed size, independent of the sequence length.
-#[derive(Clone, Debug, PartialEq)]
-pub struct KdaState {
+#[derive(Debug)]
+pub struct KdaState<B: Ops = CpuBackend> {
     /// Recurrent state S `[H, K, V]` fp32 (`o = Sᵀq`; row `k` of head `h` at `(h*D + k)*D`).
-    pub recurrent: Vec<f32>,
+    pub recurrent: Tensor<B>,
     /// Short-convolution window.
-    pub conv: ConvWindow,
+    pub conv: ConvWindow<B>,
+}
+
+impl Clone for ConvWindow {
+    fn clone(&self) -> Self {
+        Self {
+            q: self.q.clone(),
+            k: self.k.clone(),
+            v: self.v.clone(),
+        }
+    }
+}
+
+impl PartialEq for ConvWindow {
+    fn eq(&self, other: &Self) -> bool {
+        self.q == other.q && self.k == other.k && self.v == other.v
+    }
+}
+
+impl Clone for KdaState {
+    fn clone(&self) -> Self {
+        Self {
+            recurrent: self.recurrent.clone(),
+            conv: self.conv.clone(),
+        }
+    }
+}
+
+impl PartialEq for KdaState {
+    fn eq(&self, other: &Self) -> bool {
+        self.recurrent == other.recurrent && self.conv == other.conv
+    }
 }
 
 /// One loaded KDA layer (the heads of one attention-TP rank; all of them at tp1).
 #[derive(Debug)]
-pub struct KdaLayer {
+pub struct KdaLayer<B: Ops = CpuBackend> {
     cfg: KdaConfig,
     norm_eps: f32,
     /// The input projections.
-    pub input: KdaInputProjection,
+    pub input: KdaInputProjection<B>,
     /// The gate up-projections `f_b`, `g_b`.
-    pub gate: KdaGateProjection,
+    pub gate: KdaGateProjection<B>,
     /// Depthwise conv weights `[P/A, W]` of q, k, v.
-    conv: [Vec<f32>; 3],
+    conv: [Tensor<B>; 3],
     /// `exp(A_log)` per head.
-    a: Vec<f32>,
-    dt_bias: Vec<f32>,
-    o_norm: Vec<f32>,
-    o_proj: Linear<Vec<f32>>,
+    a: Tensor<B>,
+    dt_bias: Tensor<B>,
+    o_norm: Tensor<B>,
+    o_proj: Linear<B>,
     fusion: FusionDecision,
 }
 
-impl KdaLayer {
+impl<B: HybridOps> KdaLayer<B> {
     /// Loads `{attn}.{q,k,v}_proj`, `…_conv1d`, `f_a/f_b/b/g_a/g_b_proj`, `A_log`, `dt_bias`,
     /// `o_norm`, `o_proj` where `attn` is the layer's `self_attn` prefix; heads `rs.kda` only
     /// (f_a, g_a, o_norm replicated). Fusion per [`tandem_model::fusion::decide`] on the
     /// original tensors.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn load(
         ck: &mut Checkpoint,
         attn: &str,
@@ -111,6 +146,7 @@ impl KdaLayer {
         norm_eps: f32,
         rs: &RankShard,
         fusion: &FusionInputs,
+        up: &Upload<'_, B>,
     ) -> Result<Self> {
         let (shard, log) = (rs.kda, rs.log);
         let shape = KdaShape {
@@ -151,30 +187,33 @@ impl KdaLayer {
         let f_a = ck.linear_rows(&name("f_a_proj.weight"), d, hidden, rows(KdaParam::FAProj))?;
         let g_a = ck.linear_rows(&name("g_a_proj.weight"), d, hidden, rows(KdaParam::GAProj))?;
         let input = if decision.input.fused {
-            KdaInputProjection::fuse([q, k, v, b, f_a, g_a])
+            KdaInputProjection::fuse([q, k, v, b, f_a, g_a], up)
         } else {
             KdaInputProjection::Separate {
-                q,
-                k,
-                v,
-                b,
-                f_a,
-                g_a,
+                q: up.linear(q),
+                k: up.linear(k),
+                v: up.linear(v),
+                b: up.linear(b),
+                f_a: up.linear(f_a),
+                g_a: up.linear(g_a),
             }
         };
         let f_b = ck.linear_rows(&name("f_b_proj.weight"), p, d, rows(KdaParam::FBProj))?;
         let g_b = ck.linear_rows(&name("g_b_proj.weight"), p, d, rows(KdaParam::GBProj))?;
         let gate = if decision.fg_b.fused {
-            KdaGateProjection::pair(f_b, g_b)
+            KdaGateProjection::pair(f_b, g_b, up)
         } else {
-            KdaGateProjection::Separate { f_b, g_b }
+            KdaGateProjection::Separate {
+                f_b: up.linear(f_b),
+                g_b: up.linear(g_b),
+            }
         };
         let mut conv_w =
             |n: &str, param: KdaParam| ck.slice(&[&name(n)], &[p, 1, w], 0, rows(param));
         let conv = [
-            conv_w("q_conv1d.weight", KdaParam::QConv)?,
-            conv_w("k_conv1d.weight", KdaParam::KConv)?,
-            conv_w("v_conv1d.weight", KdaParam::VConv)?,
+            up.f32(conv_w("q_conv1d.weight", KdaParam::QConv)?),
+            up.f32(conv_w("k_conv1d.weight", KdaParam::KConv)?),
+            up.f32(conv_w("v_conv1d.weight", KdaParam::VConv)?),
         ];
         let a_log = ck.slice(&[&name("A_log")], &[h], 0, rows(KdaParam::ALog))?;
         let heads = ks.heads().len();
@@ -187,10 +226,15 @@ impl KdaLayer {
             input,
             gate,
             conv,
-            a: a_log.iter().map(|x| x.exp()).collect(),
-            dt_bias: ck.slice(&[&name("dt_bias")], &[p], 0, rows(KdaParam::DtBias))?,
-            o_norm: ck.take(&name("o_norm.weight"), &[d])?,
-            o_proj: ck.linear_cols(&[&name("o_proj.weight")], hidden, p, rows(KdaParam::OProj))?,
+            a: up.f32(a_log.iter().map(|x| x.exp()).collect()),
+            dt_bias: up.f32(ck.slice(&[&name("dt_bias")], &[p], 0, rows(KdaParam::DtBias))?),
+            o_norm: up.f32(ck.take(&name("o_norm.weight"), &[d])?),
+            o_proj: up.linear(ck.linear_cols(
+                &[&name("o_proj.weight")],
+                hidden,
+                p,
+                rows(KdaParam::OProj),
+            )?),
             fusion: decision,
         })
     }
@@ -198,19 +242,31 @@ impl KdaLayer {
     /// Takes over `old`'s fused buffers, overwriting them with this layer's values, where the
     /// form and size match (their addresses survive a weight refresh); otherwise keeps its own
     /// new buffers and logs the reallocation.
-    pub(crate) fn adopt_buffers(&mut self, old: &mut KdaLayer, layer: usize) {
+    pub(crate) fn adopt_buffers(&mut self, backend: &B, old: &mut KdaLayer<B>, layer: usize) {
+        let keep = |new: &mut Linear<B>, old: &mut Linear<B>, what: &str| {
+            let same =
+                new.weight.dtype() == old.weight.dtype() && new.weight.len() == old.weight.len();
+            let kept = same
+                && backend
+                    .overwrite(&mut old.weight, &backend.download(&new.weight))
+                    .is_ok();
+            if kept {
+                std::mem::swap(&mut new.weight, &mut old.weight);
+            } else {
+                tracing::info!(
+                    layer,
+                    "{what} reallocated on refresh (shape or form changed): recapture graphs"
+                );
+            }
+        };
         match (&mut self.input, &mut old.input) {
             (
                 KdaInputProjection::Fused { weight: new, .. },
                 KdaInputProjection::Fused { weight: old, .. },
-            ) if new.weight.len() == old.weight.len() => {
-                old.weight.copy_from_slice(&new.weight);
-                std::mem::swap(&mut new.weight, &mut old.weight);
-            }
+            ) => keep(new, old, "fused KDA input weight"),
             (new, _) if new.is_fused() => tracing::info!(
                 layer,
-                "fused KDA input weight reallocated on refresh (shape or form changed): \
-                 recapture graphs"
+                "fused KDA input weight reallocated on refresh (form changed): recapture graphs"
             ),
             _ => {}
         }
@@ -218,14 +274,10 @@ impl KdaLayer {
             (
                 KdaGateProjection::Paired { weight: new, .. },
                 KdaGateProjection::Paired { weight: old, .. },
-            ) if new.len() == old.len() => {
-                old.copy_from_slice(new);
-                std::mem::swap(new, old);
-            }
+            ) => keep(new, old, "paired KDA f_b/g_b weight"),
             (new, _) if new.is_paired() => tracing::info!(
                 layer,
-                "paired KDA f_b/g_b weight reallocated on refresh (shape or form changed): \
-                 recapture graphs"
+                "paired KDA f_b/g_b weight reallocated on refresh (form changed): recapture graphs"
             ),
             _ => {}
         }
@@ -242,15 +294,15 @@ impl KdaLayer {
     }
 
     /// A zero state (no tokens seen).
-    pub fn new_state(&self) -> KdaState {
+    pub fn new_state(&self, backend: &B) -> KdaState<B> {
         let (h, d, p) = (self.cfg.num_heads, self.cfg.head_dim, self.cfg.proj_dim());
-        let window = vec![0.0; p * (self.cfg.conv_kernel - 1)];
+        let window = [p, self.cfg.conv_kernel - 1];
         KdaState {
-            recurrent: vec![0.0; h * d * d],
+            recurrent: backend.zeros(DType::F32, &[h, d, d]),
             conv: ConvWindow {
-                q: window.clone(),
-                k: window.clone(),
-                v: window,
+                q: backend.zeros(DType::F32, &window),
+                k: backend.zeros(DType::F32, &window),
+                v: backend.zeros(DType::F32, &window),
             },
         }
     }
@@ -259,12 +311,13 @@ impl KdaLayer {
     /// advancing `state`; returns the `o_proj` output `[rows, hidden]`.
     pub fn forward(
         &self,
-        x: &Vec<f32>,
+        backend: &B,
+        x: &Tensor<B>,
         rows: usize,
-        state: &mut KdaState,
+        state: &mut KdaState<B>,
         form: KdaForm,
-    ) -> Vec<f32> {
-        self.forward_batch(x, &[rows], &mut [state], form)
+    ) -> Tensor<B> {
+        self.forward_batch(backend, x, &[rows], &mut [state], form)
     }
 
     /// Runs several sequences' tokens through the layer at once: `x` holds `segments[i]` rows
@@ -273,78 +326,69 @@ impl KdaLayer {
     /// and the delta rule run per sequence on its own state. Returns `[Σ rows, hidden]`.
     pub fn forward_batch(
         &self,
-        x: &Vec<f32>,
+        b: &B,
+        x: &Tensor<B>,
         segments: &[usize],
-        states: &mut [&mut KdaState],
+        states: &mut [&mut KdaState<B>],
         form: KdaForm,
-    ) -> Vec<f32> {
-        let (h, d, p) = (self.cfg.num_heads, self.cfg.head_dim, self.cfg.proj_dim());
+    ) -> Tensor<B> {
+        let (h, d, p, w) = (
+            self.cfg.num_heads,
+            self.cfg.head_dim,
+            self.cfg.proj_dim(),
+            self.cfg.conv_kernel,
+        );
         assert_eq!(segments.len(), states.len(), "one state per sequence");
         let rows: usize = segments.iter().sum();
-        if rows == 0 {
-            return Vec::new();
-        }
-        let proj = self.input.project(x, rows);
-        let (f_raw, gate) = self.gate.apply(&proj.f_a, &proj.g_a, rows);
-        let g = self.log_decay(f_raw);
-        let beta: Vec<f32> = proj.beta_logits.iter().map(|&b| sigmoid(b)).collect();
-        let w = self.cfg.conv_kernel;
-        let mut o = Vec::with_capacity(rows * p);
-        let mut start = 0;
-        for (&n, state) in segments.iter().zip(states.iter_mut()) {
-            let (pr, hr) = (start * p..(start + n) * p, start * h..(start + n) * h);
-            start += n;
-            if n == 0 {
-                continue;
-            }
-            let mut q = short_conv(&proj.q[pr.clone()], &mut state.conv.q, &self.conv[0], p, w);
-            let mut k = short_conv(&proj.k[pr.clone()], &mut state.conv.k, &self.conv[1], p, w);
-            let v = short_conv(&proj.v[pr.clone()], &mut state.conv.v, &self.conv[2], p, w);
-            l2norm_rows(&mut q, d, 1.0 / (d as f32).sqrt());
-            l2norm_rows(&mut k, d, 1.0);
-            let inp = DeltaRuleInputs {
-                q: &q,
-                k: &k,
-                v: &v,
-                g: &g[pr],
-                beta: &beta[hr],
-                heads: h,
-                head_dim: d,
-            };
-            let recurrent = match form {
-                KdaForm::Chunked => false,
-                KdaForm::Recurrent => true,
-                KdaForm::Auto => n == 1,
-            };
-            o.extend(if recurrent {
-                delta_rule::recurrent(&inp, &mut state.recurrent)
-            } else {
-                delta_rule::chunked(&inp, &mut state.recurrent)
-            });
-        }
+        let seqs = super::ops::row_ranges(segments);
+        let proj = self.input.project(b, x, rows);
+        let (mut g, gate) = self.gate.apply(b, &proj.f_a, &proj.g_a, rows);
+        b.kda_decay(&mut g, rows, &self.a, &self.dt_bias, d, self.cfg.gate);
+        let mut beta = proj.beta_logits;
+        b.sigmoid_in_place(&mut beta, rows * h);
+        let conv = |pre: &Tensor<B>, i: usize, states: &mut [&mut KdaState<B>]| {
+            let mut windows: Vec<&mut Tensor<B>> = states
+                .iter_mut()
+                .map(|s| match i {
+                    0 => &mut s.conv.q,
+                    1 => &mut s.conv.k,
+                    _ => &mut s.conv.v,
+                })
+                .collect();
+            let mut out = b.zeros(DType::F32, &[rows, p]);
+            b.short_conv(pre, &seqs, &mut windows, &self.conv[i], p, w, &mut out);
+            out
+        };
+        let mut q = conv(&proj.q, 0, states);
+        let mut k = conv(&proj.k, 1, states);
+        let v = conv(&proj.v, 2, states);
+        b.l2_norm_in_place(&mut q, rows * h, d, 1.0 / (d as f32).sqrt());
+        b.l2_norm_in_place(&mut k, rows * h, d, 1.0);
+        let forms: Vec<DeltaForm> = segments
+            .iter()
+            .map(|&n| match form {
+                KdaForm::Chunked => DeltaForm::Chunked,
+                KdaForm::Recurrent => DeltaForm::Recurrent,
+                KdaForm::Auto if n == 1 => DeltaForm::Recurrent,
+                KdaForm::Auto => DeltaForm::Chunked,
+            })
+            .collect();
+        let mut recurrent: Vec<&mut Tensor<B>> =
+            states.iter_mut().map(|s| &mut s.recurrent).collect();
+        let mut o = b.zeros(DType::F32, &[rows, p]);
+        let inputs = DeltaInputs {
+            q: &q,
+            k: &k,
+            v: &v,
+            g: &g,
+            beta: &beta,
+            heads: h,
+            head_dim: d,
+        };
+        b.delta_rule(inputs, &seqs, &forms, &mut recurrent, &mut o);
         // Gated RMSNorm per head: RMSNorm_D(o; o_norm) * sigmoid(g_b(g_a x)).
-        rms_norm_rows(&mut o, d, Some(&self.o_norm), self.norm_eps);
-        o.iter_mut()
-            .zip(&gate)
-            .for_each(|(o, &gt)| *o *= sigmoid(gt));
-        debug_assert_eq!(o.len(), rows * p);
-        linear(&o, rows, &self.o_proj)
-    }
-
-    /// `f = f_raw + dt_bias` → per-channel log-decay `g ≤ 0` (`[T, P]`, in place).
-    fn log_decay(&self, mut f: Vec<f32>) -> Vec<f32> {
-        let (d, p) = (self.cfg.head_dim, self.cfg.proj_dim());
-        for row in f.chunks_exact_mut(p) {
-            for (c, x) in row.iter_mut().enumerate() {
-                let a = self.a[c / d];
-                let f = *x + self.dt_bias[c];
-                *x = match self.cfg.gate {
-                    KdaGate::Softplus => -a * softplus(f),
-                    KdaGate::LowerBound(lb) => lb * sigmoid(a * f),
-                };
-            }
-        }
-        f
+        b.gated_rms_norm(&mut o, &gate, &self.o_norm, rows, p, d, self.norm_eps);
+        super::projection::project(b, &o, rows, &self.o_proj)
     }
 }
 

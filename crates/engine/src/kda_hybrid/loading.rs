@@ -4,6 +4,8 @@
 //! A single-rank model is the layout `tp1`, so every loader takes a [`RankShard`] and there is
 //! one code path: [`RankShard::whole`] is the tp1 shard.
 
+use crate::backend::{host, Linear, Ops};
+use crate::tensor::{DType, HostTensor, Tensor};
 use std::ops::Range;
 use std::path::PathBuf;
 use tandem_model::fusion::{LoraTargets, QuantizationConfig};
@@ -26,6 +28,9 @@ pub struct LoadOptions {
     pub lora: Option<PathBuf>,
     /// Fusion policy.
     pub fusion: FusionPolicy,
+    /// The dtype of the weight matrices (f32 or bf16; norms, gates' small vectors and MLA's
+    /// absorbed `kv_b` stay f32). Default f32.
+    pub dtype: DType,
 }
 
 /// What one rank holds of every layer kind.
@@ -72,4 +77,40 @@ pub(crate) fn part(shard: Shard, len: usize, what: &str) -> crate::Result<Range<
     shard
         .range(len)
         .map_err(|e| crate::Error::Weights(format!("{what}: {e}")))
+}
+
+/// Where a rank's weights go: its backend, and the dtype of its matrices.
+pub(crate) struct Upload<'a, B> {
+    pub backend: &'a B,
+    pub dtype: DType,
+}
+
+impl<B: Ops> Upload<'_, B> {
+    /// A weight matrix in the model's dtype, in the backend's matmul layout.
+    pub fn linear(&self, l: host::Linear<Vec<f32>>) -> Linear<B> {
+        let (out_features, in_features) = (l.out_features, l.in_features);
+        let host = HostTensor::from_f32(&[out_features, in_features], l.weight)
+            .and_then(|t| t.to_dtype(self.dtype))
+            .expect("a checked weight converts to a float dtype");
+        Linear {
+            weight: self.backend.upload_weight(&host),
+            out_features,
+            in_features,
+        }
+    }
+
+    /// Small f32 values (norm weights, biases, gates' parameters, MLA's `kv_b`).
+    pub fn f32(&self, values: Vec<f32>) -> Tensor<B> {
+        let n = values.len();
+        self.backend
+            .upload(&HostTensor::from_f32(&[n], values).expect("a vector's shape is its length"))
+    }
+
+    /// A table read by rows (the embedding), in the model's dtype.
+    pub fn table(&self, values: Vec<f32>, rows: usize, width: usize) -> Tensor<B> {
+        let host = HostTensor::from_f32(&[rows, width], values)
+            .and_then(|t| t.to_dtype(self.dtype))
+            .expect("a checked table converts to a float dtype");
+        self.backend.upload(&host)
+    }
 }

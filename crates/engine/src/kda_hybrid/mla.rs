@@ -19,12 +19,13 @@
 
 use super::config::{IndexerConfig, MlaConfig};
 use super::latent_pool::{LatentPool, PagedRows};
-use super::loading::part;
-use super::ops::{axpy, dot, linear, rms_norm, rms_norm_rows};
+use super::loading::{part, Upload};
+use super::projection::project;
 use super::weights::Checkpoint;
-use crate::backend::host::Linear;
+use crate::backend::hybrid::{HybridOps, MlaDims};
+use crate::backend::{CpuBackend, Linear, Ops};
+use crate::tensor::{DType, Tensor};
 use crate::Result;
-use rayon::prelude::*;
 use tandem_topology::Shard;
 
 /// The per-token caches of the DSA indexer, `[T, index_head_dim]` each.
@@ -74,40 +75,40 @@ impl MlaState {
 }
 
 #[derive(Debug)]
-enum QueryProjection {
+enum QueryProjection<B: Ops> {
     /// Kimi Linear: `q_proj` `[H·(dn+dr), hidden]`.
-    Direct(Linear<Vec<f32>>),
+    Direct(Linear<B>),
     /// GLM: `q_b_proj(RMSNorm(q_a_proj x; q_a_layernorm))`.
     LowRank {
-        a: Linear<Vec<f32>>,
-        norm: Vec<f32>,
-        b: Linear<Vec<f32>>,
+        a: Linear<B>,
+        norm: Tensor<B>,
+        b: Linear<B>,
     },
 }
 
 #[derive(Debug)]
-struct IndexerKeys {
-    wk: Linear<Vec<f32>>,
-    norm_weight: Vec<f32>,
-    norm_bias: Vec<f32>,
-    gate: Linear<Vec<f32>>,
+struct IndexerKeys<B: Ops> {
+    wk: Linear<B>,
+    norm_weight: Tensor<B>,
+    norm_bias: Tensor<B>,
+    gate: Linear<B>,
 }
 
 /// One loaded MLA layer.
 #[derive(Debug)]
-pub struct MlaLayer {
+pub struct MlaLayer<B: Ops = CpuBackend> {
     cfg: MlaConfig,
-    q: QueryProjection,
-    kv_a: Linear<Vec<f32>>,
-    kv_norm: Vec<f32>,
-    /// `[H·(dn+dv), kv_lora_rank]`: per head `dn` key rows then `dv` value rows.
-    kv_b: Vec<f32>,
-    o_proj: Linear<Vec<f32>>,
-    indexer: Option<IndexerKeys>,
+    q: QueryProjection<B>,
+    kv_a: Linear<B>,
+    kv_norm: Tensor<B>,
+    /// `[H·(dn+dv), kv_lora_rank]` f32: per head `dn` key rows then `dv` value rows.
+    kv_b: Tensor<B>,
+    o_proj: Linear<B>,
+    indexer: Option<IndexerKeys<B>>,
     pool: LatentPool,
 }
 
-impl MlaLayer {
+impl<B: HybridOps> MlaLayer<B> {
     /// Loads the layer under its `self_attn` prefix `attn`: the heads of `shard` (query and
     /// `kv_b` rows, `o_proj` columns); the latent path (`kv_a`, its norm, the indexer) is
     /// replicated, so every attention-TP rank keeps the whole latent cache.
@@ -115,8 +116,8 @@ impl MlaLayer {
         ck: &mut Checkpoint,
         attn: &str,
         cfg: MlaConfig,
-        hidden: usize,
-        shard: Shard,
+        (hidden, shard): (usize, Shard),
+        up: &Upload<'_, B>,
     ) -> Result<Self> {
         let name = |n: &str| format!("{attn}.{n}");
         let (h, r, dr) = (cfg.num_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim);
@@ -125,16 +126,16 @@ impl MlaLayer {
         let q_out = h * cfg.qk_head_dim();
         let q_rows = per(cfg.qk_head_dim());
         let q = match cfg.q_lora_rank {
-            None => QueryProjection::Direct(ck.linear_rows(
+            None => QueryProjection::Direct(up.linear(ck.linear_rows(
                 &name("q_proj.weight"),
                 q_out,
                 hidden,
                 q_rows,
-            )?),
+            )?)),
             Some(rank) => QueryProjection::LowRank {
-                a: ck.linear(&name("q_a_proj.weight"), rank, hidden)?,
-                norm: ck.take(&name("q_a_layernorm.weight"), &[rank])?,
-                b: ck.linear_rows(&name("q_b_proj.weight"), q_out, rank, q_rows)?,
+                a: up.linear(ck.linear(&name("q_a_proj.weight"), rank, hidden)?),
+                norm: up.f32(ck.take(&name("q_a_layernorm.weight"), &[rank])?),
+                b: up.linear(ck.linear_rows(&name("q_b_proj.weight"), q_out, rank, q_rows)?),
             },
         };
         let indexer = if ck.has(&name("indexer.wk.weight")) {
@@ -149,6 +150,7 @@ impl MlaLayer {
                 ic,
                 cfg.q_lora_rank,
                 hidden,
+                up,
             )?)
         } else {
             None
@@ -156,20 +158,20 @@ impl MlaLayer {
         let kv_b_width = cfg.qk_nope_head_dim + cfg.v_head_dim;
         Ok(Self {
             q,
-            kv_a: ck.linear(&name("kv_a_proj_with_mqa.weight"), r + dr, hidden)?,
-            kv_norm: ck.take(&name("kv_a_layernorm.weight"), &[r])?,
-            kv_b: ck.slice(
+            kv_a: up.linear(ck.linear(&name("kv_a_proj_with_mqa.weight"), r + dr, hidden)?),
+            kv_norm: up.f32(ck.take(&name("kv_a_layernorm.weight"), &[r])?),
+            kv_b: up.f32(ck.slice(
                 &[&name("kv_b_proj.weight")],
                 &[h * kv_b_width, r],
                 0,
                 per(kv_b_width),
-            )?,
-            o_proj: ck.linear_cols(
+            )?),
+            o_proj: up.linear(ck.linear_cols(
                 &[&name("o_proj.weight")],
                 hidden,
                 h * cfg.v_head_dim,
                 per(cfg.v_head_dim),
-            )?,
+            )?),
             indexer,
             pool: LatentPool::default(),
             cfg: MlaConfig {
@@ -206,8 +208,8 @@ impl MlaLayer {
     /// Appends `rows` tokens (normed layer input `[rows, hidden]`) to `state` and returns their
     /// attention output after `o_proj`, `[rows, hidden]`. Token `i` sees every cached token and
     /// the new ones up to itself.
-    pub fn forward(&self, x: &Vec<f32>, rows: usize, state: &mut MlaState) -> Vec<f32> {
-        self.forward_batch(x, &[rows], &mut [state])
+    pub fn forward(&self, b: &B, x: &Tensor<B>, rows: usize, state: &mut MlaState) -> Tensor<B> {
+        self.forward_batch(b, x, &[rows], &mut [state])
     }
 
     /// Several sequences at once: `x` holds `segments[i]` rows of sequence `i` after those of
@@ -215,146 +217,78 @@ impl MlaLayer {
     /// over every row; each sequence attends over its own cache. Returns `[Σ rows, hidden]`.
     pub fn forward_batch(
         &self,
-        x: &Vec<f32>,
+        b: &B,
+        x: &Tensor<B>,
         segments: &[usize],
         states: &mut [&mut MlaState],
-    ) -> Vec<f32> {
+    ) -> Tensor<B> {
         let c = &self.cfg;
-        let (h, r, dn, dr, dv) = self.dims();
+        let dims = self.dims();
         assert_eq!(segments.len(), states.len(), "one state per sequence");
         let rows: usize = segments.iter().sum();
-        if rows == 0 {
-            return Vec::new();
-        }
+        let seqs = super::ops::row_ranges(segments);
         let q = match &self.q {
-            QueryProjection::Direct(w) => linear(x, rows, w),
-            QueryProjection::LowRank { a, norm, b } => {
-                let mut qa = linear(x, rows, a);
-                rms_norm_rows(&mut qa, a.out_features, Some(norm), c.latent_norm_eps);
-                linear(&qa, rows, b)
+            QueryProjection::Direct(w) => project(b, x, rows, w),
+            QueryProjection::LowRank { a, norm, b: qb } => {
+                let mut qa = project(b, x, rows, a);
+                b.rms_norm_in_place(&mut qa, rows, a.out_features, Some(norm), c.latent_norm_eps);
+                project(b, &qa, rows, qb)
             }
         };
-        let ckv = linear(x, rows, &self.kv_a);
+        let ckv = project(b, x, rows, &self.kv_a);
         // The indexer caches only exist on models that run an indexer.
         let indexed = self
             .indexer
             .as_ref()
             .filter(|_| states.iter().any(|s| s.indexer.is_some()))
             .map(|ix| {
-                let mut keys = linear(x, rows, &ix.wk);
-                layer_norm_rows(&mut keys, &ix.norm_weight, &ix.norm_bias, 1e-6);
+                let mut keys = project(b, x, rows, &ix.wk);
+                b.layer_norm_in_place(&mut keys, rows, &ix.norm_weight, &ix.norm_bias, 1e-6);
                 (
                     keys,
-                    linear(x, rows, &ix.gate),
+                    project(b, x, rows, &ix.gate),
                     ix.wk.out_features,
                     ix.gate.out_features,
                 )
             });
-        // Append every sequence's new latents to its own cache, and note for every new row
-        // which sequence it belongs to and how many cached tokens it sees.
-        let mut row_view = Vec::with_capacity(rows);
-        let mut start = 0;
-        for (i, (&n, state)) in segments.iter().zip(states.iter_mut()).enumerate() {
-            let seg = start..start + n;
-            start += n;
-            for row in ckv[seg.start * (r + dr)..seg.end * (r + dr)].chunks_exact(r + dr) {
-                state.kv_latent.extend_from_slice(&rms_norm(
-                    &row[..r],
-                    r,
-                    &self.kv_norm,
-                    c.latent_norm_eps,
-                ));
-                state.k_rope.extend_from_slice(&row[r..]);
-            }
-            if let (Some((keys, gate, kw, gw)), Some(cache)) = (&indexed, state.indexer.as_mut()) {
-                cache
-                    .keys
-                    .extend_from_slice(&keys[seg.start * kw..seg.end * kw]);
-                cache
-                    .pool_gate
-                    .extend_from_slice(&gate[seg.start * gw..seg.end * gw]);
-            }
-            let first = state.tokens(r) - n;
-            row_view.extend((0..n).map(|t| (i, first + t + 1)));
-        }
-        // Attention for every new row of every sequence in parallel, each over its own cache.
+        let indexer = indexed.as_ref().map(|(k, g, kw, gw)| (k, g, *kw, *gw));
+        b.mla_append(
+            &ckv,
+            &seqs,
+            states,
+            &self.kv_norm,
+            dims,
+            c.latent_norm_eps,
+            indexer,
+        );
         let caches: Vec<&MlaState> = states.iter().map(|s| &**s).collect();
-        let mut out = vec![0.0f32; rows * h * dv];
-        out.par_chunks_mut(h * dv)
-            .zip(q.par_chunks(h * (dn + dr)))
-            .zip(row_view.par_iter())
-            .for_each(|((out_row, q_row), &(seq, visible))| {
-                self.attend(q_row, caches[seq], visible, out_row);
-            });
-        linear(&out, rows, &self.o_proj)
+        let mut out = b.zeros(DType::F32, &[rows, dims.heads * dims.v_head]);
+        b.mla_attention(&q, &seqs, &caches, &self.kv_b, dims, &mut out);
+        project(b, &out, rows, &self.o_proj)
     }
 
-    /// `(heads, kv_lora_rank, qk_nope, qk_rope, v_head)`.
-    fn dims(&self) -> (usize, usize, usize, usize, usize) {
+    fn dims(&self) -> MlaDims {
         let c = &self.cfg;
-        (
-            c.num_heads,
-            c.kv_lora_rank,
-            c.qk_nope_head_dim,
-            c.qk_rope_head_dim,
-            c.v_head_dim,
-        )
-    }
-
-    /// One new row's attention (`q_row` `[H, dn + dr]`) over the first `visible` tokens of
-    /// `cache`, through the absorbed `kv_b` (scores and values in latent space); writes
-    /// `[H, dv]` into `out_row`.
-    fn attend(&self, q_row: &[f32], cache: &MlaState, visible: usize, out_row: &mut [f32]) {
-        let c = &self.cfg;
-        let (h, r, dn, dr, dv) = self.dims();
-        let scale = 1.0 / (c.qk_head_dim() as f32).sqrt();
-        let (latent, rope) = (&cache.kv_latent, &cache.k_rope);
-        let mut q_lat = vec![0.0f32; r];
-        let mut scores = vec![0.0f32; visible];
-        let mut o_lat = vec![0.0f32; r];
-        for head in 0..h {
-            let qh = &q_row[head * (dn + dr)..(head + 1) * (dn + dr)];
-            let (q_nope, q_rope) = qh.split_at(dn);
-            let w_head = &self.kv_b[head * (dn + dv) * r..(head + 1) * (dn + dv) * r];
-            let (w_k, w_v) = w_head.split_at(dn * r);
-            q_lat.fill(0.0);
-            for (j, &qj) in q_nope.iter().enumerate() {
-                axpy(&mut q_lat, qj, &w_k[j * r..(j + 1) * r]);
-            }
-            let mut max = f32::NEG_INFINITY;
-            for (l, s) in scores.iter_mut().enumerate() {
-                let mut v = dot(&q_lat, latent.row(l));
-                if dr > 0 {
-                    v += dot(q_rope, rope.row(l));
-                }
-                *s = v * scale;
-                max = max.max(*s);
-            }
-            let mut sum = 0.0f32;
-            for s in scores.iter_mut() {
-                *s = (*s - max).exp();
-                sum += *s;
-            }
-            o_lat.fill(0.0);
-            for (l, &p) in scores.iter().enumerate() {
-                axpy(&mut o_lat, p / sum, latent.row(l));
-            }
-            for (vi, o) in out_row[head * dv..(head + 1) * dv].iter_mut().enumerate() {
-                *o = dot(&w_v[vi * r..(vi + 1) * r], &o_lat);
-            }
+        MlaDims {
+            heads: c.num_heads,
+            rank: c.kv_lora_rank,
+            nope: c.qk_nope_head_dim,
+            rope: c.qk_rope_head_dim,
+            v_head: c.v_head_dim,
         }
     }
 }
 
 /// Loads the indexer's key-side weights (used for the cache) and checks and drops its
 /// query-side weights (used only by the selection, which is not implemented).
-fn load_indexer(
+fn load_indexer<B: Ops>(
     ck: &mut Checkpoint,
     prefix: &str,
     ic: IndexerConfig,
     q_lora_rank: Option<usize>,
     hidden: usize,
-) -> Result<IndexerKeys> {
+    up: &Upload<'_, B>,
+) -> Result<IndexerKeys<B>> {
     let name = |n: &str| format!("{prefix}.{n}");
     let q_rank = q_lora_rank
         .ok_or_else(|| crate::Error::Weights(format!("{prefix}: indexer needs q_lora_rank")))?;
@@ -362,22 +296,9 @@ fn load_indexer(
     ck.take(&name("weights_proj.weight"), &[ic.num_heads, hidden])?;
     ck.take(&name("index_kpool_compress_ape"), &[ic.kpool, ic.head_dim])?;
     Ok(IndexerKeys {
-        wk: ck.linear(&name("wk.weight"), ic.head_dim, hidden)?,
-        norm_weight: ck.take(&name("k_norm.weight"), &[ic.head_dim])?,
-        norm_bias: ck.take(&name("k_norm.bias"), &[ic.head_dim])?,
-        gate: ck.linear(&name("index_kpool_compress_gate"), ic.head_dim, hidden)?,
+        wk: up.linear(ck.linear(&name("wk.weight"), ic.head_dim, hidden)?),
+        norm_weight: up.f32(ck.take(&name("k_norm.weight"), &[ic.head_dim])?),
+        norm_bias: up.f32(ck.take(&name("k_norm.bias"), &[ic.head_dim])?),
+        gate: up.linear(ck.linear(&name("index_kpool_compress_gate"), ic.head_dim, hidden)?),
     })
-}
-
-/// LayerNorm with bias over rows of `weight.len()`, in place.
-fn layer_norm_rows(x: &mut [f32], weight: &[f32], bias: &[f32], eps: f32) {
-    let dim = weight.len();
-    for row in x.chunks_exact_mut(dim) {
-        let mean = row.iter().sum::<f32>() / dim as f32;
-        let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / dim as f32;
-        let rs = 1.0 / (var + eps).sqrt();
-        for ((v, &w), &b) in row.iter_mut().zip(weight).zip(bias) {
-            *v = (*v - mean) * rs * w + b;
-        }
-    }
 }

@@ -4,8 +4,9 @@
 //! shared expert; GLM adds a lower-bound KDA gate, q-LoRA MLA with a DSA indexer, clamped
 //! SwiGLU and multi-stream (mHC) residuals. Formulas: shared/specs/kda.md.
 //!
-//! f32 on the CPU; a pass takes a batch of requests per attention-DP group, each with its own
-//! state. [`KdaHybridModel`] is one
+//! Written over [`crate::backend::Ops`] and [`crate::backend::hybrid::HybridOps`] (weights in
+//! f32 or bf16, activations and state in f32); a pass takes a batch of requests per
+//! attention-DP group, each with its own state. [`KdaHybridModel`] is one
 //! rank (tp1); [`ShardedKdaHybrid`] runs a `tp × dp` (+ `ep`) layout as threads, each a
 //! [`KdaHybridModel`] built from its shard of the same checkpoint, joined by collectives.
 //! Eligible KDA projection groups are fused at load ([`projection`]); block-FP8 weights are
@@ -26,7 +27,7 @@ pub mod loading;
 pub mod mla;
 pub mod model;
 pub mod moe;
-mod ops;
+pub(crate) mod ops;
 pub mod projection;
 pub mod residual;
 pub mod sharded;

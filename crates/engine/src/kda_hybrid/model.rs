@@ -8,13 +8,15 @@
 
 use super::config::{AttentionKind, FfnKind, KdaHybridConfig};
 use super::kda::{KdaForm, KdaLayer, KdaState};
-use super::loading::{FusionInputs, LoadOptions, RankShard};
+use super::loading::{FusionInputs, LoadOptions, RankShard, Upload};
 use super::mla::{MlaLayer, MlaState};
 use super::moe::{Moe, SwiGlu};
-use super::ops::{linear, rms_norm};
+use super::projection::project;
 use super::residual::{HyperConnection, Residual};
 use super::weights::Checkpoint;
-use crate::backend::host::{self, Linear};
+use crate::backend::hybrid::{At, HybridOps};
+use crate::backend::{CpuBackend, Linear, Ops};
+use crate::tensor::{DType, HostTensor, Tensor};
 use crate::{Error, Result};
 use std::path::Path;
 use tandem_model::fusion::QuantizationConfig;
@@ -22,53 +24,96 @@ use tandem_topology::Result as TopologyResult;
 
 /// A layer's token mixer.
 #[derive(Debug)]
-pub enum Attention {
+pub enum Attention<B: Ops = CpuBackend> {
     /// Linear attention.
-    Kda(KdaLayer),
+    Kda(KdaLayer<B>),
     /// Full attention.
-    Mla(MlaLayer),
+    Mla(MlaLayer<B>),
 }
 
 /// A layer's feed-forward block.
 #[derive(Debug)]
-pub enum Ffn {
+pub enum Ffn<B: Ops = CpuBackend> {
     /// One SwiGLU MLP.
-    Dense(SwiGlu),
+    Dense(SwiGlu<B>),
     /// Routed + shared experts.
-    Moe(Moe),
+    Moe(Moe<B>),
 }
 
 #[derive(Debug)]
-struct DecoderLayer {
-    input_norm: Vec<f32>,
-    attention: Attention,
-    post_norm: Vec<f32>,
-    ffn: Ffn,
-    hc_attn: Option<HyperConnection>,
-    hc_ffn: Option<HyperConnection>,
+struct DecoderLayer<B: Ops> {
+    input_norm: Tensor<B>,
+    attention: Attention<B>,
+    post_norm: Tensor<B>,
+    ffn: Ffn<B>,
+    hc_attn: Option<HyperConnection<B>>,
+    hc_ffn: Option<HyperConnection<B>>,
 }
 
 /// One layer's part of a request's state.
-#[derive(Clone, Debug, PartialEq)]
-pub enum LayerState {
+#[derive(Debug)]
+pub enum LayerState<B: Ops = CpuBackend> {
     /// Fixed-size KDA state.
-    Kda(KdaState),
+    Kda(KdaState<B>),
     /// Growing MLA latent cache.
     Mla(MlaState),
 }
 
+impl Clone for LayerState {
+    fn clone(&self) -> Self {
+        match self {
+            Self::Kda(k) => Self::Kda(k.clone()),
+            Self::Mla(m) => Self::Mla(m.clone()),
+        }
+    }
+}
+
+impl PartialEq for LayerState {
+    fn eq(&self, other: &Self) -> bool {
+        match (self, other) {
+            (Self::Kda(a), Self::Kda(b)) => a == b,
+            (Self::Mla(a), Self::Mla(b)) => a == b,
+            _ => false,
+        }
+    }
+}
+
 /// Everything a request carries between forward calls: one entry per decoder layer, in order.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct KdaHybridState {
+#[derive(Debug)]
+pub struct KdaHybridState<B: Ops = CpuBackend> {
     /// Per-layer state.
-    pub layers: Vec<LayerState>,
+    pub layers: Vec<LayerState<B>>,
     /// Tokens consumed so far.
     pub tokens: usize,
 }
 
-impl KdaHybridState {
+impl<B: Ops> Default for KdaHybridState<B> {
+    fn default() -> Self {
+        Self {
+            layers: Vec::new(),
+            tokens: 0,
+        }
+    }
+}
+
+impl Clone for KdaHybridState {
+    fn clone(&self) -> Self {
+        Self {
+            layers: self.layers.clone(),
+            tokens: self.tokens,
+        }
+    }
+}
+
+impl PartialEq for KdaHybridState {
+    fn eq(&self, other: &Self) -> bool {
+        self.layers == other.layers && self.tokens == other.tokens
+    }
+}
+
+impl<B: Ops> KdaHybridState<B> {
     /// Layer `i`'s KDA state, if layer `i` is a KDA layer.
-    pub fn kda(&self, i: usize) -> Option<&KdaState> {
+    pub fn kda(&self, i: usize) -> Option<&KdaState<B>> {
         match self.layers.get(i) {
             Some(LayerState::Kda(s)) => Some(s),
             _ => None,
@@ -84,15 +129,17 @@ impl KdaHybridState {
     }
 }
 
-/// A loaded Kimi-Linear / GLM-5.3-Flash style hybrid model (tp1, CPU, f32).
+/// A loaded Kimi-Linear / GLM-5.3-Flash style hybrid model (one rank: tp1, or one shard of a
+/// layout) on backend `B` (the CPU by default).
 #[derive(Debug)]
-pub struct KdaHybridModel {
+pub struct KdaHybridModel<B: HybridOps = CpuBackend> {
+    backend: B,
     config: KdaHybridConfig,
-    /// `[vocab, hidden]`.
-    embed: Vec<f32>,
-    layers: Vec<DecoderLayer>,
-    norm: Vec<f32>,
-    lm_head: Option<Linear<Vec<f32>>>,
+    /// `[vocab, hidden]`, in the weights' dtype.
+    embed: Tensor<B>,
+    layers: Vec<DecoderLayer<B>>,
+    norm: Tensor<B>,
+    lm_head: Option<Linear<B>>,
     /// How it was loaded (reused by [`KdaHybridModel::refresh_weights`]).
     options: LoadOptions,
 }
@@ -125,23 +172,24 @@ pub(crate) fn open_checkpoint(
 }
 
 /// The collectives one rank of a sharded layout runs inside a forward pass (none at tp1).
-pub(crate) trait RankCollectives {
-    /// Sums attention partial outputs over the attention-TP group.
-    fn attn_all_reduce(&self, buf: &mut [f32]) -> TopologyResult<()>;
+pub(crate) trait RankCollectives<B: Ops> {
+    /// Sums the first `n` values of attention partial outputs over the attention-TP group.
+    fn attn_all_reduce(&self, backend: &B, buf: &mut Tensor<B>, n: usize) -> TopologyResult<()>;
     /// Runs the (sharded) FFN `f` on the tokens of every attention-DP group and returns the
     /// summed result for this rank's own `rows` tokens.
     fn ffn(
         &self,
-        x: &[f32],
+        backend: &B,
+        x: &Tensor<B>,
         rows: usize,
         hidden: usize,
-        f: &dyn Fn(&Vec<f32>, usize) -> Vec<f32>,
-    ) -> TopologyResult<Vec<f32>>;
+        f: &dyn Fn(&Tensor<B>, usize) -> Tensor<B>,
+    ) -> TopologyResult<Tensor<B>>;
 }
 
 impl KdaHybridModel {
     /// Loads `dir/config.json` and `dir/model*.safetensors` (F32 / BF16 / F16 / block-FP8,
-    /// kept as f32), fusing eligible KDA projections.
+    /// run in f32) onto the CPU, fusing eligible KDA projections.
     pub fn load(dir: &Path) -> Result<Self> {
         Self::load_with(dir, &LoadOptions::default())
     }
@@ -158,11 +206,18 @@ impl KdaHybridModel {
         )
     }
 
-    /// Loads with explicit [`LoadOptions`].
+    /// Loads onto the CPU with explicit [`LoadOptions`].
     pub fn load_with(dir: &Path, options: &LoadOptions) -> Result<Self> {
+        Self::load_on(CpuBackend::new(), dir, options)
+    }
+}
+
+impl<B: HybridOps> KdaHybridModel<B> {
+    /// Loads `dir` onto `backend` with `options`.
+    pub fn load_on(backend: B, dir: &Path, options: &LoadOptions) -> Result<Self> {
         let (config, mut ck, fusion) = open_checkpoint(dir, options)?;
         let rs = RankShard::whole(config.moe.num_experts);
-        let model = Self::build(config, &mut ck, &rs, &fusion, options.clone())?;
+        let model = Self::build(backend, config, &mut ck, &rs, &fusion, options.clone())?;
         ck.finish(model.config.num_layers())?;
         Ok(model)
     }
@@ -171,7 +226,7 @@ impl KdaHybridModel {
     /// when their size is unchanged, so their addresses stay valid (captured CUDA graphs); a
     /// size or form change allocates new ones, logged, and callers must recapture.
     pub fn refresh_weights(&mut self, dir: &Path) -> Result<()> {
-        let fresh = Self::load_with(dir, &self.options)?;
+        let fresh = Self::load_on(self.backend.clone(), dir, &self.options)?;
         self.adopt(fresh);
         Ok(())
     }
@@ -181,6 +236,11 @@ impl KdaHybridModel {
         &self.options
     }
 
+    /// The backend the model runs on.
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
     /// Becomes `fresh` (a reload of the same model, same shard), keeping this model's fused
     /// KDA buffers (rewritten in place) and its latent pool.
     pub(crate) fn adopt(&mut self, mut fresh: Self) {
@@ -188,7 +248,7 @@ impl KdaHybridModel {
             if let (Attention::Kda(old), Attention::Kda(new)) =
                 (&mut old.attention, &mut new.attention)
             {
-                new.adopt_buffers(old, i);
+                new.adopt_buffers(&self.backend, old, i);
             }
         }
         // Requests in flight keep their latent blocks; new ones keep drawing from the same pool.
@@ -205,6 +265,7 @@ impl KdaHybridModel {
     /// Builds one rank's model (`rs`) from an opened checkpoint; does not run the leftover
     /// check (the caller does, after its last rank).
     pub(crate) fn build(
+        backend: B,
         config: KdaHybridConfig,
         ck: &mut Checkpoint,
         rs: &RankShard,
@@ -213,17 +274,27 @@ impl KdaHybridModel {
     ) -> Result<Self> {
         let c = &config;
         let (hidden, eps) = (c.hidden_size, c.rms_norm_eps);
+        let up = Upload {
+            backend: &backend,
+            dtype: options.dtype,
+        };
+        if !matches!(options.dtype, DType::F32 | DType::BF16) {
+            return Err(Error::InvalidRequest(format!(
+                "KDA-hybrid weights run in f32 or bf16, not {}",
+                options.dtype
+            )));
+        }
         let prefix = ck.prefix.clone();
         let mut layers = Vec::with_capacity(c.num_layers());
         for (i, spec) in c.layers.iter().enumerate() {
             let lp = format!("{prefix}layers.{i}");
             let attn = format!("{lp}.self_attn");
             let attention = match spec.attention {
-                AttentionKind::Kda => {
-                    Attention::Kda(KdaLayer::load(ck, &attn, c.kda, hidden, eps, rs, fusion)?)
-                }
+                AttentionKind::Kda => Attention::Kda(KdaLayer::load(
+                    ck, &attn, c.kda, hidden, eps, rs, fusion, &up,
+                )?),
                 AttentionKind::Mla => {
-                    Attention::Mla(MlaLayer::load(ck, &attn, c.mla, hidden, rs.mla)?)
+                    Attention::Mla(MlaLayer::load(ck, &attn, c.mla, (hidden, rs.mla), &up)?)
                 }
             };
             let ffn = match spec.ffn {
@@ -237,10 +308,10 @@ impl KdaHybridModel {
                     Ffn::Dense(SwiGlu::load(
                         ck,
                         &names,
-                        hidden,
-                        c.intermediate_size,
+                        (hidden, c.intermediate_size),
                         c.swiglu_limit,
                         rs.dense,
+                        &up,
                     )?)
                 }
                 FfnKind::Moe => {
@@ -249,29 +320,43 @@ impl KdaHybridModel {
                     } else {
                         format!("{lp}.mlp")
                     };
-                    Ffn::Moe(Moe::load(ck, &block, c.moe, hidden, c.swiglu_limit, rs)?)
+                    Ffn::Moe(Moe::load(
+                        ck,
+                        &block,
+                        c.moe,
+                        hidden,
+                        c.swiglu_limit,
+                        rs,
+                        &up,
+                    )?)
                 }
             };
             layers.push(DecoderLayer {
-                input_norm: ck.take(&format!("{lp}.input_layernorm.weight"), &[hidden])?,
+                input_norm: up.f32(ck.take(&format!("{lp}.input_layernorm.weight"), &[hidden])?),
                 attention,
-                post_norm: ck.take(&format!("{lp}.post_attention_layernorm.weight"), &[hidden])?,
+                post_norm: up
+                    .f32(ck.take(&format!("{lp}.post_attention_layernorm.weight"), &[hidden])?),
                 ffn,
-                hc_attn: HyperConnection::load(ck, &lp, "attn", c.residual, hidden, eps)?,
-                hc_ffn: HyperConnection::load(ck, &lp, "ffn", c.residual, hidden, eps)?,
+                hc_attn: HyperConnection::load(ck, (&lp, "attn"), c.residual, hidden, eps, &up)?,
+                hc_ffn: HyperConnection::load(ck, (&lp, "ffn"), c.residual, hidden, eps, &up)?,
             });
         }
-        let embed = ck.take(
-            &format!("{prefix}embed_tokens.weight"),
-            &[c.vocab_size, hidden],
-        )?;
-        let norm = ck.take(&format!("{prefix}norm.weight"), &[hidden])?;
+        let embed = up.table(
+            ck.take(
+                &format!("{prefix}embed_tokens.weight"),
+                &[c.vocab_size, hidden],
+            )?,
+            c.vocab_size,
+            hidden,
+        );
+        let norm = up.f32(ck.take(&format!("{prefix}norm.weight"), &[hidden])?);
         let lm_head = if c.tie_word_embeddings {
             None
         } else {
-            Some(ck.linear("lm_head.weight", c.vocab_size, hidden)?)
+            Some(up.linear(ck.linear("lm_head.weight", c.vocab_size, hidden)?))
         };
         Ok(Self {
+            backend,
             config,
             embed,
             layers,
@@ -287,12 +372,12 @@ impl KdaHybridModel {
     }
 
     /// Layer `i`'s token mixer.
-    pub fn attention(&self, i: usize) -> Option<&Attention> {
+    pub fn attention(&self, i: usize) -> Option<&Attention<B>> {
         self.layers.get(i).map(|l| &l.attention)
     }
 
     /// Layer `i`'s KDA layer, if it is one.
-    pub fn kda_layer(&self, i: usize) -> Option<&KdaLayer> {
+    pub fn kda_layer(&self, i: usize) -> Option<&KdaLayer<B>> {
         match self.attention(i) {
             Some(Attention::Kda(l)) => Some(l),
             _ => None,
@@ -316,13 +401,13 @@ impl KdaHybridModel {
     }
 
     /// A fresh per-request state (MLA latents draw blocks from the latent pool).
-    pub fn new_state(&self) -> KdaHybridState {
+    pub fn new_state(&self) -> KdaHybridState<B> {
         KdaHybridState {
             layers: self
                 .layers
                 .iter()
                 .map(|l| match &l.attention {
-                    Attention::Kda(k) => LayerState::Kda(k.new_state()),
+                    Attention::Kda(k) => LayerState::Kda(k.new_state(&self.backend)),
                     Attention::Mla(m) => LayerState::Mla(m.new_state()),
                 })
                 .collect(),
@@ -357,12 +442,12 @@ impl KdaHybridModel {
 
     /// Consumes `ids` into `state` (chunked KDA) and returns the logits of the last one
     /// `[vocab]`. Works on a fresh state or continues one (chunked prefill).
-    pub fn prefill(&self, ids: &[u32], state: &mut KdaHybridState) -> Vec<f32> {
+    pub fn prefill(&self, ids: &[u32], state: &mut KdaHybridState<B>) -> Vec<f32> {
         self.extend(ids, state, KdaForm::Chunked, false)
     }
 
     /// Consumes one token (recurrent KDA) and returns its logits `[vocab]`.
-    pub fn decode_step(&self, id: u32, state: &mut KdaHybridState) -> Vec<f32> {
+    pub fn decode_step(&self, id: u32, state: &mut KdaHybridState<B>) -> Vec<f32> {
         self.extend(&[id], state, KdaForm::Recurrent, false)
     }
 
@@ -375,7 +460,7 @@ impl KdaHybridModel {
     pub fn extend(
         &self,
         ids: &[u32],
-        state: &mut KdaHybridState,
+        state: &mut KdaHybridState<B>,
         form: KdaForm,
         all_logits: bool,
     ) -> Vec<f32> {
@@ -395,7 +480,7 @@ impl KdaHybridModel {
     pub fn extend_batch(
         &self,
         ids: &[&[u32]],
-        states: &mut [&mut KdaHybridState],
+        states: &mut [&mut KdaHybridState<B>],
         form: KdaForm,
     ) -> Vec<Vec<f32>> {
         let mut trace = None;
@@ -428,12 +513,13 @@ impl KdaHybridModel {
     pub(crate) fn run(
         &self,
         ids: &[&[u32]],
-        states: &mut [&mut KdaHybridState],
+        states: &mut [&mut KdaHybridState<B>],
         form: KdaForm,
         all_logits: bool,
         trace: &mut Option<Vec<Vec<f32>>>,
-        comm: Option<&dyn RankCollectives>,
+        comm: Option<&dyn RankCollectives<B>>,
     ) -> TopologyResult<Vec<Vec<f32>>> {
+        let b = &self.backend;
         let c = &self.config;
         let segments: Vec<usize> = ids.iter().map(|s| s.len()).collect();
         let (hidden, eps, rows) = (c.hidden_size, c.rms_norm_eps, segments.iter().sum());
@@ -448,35 +534,42 @@ impl KdaHybridModel {
                 "state was not made by this model"
             );
         }
-        let embedded: Vec<f32> = ids
-            .iter()
-            .flat_map(|s| s.iter())
-            .flat_map(|&id| {
-                let at = id as usize * hidden;
-                assert!(
-                    id as usize * hidden < self.embed.len(),
-                    "token id {id} outside the vocabulary (check with validate_tokens)"
-                );
-                &self.embed[at..at + hidden]
-            })
-            .copied()
-            .collect();
-        let mut residual = Residual::new(embedded, c.residual, hidden);
+        let flat: Vec<u32> = ids.iter().flat_map(|s| s.iter().copied()).collect();
+        if let Some(id) = flat.iter().find(|&&id| id as usize >= c.vocab_size) {
+            panic!("token id {id} outside the vocabulary (check with validate_tokens)");
+        }
+        let mut embedded = b.zeros(DType::F32, &[rows, hidden]);
+        if rows > 0 {
+            b.embed(
+                &self.embed,
+                &b.upload(&HostTensor::from_u32(flat)),
+                rows,
+                &mut embedded,
+            );
+        }
+        let normed = |x: &Tensor<B>, w: &Tensor<B>| {
+            let mut h = b.zeros(DType::F32, &[rows, hidden]);
+            if rows > 0 {
+                b.rms_norm(x, w, rows, eps, &mut h);
+            }
+            h
+        };
+        let mut residual = Residual::new(b, embedded, rows, c.residual, hidden);
         for (li, layer) in self.layers.iter().enumerate() {
-            let (x, mix) = residual.enter(layer.hc_attn.as_ref(), rows, hidden);
-            let h = rms_norm(&x, hidden, &layer.input_norm, eps);
+            let (x, mix) = residual.enter(b, layer.hc_attn.as_ref(), rows, hidden);
+            let h = normed(&x, &layer.input_norm);
             let kinds_differ =
                 || -> ! { panic!("state was not made by this model (layer kinds differ)") };
             let mut a = match &layer.attention {
                 Attention::Kda(l) => {
-                    let mut st: Vec<&mut KdaState> = states
+                    let mut st: Vec<&mut KdaState<B>> = states
                         .iter_mut()
                         .map(|s| match &mut s.layers[li] {
                             LayerState::Kda(k) => k,
                             LayerState::Mla(_) => kinds_differ(),
                         })
                         .collect();
-                    l.forward_batch(&h, &segments, &mut st, form)
+                    l.forward_batch(b, &h, &segments, &mut st, form)
                 }
                 Attention::Mla(l) => {
                     let mut st: Vec<&mut MlaState> = states
@@ -486,26 +579,26 @@ impl KdaHybridModel {
                             LayerState::Kda(_) => kinds_differ(),
                         })
                         .collect();
-                    l.forward_batch(&h, &segments, &mut st)
+                    l.forward_batch(b, &h, &segments, &mut st)
                 }
             };
             if let Some(comm) = comm {
-                comm.attn_all_reduce(&mut a)?;
+                comm.attn_all_reduce(b, &mut a, rows * hidden)?;
             }
-            residual.leave(&a, mix, hidden);
-            let (x, mix) = residual.enter(layer.hc_ffn.as_ref(), rows, hidden);
-            let h = rms_norm(&x, hidden, &layer.post_norm, eps);
-            let ffn = |x: &Vec<f32>, n: usize| match &layer.ffn {
-                Ffn::Dense(mlp) => mlp.forward(x, n),
-                Ffn::Moe(moe) => moe.forward(x, n),
+            residual.leave(b, &a, mix, rows, hidden);
+            let (x, mix) = residual.enter(b, layer.hc_ffn.as_ref(), rows, hidden);
+            let h = normed(&x, &layer.post_norm);
+            let ffn = |x: &Tensor<B>, n: usize| match &layer.ffn {
+                Ffn::Dense(mlp) => mlp.forward(b, x, n),
+                Ffn::Moe(moe) => moe.forward(b, x, n),
             };
             let f = match comm {
                 None => ffn(&h, rows),
-                Some(comm) => comm.ffn(&h, rows, hidden, &ffn)?,
+                Some(comm) => comm.ffn(b, &h, rows, hidden, &ffn)?,
             };
-            residual.leave(&f, mix, hidden);
+            residual.leave(b, &f, mix, rows, hidden);
             if let Some(t) = trace.as_mut() {
-                t.push(residual.raw().to_vec());
+                t.push(b.download(residual.raw()).to_f32_vec());
             }
         }
         for (state, &n) in states.iter_mut().zip(&segments) {
@@ -515,35 +608,45 @@ impl KdaHybridModel {
             return Ok(vec![Vec::new(); ids.len()]);
         }
         // The rows whose logits are wanted, and how many belong to each sequence.
-        let out = residual.output(hidden);
-        let mut picked = Vec::new();
+        let out = residual.output(b, rows, hidden);
+        let mut picks = Vec::new();
         let mut counts = Vec::with_capacity(segments.len());
         let mut end = 0;
         for &n in &segments {
             end += n;
             let take = if all_logits { n } else { n.min(1) };
-            picked.extend_from_slice(&out[(end - take) * hidden..end * hidden]);
+            picks.push((end - take, take));
             counts.push(take);
         }
-        let n = picked.len() / hidden;
-        let normed = rms_norm(&picked, hidden, &self.norm, eps);
+        let n: usize = counts.iter().sum();
+        let mut picked = b.zeros(DType::F32, &[n, hidden]);
+        let mut at = 0;
+        for (from, take) in picks {
+            let src = At {
+                row: from,
+                col: 0,
+                stride: hidden,
+            };
+            let dst = At {
+                row: at,
+                col: 0,
+                stride: hidden,
+            };
+            b.copy_block(&out, src, &mut picked, dst, take, hidden);
+            at += take;
+        }
+        let mut normed = b.zeros(DType::F32, &[n, hidden]);
+        b.rms_norm(&picked, &self.norm, n, eps, &mut normed);
+        let vocab = c.vocab_size;
         let logits = match &self.lm_head {
-            Some(head) => linear(&normed, n, head),
+            Some(head) => project(b, &normed, n, head),
             None => {
-                let mut logits = Vec::new();
-                host::matmul_raw(
-                    &normed,
-                    n,
-                    &self.embed,
-                    c.vocab_size,
-                    hidden,
-                    &mut logits,
-                    false,
-                );
+                let mut logits = b.zeros(DType::F32, &[n, vocab]);
+                b.matmul(&normed, n, &self.embed, vocab, hidden, &mut logits, false);
                 logits
             }
         };
-        let vocab = c.vocab_size;
+        let logits = b.download(&logits).to_f32_vec();
         let mut at = 0;
         Ok(counts
             .iter()

@@ -12,82 +12,77 @@
 //! partial sum the caller reduces over the TP group.
 
 use super::config::MoeConfig;
-use super::loading::{part, RankShard};
-use super::ops::{linear, sigmoid, silu};
+use super::loading::{part, RankShard, Upload};
+use super::projection::project;
 use super::weights::Checkpoint;
-use crate::backend::host::Linear;
+use crate::backend::hybrid::HybridOps;
+use crate::backend::{CpuBackend, Linear, Ops};
+use crate::tensor::{DType, HostTensor, Tensor};
 use crate::Result;
 use tandem_topology::Shard;
 
 /// `down(act(gate x) · up x)`, gate and up fused into one `[2I, hidden]` matrix.
 #[derive(Debug)]
-pub struct SwiGlu {
-    gate_up: Linear<Vec<f32>>,
-    down: Linear<Vec<f32>>,
+pub struct SwiGlu<B: Ops = CpuBackend> {
+    gate_up: Linear<B>,
+    down: Linear<B>,
     limit: Option<f32>,
 }
 
-impl SwiGlu {
+impl<B: HybridOps> SwiGlu<B> {
     /// Loads the first present of each (gate, up, down) name triple; intermediate channels
     /// `shard` only (column-parallel gate/up, row-parallel down: outputs are partial sums).
     pub(crate) fn load(
         ck: &mut Checkpoint,
         names: &[[String; 3]],
-        hidden: usize,
-        inter: usize,
+        (hidden, inter): (usize, usize),
         limit: Option<f32>,
         shard: Shard,
+        up: &Upload<'_, B>,
     ) -> Result<Self> {
         let pick = |i: usize| names.iter().map(|n| n[i].as_str()).collect::<Vec<_>>();
         let range = part(shard, inter, &names[0][0])?;
         let local = range.len();
         let gate = ck.slice(&pick(0), &[inter, hidden], 0, range.clone())?;
-        let up = ck.slice(&pick(1), &[inter, hidden], 0, range.clone())?;
+        let upw = ck.slice(&pick(1), &[inter, hidden], 0, range.clone())?;
         Ok(Self {
-            gate_up: Linear {
-                weight: [gate, up].concat(),
+            gate_up: up.linear(crate::backend::host::Linear {
+                weight: [gate, upw].concat(),
                 out_features: 2 * local,
                 in_features: hidden,
-            },
-            down: ck.linear_cols(&pick(2), hidden, inter, range)?,
+            }),
+            down: up.linear(ck.linear_cols(&pick(2), hidden, inter, range)?),
             limit,
         })
     }
 
     /// Runs `rows` rows of `x` `[rows, hidden]`.
-    pub fn forward(&self, x: &Vec<f32>, rows: usize) -> Vec<f32> {
+    pub fn forward(&self, b: &B, x: &Tensor<B>, rows: usize) -> Tensor<B> {
         let inter = self.down.in_features;
-        let gu = linear(x, rows, &self.gate_up);
-        let mut act = vec![0.0f32; rows * inter];
-        for (a, gu) in act.chunks_exact_mut(inter).zip(gu.chunks_exact(2 * inter)) {
-            let (g, u) = gu.split_at(inter);
-            for ((a, &g), &u) in a.iter_mut().zip(g).zip(u) {
-                *a = match self.limit {
-                    None => silu(g) * u,
-                    Some(l) => silu(g.min(l)) * u.clamp(-l, l),
-                };
-            }
-        }
-        linear(&act, rows, &self.down)
+        let gu = project(b, x, rows, &self.gate_up);
+        let mut act = b.zeros(DType::F32, &[rows, inter]);
+        b.swiglu(&gu, rows, inter, self.limit, &mut act);
+        project(b, &act, rows, &self.down)
     }
 }
 
 /// Routed experts plus shared experts (on one rank: the experts of its EP shard, each split
 /// over the shard's `tp/ep` ranks, and its full-TP part of the shared expert).
 #[derive(Debug)]
-pub struct Moe {
+pub struct Moe<B: Ops = CpuBackend> {
     cfg: MoeConfig,
-    router: Linear<Vec<f32>>,
-    correction_bias: Vec<f32>,
+    router: Linear<B>,
+    correction_bias: Tensor<B>,
     /// Index of `experts[0]` among all experts.
     first_expert: usize,
-    experts: Vec<SwiGlu>,
-    shared: Option<SwiGlu>,
+    experts: Vec<SwiGlu<B>>,
+    shared: Option<SwiGlu<B>>,
 }
 
-impl Moe {
+impl<B: HybridOps> Moe<B> {
     /// Loads the MoE block under `block` (`…block_sparse_moe` or `…mlp`); experts are named
-    /// `w1/w3/w2` (Kimi) or `gate_proj/up_proj/down_proj` (GLM). The router is replicated.
+    /// `w1/w3/w2` (Kimi) or `gate_proj/up_proj/down_proj` (GLM). The router is replicated
+    /// (and kept in f32: its scores pick the experts).
     pub(crate) fn load(
         ck: &mut Checkpoint,
         block: &str,
@@ -95,6 +90,7 @@ impl Moe {
         hidden: usize,
         limit: Option<f32>,
         rs: &RankShard,
+        up: &Upload<'_, B>,
     ) -> Result<Self> {
         let e = cfg.num_experts;
         let experts = rs
@@ -117,10 +113,10 @@ impl Moe {
                 SwiGlu::load(
                     ck,
                     &names,
-                    hidden,
-                    cfg.intermediate_size,
+                    (hidden, cfg.intermediate_size),
                     limit,
                     rs.expert_mlp,
+                    up,
                 )
             })
             .collect::<Result<Vec<_>>>()?;
@@ -134,11 +130,23 @@ impl Moe {
                 format!("{p}.down_proj.weight"),
             ]];
             let inter = cfg.intermediate_size * cfg.num_shared_experts;
-            Some(SwiGlu::load(ck, &names, hidden, inter, limit, rs.dense)?)
+            Some(SwiGlu::load(
+                ck,
+                &names,
+                (hidden, inter),
+                limit,
+                rs.dense,
+                up,
+            )?)
+        };
+        let f32_up = Upload {
+            backend: up.backend,
+            dtype: DType::F32,
         };
         Ok(Self {
-            router: ck.linear(&format!("{block}.gate.weight"), e, hidden)?,
-            correction_bias: ck.take(&format!("{block}.gate.e_score_correction_bias"), &[e])?,
+            router: f32_up.linear(ck.linear(&format!("{block}.gate.weight"), e, hidden)?),
+            correction_bias: up
+                .f32(ck.take(&format!("{block}.gate.e_score_correction_bias"), &[e])?),
             first_expert: rs.experts.start,
             experts,
             shared,
@@ -147,23 +155,13 @@ impl Moe {
     }
 
     /// Runs `rows` rows of `x` `[rows, hidden]`.
-    pub fn forward(&self, x: &Vec<f32>, rows: usize) -> Vec<f32> {
+    pub fn forward(&self, b: &B, x: &Tensor<B>, rows: usize) -> Tensor<B> {
         let hidden = self.router.in_features;
-        let e = self.cfg.num_experts;
-        let scores: Vec<f32> = linear(x, rows, &self.router)
-            .into_iter()
-            .map(sigmoid)
-            .collect();
-        // Per expert: (token, weight) pairs.
-        let mut assigned: Vec<Vec<(usize, f32)>> = vec![Vec::new(); e];
-        for (t, s) in scores.chunks_exact(e).enumerate() {
-            for (expert, w) in route(s, &self.correction_bias, &self.cfg) {
-                assigned[expert].push((t, w));
-            }
-        }
+        let logits = project(b, x, rows, &self.router);
+        let assigned = b.route_experts(&logits, rows, &self.correction_bias, &self.cfg);
         let mut y = match &self.shared {
-            Some(shared) => shared.forward(x, rows),
-            None => vec![0.0; rows * hidden],
+            Some(shared) => shared.forward(b, x, rows),
+            None => b.zeros(DType::F32, &[rows, hidden]),
         };
         for (expert, tokens) in assigned.iter().enumerate() {
             let Some(held) = expert
@@ -172,20 +170,15 @@ impl Moe {
             else {
                 continue;
             };
-            if tokens.is_empty() {
+            let n = tokens.rows.len();
+            if n == 0 {
                 continue;
             }
-            let gathered: Vec<f32> = tokens
-                .iter()
-                .flat_map(|&(t, _)| &x[t * hidden..(t + 1) * hidden])
-                .copied()
-                .collect();
-            let out = held.forward(&gathered, tokens.len());
-            for (&(t, w), row) in tokens.iter().zip(out.chunks_exact(hidden)) {
-                for (y, &o) in y[t * hidden..(t + 1) * hidden].iter_mut().zip(row) {
-                    *y += w * o;
-                }
-            }
+            let index = b.upload(&HostTensor::from_u32(tokens.rows.clone()));
+            let mut gathered = b.zeros(DType::F32, &[n, hidden]);
+            b.gather_rows(x, hidden, &index, n, &mut gathered);
+            let out = held.forward(b, &gathered, n);
+            b.scatter_add_rows(&mut y, &out, tokens, hidden);
         }
         y
     }

@@ -1,30 +1,18 @@
-//! Small host-side building blocks shared by the KDA, MLA and MoE code: GEMM through the CPU
-//! backend, row norms and activations. Kept here so each layer file reads as its formulas.
+//! Small host-side building blocks of the CPU bodies of the hybrid operations
+//! (`backend::cpu_hybrid`) and the delta rule: row norms, activations, vector kernels.
 
-use crate::backend::host::{self, Linear};
 use rayon::prelude::*;
 
-/// `x · Wᵀ` for `rows` rows of `x`, through the CPU kernels (`backend::host::matmul`).
-pub(crate) fn linear(x: &Vec<f32>, rows: usize, w: &Linear<Vec<f32>>) -> Vec<f32> {
-    let mut out = Vec::new();
-    linear_into(x, rows, w, &mut out, false);
-    out
-}
-
-/// [`linear`] into `out`, adding when `accumulate`.
-pub(crate) fn linear_into(
-    x: &Vec<f32>,
-    rows: usize,
-    w: &Linear<Vec<f32>>,
-    out: &mut Vec<f32>,
-    accumulate: bool,
-) {
-    debug_assert_eq!(x.len(), rows * w.in_features, "linear input width");
-    if rows == 0 {
-        out.clear();
-        return;
-    }
-    host::matmul(x, rows, w, out, accumulate);
+/// Each sequence's rows, from the rows per sequence, in order.
+pub(crate) fn row_ranges(segments: &[usize]) -> Vec<std::ops::Range<usize>> {
+    let mut at = 0;
+    segments
+        .iter()
+        .map(|&n| {
+            at += n;
+            at - n..at
+        })
+        .collect()
 }
 
 /// Row-wise RMSNorm over rows of `weight.len()` (or of `dim` with `weight` `None`), in place.
@@ -37,13 +25,6 @@ pub(crate) fn rms_norm_rows(x: &mut [f32], dim: usize, weight: Option<&[f32]>, e
             None => row.iter_mut().for_each(|v| *v *= r),
         }
     });
-}
-
-/// [`rms_norm_rows`] into a new buffer.
-pub(crate) fn rms_norm(x: &[f32], dim: usize, weight: &[f32], eps: f32) -> Vec<f32> {
-    let mut out = x.to_vec();
-    rms_norm_rows(&mut out, dim, Some(weight), eps);
-    out
 }
 
 /// `1 / (1 + e^-x)`.

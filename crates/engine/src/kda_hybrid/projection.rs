@@ -11,59 +11,86 @@
 //! — never the global TP rank: under tp8×dp8 (`A = 1`) each rank is a whole replica. Whether a
 //! group fuses is decided per layer from the ORIGINAL tensors (quantization ignore list, LoRA
 //! targets, stored dtypes) by [`tandem_model::fusion::decide`]; both forms give the same
-//! numbers, which the tests check. The fused buffers are plain `Vec`s owned here so a weight
+//! numbers, which the tests check. The fused buffers are single tensors owned here so a weight
 //! refresh can rewrite them in place (stable addresses for captured CUDA graphs).
 
-use super::ops::linear;
-use crate::backend::host::{self, Linear};
+use crate::backend::hybrid::{At, HybridOps};
+use crate::backend::{Linear, Ops};
+use crate::tensor::{DType, Tensor};
 
 /// The projections of a KDA layer's input.
 #[derive(Debug)]
-pub enum KdaInputProjection {
+pub enum KdaInputProjection<B: Ops> {
     /// The checkpoint's six separate matrices, one GEMM each.
     Separate {
         /// `q_proj` `[P/A, hidden]`.
-        q: Linear<Vec<f32>>,
+        q: Linear<B>,
         /// `k_proj` `[P/A, hidden]`.
-        k: Linear<Vec<f32>>,
+        k: Linear<B>,
         /// `v_proj` `[P/A, hidden]`.
-        v: Linear<Vec<f32>>,
+        v: Linear<B>,
         /// `b_proj` `[H/A, hidden]`.
-        b: Linear<Vec<f32>>,
+        b: Linear<B>,
         /// `f_a_proj` `[D, hidden]` (replicated).
-        f_a: Linear<Vec<f32>>,
+        f_a: Linear<B>,
         /// `g_a_proj` `[D, hidden]` (replicated).
-        g_a: Linear<Vec<f32>>,
+        g_a: Linear<B>,
     },
     /// One GEMM over `vcat(q, k, v, b, f_a, g_a)`.
     Fused {
         /// `W_in` `[3P/A + H/A + 2D, hidden]`.
-        weight: Linear<Vec<f32>>,
+        weight: Linear<B>,
         /// Output widths of the six parts, in fused order.
         split: [usize; 6],
     },
 }
 
 /// The input projections of `T` tokens, split, token-major.
-#[derive(Clone, Debug)]
-pub struct KdaProjected {
+#[derive(Debug)]
+pub struct KdaProjected<B: Ops> {
     /// Pre-conv q `[T, P/A]`.
-    pub q: Vec<f32>,
+    pub q: Tensor<B>,
     /// Pre-conv k `[T, P/A]`.
-    pub k: Vec<f32>,
+    pub k: Tensor<B>,
     /// Pre-conv v `[T, P/A]`.
-    pub v: Vec<f32>,
+    pub v: Tensor<B>,
     /// β logits `[T, H/A]`.
-    pub beta_logits: Vec<f32>,
+    pub beta_logits: Tensor<B>,
     /// Decay-gate low-rank activations `[T, D]`.
-    pub f_a: Vec<f32>,
+    pub f_a: Tensor<B>,
     /// Output-gate low-rank activations `[T, D]`.
-    pub g_a: Vec<f32>,
+    pub g_a: Tensor<B>,
 }
 
-impl KdaInputProjection {
-    /// Builds the fused form from the six (already sharded) matrices, in fused order.
-    pub fn fuse(parts: [Linear<Vec<f32>>; 6]) -> Self {
+/// `x · Wᵀ` for `rows` rows into a new `[rows, out]` f32 tensor.
+pub(crate) fn project<B: Ops>(b: &B, x: &Tensor<B>, rows: usize, w: &Linear<B>) -> Tensor<B> {
+    let mut out = b.zeros(DType::F32, &[rows, w.out_features]);
+    if rows > 0 {
+        b.linear(x, rows, w, &mut out, false);
+    }
+    out
+}
+
+/// Columns `at..at + width` of `rows` rows of `src` (rows `stride` wide), as a new tensor.
+pub(crate) fn columns<B: HybridOps>(
+    b: &B,
+    src: &Tensor<B>,
+    rows: usize,
+    from: At,
+    width: usize,
+) -> Tensor<B> {
+    let mut out = b.zeros(DType::F32, &[rows, width]);
+    b.copy_block(src, from, &mut out, At::col(0, width), rows, width);
+    out
+}
+
+impl<B: HybridOps> KdaInputProjection<B> {
+    /// Builds the fused form from the six (already sharded) host matrices, in fused order,
+    /// as one weight on `backend` in `dtype`.
+    pub(crate) fn fuse(
+        parts: [crate::backend::host::Linear<Vec<f32>>; 6],
+        up: &super::loading::Upload<'_, B>,
+    ) -> Self {
         let in_features = parts[0].in_features;
         debug_assert!(parts.iter().all(|p| p.in_features == in_features));
         let split = parts.each_ref().map(|p| p.out_features);
@@ -72,11 +99,11 @@ impl KdaInputProjection {
             weight.extend_from_slice(&p.weight);
         }
         Self::Fused {
-            weight: Linear {
+            weight: up.linear(crate::backend::host::Linear {
                 weight,
                 out_features: split.iter().sum(),
                 in_features,
-            },
+            }),
             split,
         }
     }
@@ -87,34 +114,32 @@ impl KdaInputProjection {
     }
 
     /// Projects `rows` rows of `x`.
-    pub fn project(&self, x: &Vec<f32>, rows: usize) -> KdaProjected {
+    pub fn project(&self, b: &B, x: &Tensor<B>, rows: usize) -> KdaProjected<B> {
         match self {
             Self::Separate {
                 q,
                 k,
                 v,
-                b,
+                b: beta,
                 f_a,
                 g_a,
             } => KdaProjected {
-                q: linear(x, rows, q),
-                k: linear(x, rows, k),
-                v: linear(x, rows, v),
-                beta_logits: linear(x, rows, b),
-                f_a: linear(x, rows, f_a),
-                g_a: linear(x, rows, g_a),
+                q: project(b, x, rows, q),
+                k: project(b, x, rows, k),
+                v: project(b, x, rows, v),
+                beta_logits: project(b, x, rows, beta),
+                f_a: project(b, x, rows, f_a),
+                g_a: project(b, x, rows, g_a),
             },
             Self::Fused { weight, split } => {
-                let all = linear(x, rows, weight);
-                let mut parts: [Vec<f32>; 6] = split.map(|n| Vec::with_capacity(rows * n));
-                for row in all.chunks_exact(weight.out_features) {
-                    let mut at = 0;
-                    for (part, &n) in parts.iter_mut().zip(split) {
-                        part.extend_from_slice(&row[at..at + n]);
-                        at += n;
-                    }
-                }
-                let [q, k, v, beta_logits, f_a, g_a] = parts;
+                let all = project(b, x, rows, weight);
+                let stride = weight.out_features;
+                let mut at = 0;
+                let [q, k, v, beta_logits, f_a, g_a] = split.map(|n| {
+                    let part = columns(b, &all, rows, At::col(at, stride), n);
+                    at += n;
+                    part
+                });
                 KdaProjected {
                     q,
                     k,
@@ -130,18 +155,18 @@ impl KdaInputProjection {
 
 /// The up-projections of the two low-rank gates: `f_b` (decay) and `g_b` (output gate).
 #[derive(Debug)]
-pub enum KdaGateProjection {
+pub enum KdaGateProjection<B: Ops> {
     /// Two separate Linears `[P/A, D]`.
     Separate {
         /// `f_b_proj`.
-        f_b: Linear<Vec<f32>>,
+        f_b: Linear<B>,
         /// `g_b_proj`.
-        g_b: Linear<Vec<f32>>,
+        g_b: Linear<B>,
     },
     /// `stack(f_b, g_b)` `[2, P/A, D]` in one buffer, applied as one batched matmul.
     Paired {
-        /// The stacked weight, `2 · out · d` values.
-        weight: Vec<f32>,
+        /// The stacked weight `[2·P/A, D]`.
+        weight: Linear<B>,
         /// `P/A`.
         out: usize,
         /// `D`.
@@ -149,17 +174,26 @@ pub enum KdaGateProjection {
     },
 }
 
-impl KdaGateProjection {
-    /// Stacks the two (already sharded) matrices.
-    pub fn pair(f_b: Linear<Vec<f32>>, g_b: Linear<Vec<f32>>) -> Self {
+impl<B: HybridOps> KdaGateProjection<B> {
+    /// Stacks the two (already sharded) host matrices into one weight on `backend`.
+    pub(crate) fn pair(
+        f_b: crate::backend::host::Linear<Vec<f32>>,
+        g_b: crate::backend::host::Linear<Vec<f32>>,
+        up: &super::loading::Upload<'_, B>,
+    ) -> Self {
         debug_assert_eq!(
             (f_b.out_features, f_b.in_features),
             (g_b.out_features, g_b.in_features)
         );
+        let (out, d) = (f_b.out_features, f_b.in_features);
         Self::Paired {
-            weight: [f_b.weight, g_b.weight].concat(),
-            out: f_b.out_features,
-            d: f_b.in_features,
+            weight: up.linear(crate::backend::host::Linear {
+                weight: [f_b.weight, g_b.weight].concat(),
+                out_features: 2 * out,
+                in_features: d,
+            }),
+            out,
+            d,
         }
     }
 
@@ -169,29 +203,38 @@ impl KdaGateProjection {
     }
 
     /// `(f_a · f_bᵀ, g_a · g_bᵀ)` for `rows` rows, each `[rows, P/A]`.
-    pub fn apply(&self, f_a: &Vec<f32>, g_a: &Vec<f32>, rows: usize) -> (Vec<f32>, Vec<f32>) {
+    pub fn apply(
+        &self,
+        b: &B,
+        f_a: &Tensor<B>,
+        g_a: &Tensor<B>,
+        rows: usize,
+    ) -> (Tensor<B>, Tensor<B>) {
         match self {
-            Self::Separate { f_b, g_b } => (linear(f_a, rows, f_b), linear(g_a, rows, g_b)),
+            Self::Separate { f_b, g_b } => (project(b, f_a, rows, f_b), project(b, g_a, rows, g_b)),
             Self::Paired { weight, out, d } => {
                 // One GEMM over the one stacked buffer: rows `[f_a; g_a]` (2T × D) against
                 // `[f_b; g_b]` (2P/A × D); the two diagonal blocks are the batched product.
-                // (The safe CPU GEMM takes no offset into a buffer; the off-diagonal blocks are
+                // (The CPU GEMM takes no offset into a weight; the off-diagonal blocks are
                 // the price of keeping it one call over one allocation, as a GPU bmm is.)
-                if rows == 0 {
-                    return (Vec::new(), Vec::new());
-                }
-                let stacked = [&f_a[..], &g_a[..]].concat();
-                let mut y = Vec::new();
-                host::matmul_raw(&stacked, 2 * rows, weight, 2 * out, *d, &mut y, false);
-                let block = |i: usize| -> Vec<f32> {
-                    y.chunks_exact(2 * out)
-                        .skip(i * rows)
-                        .take(rows)
-                        .flat_map(|r| &r[i * out..(i + 1) * out])
-                        .copied()
-                        .collect()
+                let (out, d) = (*out, *d);
+                let mut stacked = b.zeros(DType::F32, &[2 * rows, d]);
+                b.copy_block(f_a, At::col(0, d), &mut stacked, At::col(0, d), rows, d);
+                let below = At {
+                    row: rows,
+                    col: 0,
+                    stride: d,
                 };
-                (block(0), block(1))
+                b.copy_block(g_a, At::col(0, d), &mut stacked, below, rows, d);
+                let y = project(b, &stacked, 2 * rows, weight);
+                let f = columns(b, &y, rows, At::col(0, 2 * out), out);
+                let g_at = At {
+                    row: rows,
+                    col: out,
+                    stride: 2 * out,
+                };
+                let g = columns(b, &y, rows, g_at, out);
+                (f, g)
             }
         }
     }

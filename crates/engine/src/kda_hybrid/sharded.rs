@@ -20,6 +20,8 @@ use super::config::{FfnKind, KdaHybridConfig};
 use super::kda::KdaForm;
 use super::loading::{LoadOptions, RankShard};
 use super::model::{open_checkpoint, KdaHybridModel, KdaHybridState, RankCollectives};
+use crate::backend::CpuBackend;
+use crate::tensor::Tensor;
 use std::path::Path;
 use std::time::Duration;
 use tandem_topology::shard::expert_range;
@@ -92,25 +94,34 @@ struct RankComm<'a> {
     groups: &'a RankGroups<InProcessCommunicator>,
 }
 
-impl RankCollectives for RankComm<'_> {
-    fn attn_all_reduce(&self, buf: &mut [f32]) -> tandem_topology::Result<()> {
+impl RankCollectives<CpuBackend> for RankComm<'_> {
+    fn attn_all_reduce(
+        &self,
+        _: &CpuBackend,
+        buf: &mut Tensor<CpuBackend>,
+        n: usize,
+    ) -> tandem_topology::Result<()> {
         if self.layout.attn_tp() > 1 {
-            self.groups.attn_tp.all_reduce_sum(buf)?;
+            self.groups
+                .attn_tp
+                .all_reduce_sum(&mut buf.f32s_mut()[..n])?;
         }
         Ok(())
     }
 
     fn ffn(
         &self,
-        x: &[f32],
+        _: &CpuBackend,
+        x: &Tensor<CpuBackend>,
         rows: usize,
         hidden: usize,
-        f: &dyn Fn(&Vec<f32>, usize) -> Vec<f32>,
-    ) -> tandem_topology::Result<Vec<f32>> {
+        f: &dyn Fn(&Tensor<CpuBackend>, usize) -> Tensor<CpuBackend>,
+    ) -> tandem_topology::Result<Tensor<CpuBackend>> {
         let (tp, dp, a) = (self.layout.tp(), self.layout.dp(), self.layout.attn_tp());
         if tp == 1 {
-            return Ok(f(&x.to_vec(), rows));
+            return Ok(f(x, rows));
         }
+        let x = &x.f32s()[..rows * hidden];
         // Every rank of a group holds the group's tokens; take one copy per group (from its
         // attention-TP rank 0), in group order.
         let (all, own) = if dp == 1 {
@@ -128,9 +139,14 @@ impl RankCollectives for RankComm<'_> {
             }
             (all, own)
         };
-        let mut y = f(&all, all.len() / hidden);
-        self.groups.tp.all_reduce_sum(&mut y)?;
-        Ok(y[own.start * hidden..own.end * hidden].to_vec())
+        let total = all.len() / hidden;
+        let mut y = f(&Tensor::from_f32s(&[total, hidden], all), total);
+        let y = &mut y.f32s_mut()[..total * hidden];
+        self.groups.tp.all_reduce_sum(y)?;
+        Ok(Tensor::from_f32s(
+            &[rows, hidden],
+            y[own.start * hidden..own.end * hidden].to_vec(),
+        ))
     }
 }
 
@@ -163,6 +179,7 @@ impl ShardedKdaHybrid {
                 log: rank == Rank(0),
             };
             ranks.push(KdaHybridModel::build(
+                CpuBackend::new(),
                 config.clone(),
                 &mut ck,
                 &rs,

@@ -35,8 +35,8 @@ pub fn apply_transfer_plan(
             match (&t.kind, src, dst) {
                 (TransferKind::KdaState { .. }, LayerState::Kda(s), LayerState::Kda(d)) => {
                     copy_units(
-                        &s.recurrent,
-                        &mut d.recurrent,
+                        s.recurrent.f32s(),
+                        d.recurrent.f32s_mut(),
                         &t.src_range,
                         &t.dst_range,
                         head_dim * head_dim,
@@ -48,7 +48,7 @@ pub fn apply_transfer_plan(
                         ConvBlock::K => (&s.conv.k, &mut d.conv.k),
                         ConvBlock::V => (&s.conv.v, &mut d.conv.v),
                     };
-                    copy_units(sb, db, &t.src_range, &t.dst_range, hist);
+                    copy_units(sb.f32s(), db.f32s_mut(), &t.src_range, &t.dst_range, hist);
                 }
                 (TransferKind::MlaLatent, LayerState::Mla(s), LayerState::Mla(d)) => {
                     *d = s.clone();

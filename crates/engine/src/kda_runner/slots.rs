@@ -19,7 +19,7 @@ pub(crate) fn reset_state(st: &mut KdaHybridState) {
                     &mut k.conv.k,
                     &mut k.conv.v,
                 ] {
-                    v.fill(0.0);
+                    v.f32s_mut().fill(0.0);
                 }
             }
             LayerState::Mla(m) => {

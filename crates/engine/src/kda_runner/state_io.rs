@@ -30,14 +30,10 @@ pub(crate) fn encode_group(layout: Layout, states: &[KdaHybridState], head_dim: 
                         li,
                         k,
                         &[heads, head_dim, head_dim],
-                        &s.recurrent,
+                        s.recurrent.f32s(),
                     );
                     let w = s.conv.q.len();
-                    let conv: Vec<f32> = [&s.conv.q, &s.conv.k, &s.conv.v]
-                        .into_iter()
-                        .flatten()
-                        .copied()
-                        .collect();
+                    let conv = s.conv.to_stacked();
                     h.push_f32(SegmentKind::KdaConv, li, k, &[3, w], &conv);
                 }
                 // MLA latents are replicated across attention TP: only rank 0 sends them.
@@ -90,12 +86,12 @@ fn read_group(
             match layer {
                 LayerState::Kda(s) => {
                     let rec = r.f32s(SegmentKind::KdaRecurrent, li, k, Some(s.recurrent.len()))?;
-                    s.recurrent.copy_from_slice(&rec);
+                    s.recurrent.f32s_mut().copy_from_slice(&rec);
                     let w = s.conv.q.len();
                     let conv = r.f32s(SegmentKind::KdaConv, li, k, Some(3 * w))?;
-                    s.conv.q.copy_from_slice(&conv[..w]);
-                    s.conv.k.copy_from_slice(&conv[w..2 * w]);
-                    s.conv.v.copy_from_slice(&conv[2 * w..]);
+                    s.conv.q.f32s_mut().copy_from_slice(&conv[..w]);
+                    s.conv.k.f32s_mut().copy_from_slice(&conv[w..2 * w]);
+                    s.conv.v.f32s_mut().copy_from_slice(&conv[2 * w..]);
                 }
                 LayerState::Mla(m) if k == 0 => {
                     for (kind, rows) in [
@@ -176,7 +172,10 @@ fn rescale_template(t: &KdaHybridState, a_from: usize, a_to: usize) -> Result<Kd
                         "KDA state does not split over attention TP {a_to}"
                     )));
                 }
-                *v = vec![0.0; full / a_to];
+                // Heads (KDA state) and channels (conv windows) are the leading dimension.
+                let mut shape = v.shape().to_vec();
+                shape[0] = shape[0] * a_from / a_to;
+                *v = crate::tensor::Tensor::from_f32s(&shape, vec![0.0; full / a_to]);
             }
         }
     }
