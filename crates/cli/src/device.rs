@@ -59,8 +59,8 @@ impl Device {
         match self {
             Device::Cpu => Ok(()),
             Device::Cuda(_) => Err(anyhow!(
-                "KDA-hybrid models do not run on CUDA yet (their delta-rule, short-conv, MLA and \
-                 MoE kernels are CPU-only); use --device cpu"
+                "KDA-hybrid models do not run on CUDA yet (the CUDA backend does not implement \
+                 the hybrid operations: delta rule, short conv, MLA, MoE); use --device cpu"
             )),
         }
     }

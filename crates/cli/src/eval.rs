@@ -6,7 +6,7 @@ use std::path::Path;
 use tandem_core::BlockId;
 use tandem_engine::batch::ForwardBatch;
 use tandem_engine::kda_hybrid::{KdaForm, KdaHybridModel, LoadOptions, ShardedKdaHybrid};
-use tandem_engine::{KvCache, LlamaModel, Ops};
+use tandem_engine::{DType, KvCache, LlamaModel, Ops};
 
 /// The families the engine runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -126,10 +126,11 @@ enum KdaRunner {
 }
 
 impl KdaRunner {
-    fn load(dir: &Path, layout: LayoutArgs, lora: Option<&Path>) -> Result<Self> {
+    fn load(dir: &Path, layout: LayoutArgs, lora: Option<&Path>, dtype: DType) -> Result<Self> {
         let l = checked_layout(layout)?;
         let options = LoadOptions {
             lora: lora.map(Path::to_path_buf),
+            dtype,
             ..LoadOptions::default()
         };
         Ok(if l.tp() == 1 {
@@ -245,8 +246,7 @@ pub fn logits(
         },
         Family::KdaHybrid => {
             device.check_kda()?;
-            crate::kda_dtype_check(dtype)?;
-            let runner = KdaRunner::load(dir, layout, None)?;
+            let runner = KdaRunner::load(dir, layout, None, dtype.dtype())?;
             runner.validate(ids)?;
             (runner.full(ids)?, runner.vocab())
         }
@@ -317,8 +317,9 @@ pub fn generate_kda(
     max_tokens: u32,
     layout: LayoutArgs,
     lora: Option<&Path>,
+    dtype: DType,
 ) -> Result<Vec<u32>> {
-    let runner = KdaRunner::load(dir, layout, lora)?;
+    let runner = KdaRunner::load(dir, layout, lora, dtype)?;
     runner.validate(prompt)?;
     runner.greedy(prompt, max_tokens, &eos_ids(dir)?)
 }

@@ -166,13 +166,6 @@ impl DtypeArg {
 }
 
 /// KDA-hybrid models still compute in f32 on the host.
-fn kda_dtype_check(dtype: DtypeArg) -> Result<()> {
-    if dtype != DtypeArg::F32 {
-        bail!("KDA-hybrid models run in f32 only so far (--dtype bf16 is for Llama-family models)");
-    }
-    Ok(())
-}
-
 #[derive(ValueEnum, Clone, Copy, Debug)]
 enum RoleArg {
     Prefill,
@@ -289,11 +282,14 @@ impl EngineArgs {
             }
             eval::Family::KdaHybrid => {
                 self.device.check_kda()?;
-                kda_dtype_check(self.dtype)?;
                 let layout = eval::checked_layout(self.layout)?;
-                let model =
-                    tandem_engine::kda_runner::KdaModel::load(&dir, layout, self.lora.as_deref())
-                        .with_context(|| format!("loading {}", dir.display()))?;
+                let options = tandem_engine::kda_hybrid::LoadOptions {
+                    lora: self.lora.clone(),
+                    dtype: self.dtype.dtype(),
+                    ..Default::default()
+                };
+                let model = tandem_engine::kda_runner::KdaModel::load_with(&dir, layout, &options)
+                    .with_context(|| format!("loading {}", dir.display()))?;
                 let exact = model.config().mla.indexer.map(|ix| ix.topk);
                 let context = eval::context_length(&dir, exact)?;
                 let eos = eval::eos_ids(&dir)?;
@@ -685,13 +681,13 @@ fn generate(args: GenerateArgs) -> Result<()> {
     };
     if eval::family(&dir)? == eval::Family::KdaHybrid {
         args.device.check_kda()?;
-        kda_dtype_check(args.dtype)?;
         let ids = eval::generate_kda(
             &dir,
             &prompt,
             args.max_tokens,
             args.layout,
             args.lora.as_deref(),
+            args.dtype.dtype(),
         )?;
         let text = decode(&ids)?;
         if args.json {

@@ -30,6 +30,12 @@ impl KdaModel {
             lora: lora.map(std::path::Path::to_path_buf),
             ..LoadOptions::default()
         };
+        Self::load_with(dir, layout, &options)
+    }
+
+    /// Loads `dir` for `layout` with explicit [`LoadOptions`] (LoRA, weight dtype).
+    pub fn load_with(dir: &std::path::Path, layout: Layout, options: &LoadOptions) -> Result<Self> {
+        let options = options.clone();
         Ok(if layout.tp() == 1 {
             KdaModel::Single(Box::new(KdaHybridModel::load_with(dir, &options)?))
         } else {
