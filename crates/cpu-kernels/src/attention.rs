@@ -143,140 +143,188 @@ pub fn paged_attention<W: WeightElem>(
             );
         }
     }
-    // Tasks: (sequence, kv head, query block).
-    let mut tasks = 0usize;
-    for s in seqs.iter() {
-        tasks += s.len.div_ceil(query_block) * num_kv_heads;
-    }
-    let out_ptr = OutPtr(out.as_mut_ptr());
-    (0..tasks).into_par_iter().for_each(|mut t| {
-        // Find this task's sequence without allocating a task list.
-        let mut seq = seqs.get(0);
-        for s in seqs.iter() {
-            let n = s.len.div_ceil(query_block) * num_kv_heads;
-            if t < n {
-                seq = s;
-                break;
-            }
-            t -= n;
+    #[cfg(target_arch = "x86_64")]
+    let tiled =
+        bs == 16 && hd.is_multiple_of(16) && crate::isa::current() == crate::isa::Isa::Avx512;
+    #[cfg(not(target_arch = "x86_64"))]
+    let tiled = false;
+    // Sequences whose tiles take the AVX-512 path get their keys transposed into panels (and
+    // values widened to f32) once per call, for every tile of theirs to read.
+    let uses_tiles =
+        |s: &SeqBlocks<'_>| tiled && s.len.min(query_block) * group >= TILE_MIN_VECTORS;
+    let region = |s: &SeqBlocks<'_>| 2 * (s.cached + s.len).div_ceil(64) * 64 * hd;
+    let panels_len: usize = seqs
+        .iter()
+        .filter(|s| uses_tiles(s))
+        .map(|s| region(&s) * num_kv_heads)
+        .sum();
+    PANELS.with_borrow_mut(|panels| {
+        if panels.len() < panels_len {
+            panels.resize(panels_len, 0.0);
         }
-        let kvh = t % num_kv_heads;
-        let qb = t / num_kv_heads;
-        let r0 = qb * query_block;
-        let r1 = (r0 + query_block).min(seq.len);
-        let nq = (r1 - r0) * group;
+        let panels = &mut panels[..panels_len];
         #[cfg(target_arch = "x86_64")]
-        if nq >= TILE_MIN_VECTORS
-            && bs == 16
-            && hd.is_multiple_of(16)
-            && crate::isa::current() == crate::isa::Isa::Avx512
-        {
-            let tile = x86::Tile {
-                q,
-                q_stride,
-                kv_dim,
-                kvh,
-                hd,
-                group,
-                start: seq.start,
-                cached: seq.cached,
-                blocks: seq.blocks,
-                r0,
-                r1,
-                scale,
-                out_width,
-            };
-            // SAFETY: AVX-512 is present (checked above); every cache block, query row and
-            // output row the tile touches was bounds-checked before the tasks started, and
-            // the tile's output rows and heads belong to this task alone.
-            unsafe { x86::tile512(&tile, k_cache, v_cache, out_ptr.0) };
-            return;
-        }
-        {
-            let mut acc_buf = [0.0f32; QUERY_VECTORS * MAX_HEAD_DIM];
-            let mut max_buf = [0.0f32; QUERY_VECTORS];
-            let mut sum_buf = [0.0f32; QUERY_VECTORS];
-            let (acc, mx, sm) = (
-                &mut acc_buf[..nq * hd],
-                &mut max_buf[..nq],
-                &mut sum_buf[..nq],
-            );
-            acc.fill(0.0);
-            mx.fill(f32::NEG_INFINITY);
-            sm.fill(0.0);
-            // Keys this block can see: up to the last query row's position.
-            let ctx_last = seq.cached + r1;
-            let mut scores = [0.0f32; MAX_GROUP * MAX_BLOCK];
-            let mut key = 0;
-            while key < ctx_last {
-                let block = seq.blocks[key / bs] as usize;
-                let in_block = (bs - key % bs).min(ctx_last - key);
-                let base = (block * bs + key % bs) * kv_dim + kvh * hd;
-                for r in r0..r1 {
-                    // Causal: query row r (position cached + r) sees keys 0..=cached + r.
-                    let visible = (seq.cached + r + 1).saturating_sub(key).min(in_block);
-                    if visible == 0 {
-                        continue;
-                    }
-                    let row = seq.start + r;
-                    // Scores of this row's `group` heads against the visible keys: one small
-                    // strided GEMM (heads are adjacent in the row, keys kv_dim apart).
-                    let qoff = row * q_stride + kvh * group * hd;
-                    dot_block(
-                        &q[qoff..],
-                        hd,
-                        group,
-                        &k_cache[base..],
+        if panels_len > 0 {
+            let mut rest = &mut panels[..];
+            for s in seqs.iter().filter(|s| uses_tiles(s)) {
+                for kvh in 0..num_kv_heads {
+                    let (mine, tail) = std::mem::take(&mut rest).split_at_mut(region(&s));
+                    rest = tail;
+                    x86::transpose_context(
+                        mine,
+                        k_cache,
+                        v_cache,
+                        s.blocks,
+                        s.cached + s.len,
                         kv_dim,
-                        visible,
+                        kvh,
                         hd,
-                        &mut scores,
-                        MAX_BLOCK,
                     );
-                    for g in 0..group {
-                        let qi = (r - r0) * group + g;
-                        let sc = &mut scores[g * MAX_BLOCK..g * MAX_BLOCK + visible];
-                        let mut block_max = f32::NEG_INFINITY;
-                        for s in sc.iter_mut() {
-                            *s *= scale;
-                            block_max = block_max.max(*s);
-                        }
-                        let a = &mut acc[qi * hd..(qi + 1) * hd];
-                        if block_max > mx[qi] {
-                            let c = (mx[qi] - block_max).exp();
-                            sm[qi] *= c;
-                            a.iter_mut().for_each(|x| *x *= c);
-                            mx[qi] = block_max;
-                        }
-                        let m = mx[qi];
-                        sc.iter_mut().for_each(|s| *s -= m);
-                        exp_inplace(sc);
-                        sm[qi] += sc.iter().sum::<f32>();
-                        weighted_rows(a, sc, &v_cache[base..], kv_dim);
-                    }
-                }
-                key += in_block;
-            }
-            for r in r0..r1 {
-                let row = seq.start + r;
-                for g in 0..group {
-                    let h = kvh * group + g;
-                    let qi = (r - r0) * group + g;
-                    let inv = 1.0 / sm[qi];
-                    let o = out_ptr;
-                    // SAFETY: each task is one (sequence, KV head, query block): row `row`, head `h`
-                    // belong to this task alone, and the output is borrowed for the whole call;
-                    // bounds were checked above.
-                    let dst = unsafe {
-                        std::slice::from_raw_parts_mut(o.0.add(row * out_width + h * hd), hd)
-                    };
-                    for (d, &a) in dst.iter_mut().zip(&acc[qi * hd..(qi + 1) * hd]) {
-                        *d = a * inv;
-                    }
                 }
             }
         }
+        let panels = &panels[..];
+        // Tasks: (sequence, kv head, query block).
+        let mut tasks = 0usize;
+        for s in seqs.iter() {
+            tasks += s.len.div_ceil(query_block) * num_kv_heads;
+        }
+        let out_ptr = OutPtr(out.as_mut_ptr());
+        (0..tasks).into_par_iter().for_each(|mut t| {
+            // Find this task's sequence (and where its panels start) without allocating a list.
+            let mut seq = seqs.get(0);
+            let mut at = 0;
+            for s in seqs.iter() {
+                let n = s.len.div_ceil(query_block) * num_kv_heads;
+                if t < n {
+                    seq = s;
+                    break;
+                }
+                t -= n;
+                if uses_tiles(&s) {
+                    at += region(&s) * num_kv_heads;
+                }
+            }
+            let kvh = t % num_kv_heads;
+            let qb = t / num_kv_heads;
+            let r0 = qb * query_block;
+            let r1 = (r0 + query_block).min(seq.len);
+            let nq = (r1 - r0) * group;
+            #[cfg(target_arch = "x86_64")]
+            if nq >= TILE_MIN_VECTORS && uses_tiles(&seq) {
+                let tile = x86::Tile {
+                    q,
+                    q_stride,
+                    kvh,
+                    hd,
+                    group,
+                    start: seq.start,
+                    cached: seq.cached,
+                    r0,
+                    r1,
+                    scale,
+                    out_width,
+                };
+                let mine = &panels[at + kvh * region(&seq)..][..region(&seq)];
+                // SAFETY: AVX-512 is present (checked above); the panels cover the sequence's
+                // context padded to whole chunks, every query row and output row the tile
+                // touches was bounds-checked before the tasks started, and the tile's output rows
+                // and heads belong to this task alone.
+                unsafe { x86::tile512(&tile, mine, out_ptr.0) };
+                return;
+            }
+            {
+                let mut acc_buf = [0.0f32; QUERY_VECTORS * MAX_HEAD_DIM];
+                let mut max_buf = [0.0f32; QUERY_VECTORS];
+                let mut sum_buf = [0.0f32; QUERY_VECTORS];
+                let (acc, mx, sm) = (
+                    &mut acc_buf[..nq * hd],
+                    &mut max_buf[..nq],
+                    &mut sum_buf[..nq],
+                );
+                acc.fill(0.0);
+                mx.fill(f32::NEG_INFINITY);
+                sm.fill(0.0);
+                // Keys this block can see: up to the last query row's position.
+                let ctx_last = seq.cached + r1;
+                let mut scores = [0.0f32; MAX_GROUP * MAX_BLOCK];
+                let mut key = 0;
+                while key < ctx_last {
+                    let block = seq.blocks[key / bs] as usize;
+                    let in_block = (bs - key % bs).min(ctx_last - key);
+                    let base = (block * bs + key % bs) * kv_dim + kvh * hd;
+                    for r in r0..r1 {
+                        // Causal: query row r (position cached + r) sees keys 0..=cached + r.
+                        let visible = (seq.cached + r + 1).saturating_sub(key).min(in_block);
+                        if visible == 0 {
+                            continue;
+                        }
+                        let row = seq.start + r;
+                        // Scores of this row's `group` heads against the visible keys: one small
+                        // strided GEMM (heads are adjacent in the row, keys kv_dim apart).
+                        let qoff = row * q_stride + kvh * group * hd;
+                        dot_block(
+                            &q[qoff..],
+                            hd,
+                            group,
+                            &k_cache[base..],
+                            kv_dim,
+                            visible,
+                            hd,
+                            &mut scores,
+                            MAX_BLOCK,
+                        );
+                        for g in 0..group {
+                            let qi = (r - r0) * group + g;
+                            let sc = &mut scores[g * MAX_BLOCK..g * MAX_BLOCK + visible];
+                            let mut block_max = f32::NEG_INFINITY;
+                            for s in sc.iter_mut() {
+                                *s *= scale;
+                                block_max = block_max.max(*s);
+                            }
+                            let a = &mut acc[qi * hd..(qi + 1) * hd];
+                            if block_max > mx[qi] {
+                                let c = (mx[qi] - block_max).exp();
+                                sm[qi] *= c;
+                                a.iter_mut().for_each(|x| *x *= c);
+                                mx[qi] = block_max;
+                            }
+                            let m = mx[qi];
+                            sc.iter_mut().for_each(|s| *s -= m);
+                            exp_inplace(sc);
+                            sm[qi] += sc.iter().sum::<f32>();
+                            weighted_rows(a, sc, &v_cache[base..], kv_dim);
+                        }
+                    }
+                    key += in_block;
+                }
+                for r in r0..r1 {
+                    let row = seq.start + r;
+                    for g in 0..group {
+                        let h = kvh * group + g;
+                        let qi = (r - r0) * group + g;
+                        let inv = 1.0 / sm[qi];
+                        let o = out_ptr;
+                        // SAFETY: each task is one (sequence, KV head, query block): row `row`, head `h`
+                        // belong to this task alone, and the output is borrowed for the whole call;
+                        // bounds were checked above.
+                        let dst = unsafe {
+                            std::slice::from_raw_parts_mut(o.0.add(row * out_width + h * hd), hd)
+                        };
+                        for (d, &a) in dst.iter_mut().zip(&acc[qi * hd..(qi + 1) * hd]) {
+                            *d = a * inv;
+                        }
+                    }
+                }
+            }
+        });
     });
+}
+
+thread_local! {
+    /// Transposed key panels and widened values of the calling thread's last call, kept to be
+    /// reused (a forward pass allocates only when the context outgrows the largest before).
+    static PANELS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -284,19 +332,60 @@ mod x86 {
     use super::{MAX_HEAD_DIM, QUERY_VECTORS};
     use crate::matmul::WeightElem;
     use crate::vector::x86::exp_ps;
+    use rayon::prelude::*;
     use std::arch::x86_64::*;
+
+    /// Fills `region` for KV head `kvh` of a sequence of `ctx` tokens in cache blocks
+    /// `blocks` (16 tokens each): first its keys as panels of 16 (`[panel][d][16]`, key
+    /// `16p + j`'s value `d` at `(p * hd + d) * 16 + j`), then its values widened to f32
+    /// (`[key][d]`), both padded with zeros to a whole number of 64-key chunks.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn transpose_context<W: WeightElem>(
+        region: &mut [f32],
+        k: &[W],
+        v: &[W],
+        blocks: &[u32],
+        ctx: usize,
+        kv_dim: usize,
+        kvh: usize,
+        hd: usize,
+    ) {
+        let (kt, vb) = region.split_at_mut(region.len() / 2);
+        kt.par_chunks_mut(16 * hd)
+            .zip(vb.par_chunks_mut(16 * hd))
+            .enumerate()
+            .for_each(|(p, (panel, values))| {
+                let keys = ctx.saturating_sub(16 * p).min(16);
+                if keys < 16 {
+                    panel.fill(0.0);
+                    values.fill(0.0);
+                }
+                if keys == 0 {
+                    return;
+                }
+                let base = blocks[p] as usize * 16 * kv_dim + kvh * hd;
+                for j in 0..keys {
+                    let kr = &k[base + j * kv_dim..][..hd];
+                    for (d, x) in kr.iter().enumerate() {
+                        panel[d * 16 + j] = x.to_f32();
+                    }
+                    let vr = &v[base + j * kv_dim..][..hd];
+                    for (dst, x) in values[j * hd..(j + 1) * hd].iter_mut().zip(vr) {
+                        *dst = x.to_f32();
+                    }
+                }
+            });
+    }
 
     /// One task's tile: query rows `r0..r1` of a sequence, every head of KV head `kvh`.
     pub(super) struct Tile<'a> {
         pub q: &'a [f32],
         pub q_stride: usize,
-        pub kv_dim: usize,
         pub kvh: usize,
         pub hd: usize,
         pub group: usize,
         pub start: usize,
         pub cached: usize,
-        pub blocks: &'a [u32],
         pub r0: usize,
         pub r1: usize,
         pub scale: f32,
@@ -409,17 +498,19 @@ mod x86 {
     }
 
     /// Attention of a tile over its causal context in chunks of 64 keys (four cache blocks of
-    /// 16): each chunk's keys are transposed into four panels (and its values widened to f32)
-    /// once; query vectors score the chunk six at a time in registers; each updates its
-    /// online softmax once per chunk; the weighted values accumulate four query vectors at a
-    /// time, every value row loaded once for the four.
+    /// 16), reading the keys as panels and the values as f32 rows from `panels` (the
+    /// sequence's [`transpose_context`] for this KV head): query vectors score a chunk six at
+    /// a time in registers; each updates its online softmax once per chunk; the weighted
+    /// values accumulate four query vectors at a time, every value row loaded once for the
+    /// four.
     ///
     /// # Safety
     /// AVX-512 F/BW/VL present; `t.hd` is a multiple of 16 and at most `MAX_HEAD_DIM`; the
-    /// tile has at most `QUERY_VECTORS` query vectors; every block of the context lies in
-    /// `k`/`v`; `out` is valid for the tile's rows and heads and written by no one else.
+    /// tile has at most `QUERY_VECTORS` query vectors; `panels` covers the context up to the
+    /// tile's last row padded to whole chunks; `out` is valid for the tile's rows and heads
+    /// and written by no one else.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-    pub(super) unsafe fn tile512<W: WeightElem>(t: &Tile<'_>, k: &[W], v: &[W], out: *mut f32) {
+    pub(super) unsafe fn tile512(t: &Tile<'_>, panels: &[f32], out: *mut f32) {
         let (hd, group) = (t.hd, t.group);
         let nvec = hd / 16;
         let nq = (t.r1 - t.r0) * group;
@@ -438,42 +529,17 @@ mod x86 {
                 }
             }
         }
-        // Keys transposed into panels: kt[(p * hd + d) * 16 + j] is key 16p + j's value d;
-        // values widened: vb[j * hd + d].
-        let mut kt = [0.0f32; PANELS * MAX_HEAD_DIM * 16];
-        let mut vb = [0.0f32; CHUNK * MAX_HEAD_DIM];
+        let (kt_all, vb_all) = panels.split_at(panels.len() / 2);
         let mut probs = [0.0f32; QUERY_VECTORS * CHUNK];
         // Keys of the chunk each query vector sees.
         let mut visible = [0usize; QUERY_VECTORS];
         let ctx_last = t.cached + t.r1;
+        debug_assert!(kt_all.len() >= ctx_last.div_ceil(CHUNK) * CHUNK * hd);
         let mut key0 = 0;
         while key0 < ctx_last {
             let kc = (ctx_last - key0).min(CHUNK);
-            for p in 0..kc.div_ceil(16) {
-                let base = t.blocks[key0 / 16 + p] as usize * 16 * t.kv_dim + t.kvh * hd;
-                let panel = &mut kt[p * hd * 16..(p + 1) * hd * 16];
-                for j in 0..16 {
-                    if 16 * p + j < kc {
-                        let kr = &k[base + j * t.kv_dim..][..hd];
-                        for (d, x) in kr.iter().enumerate() {
-                            panel[d * 16 + j] = x.to_f32();
-                        }
-                        let vr = &v[base + j * t.kv_dim..][..hd];
-                        let dst = &mut vb[(16 * p + j) * hd..(16 * p + j + 1) * hd];
-                        for (dst, x) in dst.iter_mut().zip(vr) {
-                            *dst = x.to_f32();
-                        }
-                    } else {
-                        for d in 0..hd {
-                            panel[d * 16 + j] = 0.0;
-                        }
-                    }
-                }
-            }
-            // Panels past the context hold zeros (their scores are masked).
-            for p in kc.div_ceil(16)..PANELS {
-                kt[p * hd * 16..(p + 1) * hd * 16].fill(0.0);
-            }
+            let kt = &kt_all[key0 * hd..][..CHUNK * hd];
+            let vb = &vb_all[key0 * hd..][..CHUNK * hd];
             let mut first = 0;
             while first < nq {
                 let n = (nq - first).min(SCORE_ROWS);
