@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine from the repository root, with .gpu/ carried along (see bundle.sh).
-# Phases (default: tests): tests | bench | hf | pd | all. Logs and JSON go to $OUT (or .gpu/out).
+# Phases (default: tests): tests | bench | gemv | hf | pd | all. Logs and JSON go to $OUT (or .gpu/out).
 set -uo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
 BIN="$HERE/bin"
@@ -32,6 +32,22 @@ phase_bench() {
     echo "== bench engine --device cuda:0 --dtype bf16 ($preset shape)"
     "$BIN/tandem" bench engine --device cuda:0 --dtype bf16 --model "$MODELS/$preset" \
       --json "$OUT/bench-$preset.json" || status=1
+  done
+}
+
+# Decode steps of 1–8 rows with bf16 products of up to 2 rows on the GEMV kernels (the rest on
+# cuBLAS) and of up to 8, for this binary and, when .gpu/bin/tandem-base exists, that one.
+phase_gemv() {
+  for preset in smollm2 1b; do
+    synth "$preset"
+    for bin in "$BIN/tandem" "$BIN/tandem-base"; do
+      [ -x "$bin" ] || continue
+      for rows in 2 8; do
+        echo "== $(basename "$bin") $preset TANDEM_CUDA_GEMV_ROWS=$rows"
+        TANDEM_CUDA_GEMV_ROWS=$rows "$bin" bench engine --device cuda:0 --dtype bf16 \
+          --model "$MODELS/$preset" --step-batches 1,2,3,4,6,8 --step-prefill 0 2>&1 | grep "decode batch" || status=1
+      done
+    done
   done
 }
 
@@ -86,6 +102,7 @@ PY
 case "${1:-tests}" in
   tests) phase_tests ;;
   bench) phase_bench ;;
+  gemv) phase_gemv ;;
   hf) phase_hf ;;
   pd) phase_pd ;;
   all) phase_tests; phase_bench; phase_hf; phase_pd ;;

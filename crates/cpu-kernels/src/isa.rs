@@ -100,6 +100,21 @@ pub fn current() -> Isa {
     }
 }
 
+/// Whether bf16 products of prefill size may round their activations to bf16 and use the
+/// CPU's bf16 dot-product instructions (AVX-512 BF16 `vdpbf16ps`): the CPU has them, the
+/// kernels run AVX-512, and `TANDEM_CPU_BF16_DOT=0` does not turn them off.
+pub fn bf16_dot() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let has = *ON.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        let cpu = std::arch::is_x86_feature_detected!("avx512bf16");
+        #[cfg(not(target_arch = "x86_64"))]
+        let cpu = false;
+        cpu && std::env::var("TANDEM_CPU_BF16_DOT").map_or(true, |v| v != "0")
+    });
+    has && current() == Isa::Avx512
+}
+
 /// Uses at most `isa` from now on (the lower of it and what the CPU has); returns the choice.
 pub fn limit(isa: Isa) -> Isa {
     let chosen = isa.min(detected());

@@ -16,6 +16,12 @@ use rayon::prelude::*;
 pub const PANEL: usize = 16;
 /// Activation rows per task (a block stays cache-resident while panels stream past it).
 const ROW_BLOCK: usize = 48;
+/// Rows from which a bf16 product rounds its activations to bf16 and multiplies with the
+/// CPU's bf16 dot products ([`isa::bf16_dot`]): prefill-sized products, where the multiply
+/// is the cost; decode keeps f32 activations (it is bound by the weight reads either way).
+pub const BF16_DOT_MIN_ROWS: usize = 16;
+/// Widest `k` the bf16-dot path takes (its rounded activation rows live on the stack).
+const BF16_DOT_MAX_K: usize = 8192;
 
 /// A `(n, k)` weight matrix in panel layout.
 #[derive(Clone, Debug, PartialEq)]
@@ -23,6 +29,8 @@ pub struct Packed<W> {
     n: usize,
     k: usize,
     data: Vec<W>,
+    /// Products keep their activations in f32 whatever their size (no bf16-dot path).
+    f32_activations: bool,
 }
 
 /// A packed weight element: f32 or bf16.
@@ -51,6 +59,7 @@ impl<W: PackElem> Packed<W> {
             n,
             k,
             data: vec![W::zero(); n.div_ceil(PANEL) * PANEL * k],
+            f32_activations: false,
         };
         p.repack(w);
         p
@@ -98,6 +107,13 @@ impl<W: PackElem> Packed<W> {
     /// Input features.
     pub fn k(&self) -> usize {
         self.k
+    }
+
+    /// Makes every product with this matrix keep its activations in f32, also where a bf16
+    /// matrix would round them for the CPU's bf16 dot products (models whose outputs must
+    /// stay within f32 rounding of the f32 model's).
+    pub fn keep_f32_activations(&mut self) {
+        self.f32_activations = true;
     }
 
     /// Address of the packed buffer (to check that a refresh kept it in place).
@@ -149,6 +165,44 @@ pub fn linear_packed_with<W: PackElem>(
         return;
     }
     let out_ptr = OutPtr(out.as_mut_ptr());
+    #[cfg(target_arch = "x86_64")]
+    if std::any::TypeId::of::<W>() == std::any::TypeId::of::<bf16>()
+        && isa == Isa::Avx512
+        && m >= BF16_DOT_MIN_ROWS
+        && k.is_multiple_of(2)
+        && k <= BF16_DOT_MAX_K
+        && !w.f32_activations
+        && isa::bf16_dot()
+    {
+        // SAFETY: W is bf16 (checked above), so the packed data are bf16 values.
+        let wb = unsafe { &*(w as *const Packed<W> as *const Packed<bf16>) };
+        split(
+            m,
+            n.div_ceil(PANEL),
+            4,
+            ROW_BLOCK,
+            m * n * k,
+            |i0, rows, p0, p1| {
+                let o = out_ptr;
+                // SAFETY: AVX-512 BF16 is present (bf16_dot); bounds checked above; this task
+                // writes rows i0..i0+rows, columns of panels p0..p1 only.
+                unsafe {
+                    avx512::bf16_block(
+                        x.as_ptr().add(i0 * k),
+                        rows,
+                        k,
+                        wb,
+                        p0,
+                        p1,
+                        o.0.add(i0 * n),
+                        n,
+                        accumulate,
+                    )
+                };
+            },
+        );
+        return;
+    }
     // Column units are panels, in whole groups of 4 (one tile's width).
     split(
         m,
@@ -357,6 +411,169 @@ mod avx512 {
             _ => go!(6, 4),
         }
     }
+    /// What the bf16-dot path reads of a packed bf16 matrix.
+    pub(super) trait Bf16Panels {
+        fn n(&self) -> usize;
+        fn data(&self) -> *const half::bf16;
+    }
+
+    /// Rows `x` (`rows × k` f32) times a packed bf16 matrix's panels `p0..p1`, six rows at a
+    /// time: each six rows are rounded to bf16 pairs once (`(x[2t], x[2t+1])` as one 32-bit
+    /// value), then every panel group multiplies them with `vdpbf16ps` (two k steps an
+    /// instruction, f32 sums).
+    ///
+    /// # Safety
+    /// AVX-512 F/BW/VL and BF16 present; `k` even and at most `BF16_DOT_MAX_K`; `x` holds
+    /// `rows * k` values; `out` `rows` rows of stride `ldo` covering the panels' columns.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+    pub(super) unsafe fn bf16_block<P: Bf16Panels>(
+        x: *const f32,
+        rows: usize,
+        k: usize,
+        w: &P,
+        p0: usize,
+        p1: usize,
+        out: *mut f32,
+        ldo: usize,
+        accumulate: bool,
+    ) {
+        let half = k / 2;
+        let mut xb = [0u32; 6 * super::BF16_DOT_MAX_K / 2];
+        let mut i = 0;
+        while i < rows {
+            let r = 6.min(rows - i);
+            for row in 0..r {
+                let src = x.add((i + row) * k);
+                let dst = xb.as_mut_ptr().add(row * half);
+                let mut t = 0;
+                while t + 32 <= k {
+                    let lo = _mm512_loadu_ps(src.add(t));
+                    let hi = _mm512_loadu_ps(src.add(t + 16));
+                    let b: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo));
+                    _mm512_storeu_si512(dst.add(t / 2) as *mut __m512i, b);
+                    t += 32;
+                }
+                while t < k {
+                    let a = half::bf16::from_f32(*src.add(t)).to_bits() as u32;
+                    let b = half::bf16::from_f32(*src.add(t + 1)).to_bits() as u32;
+                    *dst.add(t / 2) = a | (b << 16);
+                    t += 2;
+                }
+            }
+            let mut p = p0;
+            while p < p1 {
+                let np = 4.min(p1 - p);
+                let cols = (w.n() - p * PANEL).min(np * PANEL);
+                let wp = w.data().add(p * PANEL * k);
+                let op = out.add(i * ldo + p * PANEL);
+                macro_rules! go {
+                    ($r:literal, $p:literal) => {
+                        bf16_tile::<$r, $p>(xb.as_ptr(), half, wp, op, ldo, cols, accumulate)
+                    };
+                }
+                match (r, np) {
+                    (1, 1) => go!(1, 1),
+                    (1, 2) => go!(1, 2),
+                    (1, 3) => go!(1, 3),
+                    (1, _) => go!(1, 4),
+                    (2, 1) => go!(2, 1),
+                    (2, 2) => go!(2, 2),
+                    (2, 3) => go!(2, 3),
+                    (2, _) => go!(2, 4),
+                    (3, 1) => go!(3, 1),
+                    (3, 2) => go!(3, 2),
+                    (3, 3) => go!(3, 3),
+                    (3, _) => go!(3, 4),
+                    (4, 1) => go!(4, 1),
+                    (4, 2) => go!(4, 2),
+                    (4, 3) => go!(4, 3),
+                    (4, _) => go!(4, 4),
+                    (5, 1) => go!(5, 1),
+                    (5, 2) => go!(5, 2),
+                    (5, 3) => go!(5, 3),
+                    (5, _) => go!(5, 4),
+                    (_, 1) => go!(6, 1),
+                    (_, 2) => go!(6, 2),
+                    (_, 3) => go!(6, 3),
+                    _ => go!(6, 4),
+                }
+                p += np;
+            }
+            i += r;
+        }
+    }
+
+    /// `R` rows of bf16 pairs (`xb`, `half` pairs a row) times `P` panels (`[k][16]` bf16):
+    /// per pair of k steps, each panel's two rows are interleaved into (k, k+1) pairs per
+    /// column with one permute, then one `vdpbf16ps` per row and panel.
+    ///
+    /// # Safety
+    /// As [`bf16_block`] for `R` rows and `P` panels, `cols` writable columns.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+    unsafe fn bf16_tile<const R: usize, const P: usize>(
+        xb: *const u32,
+        half: usize,
+        w: *const half::bf16,
+        out: *mut f32,
+        ldo: usize,
+        cols: usize,
+        accumulate: bool,
+    ) {
+        // Lane 2c takes column c of the first row (element c), lane 2c + 1 of the second
+        // (element 16 + c).
+        let idx = _mm512_set_epi16(
+            31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20,
+            4, 19, 3, 18, 2, 17, 1, 16, 0,
+        );
+        let k = 2 * half;
+        let mut acc = [[_mm512_setzero_ps(); P]; R];
+        for t in 0..half {
+            let mut wv = [_mm512_setzero_si512(); P];
+            for (q, v) in wv.iter_mut().enumerate() {
+                let base = w.add(q * PANEL * k + 2 * t * PANEL);
+                let lo = _mm256_loadu_si256(base as *const __m256i);
+                let hi = _mm256_loadu_si256(base.add(PANEL) as *const __m256i);
+                let both = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
+                *v = _mm512_permutexvar_epi16(idx, both);
+            }
+            for (i, row) in acc.iter_mut().enumerate() {
+                let xv: __m512bh =
+                    std::mem::transmute(_mm512_set1_epi32(*xb.add(i * half + t) as i32));
+                for (a, &v) in row.iter_mut().zip(&wv) {
+                    *a = _mm512_dpbf16_ps(*a, std::mem::transmute::<__m512i, __m512bh>(v), xv);
+                }
+            }
+        }
+        for (i, row) in acc.iter().enumerate() {
+            for (q, &a) in row.iter().enumerate() {
+                let c0 = q * PANEL;
+                if c0 >= cols {
+                    break;
+                }
+                let left = (cols - c0).min(PANEL);
+                let mask: __mmask16 = ((1u32 << left) - 1) as u16;
+                let o = out.add(i * ldo + c0);
+                let v = if accumulate {
+                    _mm512_add_ps(a, _mm512_maskz_loadu_ps(mask, o))
+                } else {
+                    a
+                };
+                _mm512_mask_storeu_ps(o, mask, v);
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl avx512::Bf16Panels for Packed<bf16> {
+    fn n(&self) -> usize {
+        self.n
+    }
+    fn data(&self) -> *const bf16 {
+        self.data.as_ptr()
+    }
 }
 
 #[cfg(test)]
@@ -400,12 +617,74 @@ mod tests {
                     );
                 }
                 linear_packed_with(isa, &x, m, &pb, &mut out, false);
+                // Prefill-sized bf16 products with bf16 dot products round the activations
+                // (checked against that in the next test); the rest keep them in f32.
+                let dot = isa == Isa::Avx512
+                    && m >= BF16_DOT_MIN_ROWS
+                    && k.is_multiple_of(2)
+                    && isa::bf16_dot();
+                let want_b = if dot {
+                    let xr: Vec<f32> = x.iter().map(|&v| bf16::from_f32(v).to_f32()).collect();
+                    let mut w2 = vec![0.0; m * n];
+                    crate::matmul::linear_with(Isa::Portable, &xr, m, &wb, n, k, &mut w2, false);
+                    w2
+                } else {
+                    want_b.clone()
+                };
                 for (a, b) in out.iter().zip(&want_b) {
                     assert!(
                         (a - b).abs() < 1e-3 * (1.0 + b.abs()),
                         "{isa} bf16 {m}x{n}x{k}: {a} vs {b}"
                     );
                 }
+            }
+        }
+    }
+
+    /// Prefill-sized bf16 products on a CPU with AVX-512 BF16 round their activations to
+    /// bf16: they equal the product of the rounded activations (f32 sums), for row counts
+    /// around the threshold, odd tails of pairs, partial panels and accumulation.
+    #[test]
+    fn bf16_dot_products_equal_the_rounded_activations_product() {
+        if !isa::bf16_dot() {
+            eprintln!("skipping: no AVX-512 BF16 on this CPU");
+            return;
+        }
+        for &(m, n, k) in &[(16, 17, 2), (16, 64, 40), (23, 100, 70), (50, 200, 576)] {
+            let x: Vec<f32> = (0..m * k)
+                .map(|i| ((i * 37) % 101) as f32 / 50.0 - 1.0 + 1e-3)
+                .collect();
+            let w: Vec<bf16> = (0..n * k)
+                .map(|i| bf16::from_f32(((i * 13) % 97) as f32 / 48.0 - 1.0))
+                .collect();
+            let packed = Packed::pack(&w, n, k);
+            let rounded: Vec<f32> = x.iter().map(|&v| bf16::from_f32(v).to_f32()).collect();
+            let mut want = vec![0.0; m * n];
+            crate::matmul::linear_with(Isa::Portable, &rounded, m, &w, n, k, &mut want, false);
+            let mut unrounded = vec![0.0; m * n];
+            crate::matmul::linear_with(Isa::Portable, &x, m, &w, n, k, &mut unrounded, false);
+            let mut out = vec![0.25; m * n];
+            linear_packed(&x, m, &packed, &mut out, true);
+            for (a, b) in out.iter().zip(&want) {
+                assert!(
+                    (a - (b + 0.25)).abs() < 1e-4 * (1.0 + b.abs()),
+                    "bf16 dot {m}x{n}x{k}: {a} vs {b}+0.25"
+                );
+            }
+            // The rounding shows (the path really took bf16 activations)...
+            assert!(out
+                .iter()
+                .zip(&unrounded)
+                .any(|(a, b)| (a - 0.25 - b).abs() > 1e-4));
+            // ...and a matrix told to keep f32 activations does not round them.
+            let mut exact = packed.clone();
+            exact.keep_f32_activations();
+            linear_packed(&x, m, &exact, &mut out, false);
+            for (a, b) in out.iter().zip(&unrounded) {
+                assert!(
+                    (a - b).abs() < 1e-3 * (1.0 + b.abs()),
+                    "f32 activations {m}x{n}x{k}"
+                );
             }
         }
     }

@@ -235,6 +235,16 @@ pub fn unavailable() -> Option<String> {
 }
 
 impl CudaBackend {
+    /// This backend with bf16 products of up to `rows` (1..=8) activation rows on the GEMV
+    /// kernels and larger ones on cuBLAS (the default comes from `TANDEM_CUDA_GEMV_ROWS`).
+    /// Only a backend not yet cloned can be changed; a clone is returned unchanged.
+    pub fn with_gemv_rows(mut self, rows: usize) -> Self {
+        if let Some(inner) = Arc::get_mut(&mut self.inner) {
+            inner.gemv_rows = rows.clamp(1, 8);
+        }
+        self
+    }
+
     /// Opens device `ordinal`: creates a stream, a cuBLAS handle and compiles (or loads
     /// cached) kernels for its architecture.
     pub fn new(ordinal: usize) -> Result<Self> {

@@ -235,6 +235,67 @@ fn decode_shaped_gemvs_match_the_cpu_on_large_matrices() {
     }
 }
 
+/// Every GEMV kernel (1 to 8 activation rows; by default only 1–2 rows take them, so a
+/// backend set to 8 here) on a matrix with more features than the grid has warps, an odd
+/// number of gate/up pairs, and rows of more than one batch of loads: plain, RMSNorm-fused
+/// and RMSNorm + SiLU-gated, against the CPU.
+#[test]
+fn gemvs_at_every_row_count_match_the_cpu() {
+    let Some(g) = gpu() else { return };
+    let g = g.with_gemv_rows(8);
+    let c = CpuBackend::new();
+    let (n, k) = (2502, 2056);
+    let w = host(&[n, k], noise(51, n * k), DType::BF16);
+    let (lc, lg) = linears(&c, &g, &w, n, k);
+    let norm = host(&[k], noise(52, k), DType::F32);
+    let (nc, ng) = both(&c, &g, &norm);
+    for rows in 1..=8 {
+        let x = host(&[rows, k], noise(53 + rows as u64, rows * k), DType::F32);
+        let (xc, xg) = both(&c, &g, &x);
+        for accumulate in [false, true] {
+            let start = host(&[rows, n], noise(54, rows * n), DType::F32);
+            let (mut oc, mut og) = both(&c, &g, &start);
+            c.linear(&xc, rows, &lc, &mut oc, accumulate);
+            g.linear(&xg, rows, &lg, &mut og, accumulate);
+            close(
+                &format!("gemv {n}x{k} rows={rows} acc={accumulate}"),
+                &f32s(&c, &oc, rows * n),
+                &f32s(&g, &og, rows * n),
+                2e-3,
+            );
+        }
+        let (mut hc, mut hg) = (
+            c.zeros(DType::F32, &[rows, k]),
+            g.zeros(DType::F32, &[rows, k]),
+        );
+        let (mut oc, mut og) = (
+            c.zeros(DType::F32, &[rows, n]),
+            g.zeros(DType::F32, &[rows, n]),
+        );
+        c.rms_norm_linear(&xc, &nc, rows, 1e-5, &mut hc, &lc, &mut oc);
+        g.rms_norm_linear(&xg, &ng, rows, 1e-5, &mut hg, &lg, &mut og);
+        close(
+            &format!("gemv_norm {n}x{k} rows={rows}"),
+            &f32s(&c, &oc, rows * n),
+            &f32s(&g, &og, rows * n),
+            2e-3,
+        );
+        let width = n / 2;
+        let (mut ac, mut ag) = (
+            c.zeros(DType::F32, &[rows, width]),
+            g.zeros(DType::F32, &[rows, width]),
+        );
+        c.rms_norm_gate_up(&xc, &nc, rows, 1e-5, &mut hc, &lc, &mut oc, &mut ac);
+        g.rms_norm_gate_up(&xg, &ng, rows, 1e-5, &mut hg, &lg, &mut og, &mut ag);
+        close(
+            &format!("gemv_norm_silu {n}x{k} rows={rows}"),
+            &f32s(&c, &ac, rows * width),
+            &f32s(&g, &ag, rows * width),
+            2e-3,
+        );
+    }
+}
+
 /// The fused RMSNorm + product ops (the GEMV kernels at 1–2 rows of bf16 weights, the unfused
 /// ops elsewhere) and RoPE + K/V write, against the CPU's unfused defaults.
 #[test]

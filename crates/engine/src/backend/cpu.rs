@@ -247,6 +247,14 @@ impl Backend for CpuBackend {
         Tensor::from_storage(storage, host.dtype(), host.shape())
     }
 
+    fn upload_exact_weight(&self, host: &HostTensor) -> T {
+        let mut t = self.upload_weight(host);
+        if let CpuStorage::PackedBF16(p) = &mut t.storage {
+            p.keep_f32_activations();
+        }
+        t
+    }
+
     fn download_rows(&self, t: &T, width: usize, rows: &[usize]) -> Vec<f32> {
         let all = f32s(t);
         rows.iter()

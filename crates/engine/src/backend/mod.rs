@@ -98,6 +98,12 @@ pub trait Backend: Clone + Send + Sync + Sized + 'static {
     fn upload_weight(&self, host: &HostTensor) -> Tensor<Self> {
         self.upload(host)
     }
+    /// [`Backend::upload_weight`] for a matrix whose products must keep their activations
+    /// in f32 where the backend would otherwise round them to the weights' dtype for speed
+    /// (the CPU's bf16 dot products at prefill sizes). The default is `upload_weight`.
+    fn upload_exact_weight(&self, host: &HostTensor) -> Tensor<Self> {
+        self.upload_weight(host)
+    }
     /// Copies a tensor back to the host (row-major, whatever layout the device keeps).
     fn download(&self, t: &Tensor<Self>) -> HostTensor;
     /// Rows `rows` (each `width` values) of an f32 tensor, as host values one row after

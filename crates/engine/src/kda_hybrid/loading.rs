@@ -86,14 +86,16 @@ pub(crate) struct Upload<'a, B> {
 }
 
 impl<B: Ops> Upload<'_, B> {
-    /// A weight matrix in the model's dtype, in the backend's matmul layout.
+    /// A weight matrix in the model's dtype, in the backend's matmul layout; its products
+    /// keep f32 activations (bf16 rounding of activations flips MoE routing choices, so
+    /// bf16 would no longer stay within rounding of the f32 model).
     pub fn linear(&self, l: host::Linear<Vec<f32>>) -> Linear<B> {
         let (out_features, in_features) = (l.out_features, l.in_features);
         let host = HostTensor::from_f32(&[out_features, in_features], l.weight)
             .and_then(|t| t.to_dtype(self.dtype))
             .expect("a checked weight converts to a float dtype");
         Linear {
-            weight: self.backend.upload_weight(&host),
+            weight: self.backend.upload_exact_weight(&host),
             out_features,
             in_features,
         }
