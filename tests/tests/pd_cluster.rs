@@ -568,9 +568,10 @@ fn a_stalled_decode_worker_hits_the_configured_timeouts() {
 }
 
 /// Migration: the decode worker serving a stream is killed (-9) after a few tokens; the
-/// router runs the request again on the other decode worker, checks that the replay repeats
-/// the tokens already sent, and continues the same SSE stream — the client gets the whole
-/// answer once, ending in `[DONE]`, equal to an uninterrupted run.
+/// router prefills the request again on the other pair with the tokens already sent
+/// appended (as resumed output) and continues the same SSE stream from the new pair's
+/// tokens — the client gets the whole answer once, ending in `[DONE]`, equal to an
+/// uninterrupted run.
 #[test]
 fn a_stream_survives_the_death_of_its_decode_worker() {
     let cluster = Cluster::start(ClusterOptions {

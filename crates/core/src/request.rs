@@ -34,6 +34,11 @@ pub struct SamplingParams {
     /// Report each generated token's log-probability and this many most likely
     /// alternatives (`None`: none).
     pub logprobs: Option<u32>,
+    /// Trailing prompt tokens an earlier attempt of this request generated (a request moved
+    /// to another pair after its stream broke is prefilled again with what it had streamed):
+    /// they count as output for the penalties and `min_tokens` and in the sampling step, so
+    /// the continuation is what the first attempt would have sampled. 0 for a new request.
+    pub resumed: u32,
 }
 
 /// A generated token's log-probability (over the logits after bias and penalties, before
@@ -63,6 +68,7 @@ impl Default for SamplingParams {
             min_tokens: 0,
             logit_bias: Vec::new(),
             logprobs: None,
+            resumed: 0,
         }
     }
 }

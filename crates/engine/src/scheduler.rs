@@ -315,6 +315,13 @@ impl Engine {
                 "max_tokens must be at least 1".into(),
             ));
         }
+        if params.resumed > 0 && params.resumed as usize >= prompt.len() {
+            return Err(Error::InvalidRequest(format!(
+                "{} resumed tokens leave no prompt of the {} given",
+                params.resumed,
+                prompt.len()
+            )));
+        }
         if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= self.info.vocab_size) {
             return Err(Error::InvalidRequest(format!(
                 "token id {bad} is outside the vocabulary"
@@ -609,12 +616,17 @@ impl<M: ServedModel> Worker<M> {
             .iter()
             .map(|&(i, n)| (&self.running[i], n))
             .filter(|(seq, n)| seq.cached + n == seq.tokens.len())
-            .map(|(seq, _)| SampleRow {
-                params: &seq.params,
-                step: seq.generated() as u32,
-                prompt: &seq.tokens[..seq.prompt_len],
-                output: &seq.tokens[seq.prompt_len..],
-                stop_ids: &seq.stop_ids,
+            .map(|(seq, _)| {
+                // A resumed request's last prompt tokens are output of its earlier attempt.
+                let resumed = (seq.params.resumed as usize).min(seq.prompt_len);
+                let split = seq.prompt_len - resumed;
+                SampleRow {
+                    params: &seq.params,
+                    step: (resumed + seq.generated()) as u32,
+                    prompt: &seq.tokens[..split],
+                    output: &seq.tokens[split..],
+                    stop_ids: &seq.stop_ids,
+                }
             })
             .collect();
         self.model

@@ -288,3 +288,73 @@ fn a_short_prompt_behind_a_long_one_is_not_held_up() {
         "KV blocks leaked"
     );
 }
+
+/// A request resumed after `k` of its tokens (prompt + those tokens, `resumed = k`, what is
+/// left of `max_tokens`: how the router moves a broken stream to another pair) samples the
+/// same continuation as the uninterrupted request, under seeded sampling with every penalty
+/// (which count the resumed tokens as output) and the seed's per-step stream.
+#[test]
+fn a_resumed_request_continues_exactly_where_it_broke_off() {
+    let dir = tandem_testkit::smollm2_dir();
+    let model = LlamaModel::load(&dir, CpuBackend::new(), DType::F32).expect("load model");
+    let engine = Engine::start(model, EngineConfig::default());
+    let prompt = vec![504u32, 3575, 282, 4649, 314, 253, 1345];
+    let params = SamplingParams {
+        temperature: 0.9,
+        top_p: 0.95,
+        seed: 77,
+        max_tokens: 14,
+        ignore_eos: true,
+        presence_penalty: 0.4,
+        frequency_penalty: 0.6,
+        repetition_penalty: 1.2,
+        ..SamplingParams::default()
+    };
+    let run = |prompt: Vec<u32>, params: SamplingParams| {
+        tandem_engine::blocking_tokens(
+            engine
+                .submit(prompt, params, SeqKind::Generate)
+                .expect("submit"),
+        )
+    };
+    let whole = run(prompt.clone(), params.clone());
+    assert_eq!(whole.len(), 14);
+    for k in [1usize, 5, 13] {
+        let mut resumed_prompt = prompt.clone();
+        resumed_prompt.extend_from_slice(&whole[..k]);
+        let rest = run(
+            resumed_prompt.clone(),
+            SamplingParams {
+                resumed: k as u32,
+                max_tokens: 14 - k as u32,
+                ..params.clone()
+            },
+        );
+        assert_eq!(rest, whole[k..], "resumed after {k} tokens");
+        // Without the resumed mark the penalties and the seed's steps start over: the
+        // continuation differs (what a migration without it would send).
+        if k == 5 {
+            let naive = run(
+                resumed_prompt,
+                SamplingParams {
+                    max_tokens: 14 - k as u32,
+                    ..params.clone()
+                },
+            );
+            assert_ne!(naive, whole[k..], "the resumed mark changes nothing?");
+        }
+    }
+    assert!(
+        engine
+            .submit(
+                prompt.clone(),
+                SamplingParams {
+                    resumed: 7,
+                    ..params
+                },
+                SeqKind::Generate
+            )
+            .is_err(),
+        "a resumed count covering the whole prompt is refused"
+    );
+}

@@ -42,6 +42,7 @@ pub(crate) fn to_pb(req: &ValidGenerateRequest) -> pb::GenerateRequest {
             min_p: s.min_p,
             min_tokens: s.min_tokens,
             logprobs: s.logprobs,
+            resumed: s.resumed,
             logit_bias: s
                 .logit_bias
                 .iter()

@@ -462,10 +462,11 @@ struct Cursor {
 const MIGRATION_LIMIT: u32 = 3;
 
 /// `tokens` continued on another pair when its stream breaks with a retryable error after
-/// some tokens were sent: the request is run again from its prompt on the next route, the
-/// replay's first tokens are checked against those already sent (sampling is a function of
-/// the seed and the step, so they repeat) and skipped, and the stream goes on from there.
-/// A replay that diverges ends the stream with an error rather than send different text.
+/// some tokens were sent: the request is prefilled again on the next route with the tokens
+/// already sent appended to its prompt and marked as resumed output
+/// ([`SamplingParams::resumed`]: they count for penalties, `min_tokens` and the sampling
+/// step), for what is left of `max_tokens`; the new pair's tokens continue the stream. A
+/// migration costs one prefill of prompt + sent tokens, not a replay of the decode steps.
 fn resuming(
     generator: Arc<PdGenerator>,
     req: ValidGenerateRequest,
@@ -508,7 +509,8 @@ fn resuming(
                 Some(Err(e))
                     if e.class.is_retryable()
                         && !s.sent.is_empty()
-                        && s.migrations < MIGRATION_LIMIT =>
+                        && s.migrations < MIGRATION_LIMIT
+                        && (s.sent.len() as u32) < s.req.sampling.max_tokens =>
                 {
                     s.migrations += 1;
                     s.tracker.migration();
@@ -518,43 +520,14 @@ fn resuming(
                     // The decode leg broke: move it (and the route) on.
                     s.cursor.di += 1;
                     s.cursor.route = (s.cursor.route + 1) % s.cursor.routes;
-                    let mut next = match s
+                    let resumed = resumed_request(&s.req, &s.sent);
+                    s.tokens = match s
                         .generator
-                        .first_stream(&s.req, &mut s.cursor, s.deadline, &s.tracker)
+                        .first_stream(&resumed, &mut s.cursor, s.deadline, &s.tracker)
                         .await
                     {
                         Ok(t) => t,
                         Err(e) => return Some((Err(e), None)),
-                    };
-                    let mut broke = None;
-                    for (i, &want) in s.sent.iter().enumerate() {
-                        match next.next().await {
-                            Some(Ok(tok)) if tok.token_id == want => {}
-                            // The replay broke too before catching up (one reset breaks every
-                            // stream on a connection, replays included): move again, within
-                            // the limit, through the loop above.
-                            Some(Err(e)) => {
-                                broke = Some(e);
-                                break;
-                            }
-                            _ => {
-                                return Some((
-                                    Err(GenerateError::new(
-                                        ErrorClass::Internal,
-                                        format!(
-                                            "the request moved to another pair after its stream \
-                                             broke, and the replay diverged at token {i}: stopped \
-                                             rather than send different text"
-                                        ),
-                                    )),
-                                    None,
-                                ))
-                            }
-                        }
-                    }
-                    s.tokens = match broke {
-                        Some(e) => futures::stream::once(async move { Err(e) }).boxed(),
-                        None => next,
                     };
                 }
                 Some(Err(e)) => return Some((Err(e), None)),
@@ -562,6 +535,16 @@ fn resuming(
         }
     })
     .boxed()
+}
+
+/// `req` continued after `sent` of its tokens: those appended to the prompt as resumed
+/// output, `max_tokens` less them.
+fn resumed_request(req: &ValidGenerateRequest, sent: &[u32]) -> ValidGenerateRequest {
+    let mut next = req.clone();
+    next.prompt_token_ids.extend_from_slice(sent);
+    next.sampling.resumed += sent.len() as u32;
+    next.sampling.max_tokens -= sent.len() as u32;
+    next
 }
 
 fn no_workers() -> GenerateError {

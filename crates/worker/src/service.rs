@@ -258,6 +258,7 @@ fn sampling_from(p: Option<pb::SamplingParams>) -> SamplingParams {
         min_p: p.min_p,
         min_tokens: p.min_tokens,
         logprobs: p.logprobs,
+        resumed: p.resumed,
         logit_bias: p
             .logit_bias
             .into_iter()
