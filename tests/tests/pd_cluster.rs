@@ -567,41 +567,54 @@ fn a_stalled_decode_worker_hits_the_configured_timeouts() {
     });
 }
 
+/// Streams `body` and kills the first decode worker after four text chunks; the raw SSE.
+async fn stream_killing_the_decode_worker(
+    cluster: &Cluster,
+    c: &reqwest::Client,
+    body: &Value,
+) -> String {
+    // The first request goes to the first decode worker (round-robin from the start).
+    let resp = c
+        .post(format!("{}/v1/completions", cluster.url))
+        .json(body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 200);
+    let mut stream = resp.bytes_stream();
+    let mut raw = String::new();
+    let mut killed = false;
+    while let Some(chunk) = stream.next().await {
+        raw.push_str(&String::from_utf8_lossy(&chunk.unwrap()));
+        if !killed && raw.matches("\"text\"").count() >= 4 {
+            cluster.signal("decode", "KILL");
+            killed = true;
+        }
+    }
+    assert!(killed, "the stream ended before the kill: {raw}");
+    raw
+}
+
 /// Migration: the decode worker serving a stream is killed (-9) after a few tokens; the
 /// router prefills the request again on the other pair with the tokens already sent
 /// appended (as resumed output) and continues the same SSE stream from the new pair's
 /// tokens — the client gets the whole answer once, ending in `[DONE]`, equal to an
-/// uninterrupted run.
+/// uninterrupted run. Seeded sampling with penalties: the continuation draws what the
+/// first pair would have drawn (the sampling step and the penalties count the resumed
+/// tokens).
 #[test]
 fn a_stream_survives_the_death_of_its_decode_worker() {
     let cluster = Cluster::start(ClusterOptions {
         second_decode: true,
         ..ClusterOptions::default()
     });
-    let url = cluster.url.clone();
     rt().block_on(async {
         let c = reqwest::Client::new();
-        let body = json!({"model": "smollm2-135m-instruct", "prompt": "Once upon a time",
-                          "max_tokens": 48, "temperature": 0, "stream": true, "ignore_eos": true});
-        // The first request goes to the first decode worker (round-robin from the start).
-        let resp = c
-            .post(format!("{url}/v1/completions"))
-            .json(&body)
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(resp.status().as_u16(), 200);
-        let mut stream = resp.bytes_stream();
-        let mut raw = String::new();
-        let mut killed = false;
-        while let Some(chunk) = stream.next().await {
-            raw.push_str(&String::from_utf8_lossy(&chunk.unwrap()));
-            if !killed && raw.matches("\"text\"").count() >= 4 {
-                cluster.signal("decode", "KILL");
-                killed = true;
-            }
-        }
-        assert!(killed, "the stream ended before the kill: {raw}");
+        let mut body = json!({"model": "smollm2-135m-instruct", "prompt": "Once upon a time",
+                              "max_tokens": 48, "temperature": 0.8, "seed": 11,
+                              "frequency_penalty": 0.5, "ignore_eos": true});
+        body["stream"] = json!(true);
+        let raw = stream_killing_the_decode_worker(&cluster, &c, &body).await;
         assert!(raw.contains("[DONE]"), "the stream did not finish: {raw}");
         let text = |raw: &str| -> String {
             raw.lines()
@@ -612,15 +625,33 @@ fn a_stream_survives_the_death_of_its_decode_worker() {
                 .collect()
         };
         // The same request, uninterrupted (the surviving decode worker serves it).
-        let (status, whole) = post(
-            &c,
-            &format!("{url}/v1/completions"),
-            json!({"model": "smollm2-135m-instruct", "prompt": "Once upon a time",
-                   "max_tokens": 48, "temperature": 0, "ignore_eos": true}),
-        )
-        .await;
+        body["stream"] = json!(false);
+        let (status, whole) = post(&c, &format!("{}/v1/completions", cluster.url), body).await;
         assert_eq!(status, 200, "{whole}");
         assert_eq!(text(&raw), whole["choices"][0]["text"].as_str().unwrap());
+    });
+}
+
+/// `retry.migration_limit: 0`: a stream whose decode worker dies mid-generation is not
+/// moved; it ends with an in-band error event and no `[DONE]`.
+#[test]
+fn with_migration_off_a_broken_stream_ends_with_an_error() {
+    let cluster = Cluster::start(ClusterOptions {
+        second_decode: true,
+        router_config: "retry: {migration_limit: 0}\n".into(),
+        ..ClusterOptions::default()
+    });
+    rt().block_on(async {
+        let c = reqwest::Client::new();
+        let body = json!({"model": "smollm2-135m-instruct", "prompt": "Once upon a time",
+                          "max_tokens": 48, "temperature": 0, "stream": true,
+                          "ignore_eos": true});
+        let raw = stream_killing_the_decode_worker(&cluster, &c, &body).await;
+        assert!(
+            !raw.contains("[DONE]"),
+            "the stream finished although nothing moved it: {raw}"
+        );
+        assert!(raw.contains("\"error\""), "no error event: {raw}");
     });
 }
 

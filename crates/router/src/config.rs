@@ -65,6 +65,9 @@ pub struct RetryConfig {
     /// Backoff before the second attempt; doubles each time, with jitter.
     #[serde(with = "humantime_serde")]
     pub backoff: Duration,
+    /// Moves to another pair a request may make after its stream broke mid-generation
+    /// (0: none; the stream then ends with the error).
+    pub migration_limit: u32,
 }
 
 impl Default for RetryConfig {
@@ -72,6 +75,7 @@ impl Default for RetryConfig {
         Self {
             attempts: 3,
             backoff: Duration::from_millis(50),
+            migration_limit: 3,
         }
     }
 }

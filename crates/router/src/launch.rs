@@ -138,6 +138,7 @@ pub async fn run_from_config(
             RetryPolicy {
                 attempts: config.retry.attempts,
                 backoff: config.retry.backoff,
+                migration_limit: config.retry.migration_limit,
             },
         )
         .with_timeouts(config.timeouts)

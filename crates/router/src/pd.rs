@@ -24,6 +24,8 @@ pub struct RetryPolicy {
     pub attempts: u32,
     /// Backoff before the second attempt; doubles each time.
     pub backoff: Duration,
+    /// Moves after tokens were streamed (see `resuming`).
+    pub migration_limit: u32,
 }
 
 impl Default for RetryPolicy {
@@ -31,6 +33,7 @@ impl Default for RetryPolicy {
         Self {
             attempts: 3,
             backoff: Duration::from_millis(50),
+            migration_limit: 3,
         }
     }
 }
@@ -458,9 +461,6 @@ struct Cursor {
     routes: usize,
 }
 
-/// How many times one request may move to another pair after tokens were streamed.
-const MIGRATION_LIMIT: u32 = 3;
-
 /// `tokens` continued on another pair when its stream breaks with a retryable error after
 /// some tokens were sent: the request is prefilled again on the next route with the tokens
 /// already sent appended to its prompt and marked as resumed output
@@ -509,7 +509,7 @@ fn resuming(
                 Some(Err(e))
                     if e.class.is_retryable()
                         && !s.sent.is_empty()
-                        && s.migrations < MIGRATION_LIMIT
+                        && s.migrations < s.generator.retry.migration_limit
                         && (s.sent.len() as u32) < s.req.sampling.max_tokens =>
                 {
                     s.migrations += 1;
