@@ -48,12 +48,32 @@ pub struct Entry {
 }
 
 /// Every request in flight.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct InFlightTable {
     entries: Mutex<HashMap<String, Entry>>,
+    /// Moves after tokens were sent, all requests together (`tandem_migrations_total`).
+    migrations_total: prometheus::IntCounter,
+}
+
+impl Default for InFlightTable {
+    fn default() -> Self {
+        Self {
+            entries: Mutex::default(),
+            migrations_total: prometheus::IntCounter::new(
+                "tandem_migrations_total",
+                "Requests moved to another pair after their stream broke mid-generation",
+            )
+            .expect("a valid metric name"),
+        }
+    }
 }
 
 impl InFlightTable {
+    /// The migrations counter, to register in the router's registry.
+    pub fn migrations_counter(&self) -> prometheus::IntCounter {
+        self.migrations_total.clone()
+    }
+
     /// Adds a request; the returned tracker removes it when dropped.
     pub fn open(self: &Arc<Self>, id: &str, prompt_tokens: usize) -> Tracker {
         let entry = Entry {
@@ -134,6 +154,7 @@ impl Tracker {
 
     /// A move after tokens were sent.
     pub fn migration(&self) {
+        self.table.migrations_total.inc();
         self.update(|e| {
             e.migrations += 1;
             e.phase = Phase::Migrating;
@@ -172,6 +193,11 @@ mod tests {
         let e = snap.iter().find(|e| e.id == "r1").expect("listed");
         assert_eq!(e.phase, Phase::Migrating);
         assert_eq!((e.attempts, e.migrations, e.tokens), (2, 1, 2));
+        assert_eq!(
+            table.migrations_counter().get(),
+            1,
+            "counted for the metric"
+        );
         assert_eq!(e.decode.as_deref(), Some("d1"));
         let json = serde_json::to_value(e).expect("serialises");
         assert_eq!(json["phase"], "migrating");

@@ -176,6 +176,11 @@ pub async fn run_from_config(
         &ModelInfo::new(config.model.served_name.clone(), dir),
     )?;
     let pool_metrics = crate::pool_metrics::PoolMetrics::register(state.metrics().registry());
+    state
+        .metrics()
+        .registry()
+        .register(Box::new(pd.in_flight().migrations_counter()))
+        .expect("metric names are unique within this registry");
     tokio::spawn(pd.clone().poll_health(HEALTH_INTERVAL, Some(pool_metrics)));
     let addr = match listen {
         Some(l) => l.parse()?,
