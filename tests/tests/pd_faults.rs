@@ -266,3 +266,46 @@ fn a_push_to_an_expired_reservation_touches_nobody_elses_memory() {
         assert!(tandem_e2e::pools_full(&workers, None), "{workers}");
     });
 }
+
+/// A prompt that takes longer to prefill than the decode worker's KV lease (1 s here; the
+/// prefill runs 16 tokens a step): the prefill worker extends the reservation's lease while
+/// it computes, so the decode worker keeps waiting and the request succeeds on its first
+/// pair. Without extensions every attempt's reservation would expire first.
+#[test]
+fn a_prefill_longer_than_the_kv_lease_keeps_its_reservation() {
+    let cluster = Cluster::start(ClusterOptions {
+        prefill_args: vec!["--max-batch-tokens".to_string(), "16".to_string()],
+        decode_args: vec!["--kv-lease".to_string(), "1s".to_string()],
+        ..ClusterOptions::default()
+    });
+    let url = cluster.url.clone();
+    let decode = cluster.decode_addr.clone();
+    let prompt: Vec<u32> = (0..100 * 16).map(|i| 100 + (i * 7) % 1000).collect();
+    let len = prompt.len() as u64;
+    rt().block_on(async {
+        let c = reqwest::Client::new();
+        let body = json!({"model": "smollm2-135m-instruct", "prompt": prompt,
+                          "max_tokens": 4, "temperature": 0});
+        let (status, answer) = post(&c, &format!("{url}/v1/completions"), body).await;
+        assert_eq!(status, 200, "{answer}");
+        assert_eq!(answer["usage"]["prompt_tokens"], len);
+        let mut worker = tandem_proto::v1::worker_client::WorkerClient::connect(decode)
+            .await
+            .unwrap();
+        let stats = worker
+            .stats(tandem_proto::v1::StatsRequest {
+                wait_idle_ms: 10_000,
+                wait_busy_ms: 0,
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(
+            stats.kv_lease_extensions >= 3,
+            "the prefill ({len} tokens, 16 a step) outlasted the 1 s lease only {} extension \
+             periods: the test needs a longer prefill",
+            stats.kv_lease_extensions
+        );
+        assert_eq!(stats.pending_reservations, 0, "nothing left waiting");
+    });
+}

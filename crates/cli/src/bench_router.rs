@@ -41,6 +41,7 @@ impl pb::worker_server::Worker for NullWorker {
                 epoch: 1,
                 layout: Some(pb::KvLayout::default()),
                 landing: None,
+                lease_ms: 0,
             };
             let _ = tx
                 .send(Ok(pb::DecodeEvent {

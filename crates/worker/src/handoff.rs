@@ -191,6 +191,26 @@ pub fn encode_landed(l: &Landed) -> Vec<u8> {
     out
 }
 
+const EXTEND_MAGIC: u32 = 0x5456_4B58; // "TVKX"
+const EXTEND_LEN: usize = 4 + 8 + 8;
+
+/// A lease extension for reservation `(id, epoch)`: its prefill is still computing.
+pub fn encode_extend(reservation: ReservationId, epoch: Epoch) -> Vec<u8> {
+    let mut out = Vec::with_capacity(EXTEND_LEN);
+    out.extend_from_slice(&EXTEND_MAGIC.to_le_bytes());
+    out.extend_from_slice(&reservation.0.to_le_bytes());
+    out.extend_from_slice(&epoch.0.to_le_bytes());
+    out
+}
+
+/// Parses an [`encode_extend`] record; `None` when `msg` is not one.
+pub fn decode_extend(msg: &[u8]) -> Option<(ReservationId, Epoch)> {
+    if msg.len() != EXTEND_LEN || u32_at(msg, 0) != EXTEND_MAGIC {
+        return None;
+    }
+    Some((ReservationId(u64_at(msg, 4)), Epoch(u64_at(msg, 12))))
+}
+
 /// Parses a [`Landed`] record; `None` when `msg` is not one (e.g. a whole handoff message).
 pub fn decode_landed(msg: &[u8]) -> Option<Landed> {
     if msg.len() != LANDED_LEN || u32_at(msg, 0) != LANDED_MAGIC {
@@ -302,6 +322,14 @@ mod tests {
         };
         let bytes = encode_landed(&l);
         assert_eq!(decode_landed(&bytes), Some(l));
+        let x = encode_extend(ReservationId(7), Epoch(9));
+        assert_eq!(decode_extend(&x), Some((ReservationId(7), Epoch(9))));
+        assert_eq!(
+            decode_extend(&bytes),
+            None,
+            "a landing record is no extension"
+        );
+        assert_eq!(decode_landed(&x), None, "an extension is no landing record");
         assert_eq!(decode_header(&bytes), Err(HandoffError::Malformed));
         let handoff = encode(&head(9, 4, 1, 1, 7), &[], &[]);
         assert_eq!(decode_landed(&handoff), None);

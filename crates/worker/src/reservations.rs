@@ -41,6 +41,7 @@ struct Waiting {
     epoch: Epoch,
     slot: Option<LandingSlot>,
     tx: oneshot::Sender<Arrived>,
+    extended: Arc<tokio::sync::Notify>,
 }
 
 /// Pending reservations of a decode worker.
@@ -49,6 +50,7 @@ pub struct Reservations {
     next: AtomicU64,
     pending: Mutex<HashMap<ReservationId, Waiting>>,
     rejected: AtomicU64,
+    extensions: AtomicU64,
 }
 
 /// A registered reservation; unregisters itself when dropped.
@@ -61,6 +63,8 @@ pub struct Pending {
     pub epoch: Epoch,
     /// Resolves with the raw handoff message.
     pub kv: oneshot::Receiver<Arrived>,
+    /// Notified when the prefill side extends the lease (it is still computing).
+    pub extended: Arc<tokio::sync::Notify>,
 }
 
 impl Drop for Pending {
@@ -82,12 +86,35 @@ impl Reservations {
         // One epoch per reservation id here; a retried prefill gets a fresh reservation.
         let epoch = Epoch(n);
         let (tx, rx) = oneshot::channel();
-        self.pending.lock().insert(id, Waiting { epoch, slot, tx });
+        let extended = Arc::new(tokio::sync::Notify::new());
+        self.pending.lock().insert(
+            id,
+            Waiting {
+                epoch,
+                slot,
+                tx,
+                extended: extended.clone(),
+            },
+        );
         Pending {
             owner: self.clone(),
             id,
             epoch,
             kv: rx,
+            extended,
+        }
+    }
+
+    /// Extends the lease of reservation `(id, epoch)` (its prefill is still computing);
+    /// false when no such reservation is waiting (it got its KV, expired, or is fenced).
+    pub fn extend(&self, id: ReservationId, epoch: Epoch) -> bool {
+        match self.pending.lock().get(&id) {
+            Some(w) if w.epoch == epoch => {
+                w.extended.notify_one();
+                self.extensions.fetch_add(1, Ordering::Relaxed);
+                true
+            }
+            _ => false,
         }
     }
 
@@ -129,6 +156,11 @@ impl Reservations {
         ok
     }
 
+    /// Lease extensions that reached a waiting reservation.
+    pub fn extensions(&self) -> u64 {
+        self.extensions.load(Ordering::Relaxed)
+    }
+
     /// Reservations waiting for KV.
     pub fn len(&self) -> usize {
         self.pending.lock().len()
@@ -164,6 +196,26 @@ mod tests {
                 .expect("bytes");
         assert_eq!((*got).as_ref(), &[7u8][..]);
         assert!(!r.deliver(p.id, p.epoch, vec![8]), "delivered only once");
+    }
+
+    #[tokio::test]
+    async fn extensions_reach_only_a_waiting_reservation_of_their_epoch() {
+        let r = Arc::new(Reservations::default());
+        let p = r.register();
+        assert!(!r.extend(p.id, Epoch(p.epoch.0 + 1)), "stale epoch");
+        assert!(!r.extend(ReservationId(999), p.epoch), "unknown id");
+        assert!(r.extend(p.id, p.epoch));
+        // The notification is kept for the waiter even if it was not yet listening.
+        tokio::time::timeout(std::time::Duration::from_secs(5), p.extended.notified())
+            .await
+            .expect("the waiter hears of the extension");
+        assert!(r.deliver(p.id, p.epoch, vec![1]));
+        assert!(
+            !r.extend(p.id, p.epoch),
+            "KV arrived: nothing waits any more"
+        );
+        assert_eq!(r.rejected(), 0, "extensions are not counted as rejected KV");
+        assert_eq!(r.extensions(), 1);
     }
 
     #[test]

@@ -211,6 +211,13 @@ async fn dispatch_incoming(
     kv_bytes_landed: Arc<AtomicU64>,
 ) {
     while let Some(msg) = incoming.recv().await {
+        if let Some((id, epoch)) = handoff::decode_extend(&msg.payload) {
+            // Late ones (the KV came first, or the lease ran out) find nothing: harmless.
+            if id.0 != msg.tag || !reservations.extend(id, epoch) {
+                tracing::debug!(tag = msg.tag, reservation = %id, "lease extension for no waiting reservation");
+            }
+            continue;
+        }
         if let Some(l) = handoff::decode_landed(&msg.payload) {
             if l.reservation.0 != msg.tag {
                 tracing::warn!(tag = msg.tag, reservation = %l.reservation, "KV landing record tag mismatch dropped");
@@ -405,12 +412,44 @@ impl Shared {
             )));
         }
         let prompt_len = prompt.len();
+        let computing = self.engine.prefill(prompt, params);
         let crate::engines::Prefilled {
             first_token,
             finish,
             logprobs,
             handoff,
-        } = self.engine.prefill(prompt, params).await?;
+        } = match (&self.sender, target.lease_ms) {
+            (Some(sender), ms) if ms > 0 => {
+                // Tell the decode worker, at a third of its lease, that this prefill is still
+                // computing, so a long prompt does not outlive the reservation waiting for it.
+                let every = Duration::from_millis(ms / 3).max(Duration::from_millis(50));
+                let record = handoff::encode_extend(
+                    tandem_core::ReservationId(target.reservation_id),
+                    tandem_core::Epoch(target.epoch),
+                );
+                let extend = async {
+                    loop {
+                        tokio::time::sleep(every).await;
+                        let sent = sender
+                            .send(
+                                &target.transfer_address,
+                                target.reservation_id,
+                                record.clone(),
+                                every,
+                            )
+                            .await;
+                        if let Err(e) = sent {
+                            tracing::debug!(error = %e, "lease extension not sent");
+                        }
+                    }
+                };
+                tokio::select! {
+                    done = computing => done?,
+                    _ = extend => unreachable!("the extension loop never ends"),
+                }
+            }
+            _ => computing.await?,
+        };
         let mut sent = 0;
         if finish.is_none() {
             let reservation = tandem_core::ReservationId(target.reservation_id);
@@ -493,12 +532,22 @@ impl Shared {
         tx: &mpsc::Sender<std::result::Result<pb::DecodeEvent, Status>>,
     ) -> Result<()> {
         let lease = self.opts.kv_lease;
-        let message = tokio::select! {
-            m = &mut pending.kv => m.map_err(|_| Error::Deadline("reservation dropped".into()))?,
-            _ = tokio::time::sleep(lease) => {
-                return Err(Error::KvNotArrived(format!("no KV arrived within the {lease:?} lease")));
+        // The lease restarts whenever the prefill side says it is still computing.
+        let extended = pending.extended.clone();
+        let mut expiry = tokio::time::Instant::now() + lease;
+        let message = loop {
+            tokio::select! {
+                m = &mut pending.kv => {
+                    break m.map_err(|_| Error::Deadline("reservation dropped".into()))?;
+                }
+                _ = tokio::time::sleep_until(expiry) => {
+                    return Err(Error::KvNotArrived(format!(
+                        "no KV and no word from the prefill within the {lease:?} lease"
+                    )));
+                }
+                _ = extended.notified() => expiry = tokio::time::Instant::now() + lease,
+                _ = tx.closed() => return self.note_cancelled(),
             }
-            _ = tx.closed() => return self.note_cancelled(),
         };
         drop(pending);
         let engine = self.engine.clone();
@@ -648,6 +697,7 @@ impl pb::worker_server::Worker for WorkerService {
             epoch: pending.epoch.0,
             layout: Some(layout),
             landing,
+            lease_ms: shared.opts.kv_lease.as_millis() as u64,
         };
         let (tx, rx) = mpsc::channel(64);
         let first = pb::DecodeEvent {
@@ -735,6 +785,7 @@ impl pb::worker_server::Worker for WorkerService {
                     0
                 },
             kv_bytes_landed: s.kv_bytes_landed.load(Ordering::Relaxed),
+            kv_lease_extensions: s.reservations.extensions(),
             draining: s.admission.is_draining(),
             in_flight: s.admission.in_flight() as u32,
             prefill_tokens: s.engine.0.stats().prefill_tokens,
