@@ -427,6 +427,7 @@ impl<B: Ops> LlamaServed<B> {
             layout: tandem_topology::Layout::new(tp, 1, 1)
                 .map_err(|e| Error::InvalidRequest(format!("layout tp{tp}: {e}")))?,
             kv: Some(ranks.layout()),
+            state_handoff: None,
         };
         Ok(Self {
             ranks,

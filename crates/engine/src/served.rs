@@ -37,6 +37,28 @@ pub struct ServedInfo {
     /// The paged K/V cache of the whole model (what a handoff carries), for models that
     /// keep one.
     pub kv: Option<KvLayout>,
+    /// For models with per-request state instead: the bytes of a handoff's body as
+    /// `(fixed, per prompt token)` whatever the sender's layout, and the most segments its
+    /// manifest lists.
+    pub state_handoff: Option<StateHandoffSize>,
+}
+
+/// The size of a state handoff's body (see [`ServedInfo::state_handoff`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StateHandoffSize {
+    /// Bytes independent of the prompt (recurrent state, conv windows, the layout).
+    pub fixed: usize,
+    /// Bytes per prompt token (latents and the like).
+    pub per_token: usize,
+    /// Segments in the largest manifest (the sender's ranks split the state).
+    pub max_segments: usize,
+}
+
+impl StateHandoffSize {
+    /// Body bytes of a handoff of `tokens` prompt tokens.
+    pub fn body_bytes(&self, tokens: usize) -> usize {
+        self.fixed + self.per_token * tokens
+    }
 }
 
 /// A request's fixed-size state slot: slot `index` of attention-DP group `group`.

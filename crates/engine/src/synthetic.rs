@@ -109,6 +109,7 @@ impl ServedModel for SyntheticServed {
             weight_bytes: 0,
             layout: self.layout,
             kv: None,
+            state_handoff: None,
         }
     }
 

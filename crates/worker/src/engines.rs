@@ -113,12 +113,17 @@ impl WorkerEngine {
         }
     }
 
-    /// The most bytes a handoff of `tokens` prompt tokens takes (header, manifest and body)
-    /// for paged K/V; `None` for per-layer state, whose handoffs travel over the transport.
+    /// The most bytes a handoff of `tokens` prompt tokens takes (header, manifest and body):
+    /// paged K/V, or per-request state (KDA-hybrid); `None` when the model says neither.
     pub fn handoff_bound(&self, tokens: usize) -> Option<usize> {
-        let l = self.0.info().kv?;
-        // The manifest: a few dozen bytes a segment, one segment a layer (per shard at most).
-        Some(l.bytes_per_token() * tokens + crate::handoff::HEADER_LEN + 4096 + 64 * l.num_layers)
+        let info = self.0.info();
+        // The manifest: a few dozen bytes a segment.
+        let (body, segments) = match (info.kv, info.state_handoff) {
+            (Some(l), _) => (l.bytes_per_token() * tokens, l.num_layers),
+            (None, Some(s)) => (s.body_bytes(tokens), s.max_segments),
+            (None, None) => return None,
+        };
+        Some(body + crate::handoff::HEADER_LEN + 4096 + 64 * segments)
     }
 
     /// Reserves space for a request of `tokens` tokens (decode role), on attention-DP group

@@ -75,6 +75,7 @@ impl KdaServed {
             weight_bytes: 0,
             layout,
             kv: None,
+            state_handoff: Some(state_handoff_size(c, layout)),
         };
         let pools = Pools {
             kv: None,
@@ -109,6 +110,29 @@ impl KdaServed {
             .get_mut(slot.group)
             .and_then(|g| g.get_mut(slot.index))
             .ok_or_else(|| Error::InvalidRequest(format!("no state slot {slot:?}")))
+    }
+}
+
+/// What a KDA-hybrid handoff's body takes: every KDA layer's whole recurrent state and conv
+/// windows (the sender's ranks each hold a share), the layout segment, and per prompt token
+/// the MLA latents and rope slots (sent once) and the indexer caches; f32 throughout. The
+/// manifest lists up to two segments a KDA layer per rank of the largest attention-TP group.
+fn state_handoff_size(
+    c: &crate::kda_hybrid::KdaHybridConfig,
+    layout: tandem_topology::Layout,
+) -> crate::served::StateHandoffSize {
+    let (k, m) = (c.kda, c.mla);
+    let kda_layers = c.kda_layers().count();
+    let mla_layers = c.mla_layers().count();
+    let kda_floats = k.num_heads * k.head_dim * k.head_dim + 3 * k.proj_dim() * (k.conv_kernel - 1);
+    let indexer = m.indexer.map_or(0, |ix| 2 * ix.head_dim);
+    let per_token_floats = m.kv_lora_rank + m.qk_rope_head_dim + indexer;
+    // Senders of any layout up to 64 ranks a group.
+    let ranks = layout.tp().max(64);
+    crate::served::StateHandoffSize {
+        fixed: 4 * kda_floats * kda_layers + 3 * 4,
+        per_token: 4 * per_token_floats * mla_layers,
+        max_segments: 1 + 2 * kda_layers * ranks + 4 * mla_layers,
     }
 }
 
@@ -325,6 +349,28 @@ mod tests {
             "only the reservation holds latent blocks (2 MLA layers × latent and rope rows × \
              2 ranks of the group, one block each); received handoffs take none"
         );
+    }
+
+    /// The handoff size the model states (what a decode worker sizes its landing slot by)
+    /// is exactly the body an actual handoff carries, for both tiny models on one rank and
+    /// on two, and its manifest fits the stated segment count.
+    #[test]
+    fn the_stated_handoff_size_is_the_handoffs_body() {
+        for name in ["kimi_tiny", "glm5_tiny"] {
+            let dir = tandem_testkit::shared_dir().join("reference").join(name);
+            for tp in [1, 2] {
+                let layout = Layout::new(tp, 1, 1).expect("layout");
+                let model = KdaModel::load(&dir, layout, None).expect("load");
+                let prompt = vec![5u32, 9, 33, 7, 120, 64, 3, 11, 2];
+                let mut work = vec![(0, prompt.clone(), model.group_states())];
+                model.step(&mut work).expect("prefill");
+                let h = encode_group(layout, &work[0].2, model.config().kda.head_dim);
+                let served = KdaServed::new(model, &config(2, 64), vec![2], 4096);
+                let size = served.info().state_handoff.expect("a state handoff");
+                assert_eq!(h.body.len(), size.body_bytes(prompt.len()), "{name} tp{tp}");
+                assert!(h.segments.len() <= size.max_segments, "{name} tp{tp}");
+            }
+        }
     }
 
     #[test]
