@@ -307,6 +307,72 @@ mod avx512 {
     use std::any::TypeId;
     use std::arch::x86_64::*;
 
+    /// Writes (or, with `accumulate`, adds) a tile's `R × P` accumulators to `out` (rows of
+    /// stride `ldo`, `cols` valid columns).
+    ///
+    /// # Safety
+    /// AVX-512 F present; `out` holds `R` rows of `cols` writable values at stride `ldo`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    unsafe fn store<const R: usize, const P: usize>(
+        acc: &[[__m512; P]; R],
+        out: *mut f32,
+        ldo: usize,
+        cols: usize,
+        accumulate: bool,
+    ) {
+        for (i, row) in acc.iter().enumerate() {
+            for (q, &a) in row.iter().enumerate() {
+                let c0 = q * PANEL;
+                if c0 >= cols {
+                    break;
+                }
+                let left = (cols - c0).min(PANEL);
+                let mask: __mmask16 = ((1u32 << left) - 1) as u16;
+                let o = out.add(i * ldo + c0);
+                let v = if accumulate {
+                    _mm512_add_ps(a, _mm512_maskz_loadu_ps(mask, o))
+                } else {
+                    a
+                };
+                _mm512_mask_storeu_ps(o, mask, v);
+            }
+        }
+    }
+
+    /// Calls `$go!(R, P)` with the constant tile shape of `rows ≤ 6` rows and `np ≤ 4`
+    /// panels.
+    macro_rules! by_shape {
+        ($rows:expr, $np:expr, $go:ident) => {
+            match ($rows, $np) {
+                (1, 1) => $go!(1, 1),
+                (1, 2) => $go!(1, 2),
+                (1, 3) => $go!(1, 3),
+                (1, _) => $go!(1, 4),
+                (2, 1) => $go!(2, 1),
+                (2, 2) => $go!(2, 2),
+                (2, 3) => $go!(2, 3),
+                (2, _) => $go!(2, 4),
+                (3, 1) => $go!(3, 1),
+                (3, 2) => $go!(3, 2),
+                (3, 3) => $go!(3, 3),
+                (3, _) => $go!(3, 4),
+                (4, 1) => $go!(4, 1),
+                (4, 2) => $go!(4, 2),
+                (4, 3) => $go!(4, 3),
+                (4, _) => $go!(4, 4),
+                (5, 1) => $go!(5, 1),
+                (5, 2) => $go!(5, 2),
+                (5, 3) => $go!(5, 3),
+                (5, _) => $go!(5, 4),
+                (_, 1) => $go!(6, 1),
+                (_, 2) => $go!(6, 2),
+                (_, 3) => $go!(6, 3),
+                _ => $go!(6, 4),
+            }
+        };
+    }
+
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
     unsafe fn load_panel<W: PackElem>(p: *const W) -> __m512 {
@@ -345,23 +411,7 @@ mod avx512 {
                 }
             }
         }
-        for (i, row) in acc.iter().enumerate() {
-            for (q, &a) in row.iter().enumerate() {
-                let c0 = q * PANEL;
-                if c0 >= cols {
-                    break;
-                }
-                let left = (cols - c0).min(PANEL);
-                let mask: __mmask16 = ((1u32 << left) - 1) as u16;
-                let o = out.add(i * ldo + c0);
-                let v = if accumulate {
-                    _mm512_add_ps(a, _mm512_maskz_loadu_ps(mask, o))
-                } else {
-                    a
-                };
-                _mm512_mask_storeu_ps(o, mask, v);
-            }
-        }
+        store(&acc, out, ldo, cols, accumulate);
     }
 
     /// # Safety
@@ -384,32 +434,7 @@ mod avx512 {
                 tile_rp::<W, $r, $p>(x, k, w, out, ldo, cols, accumulate)
             };
         }
-        match (rows, np) {
-            (1, 1) => go!(1, 1),
-            (1, 2) => go!(1, 2),
-            (1, 3) => go!(1, 3),
-            (1, _) => go!(1, 4),
-            (2, 1) => go!(2, 1),
-            (2, 2) => go!(2, 2),
-            (2, 3) => go!(2, 3),
-            (2, _) => go!(2, 4),
-            (3, 1) => go!(3, 1),
-            (3, 2) => go!(3, 2),
-            (3, 3) => go!(3, 3),
-            (3, _) => go!(3, 4),
-            (4, 1) => go!(4, 1),
-            (4, 2) => go!(4, 2),
-            (4, 3) => go!(4, 3),
-            (4, _) => go!(4, 4),
-            (5, 1) => go!(5, 1),
-            (5, 2) => go!(5, 2),
-            (5, 3) => go!(5, 3),
-            (5, _) => go!(5, 4),
-            (_, 1) => go!(6, 1),
-            (_, 2) => go!(6, 2),
-            (_, 3) => go!(6, 3),
-            _ => go!(6, 4),
-        }
+        by_shape!(rows, np, go);
     }
     /// What the bf16-dot path reads of a packed bf16 matrix.
     pub(super) trait Bf16Panels {
@@ -472,32 +497,7 @@ mod avx512 {
                         bf16_tile::<$r, $p>(xb.as_ptr(), half, wp, op, ldo, cols, accumulate)
                     };
                 }
-                match (r, np) {
-                    (1, 1) => go!(1, 1),
-                    (1, 2) => go!(1, 2),
-                    (1, 3) => go!(1, 3),
-                    (1, _) => go!(1, 4),
-                    (2, 1) => go!(2, 1),
-                    (2, 2) => go!(2, 2),
-                    (2, 3) => go!(2, 3),
-                    (2, _) => go!(2, 4),
-                    (3, 1) => go!(3, 1),
-                    (3, 2) => go!(3, 2),
-                    (3, 3) => go!(3, 3),
-                    (3, _) => go!(3, 4),
-                    (4, 1) => go!(4, 1),
-                    (4, 2) => go!(4, 2),
-                    (4, 3) => go!(4, 3),
-                    (4, _) => go!(4, 4),
-                    (5, 1) => go!(5, 1),
-                    (5, 2) => go!(5, 2),
-                    (5, 3) => go!(5, 3),
-                    (5, _) => go!(5, 4),
-                    (_, 1) => go!(6, 1),
-                    (_, 2) => go!(6, 2),
-                    (_, 3) => go!(6, 3),
-                    _ => go!(6, 4),
-                }
+                by_shape!(r, np, go);
                 p += np;
             }
             i += r;
@@ -546,23 +546,7 @@ mod avx512 {
                 }
             }
         }
-        for (i, row) in acc.iter().enumerate() {
-            for (q, &a) in row.iter().enumerate() {
-                let c0 = q * PANEL;
-                if c0 >= cols {
-                    break;
-                }
-                let left = (cols - c0).min(PANEL);
-                let mask: __mmask16 = ((1u32 << left) - 1) as u16;
-                let o = out.add(i * ldo + c0);
-                let v = if accumulate {
-                    _mm512_add_ps(a, _mm512_maskz_loadu_ps(mask, o))
-                } else {
-                    a
-                };
-                _mm512_mask_storeu_ps(o, mask, v);
-            }
-        }
+        store(&acc, out, ldo, cols, accumulate);
     }
 }
 
