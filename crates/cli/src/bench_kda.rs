@@ -116,6 +116,23 @@ fn decode_step_times(preset: &str, batch: usize) -> Result<(f64, f64)> {
     Ok((one, all))
 }
 
+/// Time of one prefill of `tokens` tokens of `preset` with the chunked delta rule and with
+/// the form the backend picks for prompts ([`KdaForm::Auto`], what the serving engine runs).
+fn prefill_times(preset: &str, tokens: usize) -> Result<(f64, f64)> {
+    let dir = tempfile::tempdir()?;
+    tandem_model::synth::synth_kda_hybrid(preset, dir.path(), false, 1)?;
+    let model = KdaHybridModel::load(dir.path())?;
+    let ids: Vec<u32> = (0..tokens as u32).map(|i| 3 + (i * 37) % 900).collect();
+    let run = |form: KdaForm| {
+        let mut state = model.new_state();
+        std::hint::black_box(model.extend(&ids, &mut state, form, false));
+    };
+    Ok((
+        time(3, || run(KdaForm::Chunked)),
+        time(3, || run(KdaForm::Auto)),
+    ))
+}
+
 fn delta_rule(tokens: usize, heads: usize, d: usize) -> (f64, f64) {
     let n = tokens * heads * d;
     let unit = |v: Vec<f32>| -> Vec<f32> {
@@ -185,6 +202,19 @@ pub fn run() -> Result<()> {
             batch as f64 * one / all
         );
     }
+    let tokens = 512;
+    eprintln!("  synthesising and loading preset medium…");
+    let (chunked, auto) = prefill_times("medium", tokens)?;
+    println!("KDA-hybrid prefill of {tokens} tokens, preset medium, delta rule chunked vs the backend's prompt form ({:?}):",
+        tandem_engine::backend::HybridOps::prompt_form(&tandem_engine::CpuBackend::new()));
+    println!(
+        "  chunked {:>8.1} ms ({:>7.1} tok/s)   backend's {:>8.1} ms ({:>7.1} tok/s)   {:.2}x",
+        chunked * 1e3,
+        tokens as f64 / chunked,
+        auto * 1e3,
+        tokens as f64 / auto,
+        chunked / auto
+    );
     let (tokens, heads, d) = (2048, 16, 64);
     let (c, r) = delta_rule(tokens, heads, d);
     println!("delta rule at {tokens} tokens ({heads} heads x {d}):");

@@ -107,6 +107,13 @@ pub struct ExpertRows {
 
 /// Operations of the KDA-hybrid family.
 pub trait HybridOps: Ops {
+    /// The delta rule's form for a sequence of several new tokens when the model leaves
+    /// the choice to the backend (both give the same result to f32 rounding): chunked,
+    /// which turns the recurrence into matrix products (GPUs), unless the backend says the
+    /// recurrent form is faster on it.
+    fn prompt_form(&self) -> DeltaForm {
+        DeltaForm::Chunked
+    }
     /// Copies a block of `rows × width` values from `src` at `from` into `dst` at `to`.
     fn copy_block(
         &self,

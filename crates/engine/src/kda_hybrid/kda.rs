@@ -28,15 +28,16 @@ use tandem_model::fusion::{decide, FusionDecision};
 use tandem_topology::{KdaParam, KdaShape, KdaShard};
 
 /// Which form of the delta rule a forward pass uses. Both give the same result (to f32
-/// rounding); chunked is the fast one for many tokens, recurrent for one.
+/// rounding); on GPUs chunked is the fast one for many tokens, recurrent for one.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum KdaForm {
     /// 64-token chunks (prefill).
     Chunked,
     /// One token at a time (decode).
     Recurrent,
-    /// Per sequence: recurrent for a sequence of one new token, chunked for more (a step
-    /// mixing decodes and prompt chunks).
+    /// Per sequence: recurrent for a sequence of one new token, the backend's
+    /// [`HybridOps::prompt_form`] for more (a step mixing decodes and prompt chunks; the CPU
+    /// runs prompts recurrent too).
     Auto,
 }
 
@@ -370,7 +371,7 @@ impl<B: HybridOps> KdaLayer<B> {
                 KdaForm::Chunked => DeltaForm::Chunked,
                 KdaForm::Recurrent => DeltaForm::Recurrent,
                 KdaForm::Auto if n == 1 => DeltaForm::Recurrent,
-                KdaForm::Auto => DeltaForm::Chunked,
+                KdaForm::Auto => b.prompt_form(),
             })
             .collect();
         let mut recurrent: Vec<&mut Tensor<B>> =
