@@ -3,7 +3,7 @@
 //! short convolution in `kda_hybrid::kda`), rows split over rayon's pool where they are
 //! independent.
 
-use super::cpu::{f32_slice, f32_slice_mut};
+use super::cpu::{f32s, f32s_mut};
 use super::hybrid::{At, DeltaForm, DeltaInputs, ExpertRows, HcParams, HybridOps, MlaDims, Seqs};
 use super::CpuBackend;
 use crate::kda_hybrid::delta_rule::{self, DeltaRuleInputs};
@@ -15,15 +15,6 @@ use crate::tensor::Tensor;
 use rayon::prelude::*;
 
 type T = Tensor<CpuBackend>;
-
-fn f32s(t: &T) -> &[f32] {
-    f32_slice(t).unwrap_or_else(|| panic!("expected an f32 tensor, got {}", t.dtype()))
-}
-
-fn f32s_mut(t: &mut T) -> &mut [f32] {
-    let dtype = t.dtype();
-    f32_slice_mut(t).unwrap_or_else(|| panic!("expected an f32 tensor, got {dtype}"))
-}
 
 impl HybridOps for CpuBackend {
     /// The recurrent form: its rank-1 updates vectorise, while the chunked form's

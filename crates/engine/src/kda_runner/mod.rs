@@ -127,8 +127,9 @@ fn state_handoff_size(
     let kda_floats = k.num_heads * k.head_dim * k.head_dim + 3 * k.proj_dim() * (k.conv_kernel - 1);
     let indexer = m.indexer.map_or(0, |ix| 2 * ix.head_dim);
     let per_token_floats = m.kv_lora_rank + m.qk_rope_head_dim + indexer;
-    // Senders of any layout up to 64 ranks a group.
-    let ranks = layout.tp().max(64);
+    // The sender may run another layout: bound its ranks by this one's or 64, the larger.
+    const SENDER_RANKS: usize = 64;
+    let ranks = layout.tp().max(SENDER_RANKS);
     crate::served::StateHandoffSize {
         fixed: 4 * kda_floats * kda_layers + 3 * 4,
         per_token: 4 * per_token_floats * mla_layers,
