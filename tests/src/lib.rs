@@ -59,6 +59,8 @@ pub fn python(script: &str, cluster: &Cluster) {
     if !out.status.success() {
         cluster.dump_logs();
     }
+    // What the script reports shows with the test's output (`--no-capture`, or on failure).
+    print!("{}", String::from_utf8_lossy(&out.stdout));
     assert!(
         out.status.success(),
         "python failed:\n{}\n{}",

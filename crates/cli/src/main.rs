@@ -225,10 +225,14 @@ impl EngineArgs {
         self.start_llama(&dir)
     }
 
-    fn engine_config(&self) -> EngineConfig {
+    /// The engine's settings for the checkpoint in `dir` (its tokenizer, where it has one,
+    /// constrains structured outputs).
+    fn engine_config(&self, dir: &std::path::Path) -> EngineConfig {
+        let tokenizer = dir.join("tokenizer.json");
         EngineConfig {
             num_blocks: self.kv_blocks,
             max_batch_tokens: self.max_batch_tokens,
+            tokenizer: tokenizer.exists().then_some(tokenizer),
             ..EngineConfig::default()
         }
     }
@@ -239,7 +243,7 @@ impl EngineArgs {
             let shards = tandem_engine::llama_ranks::cpu_shards(dir, self.dtype.dtype(), tp)
                 .with_context(|| format!("loading {} as {tp} shards", dir.display()))?;
             tracing::info!(tp, dtype = %shards[0].dtype(), "model loaded on CPU ranks");
-            return Ok(Engine::start_sharded(shards, self.engine_config())?);
+            return Ok(Engine::start_sharded(shards, self.engine_config(dir))?);
         }
         struct Start<'a>(&'a EngineArgs, &'a std::path::Path);
         impl device::WithBackend for Start<'_> {
@@ -249,7 +253,7 @@ impl EngineArgs {
                 let model = LlamaModel::load(dir, backend, args.dtype.dtype())
                     .with_context(|| format!("loading {}", dir.display()))?;
                 tracing::info!(backend = %tandem_engine::Backend::name(model.backend()), dtype = %model.dtype(), "model loaded");
-                Ok(Engine::start(model, args.engine_config()))
+                Ok(Engine::start(model, args.engine_config(dir)))
             }
         }
         self.device.run(Start(self, dir))
@@ -269,7 +273,11 @@ impl EngineArgs {
             tracing::info!(step = ?self.synthetic_step, vocab_size, "synthetic engine: no model compute");
             return Ok(tandem_engine::synthetic::SyntheticServed::start(
                 spec,
-                self.engine_config(),
+                // Synthetic tokens ignore logits: no grammar could hold them.
+                EngineConfig {
+                    tokenizer: None,
+                    ..self.engine_config(&dir)
+                },
             )?
             .into());
         }
@@ -295,7 +303,7 @@ impl EngineArgs {
                 let eos = eval::eos_ids(&dir)?;
                 let config = EngineConfig {
                     state_slots: self.state_slots,
-                    ..self.engine_config()
+                    ..self.engine_config(&dir)
                 };
                 tandem_engine::kda_runner::KdaServed::start(model, config, eos, context)?.into()
             }

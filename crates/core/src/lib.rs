@@ -11,4 +11,4 @@ pub mod request;
 
 pub use error_class::ErrorClass;
 pub use ids::{BlockId, Epoch, RequestId, ReservationId, WorkerId};
-pub use request::{FinishReason, SamplingParams, TokenLogprobs};
+pub use request::{FinishReason, OutputConstraint, SamplingParams, TokenLogprobs};

@@ -39,6 +39,20 @@ pub struct SamplingParams {
     /// they count as output for the penalties and `min_tokens` and in the sampling step, so
     /// the continuation is what the first attempt would have sampled. 0 for a new request.
     pub resumed: u32,
+    /// A grammar every generated token must keep the output inside (structured outputs);
+    /// `None`: free text.
+    pub constraint: Option<OutputConstraint>,
+}
+
+/// What constrained decoding holds the output to. The grammar's state is not carried
+/// between workers: each worker that samples rebuilds it from the tokens generated so far.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OutputConstraint {
+    /// Any JSON object (`response_format: {"type": "json_object"}`).
+    JsonObject,
+    /// A JSON value valid against this JSON schema (its text).
+    JsonSchema(String),
 }
 
 /// A generated token's log-probability (over the logits after bias and penalties, before
@@ -69,6 +83,7 @@ impl Default for SamplingParams {
             logit_bias: Vec::new(),
             logprobs: None,
             resumed: 0,
+            constraint: None,
         }
     }
 }

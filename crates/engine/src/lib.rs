@@ -9,6 +9,8 @@
 pub mod backend;
 /// Flattened batch description handed to a forward pass.
 pub mod batch;
+/// Structured outputs: token masks from llguidance grammars.
+pub mod constraint;
 /// Block-FP8 checkpoints, dequantised at load.
 mod fp8_weights;
 /// A request's exported state: typed manifest and body.

@@ -44,20 +44,24 @@ pub struct SampleRow<'a> {
     pub output: &'a [u32],
     /// Tokens that end generation (EOS unless ignored, and `stop_token_ids`).
     pub stop_ids: &'a [u32],
+    /// Structured outputs: the tokens the request's grammar allows next
+    /// ([`crate::constraint::Constrained::mask`]); every other logit becomes −∞.
+    pub allowed: Option<&'a [u32]>,
 }
 
 /// Which logit adjustments to apply (see [`adjust_row`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Adjustment {
     /// Logit bias, the stop mask below `min_tokens`, repetition / frequency / presence
-    /// penalties: what log-probabilities are reported over.
+    /// penalties and the grammar's mask: what log-probabilities are reported over.
     Penalties,
     /// The min-p cut (relative to the most likely token at the row's temperature).
     MinP,
 }
 
 /// Applies `which` adjustments of `r`'s request to its logits row, in vLLM's order: bias,
-/// then the min-tokens stop mask, then penalties; the min-p cut separately, last.
+/// then the min-tokens stop mask, then penalties, then the grammar's mask; the min-p cut
+/// separately, last.
 pub fn adjust_row(logits: &mut [f32], r: &SampleRow<'_>, which: Adjustment) {
     let p = r.params;
     match which {
@@ -97,6 +101,13 @@ pub fn adjust_row(logits: &mut [f32], r: &SampleRow<'_>, which: Adjustment) {
                     }
                 }
             }
+            if let Some(mask) = r.allowed {
+                for (t, l) in logits.iter_mut().enumerate() {
+                    if !crate::constraint::allows(mask, t) {
+                        *l = f32::NEG_INFINITY;
+                    }
+                }
+            }
         }
         Adjustment::MinP => {
             if p.cuts_min_p() {
@@ -114,7 +125,7 @@ pub fn adjust_row(logits: &mut [f32], r: &SampleRow<'_>, which: Adjustment) {
 /// Whether any row needs `which`.
 pub fn any_adjusts(rows: &[SampleRow<'_>], which: Adjustment) -> bool {
     rows.iter().any(|r| match which {
-        Adjustment::Penalties => r.params.penalizes(),
+        Adjustment::Penalties => r.params.penalizes() || r.allowed.is_some(),
         Adjustment::MinP => r.params.cuts_min_p(),
     })
 }
@@ -204,6 +215,7 @@ mod tests {
             prompt,
             output,
             stop_ids: &[0],
+            allowed: None,
         }
     }
 
@@ -251,6 +263,28 @@ mod tests {
             2.0,
             "and allowed from then on"
         );
+    }
+
+    #[test]
+    fn the_grammar_mask_leaves_only_allowed_tokens() {
+        let p = SamplingParams {
+            logit_bias: vec![(0, 100.0)],
+            ..SamplingParams::default()
+        };
+        // Tokens 1 and 34 allowed (word 0 bit 1, word 1 bit 2); 35 is past the logits.
+        let mask = [0b10u32, 0b100];
+        let mut l = vec![1.0f32; 35];
+        let mut r = row(&p, &[], &[]);
+        r.allowed = Some(&mask);
+        assert!(any_adjusts(&[r], Adjustment::Penalties));
+        adjust_row(&mut l, &r, Adjustment::Penalties);
+        let kept: Vec<usize> = (0..l.len()).filter(|&t| l[t].is_finite()).collect();
+        assert_eq!(
+            kept,
+            vec![1, 34],
+            "a bias does not bring back a masked token"
+        );
+        assert_eq!(sample(&l, &params(1.0, 0, 1.0, 3), 0) % 33, 1);
     }
 
     #[test]

@@ -9,6 +9,7 @@
 
 use crate::backend::Ops;
 use crate::batch::ForwardBatch;
+use crate::constraint::{Constrained, Grammars};
 use crate::handoff::Handoff;
 use crate::kv_pool::{BlockAllocator, KvLayout};
 use crate::llama::LlamaModel;
@@ -36,6 +37,9 @@ pub struct EngineConfig {
     pub max_running: usize,
     /// Request-state slots per attention-DP group (models with per-request state).
     pub state_slots: usize,
+    /// The model's `tokenizer.json`, over which structured outputs are constrained; `None`
+    /// refuses constrained requests.
+    pub tokenizer: Option<std::path::PathBuf>,
 }
 
 impl Default for EngineConfig {
@@ -46,6 +50,7 @@ impl Default for EngineConfig {
             max_batch_tokens: 512,
             max_running: 64,
             state_slots: 64,
+            tokenizer: None,
         }
     }
 }
@@ -128,6 +133,10 @@ struct Seq {
     cached: usize,
     reservation: Option<Reservation>,
     import: Option<Handoff>,
+    /// Structured outputs: the grammar the output follows.
+    constraint: Option<Box<Constrained>>,
+    /// Why the sequence cannot go on (its grammar failed); it ends with this error.
+    failure: Option<Error>,
     tx: UnboundedSender<EngineEvent>,
 }
 
@@ -146,7 +155,8 @@ impl Seq {
     }
 
     fn finish_reason(&self, token: u32) -> Option<FinishReason> {
-        if self.stop_ids.contains(&token) {
+        let complete = self.constraint.as_ref().is_some_and(|c| c.is_complete());
+        if self.stop_ids.contains(&token) || complete {
             Some(FinishReason::Stop)
         } else if self.generated() >= self.params.max_tokens as usize {
             Some(FinishReason::Length)
@@ -181,6 +191,8 @@ pub struct Engine {
     pools: Pools,
     info: ServedInfo,
     spec: Arc<dyn HandoffSpec>,
+    /// Structured outputs' grammar compiler, or why there is none.
+    grammars: std::result::Result<Arc<Grammars>, String>,
     stats: Arc<Mutex<EngineStats>>,
     _thread: Arc<ThreadGuard>,
 }
@@ -233,6 +245,7 @@ impl Engine {
         F: FnOnce() -> Result<M> + Send + 'static,
     {
         let stats = Arc::new(Mutex::new(EngineStats::default()));
+        let tokenizer = config.tokenizer.clone();
         let (tx, rx) = mpsc::channel();
         let thread_stats = stats.clone();
         let (ready_tx, ready_rx) = mpsc::channel();
@@ -264,11 +277,21 @@ impl Engine {
             })
             .map_err(|e| Error::Collective(format!("spawning the engine thread: {e}")))?;
         let (info, pools, spec) = ready_rx.recv().map_err(|_| Error::Stopped)??;
+        let grammars = match &tokenizer {
+            None => Err("this worker was started without a tokenizer".to_string()),
+            Some(path) => Grammars::from_tokenizer_file(path, info.vocab_size, &info.eos_ids)
+                .map(Arc::new)
+                .map_err(|e| {
+                    tracing::warn!(error = %e, "structured outputs are off");
+                    e.to_string()
+                }),
+        };
         Ok(Self {
             tx: tx.clone(),
             pools,
             info,
             spec,
+            grammars,
             stats,
             _thread: Arc::new(ThreadGuard {
                 tx,
@@ -352,6 +375,8 @@ impl Engine {
             cached: 0,
             reservation: None,
             import: None,
+            constraint: None,
+            failure: None,
             tx,
         };
         match kind {
@@ -371,6 +396,16 @@ impl Engine {
                 seq.tokens.push(first_token);
             }
             SeqKind::Generate | SeqKind::Prefill => self.pools.check_fits(seq.wanted())?,
+        }
+        if let Some(c) = &seq.params.constraint {
+            let grammars = self.grammars.as_ref().map_err(|why| {
+                Error::InvalidRequest(format!("structured outputs are not available: {why}"))
+            })?;
+            let mut constrained = grammars.constrain(c)?;
+            // What this request already generated (resumed output, a decode's first token).
+            let resumed = (seq.params.resumed as usize).min(seq.prompt_len);
+            constrained.consume(&seq.tokens[seq.prompt_len - resumed..])?;
+            seq.constraint = Some(Box::new(constrained));
         }
         self.tx
             .send(Command::Submit(Box::new(seq)))
@@ -611,6 +646,17 @@ impl<M: ServedModel> Worker<M> {
             s.waiting = 0;
             return;
         }
+        // Structured outputs: the masks of the rows about to sample.
+        for &(i, n) in &in_batch {
+            let seq = &mut self.running[i];
+            if seq.cached + n == seq.tokens.len() {
+                if let Some(c) = &mut seq.constraint {
+                    if let Err(e) = c.compute_mask() {
+                        seq.failure = Some(e);
+                    }
+                }
+            }
+        }
         // Sample: one row per sequence whose prompt is complete, in batch order.
         let sampling: Vec<_> = in_batch
             .iter()
@@ -626,6 +672,7 @@ impl<M: ServedModel> Worker<M> {
                     prompt: &seq.tokens[..split],
                     output: &seq.tokens[split..],
                     stop_ids: &seq.stop_ids,
+                    allowed: seq.constraint.as_ref().map(|c| c.mask()),
                 }
             })
             .collect();
@@ -655,6 +702,19 @@ impl<M: ServedModel> Worker<M> {
             let seq = &mut self.running[i];
             seq.tokens.push(token);
             generated += 1;
+            if let Some(c) = &mut seq.constraint {
+                if seq.failure.is_none() && !seq.stop_ids.contains(&token) {
+                    seq.failure = c.consume(&[token]).err();
+                }
+            }
+            if let Some(e) = seq.failure.take() {
+                tracing::warn!(error = %e, "a constrained request cannot go on");
+                let mut seq = std::mem::replace(&mut self.running[i], placeholder());
+                finished.push(i);
+                self.release(&mut seq, true);
+                let _ = seq.tx.send(EngineEvent::Failed(e));
+                continue;
+            }
             let finish = seq.finish_reason(token);
             if seq.prefill_only {
                 let prompt_len = seq.prompt_len;
@@ -725,6 +785,8 @@ fn placeholder() -> Seq {
         cached: 0,
         reservation: None,
         import: None,
+        constraint: None,
+        failure: None,
         tx,
     }
 }

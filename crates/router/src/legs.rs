@@ -43,11 +43,23 @@ pub(crate) fn to_pb(req: &ValidGenerateRequest) -> pb::GenerateRequest {
             min_tokens: s.min_tokens,
             logprobs: s.logprobs,
             resumed: s.resumed,
+            constraint: s.constraint.as_ref().map(constraint_to_wire),
             logit_bias: s
                 .logit_bias
                 .iter()
                 .map(|&(token_id, bias)| pb::LogitBias { token_id, bias })
                 .collect(),
+        }),
+    }
+}
+
+fn constraint_to_wire(c: &tandem_core::OutputConstraint) -> pb::OutputConstraint {
+    use pb::output_constraint::Kind;
+    use tandem_core::OutputConstraint as C;
+    pb::OutputConstraint {
+        kind: Some(match c {
+            C::JsonObject => Kind::JsonObject(true),
+            C::JsonSchema(schema) => Kind::JsonSchema(schema.clone()),
         }),
     }
 }

@@ -12,7 +12,7 @@ use crate::protocol::{
 };
 use crate::sampling_fields::{chat_logprobs, check_controls, logprob_count};
 use serde_json::Value;
-use tandem_core::{RequestId, SamplingParams};
+use tandem_core::{OutputConstraint, RequestId, SamplingParams};
 
 /// Most stop strings a request may carry.
 pub const MAX_STOP_STRINGS: usize = 16;
@@ -361,6 +361,7 @@ fn check_params(params: &GenerationParams, model: &ModelAssets) -> Result<Common
         }
     };
     check_unsupported(&params.unsupported)?;
+    let constraint = response_format(&params.unsupported.response_format)?;
     let controls = check_controls(params, model)?;
     let seed = params
         .seed
@@ -374,6 +375,7 @@ fn check_params(params: &GenerationParams, model: &ModelAssets) -> Result<Common
             max_tokens: 0, // set once the prompt length is known
             stop_token_ids,
             ignore_eos: params.ignore_eos.unwrap_or(false),
+            constraint,
             ..controls
         },
         stop,
@@ -385,33 +387,56 @@ fn check_params(params: &GenerationParams, model: &ModelAssets) -> Result<Common
     })
 }
 
+/// `response_format` as a constraint on the output: `text` (or nothing) leaves it free,
+/// `json_object` asks for any JSON object, `json_schema` for a value valid against
+/// `json_schema.schema` (whether the schema can be enforced is settled by the worker that
+/// compiles it, which answers 400 with the reason).
+fn response_format(v: &Option<Value>) -> Result<Option<OutputConstraint>, ApiError> {
+    let invalid = |message: String| ApiError::invalid(message, Some("response_format"));
+    let o = match v {
+        None | Some(Value::Null) => return Ok(None),
+        Some(Value::Object(o)) => o,
+        Some(other) => {
+            return Err(invalid(format!(
+                "`response_format` must be an object, got {other}"
+            )))
+        }
+    };
+    match o.get("type").and_then(Value::as_str).unwrap_or("") {
+        "text" => Ok(None),
+        "json_object" => Ok(Some(OutputConstraint::JsonObject)),
+        "json_schema" => {
+            let spec = match o.get("json_schema") {
+                Some(Value::Object(spec)) => spec,
+                _ => {
+                    return Err(invalid(
+                        "`response_format` json_schema needs a `json_schema` object".into(),
+                    ))
+                }
+            };
+            let schema = match spec.get("schema") {
+                // No schema: any JSON value.
+                None | Some(Value::Null) => Value::Object(Default::default()),
+                Some(schema @ (Value::Object(_) | Value::Bool(true))) => schema.clone(),
+                Some(other) => {
+                    return Err(invalid(format!(
+                        "`response_format.json_schema.schema` must be a JSON schema object, got {other}"
+                    )))
+                }
+            };
+            Ok(Some(OutputConstraint::JsonSchema(schema.to_string())))
+        }
+        "" => Err(invalid("`response_format` needs a `type`".to_string())),
+        other => Err(invalid(format!(
+            "`response_format.type` must be text, json_object or json_schema, got {other:?}"
+        ))),
+    }
+}
+
 /// Refuses every field set to something this server cannot do yet (it would otherwise be
 /// ignored): a wrong type is named as such, a real request for the feature says it is not
 /// supported.
 fn check_unsupported(u: &crate::protocol::UnsupportedParams) -> Result<(), ApiError> {
-    match &u.response_format {
-        None | Some(Value::Null) => {}
-        Some(Value::Object(o)) if o.get("type").and_then(Value::as_str) == Some("text") => {}
-        Some(Value::Object(o)) => {
-            let kind = o.get("type").and_then(Value::as_str).unwrap_or("");
-            let message = match kind {
-                "json_object" | "json_schema" => {
-                    format!("`response_format` {kind} (structured outputs) is not supported yet")
-                }
-                "" => "`response_format` needs a `type`".to_string(),
-                other => format!(
-                    "`response_format.type` must be text, json_object or json_schema, got {other:?}"
-                ),
-            };
-            return Err(ApiError::invalid(message, Some("response_format")));
-        }
-        Some(other) => {
-            return Err(ApiError::invalid(
-                format!("`response_format` must be an object, got {other}"),
-                Some("response_format"),
-            ))
-        }
-    }
     match &u.tool_choice {
         None | Some(Value::Null) => Ok(()),
         Some(Value::String(s)) if s == "none" => Ok(()),
@@ -659,13 +684,13 @@ mod tests {
         for (field, value, says) in [
             (
                 "response_format",
-                json!({"type": "json_object"}),
-                "structured outputs",
+                json!({"type": "json_schema"}),
+                "needs a `json_schema` object",
             ),
             (
                 "response_format",
-                json!({"type": "json_schema", "json_schema": {}}),
-                "not supported",
+                json!({"type": "json_schema", "json_schema": {"schema": 3}}),
+                "must be a JSON schema object",
             ),
             ("response_format", json!("bogus"), "must be an object"),
             (
@@ -804,6 +829,38 @@ mod tests {
         );
         assert_eq!((s.min_p, s.min_tokens), (0.05, 4));
         assert_eq!(s.logit_bias, vec![(3, -100.0), (7, 100.0)]);
+    }
+
+    #[test]
+    fn response_formats_become_constraints() {
+        use serde_json::json;
+        let constraint = |format: serde_json::Value| {
+            completion(json!({"prompt": "hi", "max_tokens": 4, "response_format": format}))
+                .expect("valid")
+                .request
+                .sampling
+                .constraint
+        };
+        assert_eq!(constraint(json!({"type": "text"})), None);
+        assert_eq!(
+            constraint(json!({"type": "json_object"})),
+            Some(OutputConstraint::JsonObject)
+        );
+        let schema = json!({"type": "object", "properties": {"a": {"type": "integer"}}});
+        let Some(OutputConstraint::JsonSchema(text)) = constraint(
+            json!({"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": true}}),
+        ) else {
+            panic!("a schema constraint")
+        };
+        assert_eq!(
+            serde_json::from_str::<serde_json::Value>(&text).expect("JSON"),
+            schema
+        );
+        assert_eq!(
+            constraint(json!({"type": "json_schema", "json_schema": {"name": "any"}})),
+            Some(OutputConstraint::JsonSchema("{}".into())),
+            "no schema: any JSON value"
+        );
     }
 
     #[test]

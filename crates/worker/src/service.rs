@@ -7,7 +7,7 @@ use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
-use tandem_core::{FinishReason, SamplingParams};
+use tandem_core::{FinishReason, OutputConstraint, SamplingParams};
 use tandem_kv::landing::{Landing, LandingArena, LandingWriter};
 use tandem_kv::{UcxReceiver, UcxSender};
 use tandem_proto::v1 as pb;
@@ -266,6 +266,13 @@ fn sampling_from(p: Option<pb::SamplingParams>) -> SamplingParams {
         min_tokens: p.min_tokens,
         logprobs: p.logprobs,
         resumed: p.resumed,
+        constraint: p.constraint.and_then(|c| {
+            use pb::output_constraint::Kind;
+            match c.kind? {
+                Kind::JsonObject(_) => Some(OutputConstraint::JsonObject),
+                Kind::JsonSchema(schema) => Some(OutputConstraint::JsonSchema(schema)),
+            }
+        }),
         logit_bias: p
             .logit_bias
             .into_iter()
