@@ -71,6 +71,19 @@ pub enum BenchCommand {
     },
     /// KDA projections fused vs unfused, KDA-hybrid decode step, chunked vs recurrent.
     Kda,
+    /// Constrained decoding (structured outputs) per-token cost against the decode step,
+    /// JSON mode and a nested schema, batch 1 and batched.
+    Structured {
+        /// Model directory or known name (needs its tokenizer.json).
+        #[arg(long, default_value = crate::models::DEFAULT_MODEL)]
+        model: String,
+        /// Tokens generated per request.
+        #[arg(long, default_value_t = 64)]
+        max_tokens: u32,
+        /// Batch size of the batched figure.
+        #[arg(long, default_value_t = 16)]
+        batch: usize,
+    },
     /// What the router adds to request latency at a fixed arrival rate, against null
     /// workers (no model), beside the same exchange made directly over gRPC; and, with
     /// etcd installed, how fast a registered worker reaches the router's pools.
@@ -148,6 +161,11 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
             engine_bench(&model, &workload, dtype, json)
         }
         BenchCommand::Kda => crate::bench_kda::run(),
+        BenchCommand::Structured {
+            model,
+            max_tokens,
+            batch,
+        } => crate::bench_structured::run(&model, max_tokens, batch),
         BenchCommand::Router {
             rate,
             seconds,

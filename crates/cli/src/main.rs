@@ -5,6 +5,7 @@ mod bench;
 mod bench_kda;
 mod bench_router;
 mod bench_step;
+mod bench_structured;
 mod chaos;
 mod cluster;
 mod device;
