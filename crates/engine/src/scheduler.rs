@@ -629,7 +629,45 @@ impl<M: ServedModel> Worker<M> {
         if batch.num_tokens() == 0 {
             return;
         }
-        if let Err(e) = self.model.step(&batch) {
+        // Structured outputs: the masks of the rows about to sample, computed on a second
+        // thread while the forward pass runs (they need only the tokens so far).
+        let mut samples = vec![false; self.running.len()];
+        for &(i, n) in &in_batch {
+            samples[i] = self.running[i].cached + n == self.running[i].tokens.len();
+        }
+        let masks: Vec<(&mut Constrained, &mut Option<Error>)> = self
+            .running
+            .iter_mut()
+            .zip(&samples)
+            .filter(|(_, &sampling)| sampling)
+            .filter_map(|(seq, _)| {
+                let Seq {
+                    constraint,
+                    failure,
+                    ..
+                } = seq;
+                constraint.as_deref_mut().map(|c| (c, failure))
+            })
+            .collect();
+        let stepped = if masks.is_empty() {
+            self.model.step(&batch)
+        } else {
+            std::thread::scope(|s| {
+                let computing = s.spawn(move || {
+                    for (c, failure) in masks {
+                        if let Err(e) = c.compute_mask() {
+                            *failure = Some(e);
+                        }
+                    }
+                });
+                let stepped = self.model.step(&batch);
+                if computing.join().is_err() {
+                    tracing::error!("computing grammar masks panicked");
+                }
+                stepped
+            })
+        };
+        if let Err(e) = stepped {
             // A failed rank (or metadata that does not fit, which the limits rule out) fails
             // every request in flight rather than leaving them waiting.
             tracing::error!(error = %e, "engine step failed; failing the requests in flight");
@@ -645,17 +683,6 @@ impl<M: ServedModel> Worker<M> {
             s.running = 0;
             s.waiting = 0;
             return;
-        }
-        // Structured outputs: the masks of the rows about to sample.
-        for &(i, n) in &in_batch {
-            let seq = &mut self.running[i];
-            if seq.cached + n == seq.tokens.len() {
-                if let Some(c) = &mut seq.constraint {
-                    if let Err(e) = c.compute_mask() {
-                        seq.failure = Some(e);
-                    }
-                }
-            }
         }
         // Sample: one row per sequence whose prompt is complete, in batch order.
         let sampling: Vec<_> = in_batch
