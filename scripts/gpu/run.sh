@@ -7,6 +7,8 @@ BIN="$HERE/bin"
 OUT="${OUT:-$HERE/out}"
 mkdir -p "$OUT"
 export TANDEM_REQUIRE_GPU=1
+# SmolLM2's tokenizer (bundled) for the structured-outputs test on CUDA.
+export TANDEM_TEST_TOKENIZER="${TANDEM_TEST_TOKENIZER:-$HERE/tokenizer/tokenizer.json}"
 export TANDEM_LOG="${TANDEM_LOG:-warn}"
 export TANDEM_CACHE_DIR="${TANDEM_CACHE_DIR:-/tmp/tandem-cache}"
 MODELS=/tmp/tandem-models

@@ -205,6 +205,87 @@ fn the_engine_on_cuda_gives_each_request_the_tokens_it_gets_alone() {
     assert!(alone.iter().all(|t| t.len() == 12));
 }
 
+/// SmolLM2's tokenizer: `TANDEM_TEST_TOKENIZER` (the GPU bundle sets it), else the pulled
+/// model's.
+fn smollm2_tokenizer() -> Option<std::path::PathBuf> {
+    let path = std::env::var_os("TANDEM_TEST_TOKENIZER")
+        .map(std::path::PathBuf::from)
+        .or_else(|| {
+            std::env::var_os("HOME").map(|h| {
+                std::path::Path::new(&h)
+                    .join(".cache/tandem/models/smollm2-135m-instruct/tokenizer.json")
+            })
+        })?;
+    path.exists().then_some(path)
+}
+
+/// Structured outputs on CUDA: the grammar's mask reaches the device's logits (through
+/// `Ops::adjust_logits`) and the sampled output parses and keeps to its schema.
+#[test]
+fn constrained_decoding_on_cuda_keeps_to_the_schema() {
+    let Some(g) = gpu() else { return };
+    let Some(tokenizer) = smollm2_tokenizer() else {
+        eprintln!("skipping: no SmolLM2 tokenizer.json (set TANDEM_TEST_TOKENIZER)");
+        return;
+    };
+    let dir = synth("smollm2");
+    let model = LlamaModel::load(dir.path(), g, DType::BF16).expect("load");
+    let engine = Engine::start(
+        model,
+        EngineConfig {
+            tokenizer: Some(tokenizer.clone()),
+            ..EngineConfig::default()
+        },
+    );
+    let tk = tokenizers::Tokenizer::from_file(&tokenizer).expect("tokenizer");
+    let schema = serde_json::json!({
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 8},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "pet": {"enum": ["cat", "dog"]}
+        },
+        "required": ["name", "age", "pet"],
+        "additionalProperties": false
+    });
+    let streams: Vec<_> = (0..4u64)
+        .map(|seed| {
+            let params = SamplingParams {
+                temperature: if seed == 0 { 0.0 } else { 1.0 },
+                seed,
+                constraint: Some(tandem_core::OutputConstraint::JsonSchema(
+                    schema.to_string(),
+                )),
+                ..SamplingParams::greedy(64)
+            };
+            let prompt: Vec<u32> = (0..20u32)
+                .map(|i| (i * 7919 + seed as u32) % 40_000 + 100)
+                .collect();
+            engine
+                .submit(prompt, params, SeqKind::Generate)
+                .expect("submitted")
+        })
+        .collect();
+    for (seed, rx) in streams.into_iter().enumerate() {
+        let ids = tandem_engine::blocking_tokens(rx);
+        let text = tk.decode(&ids, true).expect("decode");
+        let v: serde_json::Value =
+            serde_json::from_str(&text).unwrap_or_else(|e| panic!("seed {seed}: {text:?}: {e}"));
+        let o = v.as_object().expect("an object");
+        assert_eq!(o.len(), 3, "{text}");
+        assert!(
+            o["name"].as_str().is_some_and(|n| n.chars().count() <= 8),
+            "{text}"
+        );
+        assert!(o["age"].as_u64().is_some_and(|a| a <= 120), "{text}");
+        assert!(
+            ["cat", "dog"].contains(&o["pet"].as_str().expect("pet")),
+            "{text}"
+        );
+        eprintln!("seed {seed}: {text}");
+    }
+}
+
 /// Step buffers that live as long as the recordings made over them (as in the engine).
 struct Steps {
     meta: tandem_engine::StepMeta<CudaBackend>,
