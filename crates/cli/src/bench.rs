@@ -282,17 +282,11 @@ fn run_batch(engine: &Engine, prompts: &[Vec<u32>], max_tokens: u32) -> Result<(
     Ok((ttft_all, tokens as f64 / t.elapsed().as_secs_f64()))
 }
 
-fn engine_bench(
-    model: &str,
-    w: &Workload,
-    dtype: crate::DtypeArg,
-    json: Option<std::path::PathBuf>,
-) -> Result<()> {
-    let longest = w.prefill.iter().map(Vec::len).max().unwrap_or(0);
-    let args = crate::EngineArgs {
+/// A one-rank CPU engine of `model` for the benchmarks, with `kv_blocks` blocks of K/V.
+pub fn cpu_engine_args(model: &str, kv_blocks: usize, dtype: crate::DtypeArg) -> crate::EngineArgs {
+    crate::EngineArgs {
         model: model.to_string(),
-        // Room for the longest prompt plus a batch of decodes.
-        kv_blocks: (longest / 16 + 64).max(2048),
+        kv_blocks,
         state_slots: 64,
         max_batch_tokens: 512,
         layout: crate::eval::LayoutArgs {
@@ -305,7 +299,18 @@ fn engine_bench(
         device: crate::device::Device::Cpu,
         engine: crate::EngineKind::Model,
         synthetic_step: std::time::Duration::ZERO,
-    };
+    }
+}
+
+fn engine_bench(
+    model: &str,
+    w: &Workload,
+    dtype: crate::DtypeArg,
+    json: Option<std::path::PathBuf>,
+) -> Result<()> {
+    let longest = w.prefill.iter().map(Vec::len).max().unwrap_or(0);
+    // Room for the longest prompt plus a batch of decodes.
+    let args = cpu_engine_args(model, (longest / 16 + 64).max(2048), dtype);
     let engine = args.start()?;
     eprintln!("warming up…");
     run_batch(&engine, &[prompt(32, 0)], 4)?;

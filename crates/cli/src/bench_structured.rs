@@ -129,22 +129,7 @@ fn replay(
 
 pub fn run(model: &str, max_tokens: u32, batch: usize) -> Result<()> {
     let dir = crate::models::resolve(model)?;
-    let args = crate::EngineArgs {
-        model: model.to_string(),
-        kv_blocks: 2048,
-        state_slots: 64,
-        max_batch_tokens: 512,
-        layout: crate::eval::LayoutArgs {
-            tp: 1,
-            dp: 1,
-            ep: 1,
-        },
-        lora: None,
-        dtype: crate::DtypeArg::F32,
-        device: crate::device::Device::Cpu,
-        engine: crate::EngineKind::Model,
-        synthetic_step: Duration::ZERO,
-    };
+    let args = crate::bench::cpu_engine_args(model, 2048, crate::DtypeArg::F32);
     let engine = args.start()?;
     let info = engine.info().clone();
     let grammars =
