@@ -631,27 +631,27 @@ impl<M: ServedModel> Worker<M> {
         }
         // Structured outputs: the masks of the rows about to sample, computed on a second
         // thread while the forward pass runs (they need only the tokens so far).
-        let mut samples = vec![false; self.running.len()];
-        for &(i, n) in &in_batch {
-            samples[i] = self.running[i].cached + n == self.running[i].tokens.len();
-        }
-        let masks: Vec<(&mut Constrained, &mut Option<Error>)> = self
-            .running
-            .iter_mut()
-            .zip(&samples)
-            .filter(|(_, &sampling)| sampling)
-            .filter_map(|(seq, _)| {
-                let Seq {
-                    constraint,
-                    failure,
-                    ..
-                } = seq;
-                constraint.as_deref_mut().map(|c| (c, failure))
-            })
-            .collect();
-        let stepped = if masks.is_empty() {
+        let stepped = if self.running.iter().all(|seq| seq.constraint.is_none()) {
             self.model.step(&batch)
         } else {
+            let mut samples = vec![false; self.running.len()];
+            for &(i, n) in &in_batch {
+                samples[i] = self.running[i].cached + n == self.running[i].tokens.len();
+            }
+            let masks: Vec<(&mut Constrained, &mut Option<Error>)> = self
+                .running
+                .iter_mut()
+                .zip(&samples)
+                .filter(|(_, &sampling)| sampling)
+                .filter_map(|(seq, _)| {
+                    let Seq {
+                        constraint,
+                        failure,
+                        ..
+                    } = seq;
+                    constraint.as_deref_mut().map(|c| (c, failure))
+                })
+                .collect();
             std::thread::scope(|s| {
                 let computing = s.spawn(move || {
                     for (c, failure) in masks {
