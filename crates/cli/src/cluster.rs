@@ -40,6 +40,10 @@ pub struct RunArgs {
     /// Device of the decode worker (overrides --device).
     #[arg(long, value_parser = crate::device::parse)]
     decode_device: Option<crate::device::Device>,
+    /// Chat template instead of the model's own: a Jinja file, or `chatml-tools` (built in:
+    /// ChatML with tool calling, for SmolLM2 and other models whose template has none).
+    #[arg(long)]
+    chat_template: Option<String>,
 }
 
 /// The `127.0.0.1:PORT` after `listen` in a worker's ready line.
@@ -198,7 +202,11 @@ pub fn run(args: RunArgs) -> Result<()> {
         let config = format!("listen: 127.0.0.1:{port}\nmodel:\n  served_name: {name}\n{lists}", port = args.port);
         std::fs::write(&config_path, &config)?;
         let mut children = workers;
-        children.push(("router", spawn(&exe, &["router".into(), "--config".into(), config_path.display().to_string(), "--model".into(), dir_s.clone()], "router")?));
+        let mut router_args = vec!["router".into(), "--config".into(), config_path.display().to_string(), "--model".into(), dir_s.clone()];
+        if let Some(template) = &args.chat_template {
+            router_args.extend(["--chat-template".into(), template.clone()]);
+        }
+        children.push(("router", spawn(&exe, &router_args, "router")?));
         // Readiness: the router answers /health only once it can reach both workers.
         let deadline = Instant::now() + args.ready_timeout;
         loop {

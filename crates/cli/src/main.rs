@@ -374,6 +374,10 @@ struct RouterArgs {
     /// Listen address; overrides the config's.
     #[arg(long)]
     listen: Option<String>,
+    /// Chat template instead of the model's own: a Jinja file, or `chatml-tools` (built in:
+    /// ChatML with tool calling, for models whose template has none); overrides the config's.
+    #[arg(long)]
+    chat_template: Option<PathBuf>,
     /// Append every generation request (path and body, one JSON line each) to this file:
     /// a trace for `tandem chaos replay`.
     #[arg(long)]
@@ -650,9 +654,12 @@ async fn router(args: RouterArgs) -> Result<()> {
     };
     tandem_router::run_from_config(
         &args.config,
-        model_dir,
-        args.listen.as_deref(),
-        args.record_trace.as_deref(),
+        tandem_router::Overrides {
+            model_dir,
+            chat_template: args.chat_template,
+            listen: args.listen,
+            record_trace: args.record_trace,
+        },
         shutdown_signal(),
     )
     .await

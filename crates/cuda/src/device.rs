@@ -278,7 +278,17 @@ impl CudaBackend {
             status.result()?;
         }
         let arch = ctx.compute_capability()?;
-        let bin = crate::compile::cubin(crate::compile::KERNELS, arch)?;
+        let source = match crate::env::kernels_file() {
+            None => std::borrow::Cow::Borrowed(crate::compile::KERNELS),
+            Some(path) => {
+                let text = std::fs::read_to_string(&path).map_err(|e| {
+                    Error::Compile(format!("TANDEM_CUDA_KERNELS_FILE {}: {e}", path.display()))
+                })?;
+                tracing::warn!(file = %path.display(), "CUDA kernels from TANDEM_CUDA_KERNELS_FILE, not the built-in source");
+                std::borrow::Cow::Owned(text)
+            }
+        };
+        let bin = crate::compile::cubin(&source, arch)?;
         let module = ctx.load_module(cudarc::nvrtc::Ptx::from_binary(bin))?;
         let kernels = Kernels::load(&module)?;
         let attention = AttentionKernels::load(&module)?;

@@ -44,3 +44,10 @@ fn number(name: &str) -> Option<usize> {
 pub(crate) fn decode_rope() -> bool {
     std::env::var("TANDEM_CUDA_DECODE_ROPE").map_or(true, |v| v != "0")
 }
+
+/// `TANDEM_CUDA_KERNELS_FILE=PATH`: compile the kernels from this source file instead of the
+/// built-in one (kernel experiments A/B'd on the GPU machine without a rebuild; the kernels'
+/// names and parameters must be the built-in ones). `None` when unset.
+pub(crate) fn kernels_file() -> Option<std::path::PathBuf> {
+    std::env::var_os("TANDEM_CUDA_KERNELS_FILE").map(Into::into)
+}

@@ -253,6 +253,10 @@ impl Engine {
             .name("tandem-engine".into())
             .stack_size(16 << 20)
             .spawn(move || {
+                // The engine thread joins a compute pool of its own as worker 0, so the
+                // kernels' parallel loops split work with it instead of handing every
+                // operation across to the global pool and sleeping until it is done.
+                let _pool = compute_pool();
                 let model = match build() {
                     Ok(m) => m,
                     Err(e) => {
@@ -815,5 +819,58 @@ fn placeholder() -> Seq {
         constraint: None,
         failure: None,
         tx,
+    }
+}
+
+/// A rayon pool as wide as the global one whose worker 0 is the calling thread (kept while
+/// the returned pool lives); `None` (the global pool serves) where it cannot be built.
+fn compute_pool() -> Option<rayon::ThreadPool> {
+    match rayon::ThreadPoolBuilder::new()
+        .num_threads(rayon::current_num_threads())
+        .thread_name(|i| format!("tandem-compute-{i}"))
+        .use_current_thread()
+        .build()
+    {
+        Ok(pool) => Some(pool),
+        Err(e) => {
+            tracing::warn!(error = %e, "no compute pool of the engine's own; the global one serves");
+            None
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::compute_pool;
+    use rayon::prelude::*;
+
+    #[test]
+    fn the_engine_thread_computes_as_worker_zero_of_its_own_pool() {
+        std::thread::spawn(|| {
+            assert_eq!(
+                rayon::current_thread_index(),
+                None,
+                "a plain thread at first"
+            );
+            let pool = compute_pool().expect("a compute pool");
+            assert_eq!(rayon::current_thread_index(), Some(0));
+            assert_eq!(pool.current_num_threads(), rayon::current_num_threads());
+            // Parallel loops from this thread run on its pool (every task sees a worker index
+            // of it), with this thread taking part rather than waiting on another pool.
+            let seen: Vec<Option<usize>> = (0..64)
+                .into_par_iter()
+                .map(|_| rayon::current_thread_index())
+                .collect();
+            assert!(seen
+                .iter()
+                .all(|i| i.is_some_and(|i| i < pool.current_num_threads())));
+            assert!(
+                seen.contains(&Some(0)),
+                "the engine thread did none of the work"
+            );
+            drop(pool);
+        })
+        .join()
+        .expect("the checks passed on their thread");
     }
 }

@@ -11,11 +11,12 @@ use crate::error::ApiError;
 use crate::metrics::Endpoint;
 use crate::protocol::{
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatDelta,
-    ChatLogprobs, ChatTokenLogprob, ChatTopLogprob, Completion, CompletionChoice,
-    CompletionLogprobs, StopReason, Usage,
+    ChatLogprobs, ChatTokenLogprob, ChatTopLogprob, ChoiceFinishReason, Completion,
+    CompletionChoice, CompletionLogprobs, StopReason, Usage,
 };
 use crate::server::{unix_now, RouterState, SYSTEM_FINGERPRINT};
 use crate::text_stream::{TextEvent, TextStream};
+use crate::tools::{CallReader, Piece, ToolMode};
 use crate::validation::{self, Prepared};
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -73,9 +74,11 @@ async fn handle(
         include_usage,
         skip_special_tokens: prepared_skip,
         include_stop_str: prepared_include,
+        tools,
         ..
     } = prepared;
-    let shape = Shape::new(&state, endpoint, &request, include_usage, base_id, 0);
+    let shape =
+        Shape::new(&state, endpoint, &request, include_usage, base_id, 0).reading_calls(tools);
     let detokenizer =
         Detokenizer::new(state.model().tokenizer().clone(), &request.prompt_token_ids)
             .skip_special_tokens(prepared_skip);
@@ -223,7 +226,8 @@ async fn respond_batch(
                     include_usage,
                     base_id,
                     i as u32,
-                );
+                )
+                .reading_calls(p.tools.clone());
                 let detok = Detokenizer::new(
                     state.model().tokenizer().clone(),
                     &p.request.prompt_token_ids,
@@ -323,7 +327,7 @@ async fn respond_batch(
                 let logprobs = text.take_logprobs();
                 let more = match next {
                     Some(Ok(TextEvent::Delta(delta))) => {
-                        events.push(shape.delta_chunk(delta, &logprobs));
+                        events.extend(shape.delta_chunks(delta, logprobs));
                         true
                     }
                     Some(Ok(TextEvent::Finished {
@@ -332,7 +336,7 @@ async fn respond_batch(
                         completion_tokens,
                     })) => {
                         tokens.fetch_add(completion_tokens, std::sync::atomic::Ordering::Relaxed);
-                        events.push(shape.finish_chunk(reason, stop_reason, &logprobs));
+                        events.extend(shape.finish_chunks(reason, stop_reason, logprobs));
                         false
                     }
                     Some(Err(err)) => {
@@ -417,14 +421,14 @@ impl SseDriver {
         let logprobs = self.text.take_logprobs();
         match next {
             Some(Ok(TextEvent::Delta(delta))) => {
-                events.push(self.shape.delta_chunk(delta, &logprobs));
+                events.extend(self.shape.delta_chunks(delta, logprobs));
             }
             Some(Ok(TextEvent::Finished {
                 reason,
                 stop_reason,
                 completion_tokens,
             })) => {
-                events.push(self.shape.finish_chunk(reason, stop_reason, &logprobs));
+                events.extend(self.shape.finish_chunks(reason, stop_reason, logprobs));
                 if self.shape.include_usage {
                     events.push(self.shape.usage_chunk(completion_tokens));
                 }
@@ -455,6 +459,11 @@ struct Shape {
     logprobs: Option<Arc<tokenizers::Tokenizer>>,
     /// Completions: characters of generated text before the next token reported.
     text_offset: std::cell::Cell<u32>,
+    /// Chat with tools: reads calls out of the text.
+    calls: std::cell::RefCell<Option<CallReader>>,
+    /// Log-probabilities of tokens whose text the call reader still holds (they go out with
+    /// the next chunk).
+    held_logprobs: std::cell::RefCell<Vec<(u32, TokenLogprobs)>>,
 }
 
 /// A reported log-probability (JSON has no infinities; vLLM's floor).
@@ -496,18 +505,50 @@ impl Shape {
             prompt_tokens: 0,
             logprobs: None,
             text_offset: std::cell::Cell::new(0),
+            calls: std::cell::RefCell::new(None),
+            held_logprobs: std::cell::RefCell::new(Vec::new()),
+        }
+    }
+
+    /// Reads tool calls out of the text in `mode` (chat with tools).
+    fn reading_calls(self, mode: Option<ToolMode>) -> Self {
+        *self.calls.borrow_mut() = mode.map(CallReader::new);
+        self
+    }
+
+    /// The chat finish reason: `tool_calls` when the text ended in calls the model chose to
+    /// make (not a named function, which OpenAI ends with `stop`).
+    fn chat_finish(&self, reason: FinishReason) -> ChoiceFinishReason {
+        let called = self
+            .calls
+            .borrow()
+            .as_ref()
+            .is_some_and(|r| r.called() && !r.named());
+        match reason {
+            FinishReason::Stop if called => ChoiceFinishReason::ToolCalls,
+            other => other.into(),
         }
     }
 
     fn chat_choice(&self, w: Whole) -> ChatChoice {
+        let (content, tool_calls) = match self.calls.borrow_mut().as_mut() {
+            None => (Some(w.text), None),
+            Some(reader) => {
+                let mut pieces = reader.push(&w.text);
+                pieces.extend(reader.finish());
+                let (content, calls) = crate::tools::gather(pieces);
+                (content, Some(calls).filter(|c| !c.is_empty()))
+            }
+        };
         ChatChoice {
             index: self.index,
             message: AssistantMessage {
                 role: "assistant",
-                content: w.text,
+                content,
+                tool_calls,
             },
             logprobs: self.chat_logprobs(&w.logprobs),
-            finish_reason: w.reason,
+            finish_reason: self.chat_finish(w.reason),
             stop_reason: w.stop_reason,
         }
     }
@@ -517,7 +558,7 @@ impl Shape {
             index: self.index,
             text: w.text,
             logprobs: self.completion_logprobs(&w.logprobs),
-            finish_reason: Some(w.reason),
+            finish_reason: Some(w.reason.into()),
             stop_reason: w.stop_reason,
         }
     }
@@ -608,6 +649,7 @@ impl Shape {
                 ChatDelta {
                     role: Some("assistant"),
                     content: Some(String::new()),
+                    tool_calls: None,
                 },
                 &[],
                 None,
@@ -616,25 +658,65 @@ impl Shape {
         })
     }
 
-    fn delta_chunk(&self, text: String, logprobs: &[(u32, TokenLogprobs)]) -> Event {
-        self.chunk(
-            ChatDelta {
-                role: None,
-                content: Some(text),
-            },
-            logprobs,
-            None,
-            None,
-        )
+    /// The chunks of more generated text (with the log-probabilities of its tokens): one
+    /// content chunk, or, reading tool calls, whatever content and call parts it completes
+    /// (maybe none yet).
+    fn delta_chunks(&self, text: String, logprobs: Vec<(u32, TokenLogprobs)>) -> Vec<Event> {
+        let pieces = match self.calls.borrow_mut().as_mut() {
+            None => vec![Piece::Content(text)],
+            Some(reader) => reader.push(&text),
+        };
+        self.piece_chunks(pieces, logprobs)
     }
 
-    fn finish_chunk(
+    /// The last chunks: what the call reader still held, then the finish chunk.
+    fn finish_chunks(
         &self,
         reason: FinishReason,
         stop_reason: Option<StopReason>,
-        logprobs: &[(u32, TokenLogprobs)],
-    ) -> Event {
-        self.chunk(ChatDelta::default(), logprobs, Some(reason), stop_reason)
+        logprobs: Vec<(u32, TokenLogprobs)>,
+    ) -> Vec<Event> {
+        let rest = match self.calls.borrow_mut().as_mut() {
+            None => Vec::new(),
+            Some(reader) => reader.finish(),
+        };
+        let mut events = self.piece_chunks(rest, Vec::new());
+        let mut held = std::mem::take(&mut *self.held_logprobs.borrow_mut());
+        held.extend(logprobs);
+        let finish = match self.endpoint {
+            Endpoint::ChatCompletions => self.chat_finish(reason),
+            Endpoint::Completions => reason.into(),
+        };
+        events.push(self.chunk(ChatDelta::default(), &held, Some(finish), stop_reason));
+        events
+    }
+
+    /// One chunk per piece; the log-probabilities (and any held back) go with the first.
+    fn piece_chunks(&self, pieces: Vec<Piece>, logprobs: Vec<(u32, TokenLogprobs)>) -> Vec<Event> {
+        let mut held = self.held_logprobs.borrow_mut();
+        held.extend(logprobs);
+        if pieces.is_empty() {
+            return Vec::new();
+        }
+        let logprobs = std::mem::take(&mut *held);
+        pieces
+            .into_iter()
+            .enumerate()
+            .map(|(i, piece)| {
+                let delta = match piece {
+                    Piece::Content(text) => ChatDelta {
+                        content: Some(text),
+                        ..ChatDelta::default()
+                    },
+                    Piece::Call(call) => ChatDelta {
+                        tool_calls: Some(vec![call]),
+                        ..ChatDelta::default()
+                    },
+                };
+                let lp: &[(u32, TokenLogprobs)] = if i == 0 { &logprobs } else { &[] };
+                self.chunk(delta, lp, None, None)
+            })
+            .collect()
     }
 
     /// A content chunk; `delta.content` becomes `text` for completions. Carries the
@@ -643,7 +725,7 @@ impl Shape {
         &self,
         delta: ChatDelta,
         logprobs: &[(u32, TokenLogprobs)],
-        finish_reason: Option<FinishReason>,
+        finish_reason: Option<ChoiceFinishReason>,
         stop_reason: Option<StopReason>,
     ) -> Event {
         let some = |l: &[(u32, TokenLogprobs)]| !l.is_empty();

@@ -125,6 +125,10 @@ pub struct ModelConfig {
     /// Hugging Face model directory (tokenizer, config); may come from the command line.
     #[serde(default)]
     pub dir: Option<PathBuf>,
+    /// A Jinja chat template to use instead of the model's own: a file, or a template built
+    /// into tandem by name (`chatml-tools`: ChatML with tool calling).
+    #[serde(default)]
+    pub chat_template: Option<PathBuf>,
 }
 
 /// A worker as written in the file.

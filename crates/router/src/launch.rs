@@ -93,19 +93,33 @@ async fn requests(State(pd): State<Arc<PdGenerator>>) -> Json<Value> {
     Json(json!({"count": list.len(), "requests": list}))
 }
 
-/// Runs a router from a config file until `shutdown` resolves. `model_dir` and `listen`
-/// override the file; with `record_trace`, every generation request is appended there.
+/// What the command line sets over a router's config file.
+#[derive(Clone, Debug, Default)]
+pub struct Overrides {
+    /// `model.dir`.
+    pub model_dir: Option<PathBuf>,
+    /// `model.chat_template`.
+    pub chat_template: Option<PathBuf>,
+    /// `listen`.
+    pub listen: Option<String>,
+    /// Append every generation request here (a trace for `tandem chaos replay`).
+    pub record_trace: Option<PathBuf>,
+}
+
+/// Runs a router from a config file, with `overrides` over it, until `shutdown` resolves.
 pub async fn run_from_config(
     path: &Path,
-    model_dir: Option<PathBuf>,
-    listen: Option<&str>,
-    record_trace: Option<&Path>,
+    overrides: Overrides,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), LaunchError> {
     let mut config = RouterConfig::load(path)?;
-    if let Some(dir) = model_dir {
+    if let Some(dir) = overrides.model_dir {
         config = config.with_model_dir(dir);
     }
+    if let Some(file) = overrides.chat_template {
+        config.model.chat_template = Some(file);
+    }
+    let (listen, record_trace) = (overrides.listen, overrides.record_trace);
     let dir = config
         .model
         .dir
@@ -173,7 +187,8 @@ pub async fn run_from_config(
 
     let state = RouterState::new(
         Arc::new(SharedPd(pd.clone())),
-        &ModelInfo::new(config.model.served_name.clone(), dir),
+        &ModelInfo::new(config.model.served_name.clone(), dir)
+            .with_chat_template(config.model.chat_template.clone()),
     )?;
     let pool_metrics = crate::pool_metrics::PoolMetrics::register(state.metrics().registry());
     state
@@ -190,7 +205,7 @@ pub async fn run_from_config(
     tracing::info!(listen = %listener.local_addr()?, model = %config.model.served_name, "router ready");
     let mut app = app(state).merge(worker_routes(pd));
     if let Some(p) = record_trace {
-        let recorder = crate::trace::TraceRecorder::open(p)
+        let recorder = crate::trace::TraceRecorder::open(&p)
             .map_err(|e| format!("opening {}: {e}", p.display()))?;
         tracing::info!(file = %p.display(), "recording requests");
         app = app.layer(axum::middleware::from_fn_with_state(

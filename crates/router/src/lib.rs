@@ -61,6 +61,8 @@ pub mod testing;
 mod text_stream;
 /// `/tokenize` and `/detokenize`.
 mod tokenize;
+/// Tool calls: `tools`/`tool_choice` checked, calls read back from the model's text.
+pub mod tools;
 /// Recording request traces (`--record-trace`).
 pub mod trace;
 /// Parsed requests → checked, tokenized requests.
@@ -73,7 +75,7 @@ pub use error::{ApiError, Error, Result};
 pub use generator::{
     GenerateError, GenerateFuture, GeneratedToken, Generator, TokenStream, ValidGenerateRequest,
 };
-pub use launch::run_from_config;
+pub use launch::{run_from_config, Overrides};
 pub use metrics::Metrics;
 pub use model::{ModelAssets, ModelInfo};
 pub use server::{app, serve, serve_with_shutdown, RouterState};

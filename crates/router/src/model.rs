@@ -15,6 +15,8 @@ pub struct ModelInfo {
     pub served_name: String,
     /// Directory holding `tokenizer.json`, `tokenizer_config.json`, `config.json`.
     pub dir: PathBuf,
+    /// A Jinja chat template file to use instead of the model's own.
+    pub chat_template: Option<PathBuf>,
 }
 
 impl ModelInfo {
@@ -23,12 +25,19 @@ impl ModelInfo {
         Self {
             served_name: served_name.into(),
             dir: dir.into(),
+            chat_template: None,
         }
     }
 
-    /// Loads the router-side assets from [`Self::dir`].
+    /// The same model with its chat template replaced by the one in `file` (when `Some`).
+    pub fn with_chat_template(mut self, file: Option<PathBuf>) -> Self {
+        self.chat_template = file;
+        self
+    }
+
+    /// Loads the router-side assets from [`Self::dir`] (and the template override).
     pub fn load(&self) -> Result<ModelAssets> {
-        ModelAssets::load(&self.dir)
+        ModelAssets::load_with_template(&self.dir, self.chat_template.as_deref())
     }
 }
 
@@ -37,6 +46,10 @@ impl ModelInfo {
 pub struct ModelAssets {
     tokenizer: Arc<Tokenizer>,
     chat_template: Option<ChatTemplate>,
+    /// The template for requests with tools when the model ships one apart (`tool_use`).
+    tool_template: Option<ChatTemplate>,
+    /// How the tools template has the model write calls, when tandem can read it.
+    tool_format: Option<crate::tools::ToolFormat>,
     bos_token_id: Option<u32>,
     add_bos_token: bool,
     context_length: u32,
@@ -53,6 +66,12 @@ impl ModelAssets {
     /// Loads `tokenizer.json` (required), `tokenizer_config.json` and `config.json` (optional,
     /// but one of them must give a context length) from `dir`.
     pub fn load(dir: &Path) -> Result<Self> {
+        Self::load_with_template(dir, None)
+    }
+
+    /// [`Self::load`], with the chat template read from `template_file` when given (instead
+    /// of `chat_template.jinja` or `tokenizer_config.json`'s).
+    pub fn load_with_template(dir: &Path, template_file: Option<&Path>) -> Result<Self> {
         let tokenizer_path = dir.join("tokenizer.json");
         let tokenizer =
             Tokenizer::from_file(&tokenizer_path).map_err(|source| Error::Tokenizer {
@@ -76,14 +95,53 @@ impl ModelAssets {
             .as_ref()
             .and_then(|c| c["add_bos_token"].as_bool())
             .unwrap_or(false);
-        let chat_template = match tokenizer_config.as_ref().and_then(|c| template_source(c)) {
-            Some(source) => Some(ChatTemplate::new(
+        let read_template = |path: &Path| {
+            std::fs::read_to_string(path).map_err(|source| Error::Io {
+                path: path.to_owned(),
                 source,
-                bos_token.as_deref(),
-                eos_token.as_deref(),
-            )?),
-            None => None,
+            })
         };
+        let own_file = dir.join("chat_template.jinja");
+        let source = match template_file {
+            Some(path) if !path.exists() => {
+                let name = path.to_string_lossy();
+                match crate::chat_template::built_in(&name) {
+                    Some(source) => Some(source.to_owned()),
+                    None => {
+                        let names: Vec<&str> = crate::chat_template::BUILT_IN
+                            .iter()
+                            .map(|(n, _)| *n)
+                            .collect();
+                        return Err(model_error(format!(
+                            "chat template {name:?} is neither a file nor a built-in template ({})",
+                            names.join(", ")
+                        )));
+                    }
+                }
+            }
+            Some(path) => Some(read_template(path)?),
+            None if own_file.exists() => Some(read_template(&own_file)?),
+            None => tokenizer_config
+                .as_ref()
+                .and_then(|c| template_source(c, "default"))
+                .map(str::to_owned),
+        };
+        // A `tool_use` entry beside the default serves requests with tools.
+        let tool_source = match template_file {
+            Some(_) => None,
+            None => tokenizer_config
+                .as_ref()
+                .and_then(|c| named_template(c, "tool_use"))
+                .map(str::to_owned),
+        };
+        let compile =
+            |source: &str| ChatTemplate::new(source, bos_token.as_deref(), eos_token.as_deref());
+        let chat_template = source.as_deref().map(compile).transpose()?;
+        let tool_template = tool_source.as_deref().map(compile).transpose()?;
+        let tool_format = tool_source
+            .as_deref()
+            .or(source.as_deref())
+            .and_then(crate::tools::ToolFormat::detect);
 
         let max_position_embeddings = config
             .as_ref()
@@ -141,6 +199,8 @@ impl ModelAssets {
         Ok(Self {
             tokenizer: Arc::new(tokenizer),
             chat_template,
+            tool_template,
+            tool_format,
             bos_token_id,
             add_bos_token,
             context_length,
@@ -164,6 +224,17 @@ impl ModelAssets {
     /// The chat template, if the model has one.
     pub fn chat_template(&self) -> Option<&ChatTemplate> {
         self.chat_template.as_ref()
+    }
+
+    /// The chat template for a request with tools (the model's `tool_use` one where it has
+    /// one apart).
+    pub fn tool_chat_template(&self) -> Option<&ChatTemplate> {
+        self.tool_template.as_ref().or(self.chat_template.as_ref())
+    }
+
+    /// How the tools template has the model write calls, when tandem can read that format.
+    pub fn tool_format(&self) -> Option<crate::tools::ToolFormat> {
+        self.tool_format
     }
 
     /// Maximum prompt + completion length in tokens.
@@ -237,21 +308,25 @@ fn token_text(value: &Value) -> Option<String> {
     }
 }
 
-/// `chat_template` is a string, or a list of `{name, template}` of which `default` is used.
-fn template_source(config: &Value) -> Option<&str> {
+/// `chat_template` is a string, or a list of `{name, template}` of which `name` (else the
+/// first) is used.
+fn template_source<'a>(config: &'a Value, name: &str) -> Option<&'a str> {
     match &config["chat_template"] {
         Value::String(source) => Some(source),
         Value::Array(templates) => {
-            let named = |name: &str| {
-                templates
-                    .iter()
-                    .find(|t| t["name"].as_str() == Some(name))
-                    .and_then(|t| t["template"].as_str())
-            };
-            named("default").or_else(|| templates.first()?["template"].as_str())
+            named_template(config, name).or_else(|| templates.first()?["template"].as_str())
         }
         _ => None,
     }
+}
+
+/// The template called `name` in a list of `{name, template}`.
+fn named_template<'a>(config: &'a Value, name: &str) -> Option<&'a str> {
+    config["chat_template"]
+        .as_array()?
+        .iter()
+        .find(|t| t["name"].as_str() == Some(name))
+        .and_then(|t| t["template"].as_str())
 }
 
 /// An id or a list of ids.
@@ -290,7 +365,12 @@ mod tests {
     fn template_lists_prefer_default() {
         let config = json!({"chat_template": [
             {"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]});
-        assert_eq!(template_source(&config), Some("D"));
+        assert_eq!(template_source(&config, "default"), Some("D"));
+        assert_eq!(named_template(&config, "tool_use"), Some("T"));
+        assert_eq!(
+            named_template(&json!({"chat_template": "x"}), "tool_use"),
+            None
+        );
     }
 
     #[test]

@@ -53,20 +53,9 @@ pub struct GenerationParams {
     pub skip_special_tokens: Option<bool>,
     /// Extension: end the text with the stop string that matched (default false).
     pub include_stop_str_in_output: Option<bool>,
-    /// Fields this server cannot honour yet: refused when set to anything but their
-    /// neutral value, never silently ignored (a client asking for JSON must not get prose).
-    #[serde(flatten)]
-    pub unsupported: UnsupportedParams,
-}
-
-/// Request fields accepted only at their neutral value (see [`GenerationParams`]).
-#[derive(Clone, Debug, Default, Deserialize)]
-#[serde(default)]
-pub struct UnsupportedParams {
-    /// Structured outputs (`json_object`, `json_schema`); `{"type": "text"}` is neutral.
+    /// Structured outputs (`json_object`, `json_schema`); `{"type": "text"}` leaves the
+    /// output free.
     pub response_format: Option<Value>,
-    /// `"none"` is neutral.
-    pub tool_choice: Option<Value>,
 }
 
 /// `stop`: one string or a list.
@@ -97,8 +86,13 @@ pub struct ChatCompletionRequest {
     pub messages: Option<Vec<ChatMessage>>,
     /// Preferred over `max_tokens` when both are set.
     pub max_completion_tokens: Option<i64>,
-    /// Tool calling is not supported; only an empty list is accepted.
-    pub tools: Option<Vec<Value>>,
+    /// Functions the model may call (`{"type": "function", "function": {...}}`).
+    pub tools: Option<Value>,
+    /// `none`, `auto` (the default with tools), `required`, or `{"type": "function",
+    /// "function": {"name": ...}}`.
+    pub tool_choice: Option<Value>,
+    /// Whether `required`/`auto` may call several functions at once (default true).
+    pub parallel_tool_calls: Option<Value>,
     /// With `logprobs: true`: alternatives per token, 0..=20.
     pub top_logprobs: Option<Value>,
     /// The shared fields.
@@ -121,6 +115,13 @@ pub struct ChatMessage {
     /// Optional participant name.
     #[serde(default)]
     pub name: Option<String>,
+    /// An assistant message's calls (`[{"id", "type": "function", "function": {"name",
+    /// "arguments"}}]`, `arguments` a JSON text).
+    #[serde(default)]
+    pub tool_calls: Option<Value>,
+    /// A `tool` message: the call it answers.
+    #[serde(default)]
+    pub tool_call_id: Option<String>,
 }
 
 /// A message's `content`.
@@ -170,9 +171,9 @@ pub struct CompletionRequest {
     pub unknown: std::collections::BTreeMap<String, Value>,
 }
 
-/// Fields of [`GenerationParams`] and [`UnsupportedParams`] (flattened structs do not take
+/// Fields of [`GenerationParams`] (flattened structs do not take
 /// their fields out of the catch-all map, so the check subtracts them by name).
-pub const SHARED_FIELDS: [&str; 22] = [
+pub const SHARED_FIELDS: [&str; 21] = [
     "skip_special_tokens",
     "include_stop_str_in_output",
     "max_tokens",
@@ -194,14 +195,15 @@ pub const SHARED_FIELDS: [&str; 22] = [
     "min_tokens",
     "logit_bias",
     "response_format",
-    "tool_choice",
 ];
 /// Fields of [`ChatCompletionRequest`] besides the shared ones.
-pub const CHAT_FIELDS: [&str; 5] = [
+pub const CHAT_FIELDS: [&str; 7] = [
     "model",
     "messages",
     "max_completion_tokens",
     "tools",
+    "tool_choice",
+    "parallel_tool_calls",
     "top_logprobs",
 ];
 /// Fields of [`CompletionRequest`] besides the shared ones.
@@ -286,18 +288,90 @@ pub struct ChatChoice {
     /// Per-token log-probabilities when asked for, else `null`.
     pub logprobs: Option<ChatLogprobs>,
     /// Why generation ended.
-    pub finish_reason: FinishReason,
+    pub finish_reason: ChoiceFinishReason,
     /// The stop string or stop token id that ended it (else `null`).
     pub stop_reason: Option<StopReason>,
 }
 
-/// `{"role": "assistant", "content": ...}`
+/// A choice's `finish_reason`: the generation's, or (chat) `tool_calls` when it ended in calls.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ChoiceFinishReason {
+    /// A stop token or stop string.
+    Stop,
+    /// `max_tokens` reached.
+    Length,
+    /// The model called tools (`tool_choice` `auto` or `required`).
+    ToolCalls,
+}
+
+impl From<FinishReason> for ChoiceFinishReason {
+    fn from(reason: FinishReason) -> Self {
+        match reason {
+            FinishReason::Stop => Self::Stop,
+            FinishReason::Length => Self::Length,
+        }
+    }
+}
+
+/// `{"role": "assistant", "content": ..., "tool_calls": [...]}`
 #[derive(Clone, Debug, Serialize)]
 pub struct AssistantMessage {
     /// `assistant`
     pub role: &'static str,
-    /// The generated text.
-    pub content: String,
+    /// The generated text; `null` when the answer is only tool calls.
+    pub content: Option<String>,
+    /// The functions called, when any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCall>>,
+}
+
+/// One function call of an answer.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct ToolCall {
+    /// `call_…` (or the id the model wrote, where its format has one).
+    pub id: String,
+    /// `function`
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    /// What is called.
+    pub function: FunctionCall,
+}
+
+/// The function of a [`ToolCall`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct FunctionCall {
+    /// The function's name.
+    pub name: String,
+    /// Its arguments, a JSON text.
+    pub arguments: String,
+}
+
+/// One call's part of a streamed delta: the first carries `id`, `type` and `name`, later ones
+/// more `arguments` text.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct ToolCallDelta {
+    /// Which call of the choice (0, 1, …).
+    pub index: u32,
+    /// On a call's first delta.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    /// `function`, on a call's first delta.
+    #[serde(rename = "type", skip_serializing_if = "Option::is_none")]
+    pub kind: Option<&'static str>,
+    /// Name and/or arguments text.
+    pub function: FunctionCallDelta,
+}
+
+/// The function part of a [`ToolCallDelta`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct FunctionCallDelta {
+    /// On a call's first delta.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// More of the arguments text.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub arguments: Option<String>,
 }
 
 /// One SSE chunk of a streamed chat answer.
@@ -330,7 +404,7 @@ pub struct ChatChunkChoice {
     /// The log-probabilities of this chunk's tokens when asked for, else `null`.
     pub logprobs: Option<ChatLogprobs>,
     /// Set on the last content chunk.
-    pub finish_reason: Option<FinishReason>,
+    pub finish_reason: Option<ChoiceFinishReason>,
     /// The stop string or stop token id that ended it (else `null`).
     pub stop_reason: Option<StopReason>,
 }
@@ -344,6 +418,9 @@ pub struct ChatDelta {
     /// New text.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
+    /// New or continued function calls.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCallDelta>>,
 }
 
 /// A text completion: the non-streamed answer, or one SSE chunk (same shape in OpenAI's API).
@@ -376,7 +453,7 @@ pub struct CompletionChoice {
     /// Per-token log-probabilities when asked for, else `null`.
     pub logprobs: Option<CompletionLogprobs>,
     /// Why generation ended; `null` on intermediate chunks.
-    pub finish_reason: Option<FinishReason>,
+    pub finish_reason: Option<ChoiceFinishReason>,
     /// The stop string or stop token id that ended it (else `null`).
     pub stop_reason: Option<StopReason>,
 }

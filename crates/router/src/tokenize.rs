@@ -58,7 +58,7 @@ pub(crate) async fn tokenize(
         let model = state.model().clone();
         tokio::task::spawn_blocking(move || match (req.prompt, req.messages) {
             (Some(text), None) => validation::text_prompt(&model, &text),
-            (None, Some(messages)) => validation::chat_prompt(&model, Some(&messages)),
+            (None, Some(messages)) => validation::chat_prompt(&model, Some(&messages), None),
             _ => Err(ApiError::invalid(
                 "send exactly one of `prompt` and `messages`",
                 None,

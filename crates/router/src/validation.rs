@@ -40,6 +40,8 @@ pub struct Prepared {
     pub skip_special_tokens: bool,
     /// End the text with the matched stop string.
     pub include_stop_str: bool,
+    /// How to read calls out of the output (chat requests with tools).
+    pub tools: Option<crate::tools::ToolMode>,
 }
 
 impl Prepared {
@@ -79,29 +81,62 @@ pub fn prepare_chat(
     let params = &request.params;
     let mut common = check_params(params, model)?;
     common.sampling.logprobs = chat_logprobs(&params.logprobs, &request.top_logprobs)?;
-    if request
-        .tools
-        .as_ref()
-        .is_some_and(|tools| !tools.is_empty())
-    {
-        return Err(ApiError::invalid(
-            "tool calling is not supported",
-            Some("tools"),
-        ));
+    let tools = crate::tools::check(
+        request.tools.as_ref(),
+        request.tool_choice.as_ref(),
+        request.parallel_tool_calls.as_ref(),
+        model.tool_format(),
+    )
+    .map_err(|err| {
+        // A template that knows nothing of tools is the first thing to say.
+        match (model.tool_chat_template(), &request.tools) {
+            (Some(t), Some(Value::Array(list))) if !t.supports_tools() && !list.is_empty() => {
+                no_tool_support()
+            }
+            _ => err,
+        }
+    })?;
+    if let Some(tools) = &tools {
+        if let Some(constraint) = &tools.constraint {
+            if common.sampling.constraint.is_some() {
+                return Err(ApiError::invalid(
+                    "`response_format` cannot be combined with `tool_choice` required or a \
+                     named function (both constrain the output)",
+                    Some("response_format"),
+                ));
+            }
+            common.sampling.constraint = Some(constraint.clone());
+        }
     }
-    let prompt = chat_prompt(model, request.messages.as_deref())?;
+    let prompt = chat_prompt(
+        model,
+        request.messages.as_deref(),
+        tools.as_ref().map(|t| t.template_tools.as_slice()),
+    )?;
     let max_tokens = match (request.max_completion_tokens, params.max_tokens) {
         (Some(n), _) => Some((n, "max_completion_tokens")),
         (None, Some(n)) => Some((n, "max_tokens")),
         (None, None) => None,
     };
-    finish(model, id, prompt, max_tokens, common, "messages")
+    let mut prepared = finish(model, id, prompt, max_tokens, common, "messages")?;
+    prepared.tools = tools.map(|t| t.mode);
+    Ok(prepared)
 }
 
-/// The token ids of a chat's `messages` rendered by the model's template.
+fn no_tool_support() -> ApiError {
+    ApiError::invalid(
+        "this model's chat template does not support tools (start the router with \
+         --chat-template naming one that does: a Jinja file, or the built-in chatml-tools)",
+        Some("tools"),
+    )
+}
+
+/// The token ids of a chat's `messages` rendered by the model's template (its tools template
+/// when `tools` are given).
 pub(crate) fn chat_prompt(
     model: &ModelAssets,
     messages: Option<&[ChatMessage]>,
+    tools: Option<&[Value]>,
 ) -> Result<Vec<u32>, ApiError> {
     let messages =
         messages.ok_or_else(|| ApiError::invalid("`messages` is required", Some("messages")))?;
@@ -112,14 +147,21 @@ pub(crate) fn chat_prompt(
         ));
     }
     let messages = template_messages(messages)?;
-    let template = model.chat_template().ok_or_else(|| {
+    let template = match tools {
+        None => model.chat_template(),
+        Some(_) => model.tool_chat_template(),
+    };
+    let template = template.ok_or_else(|| {
         ApiError::invalid(
             "this model has no chat template; use /v1/completions",
             Some("messages"),
         )
     })?;
+    if tools.is_some() && !template.supports_tools() {
+        return Err(no_tool_support());
+    }
     let text = template
-        .render(&messages)
+        .render_with_tools(&messages, tools)
         .map_err(|err| ApiError::invalid(err.message, Some("messages")))?;
     check_length_estimate(model, &text, "messages")?;
     model
@@ -360,8 +402,7 @@ fn check_params(params: &GenerationParams, model: &ModelAssets) -> Result<Common
             ))
         }
     };
-    check_unsupported(&params.unsupported)?;
-    let constraint = response_format(&params.unsupported.response_format)?;
+    let constraint = response_format(&params.response_format)?;
     let controls = check_controls(params, model)?;
     let seed = params
         .seed
@@ -430,20 +471,6 @@ fn response_format(v: &Option<Value>) -> Result<Option<OutputConstraint>, ApiErr
         other => Err(invalid(format!(
             "`response_format.type` must be text, json_object or json_schema, got {other:?}"
         ))),
-    }
-}
-
-/// Refuses every field set to something this server cannot do yet (it would otherwise be
-/// ignored): a wrong type is named as such, a real request for the feature says it is not
-/// supported.
-fn check_unsupported(u: &crate::protocol::UnsupportedParams) -> Result<(), ApiError> {
-    match &u.tool_choice {
-        None | Some(Value::Null) => Ok(()),
-        Some(Value::String(s)) if s == "none" => Ok(()),
-        Some(_) => Err(ApiError::invalid(
-            "`tool_choice` is not supported yet (tools are not)",
-            Some("tool_choice"),
-        )),
     }
 }
 
@@ -523,6 +550,7 @@ fn finish(
         choices: common.choices,
         skip_special_tokens: common.skip_special_tokens,
         include_stop_str: common.include_stop_str,
+        tools: None,
     })
 }
 
@@ -559,10 +587,31 @@ fn template_messages(messages: &[ChatMessage]) -> Result<Vec<TemplateMessage>, A
                     text
                 }
             };
+            let tool_calls = match &message.tool_calls {
+                None | Some(Value::Null) => None,
+                Some(calls) if message.role == "assistant" => Some(crate::tools::template_calls(
+                    calls,
+                    &format!("messages[{i}]"),
+                )?),
+                Some(_) => {
+                    return Err(ApiError::invalid(
+                        format!("messages[{i}]: only assistant messages carry `tool_calls`"),
+                        Some("messages"),
+                    ))
+                }
+            };
+            if message.role == "tool" && message.tool_call_id.is_none() {
+                return Err(ApiError::invalid(
+                    format!("messages[{i}]: a `tool` message needs the `tool_call_id` it answers"),
+                    Some("messages"),
+                ));
+            }
             Ok(TemplateMessage {
                 role: message.role.clone(),
                 content,
                 name: message.name.clone(),
+                tool_calls,
+                tool_call_id: message.tool_call_id.clone(),
             })
         })
         .collect()
@@ -576,7 +625,8 @@ fn check_length_estimate(model: &ModelAssets, text: &str, param: &str) -> Result
     if at_least >= context {
         return Err(ApiError::invalid(
             format!(
-                "This model's maximum context length is {context} tokens, and the prompt                  ({} bytes) takes at least {at_least}.",
+                "This model's maximum context length is {context} tokens, and the prompt \
+                 ({} bytes) takes at least {at_least}.",
                 text.len()
             ),
             Some(param),
@@ -610,6 +660,7 @@ fn token_ids(ids: &[i64], model: &ModelAssets, param: &str) -> Result<Vec<u32>, 
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
 mod tests {
     use super::*;
     use std::path::Path;
@@ -617,6 +668,94 @@ mod tests {
     fn model() -> ModelAssets {
         ModelAssets::load(&Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-chatml"))
             .expect("fixture loads")
+    }
+
+    fn chat_with(model: &ModelAssets, body: serde_json::Value) -> Result<Prepared, ApiError> {
+        let request = serde_json::from_value(body).expect("parses");
+        prepare_chat(model, "tiny", RequestId("chatcmpl-1".into()), request)
+    }
+
+    #[test]
+    fn tools_need_a_template_that_reads_them_and_set_the_mode() {
+        use crate::tools::{ToolFormat, ToolMode};
+        use serde_json::json;
+        let tools = json!([{"type": "function", "function": {"name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]);
+        let msgs = json!([{"role": "user", "content": "Weather in Oslo?"}]);
+        let err =
+            chat_with(&model(), json!({"messages": msgs, "tools": tools})).expect_err("no tools");
+        assert!(err.to_string().contains("does not support tools"), "{err}");
+        assert_eq!(err.body().error.param.as_deref(), Some("tools"));
+        // tool_choice none needs no tool support (the tools are not shown).
+        let none = chat_with(
+            &model(),
+            json!({"messages": msgs, "tools": tools, "tool_choice": "none"}),
+        )
+        .expect("none is fine");
+        assert_eq!(none.tools, None);
+
+        // The fixture with room for the tools' system prompt (its tokenizer spends a token
+        // on nearly every character).
+        let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-chatml");
+        let tmp = tempfile::tempdir().unwrap();
+        for f in ["tokenizer.json", "tokenizer_config.json"] {
+            std::fs::copy(fixture.join(f), tmp.path().join(f)).unwrap();
+        }
+        let config = std::fs::read_to_string(fixture.join("config.json")).unwrap();
+        std::fs::write(
+            tmp.path().join("config.json"),
+            config.replace(
+                "\"max_position_embeddings\": 256",
+                "\"max_position_embeddings\": 8192",
+            ),
+        )
+        .unwrap();
+        let dir = tmp.path().to_owned();
+        let with_tools = ModelAssets::load_with_template(&dir, Some(Path::new("chatml-tools")))
+            .expect("built-in");
+        assert_eq!(with_tools.tool_format(), Some(ToolFormat::Hermes));
+        let auto = chat_with(&with_tools, json!({"messages": msgs, "tools": tools})).expect("auto");
+        assert_eq!(auto.tools, Some(ToolMode::Auto(ToolFormat::Hermes)));
+        assert_eq!(auto.request.sampling.constraint, None);
+        let plain = chat_with(&with_tools, json!({"messages": msgs})).expect("no tools");
+        assert!(
+            auto.request.prompt_token_ids.len() > plain.request.prompt_token_ids.len(),
+            "the tools are in the prompt"
+        );
+        let named = json!({"type": "function", "function": {"name": "get_weather"}});
+        let p = chat_with(
+            &with_tools,
+            json!({"messages": msgs, "tools": tools, "tool_choice": named}),
+        )
+        .expect("named");
+        assert_eq!(p.tools, Some(ToolMode::Named("get_weather".into())));
+        assert!(matches!(
+            p.request.sampling.constraint,
+            Some(OutputConstraint::JsonSchema(_))
+        ));
+        let err = chat_with(
+            &with_tools,
+            json!({"messages": msgs, "tools": tools, "tool_choice": named,
+                   "response_format": {"type": "json_object"}}),
+        )
+        .expect_err("two constraints");
+        assert_eq!(err.body().error.param.as_deref(), Some("response_format"));
+
+        // A tool-result round trip: the assistant's call and the tool's answer.
+        let round = json!([
+            {"role": "user", "content": "Weather in Oslo?"},
+            {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function",
+                "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "rain"}]);
+        chat_with(&with_tools, json!({"messages": round, "tools": tools})).expect("round trip");
+        let mut no_id = round.clone();
+        no_id[2].as_object_mut().unwrap().remove("tool_call_id");
+        let err =
+            chat_with(&with_tools, json!({"messages": no_id, "tools": tools})).expect_err("id");
+        assert!(err.to_string().contains("tool_call_id"), "{err}");
+        let err = ModelAssets::load_with_template(&dir, Some(Path::new("no-such-template")))
+            .expect_err("unknown");
+        assert!(err.to_string().contains("chatml-tools"), "{err}");
     }
 
     fn completion(body: serde_json::Value) -> Result<Prepared, ApiError> {
@@ -713,7 +852,6 @@ mod tests {
             ("min_p", json!(1.5), "must be in [0, 1]"),
             ("min_tokens", json!(-3), "non-negative integer"),
             ("min_tokens", json!(9), "must not exceed"),
-            ("tool_choice", json!("required"), "not supported"),
             ("stream_options", json!([]), "must be an object"),
         ] {
             let err = with(field, value.clone()).expect_err(field);
@@ -734,7 +872,6 @@ mod tests {
             ("repetition_penalty", json!(1)),
             ("min_p", json!(0)),
             ("min_tokens", json!(0)),
-            ("tool_choice", json!("none")),
             ("stream_options", json!({"include_usage": true})),
         ] {
             assert!(with(field, value.clone()).is_ok(), "{field} {value}");

@@ -1,0 +1,1019 @@
+//! Tool calls (OpenAI function calling): `tools` and `tool_choice` checked, the tools handed
+//! to the chat template, and the model's text turned back into `tool_calls`.
+//!
+//! How each `tool_choice` is served:
+//! - `auto`: the model writes freely; calls are found in its text in the format its chat
+//!   template taught it ([`ToolFormat`]), the rest is `content`.
+//! - `required`: the output is constrained (llguidance, like `response_format`) to a JSON array
+//!   of `{"name": …, "parameters": {…}}` objects over the given functions, read back as calls.
+//! - a named function: the output is constrained to that function's `parameters` schema and is
+//!   its arguments.
+//! - `none`: the tools are not shown to the model and nothing is parsed.
+
+use crate::error::ApiError;
+use crate::protocol::{FunctionCallDelta, ToolCall, ToolCallDelta};
+use serde_json::{json, Map, Value};
+use tandem_core::OutputConstraint;
+
+/// Most functions one request may offer.
+pub const MAX_TOOLS: usize = 128;
+
+/// How a chat template has its model write calls in free text (for `tool_choice: auto`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ToolFormat {
+    /// `<tool_call>{"name": …, "arguments": {…}}</tool_call>` (Hermes, Qwen, SmolLM3 and
+    /// tandem's `templates/chatml-tools.jinja`).
+    Hermes,
+    /// Kimi K2 / Kimi-Linear: `<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:I
+    /// <|tool_call_argument_begin|>{…}<|tool_call_end|>…<|tool_calls_section_end|>`.
+    KimiK2,
+}
+
+impl ToolFormat {
+    /// The format a template teaches, recognised by its markers; `None` when it is none
+    /// tandem reads.
+    pub fn detect(template_source: &str) -> Option<Self> {
+        if template_source.contains("<|tool_call_begin|>") {
+            Some(Self::KimiK2)
+        } else if template_source.contains("<tool_call>") {
+            Some(Self::Hermes)
+        } else {
+            None
+        }
+    }
+
+    /// Where a call starts and ends in the text; markers that only group calls (dropped).
+    fn markup(self) -> Markup {
+        match self {
+            Self::Hermes => Markup {
+                open: "<tool_call>",
+                close: "</tool_call>",
+                dropped: &[],
+            },
+            Self::KimiK2 => Markup {
+                open: "<|tool_call_begin|>",
+                close: "<|tool_call_end|>",
+                dropped: &["<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"],
+            },
+        }
+    }
+
+    /// A call's text between its markers → (id the model wrote, name, arguments JSON text).
+    fn parse_call(self, body: &str) -> Option<(Option<String>, String, String)> {
+        match self {
+            Self::Hermes => {
+                let call: Value = serde_json::from_str(body.trim()).ok()?;
+                let name = call.get("name")?.as_str()?.to_owned();
+                let arguments = call
+                    .get("arguments")
+                    .or_else(|| call.get("parameters"))
+                    .cloned()
+                    .unwrap_or_else(|| json!({}));
+                let arguments = match arguments {
+                    Value::String(text) => text,
+                    other => other.to_string(),
+                };
+                Some((None, name, arguments))
+            }
+            Self::KimiK2 => {
+                let (id, arguments) = body.split_once("<|tool_call_argument_begin|>")?;
+                let id = id.trim();
+                // `functions.get_weather:0`: the name sits between the namespace and the index.
+                let name = id.rsplit_once(':').map_or(id, |(head, _)| head);
+                let name = name.rsplit_once('.').map_or(name, |(_, tail)| tail);
+                let arguments = arguments.trim();
+                serde_json::from_str::<Value>(arguments).ok()?;
+                (!name.is_empty())
+                    .then(|| (Some(id.to_owned()), name.to_owned(), arguments.to_owned()))
+            }
+        }
+    }
+}
+
+struct Markup {
+    open: &'static str,
+    close: &'static str,
+    dropped: &'static [&'static str],
+}
+
+/// What a request's `tool_choice` asks of the output.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ToolMode {
+    /// Calls are read from free text written in this format.
+    Auto(ToolFormat),
+    /// The output is a JSON array of calls (constrained).
+    Required,
+    /// The output is the arguments of the named function (constrained).
+    Named(String),
+}
+
+/// A request's checked tools.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ToolRequest {
+    /// How its output is read.
+    pub mode: ToolMode,
+    /// The tools as the chat template gets them (`{"type": "function", "function": {...}}`).
+    pub template_tools: Vec<Value>,
+    /// The constraint on the output (`required` and named functions).
+    pub constraint: Option<OutputConstraint>,
+}
+
+/// Checks `tools`, `tool_choice` and `parallel_tool_calls`; `None` when the request uses no
+/// tools (none given, or `tool_choice: none`). `format` is what the model's template teaches
+/// (`auto` needs one).
+pub fn check(
+    tools: Option<&Value>,
+    choice: Option<&Value>,
+    parallel: Option<&Value>,
+    format: Option<ToolFormat>,
+) -> Result<Option<ToolRequest>, ApiError> {
+    let invalid = |message: String, param: &str| ApiError::invalid(message, Some(param));
+    let parallel = match parallel {
+        None | Some(Value::Null) => true,
+        Some(Value::Bool(b)) => *b,
+        Some(other) => {
+            return Err(invalid(
+                format!("`parallel_tool_calls` must be a boolean, got {other}"),
+                "parallel_tool_calls",
+            ))
+        }
+    };
+    let tools = match tools {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::Array(items)) => items
+            .iter()
+            .enumerate()
+            .map(|(i, t)| check_tool(i, t))
+            .collect::<Result<Vec<_>, _>>()?,
+        Some(other) => {
+            return Err(invalid(
+                format!("`tools` must be a list of functions, got {other}"),
+                "tools",
+            ))
+        }
+    };
+    if tools.len() > MAX_TOOLS {
+        return Err(invalid(
+            format!("at most {MAX_TOOLS} tools are allowed, got {}", tools.len()),
+            "tools",
+        ));
+    }
+    for (i, tool) in tools.iter().enumerate() {
+        if tools[..i].iter().any(|t| t.name == tool.name) {
+            return Err(invalid(
+                format!("`tools[{i}]`: function `{}` is given twice", tool.name),
+                "tools",
+            ));
+        }
+    }
+    enum Choice {
+        None,
+        Auto,
+        Required,
+        Named(String),
+    }
+    let choice = match choice {
+        None | Some(Value::Null) => {
+            if tools.is_empty() {
+                Choice::None
+            } else {
+                Choice::Auto
+            }
+        }
+        Some(Value::String(s)) => {
+            match s.as_str() {
+                "none" => Choice::None,
+                "auto" => Choice::Auto,
+                "required" => Choice::Required,
+                other => return Err(invalid(
+                    format!(
+                        "`tool_choice` must be none, auto, required or a function, got {other:?}"
+                    ),
+                    "tool_choice",
+                )),
+            }
+        }
+        Some(Value::Object(o)) => {
+            let name = match (o.get("type").and_then(Value::as_str), o.get("function")) {
+                (Some("function"), Some(f)) => f.get("name").and_then(Value::as_str),
+                _ => None,
+            };
+            let name = name.ok_or_else(|| {
+                invalid(
+                    "`tool_choice` as an object must be {\"type\": \"function\", \"function\": {\"name\": ...}}".to_owned(),
+                    "tool_choice",
+                )
+            })?;
+            Choice::Named(name.to_owned())
+        }
+        Some(other) => {
+            return Err(invalid(
+                format!("`tool_choice` must be a string or an object, got {other}"),
+                "tool_choice",
+            ))
+        }
+    };
+    let template_tools = || tools.iter().map(|t| t.template.clone()).collect();
+    let needs_tools =
+        |what: &str| invalid(format!("`tool_choice` {what} needs `tools`"), "tool_choice");
+    Ok(match choice {
+        Choice::None => None,
+        Choice::Auto if tools.is_empty() => None,
+        Choice::Auto => {
+            let format = format.ok_or_else(|| {
+                invalid(
+                    "`tool_choice` auto: this model's chat template writes tool calls in a \
+                     format tandem cannot read; use `required` or a named function"
+                        .to_owned(),
+                    "tool_choice",
+                )
+            })?;
+            Some(ToolRequest {
+                mode: ToolMode::Auto(format),
+                template_tools: template_tools(),
+                constraint: None,
+            })
+        }
+        Choice::Required => {
+            if tools.is_empty() {
+                return Err(needs_tools("required"));
+            }
+            let calls: Vec<Value> = tools
+                .iter()
+                .map(|t| {
+                    json!({"type": "object",
+                           "properties": {"name": {"const": t.name}, "parameters": t.parameters},
+                           "required": ["name", "parameters"],
+                           "additionalProperties": false})
+                })
+                .collect();
+            let mut schema = json!({"type": "array", "minItems": 1, "items": {"anyOf": calls}});
+            if !parallel {
+                schema["maxItems"] = json!(1);
+            }
+            Some(ToolRequest {
+                mode: ToolMode::Required,
+                template_tools: template_tools(),
+                constraint: Some(OutputConstraint::JsonSchema(schema.to_string())),
+            })
+        }
+        Choice::Named(name) => {
+            if tools.is_empty() {
+                return Err(needs_tools("naming a function"));
+            }
+            let tool = tools.iter().find(|t| t.name == name).ok_or_else(|| {
+                invalid(
+                    format!("`tool_choice` names function `{name}`, which is not in `tools`"),
+                    "tool_choice",
+                )
+            })?;
+            Some(ToolRequest {
+                mode: ToolMode::Named(name.clone()),
+                template_tools: template_tools(),
+                constraint: Some(OutputConstraint::JsonSchema(tool.parameters.to_string())),
+            })
+        }
+    })
+}
+
+/// One checked function of `tools`.
+struct Tool {
+    name: String,
+    /// Its arguments' schema (`{"type": "object"}` when it declares none).
+    parameters: Value,
+    /// As the template gets it.
+    template: Value,
+}
+
+fn check_tool(i: usize, tool: &Value) -> Result<Tool, ApiError> {
+    let invalid =
+        |message: String| ApiError::invalid(format!("`tools[{i}]`: {message}"), Some("tools"));
+    let o = tool
+        .as_object()
+        .ok_or_else(|| invalid(format!("a tool must be an object, got {tool}")))?;
+    match o.get("type").and_then(Value::as_str) {
+        Some("function") => {}
+        Some(other) => {
+            return Err(invalid(format!(
+                "tools of type `{other}` are not supported (only `function`)"
+            )))
+        }
+        None => return Err(invalid("`type` must be \"function\"".to_owned())),
+    }
+    let f = o
+        .get("function")
+        .and_then(Value::as_object)
+        .ok_or_else(|| invalid("`function` must be an object".to_owned()))?;
+    let name = f
+        .get("name")
+        .and_then(Value::as_str)
+        .ok_or_else(|| invalid("`function.name` must be a string".to_owned()))?;
+    let name_ok = !name.is_empty()
+        && name.len() <= 64
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+    if !name_ok {
+        return Err(invalid(format!(
+            "`function.name` must be 1 to 64 of a-z, A-Z, 0-9, _ and -, got {name:?}"
+        )));
+    }
+    if let Some(d) = f
+        .get("description")
+        .filter(|d| !d.is_null() && !d.is_string())
+    {
+        return Err(invalid(format!(
+            "`function.description` must be a string, got {d}"
+        )));
+    }
+    let parameters = match f.get("parameters") {
+        None | Some(Value::Null) => json!({"type": "object"}),
+        Some(p @ Value::Object(_)) => p.clone(),
+        Some(other) => {
+            return Err(invalid(format!(
+                "`function.parameters` must be a JSON schema object, got {other}"
+            )))
+        }
+    };
+    let mut function = Map::new();
+    function.insert("name".into(), json!(name));
+    if let Some(d) = f.get("description").filter(|d| d.is_string()) {
+        function.insert("description".into(), d.clone());
+    }
+    function.insert("parameters".into(), parameters.clone());
+    Ok(Tool {
+        name: name.to_owned(),
+        parameters,
+        template: json!({"type": "function", "function": function}),
+    })
+}
+
+/// An assistant message's `tool_calls` as the template gets them (arguments parsed from
+/// their JSON text, as transformers expects); `param` names the message in errors.
+pub fn template_calls(calls: &Value, param: &str) -> Result<Vec<Value>, ApiError> {
+    let invalid =
+        |message: String| ApiError::invalid(format!("{param}: {message}"), Some("messages"));
+    let calls = calls
+        .as_array()
+        .ok_or_else(|| invalid("`tool_calls` must be a list".to_owned()))?;
+    calls
+        .iter()
+        .enumerate()
+        .map(|(j, call)| {
+            let f = call
+                .get("function")
+                .and_then(Value::as_object)
+                .ok_or_else(|| invalid(format!("`tool_calls[{j}].function` must be an object")))?;
+            let name = f.get("name").and_then(Value::as_str).ok_or_else(|| {
+                invalid(format!("`tool_calls[{j}].function.name` must be a string"))
+            })?;
+            let arguments = match f.get("arguments") {
+                None | Some(Value::Null) => json!({}),
+                Some(Value::String(text)) => serde_json::from_str(text).map_err(|e| {
+                    invalid(format!(
+                        "`tool_calls[{j}].function.arguments` is not JSON: {e}"
+                    ))
+                })?,
+                Some(other) => other.clone(),
+            };
+            let mut out =
+                json!({"type": "function", "function": {"name": name, "arguments": arguments}});
+            if let Some(id) = call.get("id").and_then(Value::as_str) {
+                out["id"] = json!(id);
+            }
+            Ok(out)
+        })
+        .collect()
+}
+
+/// What the output reader hands on: text for `content`, or a part of a call.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Piece {
+    /// More `content`.
+    Content(String),
+    /// A call's first part (id, name, maybe arguments) or more of its arguments.
+    Call(ToolCallDelta),
+}
+
+/// Reads a choice's text as it streams and splits it into content and calls.
+#[derive(Debug)]
+pub struct CallReader {
+    mode: ToolMode,
+    /// Text not handed on yet (a possible marker's start, a call not closed, or, for
+    /// `required`, the array read so far).
+    held: String,
+    /// Inside a call (`auto`): `held` is its body.
+    in_call: bool,
+    /// Whitespace withheld after a call (emitted only if more content follows).
+    pending_space: String,
+    calls: u32,
+    /// `required`: how far `held` has been scanned, and the scanner's state there.
+    scan: JsonScan,
+}
+
+/// Enough JSON lexing to find where each element of a top-level array ends.
+#[derive(Debug, Default)]
+struct JsonScan {
+    at: usize,
+    depth: u32,
+    in_string: bool,
+    escaped: bool,
+    /// Byte offset in `held` where the current element began.
+    element: Option<usize>,
+}
+
+impl CallReader {
+    /// A reader for a request's mode.
+    pub fn new(mode: ToolMode) -> Self {
+        Self {
+            mode,
+            held: String::new(),
+            in_call: false,
+            pending_space: String::new(),
+            calls: 0,
+            scan: JsonScan::default(),
+        }
+    }
+
+    /// Whether the answer held a call (its finish reason becomes `tool_calls` unless the
+    /// function was named).
+    pub fn called(&self) -> bool {
+        self.calls > 0
+    }
+
+    /// Whether the mode names the function (OpenAI ends such answers with `stop`).
+    pub fn named(&self) -> bool {
+        matches!(self.mode, ToolMode::Named(_))
+    }
+
+    /// Reads more text.
+    pub fn push(&mut self, text: &str) -> Vec<Piece> {
+        let mut out = Vec::new();
+        match self.mode.clone() {
+            ToolMode::Named(name) => {
+                if self.calls == 0 {
+                    out.push(self.start_call(None, name, text.to_owned()));
+                } else if !text.is_empty() {
+                    out.push(Piece::Call(ToolCallDelta {
+                        index: 0,
+                        id: None,
+                        kind: None,
+                        function: FunctionCallDelta {
+                            name: None,
+                            arguments: Some(text.to_owned()),
+                        },
+                    }));
+                }
+            }
+            ToolMode::Required => {
+                self.held.push_str(text);
+                self.scan_required(&mut out);
+            }
+            ToolMode::Auto(format) => {
+                self.held.push_str(text);
+                self.read_auto(format, &mut out, false);
+            }
+        }
+        out
+    }
+
+    /// The text has ended: hands on what was held.
+    pub fn finish(&mut self) -> Vec<Piece> {
+        let mut out = Vec::new();
+        match self.mode.clone() {
+            ToolMode::Named(name) => {
+                if self.calls == 0 {
+                    out.push(self.start_call(None, name, String::new()));
+                }
+            }
+            ToolMode::Required => {
+                // A cut-off array (max_tokens): what did not make a whole call stays text.
+                if self.calls == 0 && !self.held.trim().is_empty() {
+                    out.push(Piece::Content(std::mem::take(&mut self.held)));
+                }
+            }
+            ToolMode::Auto(format) => {
+                self.read_auto(format, &mut out, true);
+                if self.in_call {
+                    // An unclosed call: read it if it parses, else it stays text.
+                    let body = std::mem::take(&mut self.held);
+                    self.in_call = false;
+                    match format.parse_call(&body) {
+                        Some((id, name, arguments)) => {
+                            out.push(self.start_call(id, name, arguments))
+                        }
+                        None => self.content(format!("{}{body}", format.markup().open), &mut out),
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    fn start_call(&mut self, id: Option<String>, name: String, arguments: String) -> Piece {
+        let index = self.calls;
+        self.calls += 1;
+        self.pending_space.clear();
+        Piece::Call(ToolCallDelta {
+            index,
+            id: Some(id.unwrap_or_else(new_call_id)),
+            kind: Some("function"),
+            function: FunctionCallDelta {
+                name: Some(name),
+                arguments: Some(arguments),
+            },
+        })
+    }
+
+    /// Content text; after a call, whitespace waits until something else follows.
+    fn content(&mut self, text: String, out: &mut Vec<Piece>) {
+        if text.is_empty() {
+            return;
+        }
+        if self.calls > 0 && text.trim().is_empty() {
+            self.pending_space.push_str(&text);
+            return;
+        }
+        let text = std::mem::take(&mut self.pending_space) + &text;
+        match out.last_mut() {
+            Some(Piece::Content(last)) => last.push_str(&text),
+            _ => out.push(Piece::Content(text)),
+        }
+    }
+
+    fn read_auto(&mut self, format: ToolFormat, out: &mut Vec<Piece>, at_end: bool) {
+        let markup = format.markup();
+        loop {
+            if self.in_call {
+                let Some(end) = self.held.find(markup.close) else {
+                    return;
+                };
+                let body = self.held[..end].to_owned();
+                self.held.drain(..end + markup.close.len());
+                self.in_call = false;
+                match format.parse_call(&body) {
+                    Some((id, name, arguments)) => {
+                        let call = self.start_call(id, name, arguments);
+                        out.push(call);
+                    }
+                    // Not a call after all: it stays text, markers included.
+                    None => self.content(format!("{}{body}{}", markup.open, markup.close), out),
+                }
+                continue;
+            }
+            // Markers that only group calls vanish.
+            for dropped in markup.dropped {
+                while let Some(at) = self.held.find(dropped) {
+                    self.held.replace_range(at..at + dropped.len(), "");
+                }
+            }
+            if let Some(start) = self.held.find(markup.open) {
+                let before = self.held[..start].to_owned();
+                self.held.drain(..start + markup.open.len());
+                self.content(before, out);
+                self.in_call = true;
+                continue;
+            }
+            // Hold back a tail that could still become a marker.
+            let keep = if at_end {
+                0
+            } else {
+                std::iter::once(markup.open)
+                    .chain(markup.dropped.iter().copied())
+                    .map(|m| partial_suffix(&self.held, m))
+                    .max()
+                    .unwrap_or(0)
+            };
+            let emit_to = self.held.len() - keep;
+            let text: String = self.held.drain(..emit_to).collect();
+            self.content(text, out);
+            return;
+        }
+    }
+
+    fn scan_required(&mut self, out: &mut Vec<Piece>) {
+        let bytes = self.held.as_bytes();
+        let mut s = std::mem::take(&mut self.scan);
+        let mut done = Vec::new();
+        while s.at < bytes.len() {
+            let b = bytes[s.at];
+            if s.in_string {
+                if s.escaped {
+                    s.escaped = false;
+                } else if b == b'\\' {
+                    s.escaped = true;
+                } else if b == b'"' {
+                    s.in_string = false;
+                }
+            } else {
+                match b {
+                    b'"' => s.in_string = true,
+                    b'{' | b'[' => {
+                        s.depth += 1;
+                        if s.depth == 2 {
+                            s.element = Some(s.at);
+                        }
+                    }
+                    b'}' | b']' => {
+                        if s.depth == 2 {
+                            if let Some(from) = s.element.take() {
+                                done.push((from, s.at + 1));
+                            }
+                        }
+                        s.depth = s.depth.saturating_sub(1);
+                    }
+                    _ => {}
+                }
+            }
+            s.at += 1;
+        }
+        self.scan = s;
+        for (from, to) in done {
+            let element: Option<Value> = serde_json::from_str(&self.held[from..to]).ok();
+            let call = element.and_then(|e| {
+                let name = e.get("name")?.as_str()?.to_owned();
+                let parameters = e.get("parameters").cloned().unwrap_or_else(|| json!({}));
+                Some((name, parameters.to_string()))
+            });
+            if let Some((name, arguments)) = call {
+                let piece = self.start_call(None, name, arguments);
+                out.push(piece);
+            }
+        }
+    }
+}
+
+/// The length of the longest proper prefix of `marker` that `text` ends with.
+fn partial_suffix(text: &str, marker: &str) -> usize {
+    (1..marker.len())
+        .rev()
+        .find(|&n| text.ends_with(&marker[..n]))
+        .unwrap_or(0)
+}
+
+fn new_call_id() -> String {
+    const ALPHABET: &[u8] = b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789";
+    let tail: String = (0..24)
+        .map(|_| ALPHABET[rand::random_range(0..ALPHABET.len())] as char)
+        .collect();
+    format!("call_{tail}")
+}
+
+/// A whole answer's pieces gathered: `content` (`None` when only calls and whitespace) and
+/// the calls.
+pub fn gather(pieces: Vec<Piece>) -> (Option<String>, Vec<ToolCall>) {
+    let mut content = String::new();
+    let mut calls: Vec<ToolCall> = Vec::new();
+    for piece in pieces {
+        match piece {
+            Piece::Content(text) => content.push_str(&text),
+            Piece::Call(delta) => match delta.id {
+                Some(id) => calls.push(ToolCall {
+                    id,
+                    kind: "function",
+                    function: crate::protocol::FunctionCall {
+                        name: delta.function.name.unwrap_or_default(),
+                        arguments: delta.function.arguments.unwrap_or_default(),
+                    },
+                }),
+                None => {
+                    if let Some(call) = calls.get_mut(delta.index as usize) {
+                        call.function
+                            .arguments
+                            .push_str(&delta.function.arguments.unwrap_or_default());
+                    }
+                }
+            },
+        }
+    }
+    let content = if calls.is_empty() {
+        Some(content)
+    } else {
+        Some(content.trim().to_owned()).filter(|c| !c.is_empty())
+    };
+    (content, calls)
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use super::*;
+
+    fn weather() -> Value {
+        json!([{"type": "function", "function": {"name": "get_weather", "description": "Weather now",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
+            {"type": "function", "function": {"name": "get_time"}}])
+    }
+
+    /// Feeds `text` in pieces of `step` bytes (on char boundaries), then finishes.
+    fn read(mode: ToolMode, text: &str, step: usize) -> Vec<Piece> {
+        let mut reader = CallReader::new(mode);
+        let mut out = Vec::new();
+        let mut rest = text;
+        while !rest.is_empty() {
+            let mut n = step.min(rest.len());
+            while !rest.is_char_boundary(n) {
+                n += 1;
+            }
+            out.extend(reader.push(&rest[..n]));
+            rest = &rest[n..];
+        }
+        out.extend(reader.finish());
+        out
+    }
+
+    fn calls_of(pieces: Vec<Piece>) -> (Option<String>, Vec<(String, Value)>) {
+        let (content, calls) = gather(pieces);
+        let calls = calls
+            .into_iter()
+            .map(|c| {
+                assert!(
+                    c.id.starts_with("call_") || c.id.starts_with("functions."),
+                    "{}",
+                    c.id
+                );
+                (
+                    c.function.name,
+                    serde_json::from_str(&c.function.arguments).expect("arguments are JSON"),
+                )
+            })
+            .collect();
+        (content, calls)
+    }
+
+    #[test]
+    fn hermes_calls_are_found_in_text_however_it_is_split() {
+        let text = "Let me look.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\"}}\n</tool_call>\n\
+                    <tool_call>\n{\"name\": \"get_time\", \"arguments\": {}}\n</tool_call>\n";
+        for step in [1, 2, 3, 7, 1000] {
+            let (content, calls) = calls_of(read(ToolMode::Auto(ToolFormat::Hermes), text, step));
+            assert_eq!(content.as_deref(), Some("Let me look."), "step {step}");
+            assert_eq!(
+                calls,
+                vec![
+                    ("get_weather".to_owned(), json!({"city": "Oslo"})),
+                    ("get_time".to_owned(), json!({}))
+                ],
+                "step {step}"
+            );
+        }
+    }
+
+    #[test]
+    fn auto_text_without_calls_passes_through_untouched() {
+        for text in ["Hello <b>there</b> < tool", "ends with <tool_ca", "x\n\n"] {
+            for step in [1, 4, 100] {
+                let pieces = read(ToolMode::Auto(ToolFormat::Hermes), text, step);
+                assert_eq!(
+                    gather(pieces),
+                    (Some(text.to_owned()), vec![]),
+                    "{text:?} step {step}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_call_that_is_not_json_stays_text() {
+        let text = "a <tool_call>not json</tool_call> b";
+        assert_eq!(
+            gather(read(ToolMode::Auto(ToolFormat::Hermes), text, 3)),
+            (Some(text.to_owned()), vec![])
+        );
+        // Unclosed at the end: read if it parses, else text.
+        let (content, calls) = calls_of(read(
+            ToolMode::Auto(ToolFormat::Hermes),
+            "<tool_call>{\"name\": \"get_time\", \"arguments\": {}}",
+            5,
+        ));
+        assert_eq!((content, calls.len()), (None, 1));
+        let cut = "<tool_call>{\"name\": \"get_ti";
+        assert_eq!(
+            gather(read(ToolMode::Auto(ToolFormat::Hermes), cut, 5)),
+            (Some(cut.to_owned()), vec![])
+        );
+    }
+
+    #[test]
+    fn kimi_calls_keep_the_models_ids() {
+        let text = "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>\
+                    {\"city\": \"Oslo\"}<|tool_call_end|><|tool_call_begin|>functions.get_time:1\
+                    <|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>";
+        for step in [1, 5, 1000] {
+            let (content, calls) = gather(read(ToolMode::Auto(ToolFormat::KimiK2), text, step));
+            assert_eq!(content, None);
+            let got: Vec<_> = calls
+                .iter()
+                .map(|c| {
+                    (
+                        c.id.as_str(),
+                        c.function.name.as_str(),
+                        c.function.arguments.as_str(),
+                    )
+                })
+                .collect();
+            assert_eq!(
+                got,
+                vec![
+                    (
+                        "functions.get_weather:0",
+                        "get_weather",
+                        "{\"city\": \"Oslo\"}"
+                    ),
+                    ("functions.get_time:1", "get_time", "{}")
+                ],
+                "step {step}"
+            );
+        }
+    }
+
+    #[test]
+    fn required_arrays_become_calls_as_each_element_closes() {
+        let text = "[{\"name\": \"get_weather\", \"parameters\": {\"city\": \"a}\\\"]\"}}, {\"name\": \"get_time\", \"parameters\": {}}]";
+        let mut reader = CallReader::new(ToolMode::Required);
+        let first_end = text.find("}},").expect("first element") + 2;
+        let early = reader.push(&text[..first_end]);
+        assert_eq!(
+            early.len(),
+            1,
+            "the first call is handed on once its element closes"
+        );
+        let mut pieces = early;
+        pieces.extend(reader.push(&text[first_end..]));
+        pieces.extend(reader.finish());
+        let (content, calls) = calls_of(pieces);
+        assert_eq!(content, None);
+        assert_eq!(
+            calls,
+            vec![
+                ("get_weather".to_owned(), json!({"city": "a}\"]"})),
+                ("get_time".to_owned(), json!({}))
+            ]
+        );
+        // Cut off before any call closed: the text stays content.
+        let cut = "[{\"name\": \"get_weather\", \"param";
+        assert_eq!(
+            gather(read(ToolMode::Required, cut, 4)),
+            (Some(cut.to_owned()), vec![])
+        );
+    }
+
+    #[test]
+    fn a_named_function_streams_its_arguments() {
+        let pieces = read(
+            ToolMode::Named("get_weather".into()),
+            "{\"city\": \"Oslo\"}",
+            4,
+        );
+        assert!(pieces.len() > 2);
+        match &pieces[0] {
+            Piece::Call(d) => {
+                assert_eq!(d.function.name.as_deref(), Some("get_weather"));
+                assert!(d.id.is_some());
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(pieces[1..]
+            .iter()
+            .all(|p| matches!(p, Piece::Call(d) if d.id.is_none() && d.index == 0)));
+        let (content, calls) = calls_of(pieces);
+        assert_eq!(
+            (content, calls),
+            (
+                None,
+                vec![("get_weather".to_owned(), json!({"city": "Oslo"}))]
+            )
+        );
+    }
+
+    #[test]
+    fn tool_choices_map_to_modes_and_constraints() {
+        let tools = weather();
+        let auto = check(Some(&tools), None, None, Some(ToolFormat::Hermes))
+            .unwrap()
+            .unwrap();
+        assert_eq!(auto.mode, ToolMode::Auto(ToolFormat::Hermes));
+        assert_eq!(auto.constraint, None);
+        assert_eq!(
+            auto.template_tools[1]["function"]["parameters"],
+            json!({"type": "object"})
+        );
+        assert_eq!(
+            check(Some(&tools), Some(&json!("none")), None, None).unwrap(),
+            None
+        );
+        assert_eq!(check(None, Some(&json!("auto")), None, None).unwrap(), None);
+
+        let required = check(
+            Some(&tools),
+            Some(&json!("required")),
+            Some(&json!(false)),
+            None,
+        )
+        .unwrap()
+        .unwrap();
+        let Some(OutputConstraint::JsonSchema(schema)) = required.constraint else {
+            panic!()
+        };
+        let schema: Value = serde_json::from_str(&schema).unwrap();
+        assert_eq!(schema["maxItems"], json!(1));
+        assert_eq!(
+            schema["items"]["anyOf"][0]["properties"]["name"],
+            json!({"const": "get_weather"})
+        );
+
+        let named = check(
+            Some(&tools),
+            Some(&json!({"type": "function", "function": {"name": "get_weather"}})),
+            None,
+            None,
+        )
+        .unwrap()
+        .unwrap();
+        assert_eq!(named.mode, ToolMode::Named("get_weather".into()));
+        let Some(OutputConstraint::JsonSchema(schema)) = named.constraint else {
+            panic!()
+        };
+        assert_eq!(
+            serde_json::from_str::<Value>(&schema).unwrap()["required"],
+            json!(["city"])
+        );
+    }
+
+    #[test]
+    fn bad_tools_are_400s_naming_the_field() {
+        let tools = weather();
+        let cases = [
+            (json!("x"), None, "must be a list"),
+            (json!([{"type": "retrieval"}]), None, "only `function`"),
+            (
+                json!([{"type": "function", "function": {"name": "a b"}}]),
+                None,
+                "1 to 64",
+            ),
+            (
+                json!([{"type": "function", "function": {"name": "f", "parameters": 3}}]),
+                None,
+                "JSON schema object",
+            ),
+            (
+                json!([{"type": "function", "function": {"name": "f"}}, {"type": "function", "function": {"name": "f"}}]),
+                None,
+                "given twice",
+            ),
+            (
+                tools.clone(),
+                Some(json!("sometimes")),
+                "must be none, auto",
+            ),
+            (
+                tools.clone(),
+                Some(json!({"type": "function", "function": {"name": "nope"}})),
+                "not in `tools`",
+            ),
+            (json!([]), Some(json!("required")), "needs `tools`"),
+            (tools.clone(), None, "format tandem cannot read"),
+        ];
+        for (tools, choice, want) in cases {
+            let err = check(Some(&tools), choice.as_ref(), None, None).expect_err(want);
+            assert!(
+                err.to_string().contains(want),
+                "{err} does not say {want:?}"
+            );
+        }
+        let err = check(
+            Some(&tools),
+            None,
+            Some(&json!("yes")),
+            Some(ToolFormat::Hermes),
+        )
+        .expect_err("bool");
+        assert!(err.to_string().contains("parallel_tool_calls"), "{err}");
+    }
+
+    #[test]
+    fn formats_are_told_by_their_markers() {
+        assert_eq!(
+            ToolFormat::detect("{{ '<tool_call>' }}"),
+            Some(ToolFormat::Hermes)
+        );
+        assert_eq!(
+            ToolFormat::detect("<|tool_calls_section_begin|><|tool_call_begin|>"),
+            Some(ToolFormat::KimiK2)
+        );
+        assert_eq!(ToolFormat::detect("{% for m in messages %}"), None);
+    }
+
+    #[test]
+    fn message_calls_reach_templates_with_parsed_arguments() {
+        let calls = json!([{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{\"x\": 1}"}}]);
+        let out = template_calls(&calls, "messages[1]").unwrap();
+        assert_eq!(out[0]["function"]["arguments"], json!({"x": 1}));
+        assert_eq!(out[0]["id"], json!("call_1"));
+        let bad = json!([{"function": {"name": "f", "arguments": "{"}}]);
+        assert!(template_calls(&bad, "messages[1]")
+            .unwrap_err()
+            .to_string()
+            .contains("not JSON"));
+    }
+}

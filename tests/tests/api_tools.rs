@@ -1,0 +1,173 @@
+//! Tool calls through the OpenAI API, sent by the official `openai` client to a real P/D
+//! cluster and to an aggregated worker, both routers serving SmolLM2 with the built-in
+//! `chatml-tools` template (SmolLM2's own has no tools): `required` and a named function give
+//! calls whose arguments validate against the function's schema (checked by `jsonschema`),
+//! streamed deltas add up to the whole answer, a tool result round-trips, `auto` answers in
+//! OpenAI's shape, and P/D equals one process. Bad tools are 400s naming the field.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use tandem_e2e::{python, rt, Cluster, ClusterOptions};
+
+#[test]
+fn tool_calls_validate_stream_round_trip_and_pd_equals_one_process() {
+    let template = vec!["--chat-template".to_string(), "chatml-tools".to_string()];
+    let pd = Cluster::start(ClusterOptions {
+        router_args: template.clone(),
+        ..ClusterOptions::default()
+    });
+    let one = Cluster::start(ClusterOptions {
+        pd_pair: false,
+        aggregated: true,
+        router_args: template,
+        ..ClusterOptions::default()
+    });
+    let script = format!(
+        r##"
+import json, openai, jsonschema
+WEATHER = {{"type": "object", "properties": {{"city": {{"type": "string", "maxLength": 16}},
+    "unit": {{"enum": ["celsius", "fahrenheit"]}}}}, "required": ["city", "unit"], "additionalProperties": False}}
+TIME = {{"type": "object", "properties": {{"zone": {{"type": "string", "maxLength": 12}}}}, "required": ["zone"],
+    "additionalProperties": False}}
+TOOLS = [{{"type": "function", "function": {{"name": "get_weather", "description": "The weather in a city now",
+             "parameters": WEATHER}}}},
+         {{"type": "function", "function": {{"name": "get_time", "description": "The time in a zone",
+             "parameters": TIME}}}}]
+SCHEMA = {{"get_weather": WEATHER, "get_time": TIME}}
+ASK = [{{"role": "user", "content": "What is the weather in Paris right now?"}}]
+
+def ask(url, stream, messages=ASK, **kw):
+    c = openai.OpenAI(base_url=url + "/v1", api_key="unused")
+    r = c.chat.completions.create(model="smollm2-135m-instruct", messages=messages, tools=TOOLS,
+                                  max_tokens=64, stream=stream, **kw)
+    if not stream:
+        m = r.choices[0].message
+        calls = [(t.function.name, t.function.arguments, t.id) for t in (m.tool_calls or [])]
+        return m.content, calls, r.choices[0].finish_reason
+    content, calls, finish = None, {{}}, None
+    for chunk in r:
+        for ch in chunk.choices:
+            if ch.delta.content:
+                content = (content or "") + ch.delta.content
+            for d in ch.delta.tool_calls or []:
+                call = calls.setdefault(d.index, ["", "", None])
+                if d.id:
+                    assert call[2] is None, ("a call's id came twice", d)
+                    call[2] = d.id
+                if d.function and d.function.name:
+                    call[0] += d.function.name
+                if d.function and d.function.arguments:
+                    call[1] += d.function.arguments
+            finish = ch.finish_reason or finish
+    return content, [tuple(calls[i]) for i in sorted(calls)], finish
+
+def same(a, b):
+    # Call ids are fresh per answer; everything else must match.
+    strip = lambda r: (r[0], [(n, json.loads(args)) for n, args, _ in r[1]], r[2])
+    return strip(a) == strip(b)
+
+def check_calls(calls):
+    assert calls, "no calls"
+    for name, args, cid in calls:
+        assert cid, (name, "no id")
+        jsonschema.validate(json.loads(args), SCHEMA[name])
+
+# required: at least one call of a given function, finish_reason tool_calls.
+for kw in [dict(temperature=0), dict(temperature=0.9, seed=11)]:
+    a = ask("{pd}", False, tool_choice="required", **kw)
+    b = ask("{one}", True, tool_choice="required", **kw)
+    assert same(a, b), ("required: P/D whole vs one process streamed", a, b)
+    content, calls, finish = a
+    assert finish == "tool_calls", a
+    assert content is None, a
+    check_calls(calls)
+    print("ok required", kw, calls)
+one_call = ask("{pd}", False, tool_choice="required", parallel_tool_calls=False, temperature=0.9, seed=2)
+assert len(one_call[1]) == 1, one_call
+check_calls(one_call[1])
+
+# A named function: its arguments, finish_reason stop (as OpenAI answers a forced call).
+named = {{"type": "function", "function": {{"name": "get_time"}}}}
+a = ask("{pd}", True, tool_choice=named, temperature=0)
+b = ask("{one}", False, tool_choice=named, temperature=0)
+assert same(a, b), ("named", a, b)
+assert a[2] == "stop" and [c[0] for c in a[1]] == ["get_time"], a
+check_calls(a[1])
+print("ok named", a)
+
+# The call and its result go back to the model: an answer in text.
+name, args, cid = ask("{pd}", False, tool_choice="required", temperature=0)[1][0]
+history = ASK + [
+    {{"role": "assistant", "content": None,
+     "tool_calls": [{{"id": cid, "type": "function", "function": {{"name": name, "arguments": args}}}}]}},
+    {{"role": "tool", "tool_call_id": cid, "content": json.dumps({{"temperature": 18, "sky": "clear"}})}}]
+a = ask("{pd}", False, history, tool_choice="none", temperature=0)
+b = ask("{one}", True, history, tool_choice="none", temperature=0)
+assert same(a, b), ("round trip", a, b)
+assert isinstance(a[0], str) and a[0] and not a[1] and a[2] in ("stop", "length"), a
+print("ok round trip", a)
+
+# auto: text or calls, in OpenAI's shape either way.
+for kw in [dict(temperature=0), dict(temperature=1.0, seed=4)]:
+    a = ask("{pd}", False, **kw)
+    b = ask("{one}", True, **kw)
+    assert same(a, b), ("auto", a, b)
+    content, calls, finish = a
+    if calls:
+        assert finish in ("tool_calls", "length"), a
+        for name, args, _ in calls:
+            assert name, a
+            json.loads(args)
+    else:
+        assert isinstance(content, str) and finish in ("stop", "length"), a
+    print("ok auto", kw, a)
+
+# Bad tools are refused before anything is generated.
+c = openai.OpenAI(base_url="{pd}/v1", api_key="unused")
+for tools, choice, says in [
+        ([{{"type": "function", "function": {{"name": "has space"}}}}], "auto", "tools"),
+        (TOOLS, {{"type": "function", "function": {{"name": "nope"}}}}, "tool_choice"),
+        (TOOLS, "sometimes", "tool_choice")]:
+    try:
+        c.chat.completions.create(model="smollm2-135m-instruct", messages=ASK, tools=tools, tool_choice=choice)
+        raise SystemExit(f"{{tools}} {{choice}} was accepted")
+    except openai.BadRequestError as e:
+        assert e.body["param"] == says, e.body
+        print("refused:", e.body["message"])
+"##,
+        pd = pd.url,
+        one = one.url
+    );
+    python(&script, &pd);
+    // SmolLM2's own template has no tools: said so, not ignored.
+    let plain = Cluster::start(ClusterOptions {
+        pd_pair: false,
+        aggregated: true,
+        ..ClusterOptions::default()
+    });
+    rt().block_on(async {
+        let c = reqwest::Client::new();
+        for url in [&pd.url, &one.url] {
+            let workers = tandem_e2e::workers_when_idle(&c, url).await;
+            assert!(tandem_e2e::pools_full(&workers, None), "{workers}");
+        }
+        let r = c
+            .post(format!("{}/v1/chat/completions", plain.url))
+            .json(
+                &serde_json::json!({"messages": [{"role": "user", "content": "hi"}],
+                "tools": [{"type": "function", "function": {"name": "f"}}]}),
+            )
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 400);
+        let body: serde_json::Value = r.json().await.unwrap();
+        assert!(
+            body["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("does not support tools"),
+            "{body}"
+        );
+    });
+}
