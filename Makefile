@@ -51,7 +51,7 @@ run-aggregated: model
 
 test: deps
 	@command -v cargo-nextest >/dev/null 2>&1 || $(CARGO) install cargo-nextest --locked
-	@python3 -c 'import openai, jsonschema' 2>/dev/null || python3 -m pip install -q openai jsonschema
+	@python3 -c 'import openai, jsonschema, schemathesis' 2>/dev/null || python3 -m pip install -q openai jsonschema 'schemathesis>=4.3,<5'
 	$(CARGO) build --bin tandem
 	$(TARGET_DIR)/debug/tandem model pull smollm2-135m-instruct
 	@bash scripts/fetch-nvrtc.sh "$(NVRTC_HOME)" || echo "NVRTC not fetched: the CUDA kernel compile test will skip"

@@ -81,10 +81,11 @@ struct WorkersQuery {
 
 async fn workers(
     State(pd): State<Arc<PdGenerator>>,
-    axum::extract::Query(q): axum::extract::Query<WorkersQuery>,
-) -> Json<Value> {
+    q: Result<axum::extract::Query<WorkersQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Json<Value>, crate::error::ApiError> {
+    let q = q.map_err(|e| crate::error::ApiError::invalid(e.body_text(), Some("wait_idle_ms")))?;
     let wait = Duration::from_millis(q.wait_idle_ms.min(60_000));
-    Json(json!({"workers": worker_report(&pd, wait).await}))
+    Ok(Json(json!({"workers": worker_report(&pd, wait).await})))
 }
 
 /// The requests in flight and their phases.

@@ -41,6 +41,8 @@ mod legs;
 pub mod metrics;
 /// Tokenizer, chat template, context length and EOS ids loaded from a model directory.
 pub mod model;
+/// `GET /openapi.json`: the router's OpenAPI document.
+pub mod openapi;
 /// The P/D generator: gRPC to a prefill and a decode worker per request, with retries.
 pub mod pd;
 /// Worker selection policies.

@@ -116,6 +116,7 @@ pub fn app(state: RouterState) -> Router {
         .route("/version", get(version))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
+        .route("/openapi.json", get(crate::openapi::openapi))
         .fallback(fallback)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))

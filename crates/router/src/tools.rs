@@ -180,19 +180,19 @@ pub fn check(
                 Choice::Auto
             }
         }
-        Some(Value::String(s)) => {
-            match s.as_str() {
-                "none" => Choice::None,
-                "auto" => Choice::Auto,
-                "required" => Choice::Required,
-                other => return Err(invalid(
+        Some(Value::String(s)) => match s.as_str() {
+            "none" => Choice::None,
+            "auto" => Choice::Auto,
+            "required" => Choice::Required,
+            other => {
+                return Err(invalid(
                     format!(
                         "`tool_choice` must be none, auto, required or a function, got {other:?}"
                     ),
                     "tool_choice",
-                )),
+                ))
             }
-        }
+        },
         Some(Value::Object(o)) => {
             let name = match (o.get("type").and_then(Value::as_str), o.get("function")) {
                 (Some("function"), Some(f)) => f.get("name").and_then(Value::as_str),
