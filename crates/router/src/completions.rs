@@ -75,10 +75,12 @@ async fn handle(
         skip_special_tokens: prepared_skip,
         include_stop_str: prepared_include,
         tools,
+        echo,
         ..
     } = prepared;
-    let shape =
-        Shape::new(&state, endpoint, &request, include_usage, base_id, 0).reading_calls(tools);
+    let shape = Shape::new(&state, endpoint, &request, include_usage, base_id, 0)
+        .reading_calls(tools)
+        .echoing(echo);
     let detokenizer =
         Detokenizer::new(state.model().tokenizer().clone(), &request.prompt_token_ids)
             .skip_special_tokens(prepared_skip);
@@ -227,7 +229,8 @@ async fn respond_batch(
                     base_id,
                     i as u32,
                 )
-                .reading_calls(p.tools.clone());
+                .reading_calls(p.tools.clone())
+                .echoing(p.echo.clone());
                 let detok = Detokenizer::new(
                     state.model().tokenizer().clone(),
                     &p.request.prompt_token_ids,
@@ -321,7 +324,7 @@ async fn respond_batch(
                 let mut events: Vec<Event> = if started {
                     Vec::new()
                 } else {
-                    shape.role_chunk().into_iter().collect()
+                    shape.opening_chunks()
                 };
                 let next = text.next().await;
                 let logprobs = text.take_logprobs();
@@ -412,7 +415,7 @@ impl SseDriver {
         let mut events = Vec::new();
         if !self.started {
             self.started = true;
-            events.extend(self.shape.role_chunk());
+            events.extend(self.shape.opening_chunks());
         }
         let next = match self.first.take() {
             Some(event) => Some(Ok(event)),
@@ -464,6 +467,8 @@ struct Shape {
     /// Log-probabilities of tokens whose text the call reader still holds (they go out with
     /// the next chunk).
     held_logprobs: std::cell::RefCell<Vec<(u32, TokenLogprobs)>>,
+    /// Completions with `echo`: the prompt text, not sent yet.
+    echo: std::cell::RefCell<Option<String>>,
 }
 
 /// A reported log-probability (JSON has no infinities; vLLM's floor).
@@ -507,7 +512,14 @@ impl Shape {
             text_offset: std::cell::Cell::new(0),
             calls: std::cell::RefCell::new(None),
             held_logprobs: std::cell::RefCell::new(Vec::new()),
+            echo: std::cell::RefCell::new(None),
         }
+    }
+
+    /// Puts `prompt` before the generated text (completions with `echo`).
+    fn echoing(self, prompt: Option<String>) -> Self {
+        *self.echo.borrow_mut() = prompt;
+        self
     }
 
     /// Reads tool calls out of the text in `mode` (chat with tools).
@@ -554,9 +566,13 @@ impl Shape {
     }
 
     fn completion_choice(&self, w: Whole) -> CompletionChoice {
+        let text = match self.echo.borrow_mut().take() {
+            Some(prompt) => prompt + &w.text,
+            None => w.text,
+        };
         CompletionChoice {
             index: self.index,
-            text: w.text,
+            text,
             logprobs: self.completion_logprobs(&w.logprobs),
             finish_reason: Some(w.reason.into()),
             stop_reason: w.stop_reason,
@@ -642,20 +658,24 @@ impl Shape {
         }
     }
 
-    /// The opening `{"role": "assistant"}` chunk of a chat stream.
-    fn role_chunk(&self) -> Option<Event> {
-        (self.endpoint == Endpoint::ChatCompletions).then(|| {
-            self.chunk(
-                ChatDelta {
-                    role: Some("assistant"),
-                    content: Some(String::new()),
-                    tool_calls: None,
+    /// What a stream opens with: chat's `{"role": "assistant"}` chunk; a completion's
+    /// echoed prompt.
+    fn opening_chunks(&self) -> Vec<Event> {
+        let delta = match self.endpoint {
+            Endpoint::ChatCompletions => ChatDelta {
+                role: Some("assistant"),
+                content: Some(String::new()),
+                tool_calls: None,
+            },
+            Endpoint::Completions => match self.echo.borrow_mut().take() {
+                Some(prompt) => ChatDelta {
+                    content: Some(prompt),
+                    ..ChatDelta::default()
                 },
-                &[],
-                None,
-                None,
-            )
-        })
+                None => return Vec::new(),
+            },
+        };
+        vec![self.chunk(delta, &[], None, None)]
     }
 
     /// The chunks of more generated text (with the log-probabilities of its tokens): one

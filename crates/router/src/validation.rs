@@ -42,6 +42,8 @@ pub struct Prepared {
     pub include_stop_str: bool,
     /// How to read calls out of the output (chat requests with tools).
     pub tools: Option<crate::tools::ToolMode>,
+    /// Completions with `echo`: the prompt's text, put before the generated text.
+    pub echo: Option<String>,
 }
 
 impl Prepared {
@@ -221,8 +223,13 @@ pub fn prepare_completion_batch(
         None | Some(Value::Null) => None,
         Some(v) => Some(logprob_count(v, "logprobs")?),
     };
-    if request.echo == Some(true) {
-        return Err(ApiError::invalid("`echo` is not supported", Some("echo")));
+    let echo = request.echo == Some(true);
+    if echo && common.sampling.logprobs.is_some() {
+        return Err(ApiError::invalid(
+            "`echo` with `logprobs` (the prompt's log-probabilities) is not supported yet; \
+             `echo` alone is",
+            Some("echo"),
+        ));
     }
     if request.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
         return Err(ApiError::invalid(
@@ -236,23 +243,24 @@ pub fn prepare_completion_batch(
             Some("best_of"),
         ));
     }
-    let prompts = match request.prompt {
+    // Each prompt's ids, and its text when the client sent text (what `echo` repeats).
+    let prompts: Vec<(Vec<u32>, Option<String>)> = match request.prompt {
         None => return Err(ApiError::invalid("`prompt` is required", Some("prompt"))),
-        Some(PromptInput::Text(text)) => vec![encode_prompt(model, &text)?],
+        Some(PromptInput::Text(text)) => vec![(encode_prompt(model, &text)?, Some(text))],
         Some(PromptInput::Texts(texts)) => {
             check_batch(texts.len())?;
             texts
-                .iter()
-                .map(|t| encode_prompt(model, t))
-                .collect::<Result<_, _>>()?
+                .into_iter()
+                .map(|t| Ok((encode_prompt(model, &t)?, Some(t))))
+                .collect::<Result<_, ApiError>>()?
         }
-        Some(PromptInput::Tokens(ids)) => vec![token_ids(&ids, model, "prompt")?],
+        Some(PromptInput::Tokens(ids)) => vec![(token_ids(&ids, model, "prompt")?, None)],
         Some(PromptInput::TokenBatches(batches)) => {
             check_batch(batches.len())?;
             batches
                 .iter()
-                .map(|ids| token_ids(ids, model, "prompt"))
-                .collect::<Result<_, _>>()?
+                .map(|ids| Ok((token_ids(ids, model, "prompt")?, None)))
+                .collect::<Result<_, ApiError>>()?
         }
     };
     let max_tokens = params.max_tokens.map(|n| (n, "max_tokens"));
@@ -266,7 +274,22 @@ pub fn prepare_completion_batch(
             } else {
                 RequestId(format!("{}-{i}", id.0))
             };
-            finish(model, id, prompt, max_tokens, common.clone(), "prompt")
+            let (prompt, text) = prompt;
+            let echo = match (echo, text) {
+                (false, _) => None,
+                (true, Some(text)) => Some(text),
+                (true, None) => Some(
+                    model
+                        .tokenizer()
+                        .decode(&prompt, common.skip_special_tokens)
+                        .map_err(|e| {
+                            ApiError::internal(format!("cannot decode the prompt: {e}"))
+                        })?,
+                ),
+            };
+            let mut prepared = finish(model, id, prompt, max_tokens, common.clone(), "prompt")?;
+            prepared.echo = echo;
+            Ok(prepared)
         })
         .collect()
 }
@@ -551,6 +574,7 @@ fn finish(
         skip_special_tokens: common.skip_special_tokens,
         include_stop_str: common.include_stop_str,
         tools: None,
+        echo: None,
     })
 }
 

@@ -170,7 +170,7 @@ async fn bad_requests_get_json_errors_then_a_good_one_succeeds() {
         ),
         (
             COMPLETIONS,
-            json!({"prompt": "x", "echo": true}),
+            json!({"prompt": "x", "echo": true, "logprobs": 1}),
             400,
             Some("echo"),
         ),

@@ -590,3 +590,47 @@ async fn n_choices_are_separate_seeded_requests_and_count_the_prompt_once() {
         assert_eq!(err["error"]["param"], "n");
     }
 }
+
+#[tokio::test]
+async fn echo_puts_the_prompt_before_the_answer_whole_streamed_and_batched() {
+    let (router, state, _) = app_answering(ANSWER);
+    let (status, answer) = post_json(
+        &router,
+        COMPLETIONS,
+        json!({"prompt": "hello", "echo": true}),
+    )
+    .await;
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(answer["choices"][0]["text"], format!("hello{ANSWER}"));
+    assert_eq!(
+        answer["usage"]["prompt_tokens"], 1,
+        "the echo is not generated"
+    );
+
+    let (_, _, data) = post_sse(
+        &router,
+        COMPLETIONS,
+        json!({"prompt": "hello", "echo": true, "stream": true}),
+    )
+    .await;
+    let chunks = chunks(&data);
+    assert_eq!(
+        chunks[0]["choices"][0]["text"], "hello",
+        "the echo comes first"
+    );
+    assert_eq!(streamed_text(&chunks), format!("hello{ANSWER}"));
+
+    // Token prompts echo their text; a batch echoes each prompt in its own choice.
+    let ids = encode(&state, "hello world");
+    let (_, answer) = post_json(
+        &router,
+        COMPLETIONS,
+        json!({"prompt": [ids.clone(), encode(&state, "hello")], "echo": true}),
+    )
+    .await;
+    assert_eq!(answer["choices"][0]["text"], format!("hello world{ANSWER}"));
+    assert_eq!(answer["choices"][1]["text"], format!("hello{ANSWER}"));
+    // Without echo, nothing is added.
+    let (_, answer) = post_json(&router, COMPLETIONS, json!({"prompt": ids, "echo": false})).await;
+    assert_eq!(answer["choices"][0]["text"], ANSWER);
+}
