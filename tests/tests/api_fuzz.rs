@@ -52,6 +52,8 @@ fn schemathesis_finds_no_server_error_and_no_answer_off_the_document() {
             "--request-timeout",
             "60",
             "--generation-deterministic",
+            "--generation-database",
+            "none",
             "--suppress-health-check",
             "all",
         ])
