@@ -89,6 +89,18 @@ pub fn post_json(url: &str, body: &str) -> String {
 
 /// `/admin/workers` once every live worker holds no KV or state (the workers wait for it
 /// themselves, up to 20 s), parsed.
+/// The router's Prometheus text (`GET /metrics`).
+pub async fn metrics_text(client: &reqwest::Client, url: &str) -> String {
+    client
+        .get(format!("{url}/metrics"))
+        .send()
+        .await
+        .expect("GET /metrics")
+        .text()
+        .await
+        .expect("metrics body")
+}
+
 pub async fn workers_when_idle(client: &reqwest::Client, url: &str) -> serde_json::Value {
     client
         .get(format!("{url}/admin/workers?wait_idle_ms=20000"))

@@ -52,8 +52,6 @@ fn schemathesis_finds_no_server_error_and_no_answer_off_the_document() {
             "--request-timeout",
             "60",
             "--generation-deterministic",
-            "--generation-database",
-            "none",
             "--suppress-health-check",
             "all",
         ])
@@ -73,14 +71,7 @@ fn schemathesis_finds_no_server_error_and_no_answer_off_the_document() {
     tandem_e2e::rt().block_on(async {
         let c = reqwest::Client::new();
         // The run really generated: answered 200s on both generation endpoints.
-        let metrics = c
-            .get(format!("{}/metrics", cluster.url))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+        let metrics = tandem_e2e::metrics_text(&c, &cluster.url).await;
         for endpoint in ["chat_completions", "completions"] {
             let served: f64 = metrics
                 .lines()

@@ -629,14 +629,7 @@ fn a_stream_survives_the_death_of_its_decode_worker() {
         let (status, whole) = post(&c, &format!("{}/v1/completions", cluster.url), body).await;
         assert_eq!(status, 200, "{whole}");
         assert_eq!(text(&raw), whole["choices"][0]["text"].as_str().unwrap());
-        let metrics = c
-            .get(format!("{}/metrics", cluster.url))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+        let metrics = tandem_e2e::metrics_text(&c, &cluster.url).await;
         assert!(
             metrics.lines().any(|l| l == "tandem_migrations_total 1"),
             "one migration counted: {metrics}"
