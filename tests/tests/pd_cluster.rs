@@ -319,16 +319,18 @@ fn dead_workers_are_routed_around_and_nothing_is_lost() {
             .filter(|w| w["error"].is_string())
             .collect();
         assert_eq!(dead.len(), 2, "{workers}");
-        // Each dead worker failed several attempts: its breaker took it out of rotation.
+        // Each dead worker failed several attempts: its breaker took it out of rotation (it
+        // may be back on probation by now if the requests took longer than the cooldown, so
+        // the count of ejections is what is asserted, not the state at this instant).
         assert!(
-            dead.iter().all(|w| w["ejected"] == true),
-            "dead workers should be ejected: {workers}"
+            dead.iter().all(|w| w["ejections"].as_u64() >= Some(1)),
+            "dead workers should have been ejected: {workers}"
         );
         let live_ejected = workers["workers"]
             .as_array()
             .unwrap()
             .iter()
-            .filter(|w| !w["error"].is_string() && w["ejected"] == true)
+            .filter(|w| !w["error"].is_string() && w["ejections"] != 0)
             .count();
         assert_eq!(live_ejected, 0, "{workers}");
         assert_eq!(

@@ -18,11 +18,14 @@ fn a_prefill_stops_when_its_decode_worker_dies() {
     let cluster = Cluster::start(ClusterOptions {
         second_decode: true,
         prefill_args: vec!["--max-batch-tokens".to_string(), "16".to_string()],
+        // The retried prefill runs 16 tokens a step on a loaded 2-core CI machine: the
+        // default 60 s first-token limit is not what this test is about.
+        router_config: "timeouts: {first_token: 300s}\n".into(),
         ..ClusterOptions::default()
     });
     let url = cluster.url.clone();
     let prefill = cluster.prefill_addr.clone();
-    let prompt: Vec<u32> = (0..120 * 16).map(|i| 100 + (i * 7) % 1000).collect();
+    let prompt: Vec<u32> = (0..80 * 16).map(|i| 100 + (i * 7) % 1000).collect();
     let len = prompt.len() as u64;
     rt().block_on(async {
         let c = reqwest::Client::new();
@@ -177,8 +180,8 @@ fn workers_end_a_request_at_its_deadline_when_the_router_cannot_tell_them() {
 
 /// The stale-writer race at the workers themselves (no router to cancel the late prefill): a
 /// decode reservation whose KV does not arrive within its 1 s lease is released; a prefill
-/// that only then pushes to that stale target touches nobody's memory — its writer refuses
-/// the expired landing slot (nothing lands: `kv_bytes_landed` stays 0) and the message it
+/// that only then pushes to that stale target touches nobody's memory — its writer finds the
+/// landing slot's fence cleared (nothing lands: `kv_bytes_landed` stays 0) and the message it
 /// sends over the transport instead is dropped for its stale reservation — and the request
 /// made next, on the blocks the first one held, answers as an undisturbed pair does, its KV
 /// landing in shared memory as usual.

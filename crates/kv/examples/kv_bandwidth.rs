@@ -140,8 +140,7 @@ async fn landing(
     let slots: Vec<_> = (0..args.window)
         .map(|_| arena.slot(args.size).ok_or("arena too small"))
         .collect::<Result<_, _>>()?;
-    let far = u64::MAX;
-    let targets: Arc<Vec<_>> = Arc::new(slots.iter().map(|s| s.landing(far)).collect());
+    let targets: Arc<Vec<_>> = Arc::new(slots.iter().map(|s| s.landing()).collect());
     let writer = Arc::new(LandingWriter::new());
     let payload = Arc::new(payload);
     let timeout = Duration::from_secs(30);

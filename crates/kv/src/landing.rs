@@ -12,11 +12,16 @@
 //! (header, manifest checksum, per-segment checksums, epoch), so what reaches the batch is
 //! checked identically.
 //!
-//! Fencing. A slot whose reservation ended without its KV landing (lease expired, request
-//! cancelled) may still be written by a slow prefill worker, so it is quarantined before it is
-//! handed out again; writers refuse a descriptor past its expiry, which comes well before the
-//! quarantine ends. A slot whose KV did land was written by a writer that has finished (the
-//! completion record is sent after the copy), so it is reused at once.
+//! Fencing. Every slot has a fence word in the arena's fence table: the decode side sets it
+//! to a fresh random token when it hands the slot to a reservation (the token travels in the
+//! descriptor) and clears it the moment the reservation lets go (lease expired, request
+//! cancelled, KV consumed). A writer copies only while the fence still holds its
+//! descriptor's token, so a prefill that outlived its reservation writes nothing, however
+//! long its lease was extended or however early the reservation was cancelled. A writer that
+//! passed the check just before the fence was cleared may still be copying, so a slot
+//! released without its KV landing is quarantined (30 s, far longer than any copy) before it
+//! is handed out again. A slot whose KV did land was written by a writer that has finished
+//! (the completion record is sent after the copy), so it is reused at once.
 
 // Mapping shared memory needs `unsafe` (mmap, raw copies); every block says why it holds.
 #![allow(unsafe_code)]
@@ -24,13 +29,21 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::ffi::CString;
 use std::io;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-/// Bytes at the start of the arena that hold its header (magic, nonce, length); slots follow.
+/// Bytes at the start of the arena that hold its header (magic, nonce, length, where the
+/// fence table and the slots start); the fence table and then the slots follow.
 const HEADER_BYTES: usize = 4096;
+/// Header fields (byte offsets).
+const AT_MAGIC: usize = 0;
+const AT_NONCE: usize = 8;
+const AT_LEN: usize = 16;
+const AT_FENCES: usize = 24;
+const AT_SLOTS: usize = 32;
 /// Slots start and end on this boundary.
 const SLOT_ALIGN: usize = 4096;
 const MAGIC: u64 = 0x4c44_4e41_4b44_4e54; // "TNDKANDL"
@@ -38,8 +51,6 @@ const MAGIC: u64 = 0x4c44_4e41_4b44_4e54; // "TNDKANDL"
 const NAME_PREFIX: &str = "tandem-kv-";
 /// How long a slot released without its KV landing waits before it is reused.
 pub const DEFAULT_QUARANTINE: Duration = Duration::from_secs(30);
-/// A writer refuses a descriptor this close to its expiry (it could not finish in time).
-const EXPIRY_MARGIN: Duration = Duration::from_millis(500);
 /// Bytes of /dev/shm an arena leaves free for other users.
 const SHM_HEADROOM: usize = 16 << 20;
 /// Arenas a writer keeps mapped (one per decode worker it sends to).
@@ -60,8 +71,8 @@ pub struct Landing {
     pub offset: u64,
     /// The slot's capacity in bytes.
     pub capacity: u64,
-    /// Unix time (ms) after which the decode worker stops waiting for this reservation.
-    pub expires_unix_ms: u64,
+    /// The token the slot's fence holds while its reservation waits for this KV.
+    pub fence: u64,
 }
 
 /// Why a landing write did not happen (the caller falls back to sending the handoff).
@@ -97,16 +108,9 @@ pub enum LandingError {
         /// The arena's length.
         arena_len: u64,
     },
-    /// Too close to (or past) the descriptor's expiry: the decode side may have let go.
-    #[error("landing slot expired")]
-    Expired,
-}
-
-/// Now as Unix time in milliseconds (the clock a [`Landing`]'s expiry is read against).
-pub fn now_unix_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
+    /// The slot's fence no longer holds the descriptor's token: its reservation let go.
+    #[error("the landing slot's reservation has ended")]
+    Released,
 }
 
 /// A shared mapping of an arena file; unmapped on drop.
@@ -154,6 +158,17 @@ impl Mapping {
         assert!(at + 8 <= self.len);
         // SAFETY: in bounds (asserted); unaligned write of plain bytes.
         unsafe { std::ptr::write_unaligned(self.ptr.add(at).cast::<u64>(), v) }
+    }
+
+    /// The fence word at `at` (8-aligned, in bounds), shared with other processes.
+    fn fence(&self, at: usize) -> &AtomicU64 {
+        assert!(
+            at % 8 == 0 && at + 8 <= self.len,
+            "a fence word lies in the table"
+        );
+        // SAFETY: in bounds and 8-aligned (asserted; the mapping is page-aligned), valid as
+        // long as `self`; every process touches fence words only through atomics.
+        unsafe { &*self.ptr.add(at).cast::<AtomicU64>() }
     }
 }
 
@@ -281,6 +296,9 @@ pub struct LandingArena {
     name: String,
     nonce: u64,
     map: Mapping,
+    /// Where the fence table and the slots start.
+    fences: usize,
+    slots_at: usize,
     slots: Mutex<Slots>,
     quarantine: Duration,
 }
@@ -304,7 +322,11 @@ impl LandingArena {
     /// [`LandingArena::create`] with another quarantine for abandoned slots.
     pub fn with_quarantine(len: usize, quarantine: Duration) -> io::Result<Arc<LandingArena>> {
         remove_stale_arenas();
-        let total = HEADER_BYTES + len.div_ceil(SLOT_ALIGN) * SLOT_ALIGN;
+        let slot_bytes = len.div_ceil(SLOT_ALIGN) * SLOT_ALIGN;
+        // One fence word per page a slot may start on.
+        let fence_bytes = (slot_bytes / SLOT_ALIGN * 8).div_ceil(SLOT_ALIGN) * SLOT_ALIGN;
+        let (fences, slots_at) = (HEADER_BYTES, HEADER_BYTES + fence_bytes);
+        let total = slots_at + slot_bytes;
         let free = shm_free_bytes()?;
         if free < (total + SHM_HEADROOM) as u64 {
             return Err(io::Error::new(
@@ -333,16 +355,20 @@ impl LandingArena {
                 return Err(e);
             }
         };
-        map.write_u64(0, MAGIC);
-        map.write_u64(8, nonce);
-        map.write_u64(16, total as u64);
+        map.write_u64(AT_MAGIC, MAGIC);
+        map.write_u64(AT_NONCE, nonce);
+        map.write_u64(AT_LEN, total as u64);
+        map.write_u64(AT_FENCES, fences as u64);
+        map.write_u64(AT_SLOTS, slots_at as u64);
         let mut slots = Slots::default();
-        slots.release(HEADER_BYTES, total - HEADER_BYTES);
+        slots.release(slots_at, total - slots_at);
         tracing::info!(%name, bytes = total, "KV landing arena ready (shared memory for prefill workers on this host)");
         Ok(Arc::new(LandingArena {
             name,
             nonce,
             map,
+            fences,
+            slots_at,
             slots: Mutex::new(slots),
             quarantine,
         }))
@@ -355,12 +381,21 @@ impl LandingArena {
         let mut slots = self.slots.lock();
         slots.reclaim(Instant::now());
         let offset = slots.take(len)?;
+        let fence = rand::random::<u64>() | 1;
+        self.fence_of(offset).store(fence, Ordering::Release);
         Some(LandingSlot {
             arena: Arc::clone(self),
             offset,
             len,
+            fence,
             landed: false,
         })
+    }
+
+    /// The fence word of the slot starting at `offset`.
+    fn fence_of(&self, offset: usize) -> &AtomicU64 {
+        self.map
+            .fence(fence_at(self.fences, self.slots_at, offset as u64).expect("a slot's offset"))
     }
 
     /// Bytes held by live slots (quarantined ones not counted).
@@ -387,6 +422,7 @@ pub struct LandingSlot {
     arena: Arc<LandingArena>,
     offset: usize,
     len: usize,
+    fence: u64,
     landed: bool,
 }
 
@@ -400,15 +436,15 @@ impl std::fmt::Debug for LandingSlot {
 }
 
 impl LandingSlot {
-    /// The descriptor a writer needs, valid until `expires_unix_ms`.
-    pub fn landing(&self, expires_unix_ms: u64) -> Landing {
+    /// The descriptor a writer needs; writes through it succeed while this slot is held.
+    pub fn landing(&self) -> Landing {
         Landing {
             name: self.arena.name.clone(),
             nonce: self.arena.nonce,
             arena_len: self.arena.map.len as u64,
             offset: self.offset as u64,
             capacity: self.len as u64,
-            expires_unix_ms,
+            fence: self.fence,
         }
     }
 
@@ -466,6 +502,8 @@ impl AsRef<[u8]> for LandedBytes {
 
 impl Drop for LandingSlot {
     fn drop(&mut self) {
+        // From here on no writer starts a copy into this slot.
+        self.arena.fence_of(self.offset).store(0, Ordering::Release);
         let mut slots = self.arena.slots.lock();
         slots.in_use -= self.len;
         if self.landed {
@@ -475,6 +513,15 @@ impl Drop for LandingSlot {
             slots.quarantined.push_back((until, self.offset, self.len));
         }
     }
+}
+
+/// Where the fence word of the slot starting at `offset` lies, for an arena whose fence table
+/// starts at `fences` and whose slots start at `slots_at`; `None` for an offset no slot can
+/// start at.
+fn fence_at(fences: usize, slots_at: usize, offset: u64) -> Option<usize> {
+    let page = (offset as usize).checked_sub(slots_at)?;
+    page.is_multiple_of(SLOT_ALIGN)
+        .then_some(fences + page / SLOT_ALIGN * 8)
 }
 
 /// The prefill side: writes handoffs into landing slots of arenas it can map, keeping the
@@ -496,8 +543,8 @@ impl LandingWriter {
         LandingWriter::default()
     }
 
-    /// Copies `payload` into the slot `to` describes. On error nothing was written (or the
-    /// slot is past its expiry and no longer watched): send the handoff another way.
+    /// Copies `payload` into the slot `to` describes. On error nothing was written: send the
+    /// handoff another way.
     pub fn write(&self, to: &Landing, payload: &[u8]) -> Result<(), LandingError> {
         self.write_with(to, payload.len(), |dst| dst.copy_from_slice(payload))
     }
@@ -517,26 +564,35 @@ impl LandingWriter {
                 capacity: to.capacity,
             });
         }
+        let out_of_bounds = || LandingError::OutOfBounds {
+            offset: to.offset,
+            capacity: to.capacity,
+            arena_len: to.arena_len,
+        };
         if to.offset < HEADER_BYTES as u64
             || to
                 .offset
                 .checked_add(to.capacity)
                 .is_none_or(|end| end > to.arena_len)
         {
-            return Err(LandingError::OutOfBounds {
-                offset: to.offset,
-                capacity: to.capacity,
-                arena_len: to.arena_len,
-            });
+            return Err(out_of_bounds());
         }
         let map = self.mapping(to)?;
-        if now_unix_ms() + EXPIRY_MARGIN.as_millis() as u64 >= to.expires_unix_ms {
-            return Err(LandingError::Expired);
+        let (fences, slots_at) = (
+            map.read_u64(AT_FENCES) as usize,
+            map.read_u64(AT_SLOTS) as usize,
+        );
+        let fence = fence_at(fences, slots_at, to.offset)
+            .filter(|&at| at >= HEADER_BYTES && at + 8 <= slots_at)
+            .ok_or_else(out_of_bounds)?;
+        if to.fence == 0 || map.fence(fence).load(Ordering::Acquire) != to.fence {
+            return Err(LandingError::Released);
         }
         // SAFETY: [offset, offset + len) is inside the mapping (checked against arena_len,
         // which equals the mapping's length) and the mapping outlives the call; the decode
         // side does not touch the slot before the completion record sent after this write,
-        // and no other writer is given the same slot.
+        // no other writer holds this slot's token, and a slot released while this copy runs
+        // is quarantined far longer than the copy takes.
         let dst = unsafe { std::slice::from_raw_parts_mut(map.ptr.add(to.offset as usize), len) };
         fill(dst);
         Ok(())
@@ -562,7 +618,7 @@ impl LandingWriter {
             return Err(LandingError::Mismatch(to.name.clone()));
         }
         let map = Mapping::new(fd.0, to.arena_len as usize).map_err(unreachable)?;
-        if map.read_u64(0) != MAGIC || map.read_u64(8) != to.nonce {
+        if map.read_u64(AT_MAGIC) != MAGIC || map.read_u64(AT_NONCE) != to.nonce {
             return Err(LandingError::Mismatch(to.name.clone()));
         }
         let map = Arc::new(map);
@@ -581,10 +637,6 @@ mod tests {
 
     const MIB: usize = 1 << 20;
 
-    fn far() -> u64 {
-        now_unix_ms() + 60_000
-    }
-
     #[test]
     fn a_write_lands_in_the_slot_and_nowhere_else() {
         let arena = LandingArena::create(4 * MIB).expect("arena");
@@ -592,29 +644,30 @@ mod tests {
         let mut b = arena.slot(MIB).expect("slot b");
         let writer = LandingWriter::new();
         let payload: Vec<u8> = (0..MIB - 5).map(|i| (i % 253) as u8).collect();
-        writer.write(&a.landing(far()), &payload).expect("write a");
-        writer
-            .write(&b.landing(far()), &[7u8; 100])
-            .expect("write b");
+        writer.write(&a.landing(), &payload).expect("write a");
+        writer.write(&b.landing(), &[7u8; 100]).expect("write b");
         assert!(a.landed(payload.len()).expect("fits") == &payload[..]);
         assert_eq!(b.landed(100).expect("fits"), &[7u8; 100]);
         assert!(a.landed(MIB + 1).is_none(), "past the slot");
     }
 
     #[test]
-    fn writers_refuse_what_does_not_fit_or_has_expired_or_is_another_arena() {
+    fn writers_refuse_what_does_not_fit_or_is_not_held_or_is_another_arena() {
         let arena = LandingArena::create(2 * MIB).expect("arena");
         let slot = arena.slot(4096).expect("slot");
         let writer = LandingWriter::new();
-        let to = slot.landing(far());
+        let to = slot.landing();
         assert!(matches!(
             writer.write(&to, &vec![0u8; 4097]),
             Err(LandingError::TooLarge { .. })
         ));
-        let expired = slot.landing(now_unix_ms());
+        let forged = Landing {
+            fence: to.fence ^ 2,
+            ..to.clone()
+        };
         assert!(matches!(
-            writer.write(&expired, b"late"),
-            Err(LandingError::Expired)
+            writer.write(&forged, b"x"),
+            Err(LandingError::Released)
         ));
         let other = Landing {
             nonce: to.nonce ^ 2,
@@ -635,12 +688,50 @@ mod tests {
         let outside = Landing {
             offset: to.arena_len - 4096,
             capacity: 8192,
-            ..to
+            ..to.clone()
         };
         assert!(matches!(
             writer.write(&outside, b"x"),
             Err(LandingError::OutOfBounds { .. })
         ));
+        let misaligned = Landing {
+            offset: to.offset + 8,
+            capacity: 64,
+            ..to.clone()
+        };
+        assert!(matches!(
+            writer.write(&misaligned, b"x"),
+            Err(LandingError::OutOfBounds { .. })
+        ));
+        writer
+            .write(&to, b"ok")
+            .expect("the real descriptor still writes");
+    }
+
+    /// The stale-writer race: once a reservation lets go of its slot (its lease ran out, it
+    /// was cancelled), a writer holding its descriptor writes nothing — even when the slot has
+    /// since been handed to another reservation, whose bytes stay as they were.
+    #[test]
+    fn a_released_slot_takes_no_writes_from_its_old_descriptor() {
+        let arena = LandingArena::with_quarantine(MIB, Duration::ZERO).expect("arena");
+        let writer = LandingWriter::new();
+        let first = arena.slot(MIB).expect("slot");
+        let stale = first.landing();
+        drop(first);
+        assert!(matches!(
+            writer.write(&stale, b"late"),
+            Err(LandingError::Released)
+        ));
+        let mut second = arena.slot(MIB).expect("the same range, reused");
+        let fresh = second.landing();
+        assert_eq!(fresh.offset, stale.offset, "the test reuses the range");
+        assert_ne!(fresh.fence, stale.fence);
+        writer.write(&fresh, b"mine").expect("write");
+        assert!(matches!(
+            writer.write(&stale, b"late"),
+            Err(LandingError::Released)
+        ));
+        assert_eq!(second.landed(4).expect("fits"), b"mine");
     }
 
     #[test]

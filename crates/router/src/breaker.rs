@@ -43,6 +43,8 @@ pub struct Breaker {
     open_until: Option<Instant>,
     /// A probe is out (half-open): no further request until it reports.
     probing: bool,
+    /// Times this breaker opened since the router started.
+    ejections: u64,
 }
 
 /// What the breaker says about sending a request now.
@@ -76,9 +78,17 @@ impl Breaker {
             .is_some_and(|until| now < until || self.probing)
     }
 
+    /// Times the breaker opened (the worker was taken out of rotation) so far.
+    pub fn ejections(&self) -> u64 {
+        self.ejections
+    }
+
     /// A request on this worker succeeded.
     pub fn on_success(&mut self) {
-        *self = Self::default();
+        *self = Self {
+            ejections: self.ejections,
+            ..Self::default()
+        };
     }
 
     /// A request was routed here but never reached the worker (the other leg failed first):
@@ -94,6 +104,9 @@ impl Breaker {
         }
         self.failures += 1;
         if self.probing || self.failures >= policy.threshold.max(1) {
+            if !self.is_open(now) {
+                self.ejections += 1;
+            }
             self.open_until = Some(now + policy.cooldown);
             self.probing = false;
         }
@@ -119,8 +132,12 @@ mod tests {
             Admit::Yes,
             "one failure is below the threshold"
         );
+        assert_eq!(b.ejections(), 0);
         b.on_failure(ErrorClass::DeadlineExceeded, t0, p);
         assert_eq!(b.admit(t0), Admit::No, "open");
+        assert_eq!(b.ejections(), 1);
+        b.on_failure(ErrorClass::Unavailable, t0, p);
+        assert_eq!(b.ejections(), 1, "a failure while open is no new ejection");
         assert!(b.is_open(t0 + Duration::from_secs(4)));
         let later = t0 + Duration::from_secs(5);
         assert_eq!(b.admit(later), Admit::Probe, "half-open after the cooldown");
@@ -133,8 +150,16 @@ mod tests {
         );
         let again = later + Duration::from_secs(5);
         assert_eq!(b.admit(again), Admit::Probe);
+        assert_eq!(
+            b.ejections(),
+            1,
+            "a failed probe keeps it out: no new ejection"
+        );
         b.on_success();
         assert_eq!(b.admit(again), Admit::Yes, "closed after a good probe");
+        b.on_failure(ErrorClass::Unavailable, again, p);
+        b.on_failure(ErrorClass::Unavailable, again, p);
+        assert_eq!(b.ejections(), 2, "the count outlives a success");
     }
 
     #[test]

@@ -48,9 +48,45 @@ pub struct RawConfig {
     /// Retries of a request that failed before its first token.
     #[serde(default)]
     pub retry: RetryConfig,
+    /// When a failing worker is taken out of rotation; defaults when absent.
+    #[serde(default)]
+    pub breaker: BreakerConfig,
     /// API keys; every route open when absent.
     #[serde(default)]
     pub auth: crate::auth::AuthConfig,
+}
+
+/// Each worker's circuit breaker: after `threshold` consecutive failures that are the
+/// worker's fault (unreachable, transfer failed, stalled; never a client's bad request) the
+/// worker gets no new requests for `cooldown`, then one request probes it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct BreakerConfig {
+    /// Consecutive failures that take a worker out of rotation (1..=100).
+    pub threshold: u32,
+    /// How long it stays out before a probe.
+    #[serde(with = "humantime_serde")]
+    pub cooldown: Duration,
+}
+
+impl Default for BreakerConfig {
+    fn default() -> Self {
+        let d = crate::breaker::BreakerPolicy::default();
+        Self {
+            threshold: d.threshold,
+            cooldown: d.cooldown,
+        }
+    }
+}
+
+impl BreakerConfig {
+    /// The breaker policy this configures.
+    pub fn policy(self) -> crate::breaker::BreakerPolicy {
+        crate::breaker::BreakerPolicy {
+            threshold: self.threshold,
+            cooldown: self.cooldown,
+        }
+    }
 }
 
 /// How a request that failed before its first token (on a retryable class: unavailable,
@@ -226,6 +262,8 @@ pub struct RouterConfig {
     pub admission: AdmissionConfig,
     /// Retries before the first token.
     pub retry: RetryConfig,
+    /// Circuit breaking.
+    pub breaker: BreakerConfig,
     /// API keys.
     pub auth: crate::auth::AuthConfig,
 }
@@ -345,6 +383,15 @@ impl RawConfig {
                 self.retry.attempts
             ));
         }
+        if !(1..=100).contains(&self.breaker.threshold) {
+            problems.push(format!(
+                "breaker.threshold must be 1..=100, got {}",
+                self.breaker.threshold
+            ));
+        }
+        if self.breaker.cooldown.is_zero() {
+            problems.push("breaker.cooldown must be greater than zero".into());
+        }
         if self.auth.enabled() {
             if let Err(p) = crate::auth::ApiKeys::from_config(&self.auth) {
                 problems.push(p);
@@ -362,6 +409,7 @@ impl RawConfig {
                 discovery: self.discovery,
                 admission: self.admission,
                 retry: self.retry,
+                breaker: self.breaker,
                 auth: self.auth,
             }),
             _ => Err(Error::InvalidConfig(problems.join("; "))),
@@ -579,6 +627,34 @@ timeouts: {connect: 0s}
             message.contains("retry.attempts must be 1..=20, got 0"),
             "{message}"
         );
+    }
+
+    #[test]
+    fn the_breaker_defaults_to_three_failures_and_five_seconds_and_is_checked() {
+        let c = RouterConfig::from_yaml(GOOD).expect("valid");
+        assert_eq!(
+            c.breaker.policy(),
+            crate::breaker::BreakerPolicy {
+                threshold: 3,
+                cooldown: Duration::from_secs(5)
+            }
+        );
+        let c =
+            RouterConfig::from_yaml(&format!("{GOOD}breaker: {{threshold: 5, cooldown: 1m}}\n"))
+                .expect("valid");
+        assert_eq!(
+            (c.breaker.threshold, c.breaker.cooldown),
+            (5, Duration::from_secs(60))
+        );
+        let message = invalid(&format!("{GOOD}breaker: {{threshold: 0, cooldown: 0s}}\n"));
+        assert!(
+            message.contains("breaker.threshold must be 1..=100, got 0")
+                && message.contains("breaker.cooldown must be greater than zero"),
+            "{message}"
+        );
+        let err = RouterConfig::from_yaml(&format!("{GOOD}breaker: {{treshold: 2}}\n"))
+            .expect_err("a misspelt key is refused");
+        assert!(format!("{err:?}").contains("treshold"), "{err:?}");
     }
 
     #[test]

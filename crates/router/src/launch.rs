@@ -46,12 +46,14 @@ async fn worker_report(pd: &PdGenerator, wait_idle: Duration) -> Vec<Value> {
                 "layout": s.layout, "dp_size": s.dp_size, "dp_free_slots": s.dp_free_slots,
                 "cancelled_requests": s.cancelled_requests,
                 "in_flight": s.in_flight,
-                "ejected": w.is_ejected(), "state": w.state(),
+                "ejected": w.is_ejected(), "ejections": w.ejections(), "state": w.state(),
             }),
             Ok(Err(e)) => json!({"id": w.id.0, "address": w.address, "error": e.message,
-                                 "ejected": w.is_ejected(), "state": w.state()}),
+                                 "ejected": w.is_ejected(), "ejections": w.ejections(),
+                                 "state": w.state()}),
             Err(_) => json!({"id": w.id.0, "address": w.address, "error": "stats timed out",
-                             "ejected": w.is_ejected(), "state": w.state()}),
+                             "ejected": w.is_ejected(), "ejections": w.ejections(),
+                             "state": w.state()}),
         }
     });
     futures::future::join_all(asks).await
@@ -158,6 +160,7 @@ pub async fn run_from_config(
         )
         .with_timeouts(config.timeouts)
         .with_policy(config.policy.policy())
+        .with_breaker(config.breaker.policy())
         .with_admission(config.admission),
     );
     if let Some(d) = &config.discovery {

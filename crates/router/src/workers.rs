@@ -239,6 +239,11 @@ impl WorkerHandle {
             .is_ok_and(|b| b.is_open(std::time::Instant::now()))
     }
 
+    /// Times the worker's breaker took it out of rotation since the router started.
+    pub fn ejections(&self) -> u64 {
+        self.breaker.lock().map_or(0, |b| b.ejections())
+    }
+
     pub(crate) fn admit(&self) -> bool {
         self.breaker
             .lock()

@@ -240,7 +240,7 @@ mod tests {
             "no slot: a landing record cannot be for it"
         );
         let slot = arena.slot(8192).expect("slot");
-        let landing = slot.landing(u64::MAX);
+        let landing = slot.landing();
         let mut p = r.register_with(Some(slot));
         assert!(
             !r.deliver_landed(p.id, p.epoch, landing.offset + 4096, 3),

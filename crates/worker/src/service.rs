@@ -692,11 +692,7 @@ impl pb::worker_server::Worker for WorkerService {
             .as_ref()
             .zip(shared.engine.handoff_bound(prompt.len()))
             .and_then(|(arena, bytes)| arena.slot(bytes));
-        let expires_unix_ms =
-            tandem_kv::landing::now_unix_ms() + shared.opts.kv_lease.as_millis() as u64;
-        let landing = slot
-            .as_ref()
-            .map(|s| landing_to_pb(&s.landing(expires_unix_ms)));
+        let landing = slot.as_ref().map(|s| landing_to_pb(&s.landing()));
         let pending = shared.reservations.register_with(slot);
         let target = pb::KvTarget {
             transfer_address: shared.transfer_address.clone(),
@@ -828,7 +824,7 @@ fn landing_to_pb(l: &Landing) -> pb::KvLanding {
         arena_len: l.arena_len,
         offset: l.offset,
         capacity: l.capacity,
-        expires_unix_ms: l.expires_unix_ms,
+        fence: l.fence,
     }
 }
 
@@ -839,7 +835,7 @@ fn landing_from_pb(l: &pb::KvLanding) -> Landing {
         arena_len: l.arena_len,
         offset: l.offset,
         capacity: l.capacity,
-        expires_unix_ms: l.expires_unix_ms,
+        fence: l.fence,
     }
 }
 
