@@ -163,7 +163,7 @@ impl Mapping {
     /// The fence word at `at` (8-aligned, in bounds), shared with other processes.
     fn fence(&self, at: usize) -> &AtomicU64 {
         assert!(
-            at % 8 == 0 && at + 8 <= self.len,
+            at.is_multiple_of(8) && at + 8 <= self.len,
             "a fence word lies in the table"
         );
         // SAFETY: in bounds and 8-aligned (asserted; the mapping is page-aligned), valid as
