@@ -69,7 +69,8 @@ pub fn python(script: &str, cluster: &Cluster) {
     );
 }
 
-pub fn post_json(url: &str, body: &str) -> String {
+/// A blocking HTTP/1.1 request with `Connection: close`; the response body.
+fn http_close(method: &str, url: &str, body: &str) -> String {
     use std::io::{Read, Write};
     let rest = url.strip_prefix("http://").expect("http URL");
     let (host, path) = rest
@@ -77,7 +78,7 @@ pub fn post_json(url: &str, body: &str) -> String {
         .map_or((rest, "/".to_string()), |(h, p)| (h, format!("/{p}")));
     let mut s = std::net::TcpStream::connect(host).unwrap();
     let req = format!(
-        "POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        "{method} {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
     );
     s.write_all(req.as_bytes()).unwrap();
@@ -87,8 +88,16 @@ pub fn post_json(url: &str, body: &str) -> String {
         .map_or(String::new(), |(_, b)| b.to_string())
 }
 
-/// `/admin/workers` once every live worker holds no KV or state (the workers wait for it
-/// themselves, up to 20 s), parsed.
+/// POSTs `body` (JSON) to `url`; the response body.
+pub fn post_json(url: &str, body: &str) -> String {
+    http_close("POST", url, body)
+}
+
+/// GETs `url`; the response body.
+pub fn get_json(url: &str) -> String {
+    http_close("GET", url, "")
+}
+
 /// The router's Prometheus text (`GET /metrics`).
 pub async fn metrics_text(client: &reqwest::Client, url: &str) -> String {
     client
@@ -101,6 +110,8 @@ pub async fn metrics_text(client: &reqwest::Client, url: &str) -> String {
         .expect("metrics body")
 }
 
+/// `/admin/workers` once every live worker holds no KV or state (the workers wait for it
+/// themselves, up to 20 s), parsed.
 pub async fn workers_when_idle(client: &reqwest::Client, url: &str) -> serde_json::Value {
     client
         .get(format!("{url}/admin/workers?wait_idle_ms=20000"))
@@ -445,6 +456,19 @@ impl Cluster {
             .status()
             .expect("kill");
         assert!(status.success(), "kill -{signal} {name}");
+    }
+
+    /// A file holding the pid of the process started as `name` (what `tandem chaos replay
+    /// --process NAME=PIDFILE` reads), written on the first call.
+    pub fn pid_file(&self, name: &str) -> PathBuf {
+        let (_, child) = self
+            .children
+            .iter()
+            .find(|(n, _)| n == name)
+            .unwrap_or_else(|| panic!("no process {name}"));
+        let path = self._dir.path().join(format!("{name}.pid"));
+        std::fs::write(&path, child.id().to_string()).unwrap();
+        path
     }
 
     /// Starts a worker process named `name` in `role` with the cluster's common arguments

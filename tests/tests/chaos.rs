@@ -53,13 +53,16 @@ enum Legs {
 
 /// Starts a cluster with proxies before both workers (and `transfer` faults in the prefill
 /// worker's pushes), replays a synthetic trace of `requests` at `concurrency` under
-/// `proxies` (a scenario's YAML) on `legs`, asserts the verdict passed and returns it.
+/// `proxies` (a scenario's YAML) on `legs`, asserts the verdict passed and returns it. With
+/// `kill_decode` a second decode worker (no proxy) stands by and the replay is told where the
+/// first one's pid is (`--process decode=…`), for the scenario's `kill` section.
 fn replay_case(
     name: &str,
     (requests, concurrency): (usize, usize),
     proxies: &str,
     legs: Legs,
     transfer: Option<&str>,
+    kill_decode: bool,
 ) -> Value {
     let dir = tempfile::tempdir().unwrap();
     let mut prefill_args = engine_args();
@@ -87,6 +90,7 @@ fn replay_case(
         },
         // Room for every request of a full-scale run in flight at once.
         kv_blocks: 1024,
+        second_decode: kill_decode,
         ..ClusterOptions::default()
     });
     let trace = dir.path().join("trace.jsonl");
@@ -132,6 +136,10 @@ fn replay_case(
     for a in admins {
         args.extend(["--proxy-admin", a.as_str()]);
     }
+    let process = kill_decode.then(|| format!("decode={}", cluster.pid_file("decode").display()));
+    if let Some(p) = &process {
+        args.extend(["--process", p.as_str()]);
+    }
     let out = tandem(&args);
     let stdout = String::from_utf8_lossy(&out.stdout);
     // The table goes to the test's output (shown by `make chaos` and on failure).
@@ -162,17 +170,21 @@ fn replay_case(
 }
 
 #[test]
-fn a_trace_replayed_under_502s_resets_and_transfer_faults_loses_nothing() {
+fn a_trace_replayed_under_502s_resets_transfer_faults_and_a_kill_loses_nothing() {
     // 502s as a sidecar answers them, and resets of the router's connection to a worker
     // (every stream multiplexed on it breaks), on both legs; in the prefill worker's pushes
     // some aborted, some corrupted (the checksum must catch every one), one lost outright
-    // (the decode side's KV lease must expire and the request move on).
+    // (the decode side's KV lease must expire and the request move on); and two seconds into
+    // the run the first decode worker is killed (SIGKILL, not restarted): its streams move
+    // to the second one mid-generation, and new requests go there.
     let v = replay_case(
-        "502s, resets and transfer faults",
+        "502s, resets, transfer faults and a decode kill",
         sizes((64, 8), (2000, 128)),
-        "seed: 11\nhttp: {status_502: 0.06, reset: {probability: 0.03, limit: 2}}\n",
+        "seed: 11\nhttp: {status_502: 0.06, reset: {probability: 0.03, limit: 2}}\n\
+         kill: {targets: [decode], every: 2s, limit: 1}\n",
         Legs::Both,
         Some("seed: 5\ntransfer: {abort: 0.04, corrupt: 0.04, drop: {probability: 0.03, limit: 1}}\n"),
+        true,
     );
     for fault in ["http.status_502", "http.reset"] {
         assert!(
@@ -180,6 +192,10 @@ fn a_trace_replayed_under_502s_resets_and_transfer_faults_loses_nothing() {
             "no {fault} was injected: the run proves nothing: {v}"
         );
     }
+    assert_eq!(
+        v["injected"]["kill"], 1,
+        "the decode worker was not killed: {v}"
+    );
 }
 
 /// The seed's incident: at high concurrency one router → prefill request got an HTTP 502 of
@@ -192,6 +208,7 @@ fn one_502_at_high_concurrency_loses_nothing() {
         "seed: 3\nhttp: {status_502: {probability: 0.05, limit: 1}}\n",
         Legs::Prefill,
         None,
+        false,
     );
     assert_eq!(v["injected"]["http.status_502"], 1, "{v}");
 }
@@ -231,6 +248,44 @@ fn bad_scenario_and_trace_files_are_refused_with_the_reason() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("t.jsonl:2"), "{err}");
+    // A kill of a process the replay was not told of: refused before anything is sent.
+    let good_trace = dir.path().join("good.jsonl");
+    std::fs::write(
+        &good_trace,
+        "{\"path\": \"/v1/completions\", \"body\": {}}\n",
+    )
+    .unwrap();
+    let kills = dir.path().join("kills.yaml");
+    std::fs::write(&kills, "kill: {targets: [decode], every: 1s}\n").unwrap();
+    let out = tandem(&[
+        "chaos",
+        "replay",
+        "--trace",
+        good_trace.to_str().unwrap(),
+        "--target",
+        "http://127.0.0.1:9",
+        "--scenario",
+        kills.to_str().unwrap(),
+    ]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("kills decode but no --process NAME=PIDFILE names it"),
+        "{err}"
+    );
+    let out = tandem(&[
+        "chaos",
+        "replay",
+        "--trace",
+        good_trace.to_str().unwrap(),
+        "--target",
+        "http://127.0.0.1:9",
+        "--process",
+        "decode",
+    ]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("expected NAME=PIDFILE"), "{err}");
 }
 
 #[test]

@@ -423,7 +423,7 @@ fn bf16_prefill_and_decode_answer_through_the_router() {
 }
 
 /// Fairness through the router: a short prompt sent while a long one is prefilling on the
-/// same prefill worker (16 tokens a step, so the long one needs 124 steps) gets its first
+/// same prefill worker (16 tokens a step, so the long one needs 64 steps) gets its first
 /// token while the long one is still prefilling. Under an oldest-first budget the long prompt
 /// would hold every step and the short one's first token could only follow the end of the
 /// long prefill. (The order is observed on the prefill worker itself: the long prompt still
@@ -433,6 +433,9 @@ fn bf16_prefill_and_decode_answer_through_the_router() {
 fn a_short_prompt_behind_a_long_one_gets_its_first_token_during_the_long_prefill() {
     let cluster = Cluster::start(ClusterOptions {
         prefill_args: vec!["--max-batch-tokens".to_string(), "16".to_string()],
+        // 16 tokens a step on a loaded 2-core CI machine: the default 60 s first-token limit
+        // is not what this test is about.
+        router_config: "timeouts: {first_token: 300s}\n".into(),
         ..ClusterOptions::default()
     });
     let url = cluster.url.clone();
@@ -489,7 +492,7 @@ fn a_short_prompt_behind_a_long_one_gets_its_first_token_during_the_long_prefill
         let mut worker = tandem_proto::v1::worker_client::WorkerClient::connect(prefill)
             .await
             .unwrap();
-        let (long, _) = first_token((0..124 * 16).map(|i| 100 + (i * 7) % 1000).collect());
+        let (long, _) = first_token((0..64 * 16).map(|i| 100 + (i * 7) % 1000).collect());
         // The short prompt goes in once the long one is in the prefill worker's engine.
         assert!(
             in_engine(&mut worker, 60_000).await > 0,

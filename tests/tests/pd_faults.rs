@@ -279,6 +279,8 @@ fn a_prefill_longer_than_the_kv_lease_keeps_its_reservation() {
     let cluster = Cluster::start(ClusterOptions {
         prefill_args: vec!["--max-batch-tokens".to_string(), "16".to_string()],
         decode_args: vec!["--kv-lease".to_string(), "1s".to_string()],
+        // As above: a slow machine's prefill must not meet the first-token limit.
+        router_config: "timeouts: {first_token: 300s}\n".into(),
         ..ClusterOptions::default()
     });
     let url = cluster.url.clone();

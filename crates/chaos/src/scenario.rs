@@ -17,6 +17,10 @@
 //!   corrupt: 0.01            # one byte of the pushed message is flipped
 //!   delay: {probability: 0.0, duration: 500ms}
 //!   drop: 0.0                # nothing is sent, the push reports success
+//! kill:                      # by `tandem chaos replay`, of processes it is told of with
+//!   targets: [decode]        #   --process NAME=PIDFILE: SIGKILL each name in turn,
+//!   every: 20s               #   the first this long into the run, then at this interval,
+//!   limit: 1                 #   at most this many (a supervisor may restart them)
 //! ```
 
 use rand::rngs::StdRng;
@@ -140,6 +144,19 @@ pub struct TransferFaults {
     pub drop: Fault,
 }
 
+/// Processes `tandem chaos replay` kills during its run (never during the baseline).
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct KillFaults {
+    /// Process names, as given to the replay with `--process NAME=PIDFILE`, killed in turn.
+    pub targets: Vec<String>,
+    /// The first kill this long into the run, then one at this interval.
+    #[serde(with = "humantime_serde")]
+    pub every: Duration,
+    /// At most this many kills (`None`: until the run ends).
+    pub limit: Option<u64>,
+}
+
 /// A whole scenario as written.
 #[derive(Clone, Debug, Default, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -152,6 +169,8 @@ pub struct Scenario {
     pub connection: ConnectionFaults,
     /// Transfer faults.
     pub transfer: TransferFaults,
+    /// Process kills (the replay's; proxies and workers ignore them).
+    pub kill: KillFaults,
 }
 
 impl Scenario {
@@ -212,6 +231,12 @@ impl Scenario {
             if f.probability > 0.0 && f.duration.is_zero() {
                 problems.push(format!("{name}: a duration is needed"));
             }
+        }
+        if !self.kill.targets.is_empty() && self.kill.every.is_zero() {
+            problems.push("kill: `every` (the interval between kills) is needed".into());
+        }
+        if self.kill.limit == Some(0) {
+            problems.push("kill: a limit of 0 kills nothing (leave the section out)".into());
         }
         if problems.is_empty() {
             Ok(())
@@ -348,6 +373,23 @@ mod tests {
         assert!(m.contains("http.delay: a duration is needed"), "{m}");
         let e = Scenario::from_yaml("htp: {}\n", "typo.yaml").expect_err("unknown key");
         assert!(e.to_string().contains("unknown field"), "{e}");
+        let s = Scenario::from_yaml(
+            "kill: {targets: [decode, prefill], every: 15s, limit: 3}\n",
+            "k.yaml",
+        )
+        .expect("valid");
+        assert_eq!(s.kill.targets, ["decode", "prefill"]);
+        assert_eq!(
+            (s.kill.every, s.kill.limit),
+            (Duration::from_secs(15), Some(3))
+        );
+        let e = Scenario::from_yaml("kill: {targets: [decode], limit: 0}\n", "k.yaml")
+            .expect_err("no interval, no kills");
+        let m = e.to_string();
+        assert!(
+            m.contains("kill: `every`") && m.contains("a limit of 0"),
+            "{m}"
+        );
     }
 
     #[test]

@@ -41,6 +41,12 @@ pub enum ChaosCommand {
         /// A proxy's admin URL (`http://host:port`); repeat for several proxies.
         #[arg(long)]
         proxy_admin: Vec<String>,
+        /// A process the scenario's `kill` section may kill, and the file holding its pid
+        /// (read before every kill, so a restarted process is found): `NAME=PIDFILE`;
+        /// repeat for several (`tandem run` writes `prefill`, `decode` and `router` pid files
+        /// and restarts killed workers).
+        #[arg(long, value_parser = tandem_chaos::kill::parse_process)]
+        process: Vec<(String, PathBuf)>,
         /// Requests in flight at once.
         #[arg(long, default_value_t = 16)]
         concurrency: usize,
@@ -106,6 +112,7 @@ pub fn run(command: ChaosCommand, runtime: tokio::runtime::Runtime) -> Result<()
             target,
             scenario,
             proxy_admin,
+            process,
             concurrency,
             timeout,
             baseline,
@@ -113,19 +120,22 @@ pub fn run(command: ChaosCommand, runtime: tokio::runtime::Runtime) -> Result<()
             json,
         } => {
             let entries = tandem_chaos::read_trace(&trace).map_err(anyhow::Error::msg)?;
-            let scenario_text = match &scenario {
+            // Checked here, so a bad file fails before anything is sent.
+            let (scenario_text, kill) = match &scenario {
                 Some(p) => {
-                    // Checked here, so a bad file fails before anything is sent.
-                    Scenario::load(p)?;
-                    Some(std::fs::read_to_string(p)?)
+                    let s = Scenario::load(p)?;
+                    (Some(std::fs::read_to_string(p)?), s.kill)
                 }
-                None => None,
+                None => (None, Default::default()),
             };
+            let processes: BTreeMap<String, PathBuf> = process.into_iter().collect();
+            tandem_chaos::kill::check_targets(&kill, &processes).map_err(anyhow::Error::msg)?;
             let verdict = runtime.block_on(replay(
                 &entries,
                 &target,
                 scenario_text,
                 &proxy_admin,
+                (kill, processes),
                 concurrency,
                 timeout,
                 baseline,
@@ -204,6 +214,10 @@ async fn replay(
     target: &str,
     scenario: Option<String>,
     proxies: &[String],
+    (kill, processes): (
+        tandem_chaos::scenario::KillFaults,
+        BTreeMap<String, PathBuf>,
+    ),
     concurrency: usize,
     timeout: Duration,
     baseline: Option<PathBuf>,
@@ -243,8 +257,17 @@ async fn replay(
         }
     }
     eprintln!("run: {} requests under the scenario…", entries.len());
+    let kills = std::sync::Arc::new(tandem_chaos::kill::KillCounts::default());
+    let killer = tokio::spawn(tandem_chaos::kill::run(kill, processes, kills.clone()));
     let run = tandem_chaos::replay(target, entries, concurrency, timeout).await;
+    killer.abort();
     let mut injected = BTreeMap::new();
+    for (name, count) in [("kill", &kills.killed), ("kill.skipped", &kills.skipped)] {
+        let n = count.load(std::sync::atomic::Ordering::Relaxed);
+        if n > 0 {
+            injected.insert(name.to_string(), n);
+        }
+    }
     for a in proxies {
         let url = format!("{}/stats", a.trim_end_matches('/'));
         let stats: serde_json::Value = client

@@ -1,6 +1,8 @@
-//! `tandem run`: a whole cluster on one machine — a prefill worker, a decode worker and a
-//! router, each its own process (this same binary), on loopback. Waits until all three are
-//! ready, prints how to talk to it, and on Ctrl-C (or SIGTERM) stops all three.
+//! `tandem run`: a whole cluster on one machine — prefill workers, decode workers (one each
+//! by default) and a router, each its own process (this same binary), on loopback. Waits
+//! until all are ready, prints how to talk to it, and supervises: a worker that dies (a
+//! crash, or `tandem chaos replay` killing it by its pid file) is started again at its
+//! address; on Ctrl-C (or SIGTERM) it stops them all.
 
 use anyhow::{bail, Context, Result};
 use std::io::{Read, Write};
@@ -44,6 +46,20 @@ pub struct RunArgs {
     /// ChatML with tool calling, for SmolLM2 and other models whose template has none).
     #[arg(long)]
     chat_template: Option<String>,
+    /// Prefill workers (each its own process; the router spreads requests over them).
+    #[arg(long, default_value_t = 1)]
+    prefill_workers: usize,
+    /// Decode workers.
+    #[arg(long, default_value_t = 1)]
+    decode_workers: usize,
+    /// Where the router's config and each process's pid file (`prefill-0.pid`,
+    /// `decode-0.pid`, `router.pid`, …) go; default `$TMPDIR/tandem-run-PORT`.
+    #[arg(long)]
+    state_dir: Option<std::path::PathBuf>,
+    /// Times a worker that died is started again (at the same address) before the cluster
+    /// stops.
+    #[arg(long, default_value_t = 10)]
+    max_restarts: u32,
 }
 
 /// The `127.0.0.1:PORT` after `listen` in a worker's ready line.
@@ -64,7 +80,7 @@ fn listen_addr(line: &str) -> Option<String> {
 fn spawn_worker(
     exe: &Path,
     args: &[String],
-    name: &'static str,
+    name: &str,
 ) -> Result<(Child, tokio::sync::oneshot::Receiver<String>)> {
     use tokio::io::AsyncBufReadExt;
     eprintln!("starting {name}: tandem {}", args.join(" "));
@@ -138,14 +154,59 @@ fn spawn(exe: &Path, args: &[String], name: &str) -> Result<Child> {
         .with_context(|| format!("spawning {name}"))
 }
 
-fn terminate(child: &Child) {
-    if let Some(pid) = child.id() {
-        // SIGTERM so each process shuts down cleanly; kill_on_drop is the backstop.
-        let _ = std::process::Command::new("kill")
-            .arg("-TERM")
-            .arg(pid.to_string())
-            .status();
+fn terminate(pid: u32) {
+    // SIGTERM so each process shuts down cleanly (a worker drains); kill_on_drop is the
+    // backstop.
+    let _ = std::process::Command::new("kill")
+        .arg("-TERM")
+        .arg(pid.to_string())
+        .status();
+}
+
+/// One process of the cluster: how to start it again, and the pid file naming it.
+struct Member {
+    /// Its id (`prefill-0`, `decode-1`, `worker-0`, `router`): the router's id for it too.
+    id: String,
+    /// Arguments it was started with (a restarted worker keeps its first address).
+    args: Vec<String>,
+    /// Its current pid.
+    pid: Option<u32>,
+    /// Times it was restarted.
+    restarts: u32,
+}
+
+/// What a member's waiter reports: its id, its pid, and how it ended.
+type Exit = (
+    String,
+    Option<u32>,
+    std::io::Result<std::process::ExitStatus>,
+);
+
+/// Waits for `child` in a task of its own and reports its end on `exits`.
+fn watch(id: &str, mut child: Child, exits: &tokio::sync::mpsc::UnboundedSender<Exit>) {
+    let (id, pid, exits) = (id.to_string(), child.id(), exits.clone());
+    tokio::spawn(async move {
+        let status = child.wait().await;
+        let _ = exits.send((id, pid, status));
+    });
+}
+
+fn write_pid(dir: &Path, m: &Member) -> Result<()> {
+    let path = dir.join(format!("{}.pid", m.id));
+    std::fs::write(&path, m.pid.map(|p| p.to_string()).unwrap_or_default())
+        .with_context(|| format!("writing {}", path.display()))
+}
+
+/// `--listen` of `args` set to `addr` (a restarted worker comes back where the router
+/// expects it).
+fn with_listen(args: &[String], addr: &str) -> Vec<String> {
+    let mut out = args.to_vec();
+    if let Some(i) = out.iter().position(|a| a == "--listen") {
+        if let Some(v) = out.get_mut(i + 1) {
+            *v = addr.to_string();
+        }
     }
+    out
 }
 
 pub fn run(args: RunArgs) -> Result<()> {
@@ -158,7 +219,17 @@ pub fn run(args: RunArgs) -> Result<()> {
             args.port
         );
     }
-    let config_path = std::env::temp_dir().join(format!("tandem-run-{}.yaml", std::process::id()));
+    if args.prefill_workers == 0 || args.decode_workers == 0 {
+        bail!("--prefill-workers and --decode-workers must be at least 1");
+    }
+    let own_dir = args.state_dir.is_none();
+    let state_dir = args
+        .state_dir
+        .clone()
+        .unwrap_or_else(|| std::env::temp_dir().join(format!("tandem-run-{}", args.port)));
+    std::fs::create_dir_all(&state_dir)
+        .with_context(|| format!("creating {}", state_dir.display()))?;
+    let config_path = state_dir.join("router.yaml");
     let kv = args.kv_blocks.to_string();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -181,39 +252,57 @@ pub fn run(args: RunArgs) -> Result<()> {
                 .to_vec()
         };
         let name = dir.file_name().map_or("model".into(), |n| n.to_string_lossy().to_string());
-        let mut workers = Vec::new();
-        let lists = if args.aggregated {
-            let (mut both, ready) = spawn_worker(&exe, &worker("both"), "worker")?;
-            let addr = worker_addr("worker", &mut both, ready, deadline).await?;
-            eprintln!("worker (prefill + decode) listening on {addr}");
-            workers.push(("worker", both));
-            format!("aggregated:\n  - id: worker-0\n    address: http://{addr}\n")
+        let (exits_tx, mut exits) = tokio::sync::mpsc::unbounded_channel::<Exit>();
+        // Every worker starts at once; their ready lines give their addresses.
+        let plan: Vec<(String, &str)> = if args.aggregated {
+            vec![("worker-0".into(), "both")]
         } else {
-            let (mut prefill, p_ready) = spawn_worker(&exe, &worker("prefill"), "prefill worker")?;
-            let (mut decode, d_ready) = spawn_worker(&exe, &worker("decode"), "decode worker")?;
-            let p_addr = worker_addr("prefill worker", &mut prefill, p_ready, deadline).await?;
-            let d_addr = worker_addr("decode worker", &mut decode, d_ready, deadline).await?;
-            eprintln!("prefill worker listening on {p_addr}");
-            eprintln!("decode worker listening on {d_addr}");
-            workers.push(("prefill", prefill));
-            workers.push(("decode", decode));
-            format!("prefill:\n  - id: prefill-0\n    address: http://{p_addr}\ndecode:\n  - id: decode-0\n    address: http://{d_addr}\n")
+            (0..args.prefill_workers)
+                .map(|i| (format!("prefill-{i}"), "prefill"))
+                .chain((0..args.decode_workers).map(|i| (format!("decode-{i}"), "decode")))
+                .collect()
         };
+        let mut starting = Vec::new();
+        for (id, role) in &plan {
+            let a = worker(role);
+            let (child, ready) = spawn_worker(&exe, &a, id)?;
+            starting.push((id.clone(), *role, a, child, ready));
+        }
+        let mut members = Vec::new();
+        let mut lists: std::collections::BTreeMap<&str, String> = Default::default();
+        for (id, role, a, mut child, ready) in starting {
+            let addr = worker_addr(&id, &mut child, ready, deadline).await?;
+            eprintln!("{id} ({role}) listening on {addr}");
+            let section = match role {
+                "both" => "aggregated",
+                r => r,
+            };
+            lists
+                .entry(section)
+                .or_default()
+                .push_str(&format!("  - id: {id}\n    address: http://{addr}\n"));
+            let m = Member { id: id.clone(), args: with_listen(&a, &addr), pid: child.id(), restarts: 0 };
+            write_pid(&state_dir, &m)?;
+            watch(&id, child, &exits_tx);
+            members.push(m);
+        }
+        let lists: String = lists.iter().map(|(k, v)| format!("{k}:\n{v}")).collect();
         let config = format!("listen: 127.0.0.1:{port}\nmodel:\n  served_name: {name}\n{lists}", port = args.port);
         std::fs::write(&config_path, &config)?;
-        let mut children = workers;
         let mut router_args = vec!["router".into(), "--config".into(), config_path.display().to_string(), "--model".into(), dir_s.clone()];
         if let Some(template) = &args.chat_template {
             router_args.extend(["--chat-template".into(), template.clone()]);
         }
-        children.push(("router", spawn(&exe, &router_args, "router")?));
-        // Readiness: the router answers /health only once it can reach both workers.
+        let router = spawn(&exe, &router_args, "router")?;
+        let router_member = Member { id: "router".into(), args: router_args, pid: router.id(), restarts: 0 };
+        write_pid(&state_dir, &router_member)?;
+        watch("router", router, &exits_tx);
+        members.push(router_member);
+        // Readiness: the router answers /ready only once it can reach its workers.
         let deadline = Instant::now() + args.ready_timeout;
         loop {
-            for (name, child) in children.iter_mut() {
-                if let Some(status) = child.try_wait()? {
-                    bail!("{name} exited during start-up ({status})");
-                }
+            if let Ok((id, _, status)) = exits.try_recv() {
+                bail!("{id} exited during start-up ({status:?})");
             }
             if http_get_ok(args.port, "/health") && http_get_ok(args.port, "/ready") {
                 break;
@@ -226,41 +315,87 @@ pub fn run(args: RunArgs) -> Result<()> {
         println!("\ntandem is ready: http://127.0.0.1:{}/v1 (Ctrl-C stops the cluster)\n", args.port);
         println!("  curl http://127.0.0.1:{}/v1/chat/completions -H 'Content-Type: application/json' \\", args.port);
         println!("    -d '{{\"messages\":[{{\"role\":\"user\",\"content\":\"What is the capital of France?\"}}],\"max_tokens\":32,\"temperature\":0}}'\n");
-        let exited = {
-            let waits = children.iter_mut().map(|(name, c)| {
-                let name = *name;
-                Box::pin(async move { (name, c.wait().await) })
-            });
-            tokio::select! {
-                (res, _, _) = futures_select_all(waits) => Some(res),
-                _ = crate::shutdown_signal() => None,
-            }
-        };
-        if let Some((name, status)) = exited {
-            eprintln!("{name} exited ({status:?}); stopping the cluster");
-        } else {
-            eprintln!("stopping the cluster…");
-        }
-        for (_, child) in &children {
-            terminate(child);
-        }
-        for (name, child) in children.iter_mut() {
-            match tokio::time::timeout(Duration::from_secs(10), child.wait()).await {
-                Ok(_) => {}
-                Err(_) => {
-                    eprintln!("{name} did not stop in 10s; killing it");
-                    let _ = child.kill().await;
+        println!("pid files in {} (a worker that dies is restarted at its address, at most {} times)\n", state_dir.display(), args.max_restarts);
+        // Supervise: a worker that exits comes back at its address; the router exiting, a
+        // worker past its restarts, or Ctrl-C stops the cluster.
+        let shutdown = crate::shutdown_signal();
+        tokio::pin!(shutdown);
+        loop {
+            let (id, pid, status) = tokio::select! {
+                Some(exit) = exits.recv() => exit,
+                _ = &mut shutdown => {
+                    eprintln!("stopping the cluster…");
+                    break;
                 }
+            };
+            let Some(i) = members.iter().position(|m| m.id == id && m.pid == pid) else {
+                continue;
+            };
+            let m = &mut members[i];
+            m.pid = None;
+            if m.id == "router" || m.restarts >= args.max_restarts {
+                eprintln!("{id} exited ({status:?}); stopping the cluster");
+                break;
+            }
+            m.restarts += 1;
+            eprintln!("{id} exited ({status:?}); restarting it (restart {} of {})", m.restarts, args.max_restarts);
+            let (mut child, ready) = spawn_worker(&exe, &m.args, &m.id)?;
+            m.pid = child.id();
+            write_pid(&state_dir, m)?;
+            let back = Instant::now() + args.ready_timeout;
+            let outcome = tokio::select! {
+                r = worker_addr(&m.id, &mut child, ready, back) => Some(r),
+                _ = &mut shutdown => None,
+            };
+            watch(&id, child, &exits_tx);
+            match outcome {
+                Some(Ok(addr)) => eprintln!("{id} is back on {addr}"),
+                Some(Err(e)) => {
+                    eprintln!("{id} did not come back ({e:#}); stopping the cluster");
+                    break;
+                }
+                None => {
+                    eprintln!("stopping the cluster…");
+                    break;
+                }
+            }
+        }
+        for m in &members {
+            if let Some(pid) = m.pid {
+                terminate(pid);
+            }
+        }
+        let stop_by = tokio::time::Instant::now() + Duration::from_secs(10);
+        while members.iter().any(|m| m.pid.is_some()) {
+            match tokio::time::timeout_at(stop_by, exits.recv()).await {
+                Ok(Some((id, pid, _))) => {
+                    if let Some(m) = members.iter_mut().find(|m| m.id == id && m.pid == pid) {
+                        m.pid = None;
+                    }
+                }
+                _ => break,
+            }
+        }
+        for m in members.iter().filter(|m| m.pid.is_some()) {
+            eprintln!("{} did not stop in 10s; killing it", m.id);
+            if let Some(pid) = m.pid {
+                let _ = std::process::Command::new("kill").args(["-KILL", &pid.to_string()]).status();
             }
         }
         Ok(())
     });
+    // What this run wrote: the router's config and the pid files (and the directory, when
+    // it was this run's own).
     let _ = std::fs::remove_file(&config_path);
+    if let Ok(entries) = std::fs::read_dir(&state_dir) {
+        for e in entries.flatten() {
+            if e.path().extension().is_some_and(|x| x == "pid") {
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
+    }
+    if own_dir {
+        let _ = std::fs::remove_dir(&state_dir);
+    }
     result
-}
-
-async fn futures_select_all<F: std::future::Future + Unpin>(
-    futs: impl IntoIterator<Item = F>,
-) -> (F::Output, usize, Vec<F>) {
-    futures::future::select_all(futs).await
 }

@@ -88,6 +88,8 @@ kernels!(
     sample_rows,
     prefill_attention_bf16_d64,
     prefill_attention_bf16_d128,
+    prefill_attention_bf16_d64_b16,
+    prefill_attention_bf16_d128_b16,
 );
 
 /// The fewest tokens of a step that takes the tensor-core prefill attention.

@@ -1073,11 +1073,14 @@ template <int D> struct PrefillShape;
 template <> struct PrefillShape<64> { static constexpr int MT = 2, NK = 64; };
 template <> struct PrefillShape<128> { static constexpr int MT = 1, NK = 32; };
 
-template <int D>
+// BS: the cache's block size when built for one (the engine's default 16: its addresses then
+// need no run-time shifts), 0 for any block size passed at run time.
+template <int D, int BS>
 __device__ void prefill_attention_impl(const float* qkv, int width, int num_heads, int num_kv_heads,
                                        const __nv_bfloat16* k_cache, const __nv_bfloat16* v_cache,
                                        int block_size, const u32* seq_info, int num_seqs,
                                        const u32* tables, int table_stride, float scale, float* out) {
+    if (BS > 0) block_size = BS;
     constexpr int MT = PrefillShape<D>::MT, NK = PrefillShape<D>::NK, BM = 64 * MT;
     constexpr int LD = D + 8;  // padded rows: the 8 rows of an ldmatrix hit different banks
     constexpr int CHUNKS = D / 8;  // 16-byte chunks per row
@@ -1278,13 +1281,15 @@ __device__ void prefill_attention_impl(const float* qkv, int width, int num_head
     }
 }
 
-#define PREFILL_ATTENTION(D) \
-    extern "C" __global__ void __launch_bounds__(128) prefill_attention_bf16_d##D( \
+#define PREFILL_ATTENTION(D, BS, SUFFIX) \
+    extern "C" __global__ void __launch_bounds__(128) prefill_attention_bf16_d##D##SUFFIX( \
             const float* qkv, int width, int num_heads, int num_kv_heads, const __nv_bfloat16* k, \
             const __nv_bfloat16* v, int block_size, const u32* seq_info, int num_seqs, \
             const u32* tables, int table_stride, float scale, float* out) { \
-        prefill_attention_impl<D>(qkv, width, num_heads, num_kv_heads, k, v, block_size, seq_info, \
-                                  num_seqs, tables, table_stride, scale, out); \
+        prefill_attention_impl<D, BS>(qkv, width, num_heads, num_kv_heads, k, v, block_size, \
+                                      seq_info, num_seqs, tables, table_stride, scale, out); \
     }
-PREFILL_ATTENTION(64)
-PREFILL_ATTENTION(128)
+PREFILL_ATTENTION(64, 0, )
+PREFILL_ATTENTION(128, 0, )
+PREFILL_ATTENTION(64, 16, _b16)
+PREFILL_ATTENTION(128, 16, _b16)

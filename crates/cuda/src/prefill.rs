@@ -42,10 +42,13 @@ impl CudaBackend {
         out: &mut T,
     ) {
         let k = &self.inner.kernels;
-        let f = match layout.head_dim {
-            64 => &k.prefill_attention_bf16_d64,
-            128 => &k.prefill_attention_bf16_d128,
-            d => panic!("CUDA prefill attention is built for head_dim 64 and 128, not {d}"),
+        // Built for the default block size (addresses by constant shifts) and for any other.
+        let f = match (layout.head_dim, cache.layout().block_size) {
+            (64, 16) => &k.prefill_attention_bf16_d64_b16,
+            (128, 16) => &k.prefill_attention_bf16_d128_b16,
+            (64, _) => &k.prefill_attention_bf16_d64,
+            (128, _) => &k.prefill_attention_bf16_d128,
+            (d, _) => panic!("CUDA prefill attention is built for head_dim 64 and 128, not {d}"),
         };
         // Σ ceil(len / tile) over the sequences is at most tokens / tile + sequences; blocks
         // past the last tile return at once.
