@@ -140,7 +140,20 @@ async fn landing(
     let slots: Vec<_> = (0..args.window)
         .map(|_| arena.slot(args.size).ok_or("arena too small"))
         .collect::<Result<_, _>>()?;
-    let targets: Arc<Vec<_>> = Arc::new(slots.iter().map(|s| s.landing()).collect());
+    // Each write re-arms its slot (a slot takes one writer per token), holding the slot for
+    // the write: a write of the next rotation waits for the one before it.
+    type Slots = [std::sync::Mutex<tandem_kv::landing::LandingSlot>];
+    let targets: Arc<Vec<_>> = Arc::new(slots.into_iter().map(std::sync::Mutex::new).collect());
+    fn write_slot(
+        writer: &LandingWriter,
+        t: &Slots,
+        i: usize,
+        payload: &[u8],
+    ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+        let mut slot = t[i].lock().map_err(|_| "slot lock poisoned")?;
+        writer.write(&slot.rearm(), payload)?;
+        Ok(())
+    }
     let writer = Arc::new(LandingWriter::new());
     let payload = Arc::new(payload);
     let timeout = Duration::from_secs(30);
@@ -156,7 +169,7 @@ async fn landing(
             let slot = tag as usize % targets.len();
             let t = targets.clone();
             let p = payload.clone();
-            tokio::task::spawn_blocking(move || writer.write(&t[slot], &p)).await??;
+            tokio::task::spawn_blocking(move || write_slot(&writer, &t, slot, &p)).await??;
             sender.send(&address, tag, vec![0u8; 36], timeout).await?;
             Ok::<(), Box<dyn std::error::Error + Send + Sync>>(())
         }
@@ -169,7 +182,7 @@ async fn landing(
     // The copies alone (no completion records), the same slots in the same rotation.
     let copies = Instant::now();
     for i in 0..args.messages {
-        writer.write(&targets[i % targets.len()], &payload)?;
+        write_slot(&writer, &targets, i % targets.len(), &payload).map_err(|e| e.to_string())?;
     }
     let copies = copies.elapsed();
 

@@ -15,12 +15,13 @@
 //! Fencing. Every slot has a fence word in the arena's fence table: the decode side sets it
 //! to a fresh random token when it hands the slot to a reservation (the token travels in the
 //! descriptor) and clears it the moment the reservation lets go (lease expired, request
-//! cancelled, KV consumed). A writer copies only while the fence still holds its
-//! descriptor's token, so a prefill that outlived its reservation writes nothing, however
-//! long its lease was extended or however early the reservation was cancelled. A writer that
-//! passed the check just before the fence was cleared may still be copying, so a slot
-//! released without its KV landing is quarantined (30 s, far longer than any copy) before it
-//! is handed out again. A slot whose KV did land was written by a writer that has finished
+//! cancelled, KV consumed). A writer first claims the slot by swapping the token for its
+//! claimed form ([`claimed`]) in one compare-and-swap, and copies only if that succeeded: a
+//! prefill that outlived its reservation writes nothing, however long its lease was extended
+//! or however early the reservation was cancelled, and no two writers share a slot. A writer
+//! that claimed the slot just before the reservation let go may still be copying, so a slot
+//! released without its KV landing is quarantined (30 s, longer than a push may take) before
+//! it is handed out again. A slot whose KV did land was written by a writer that has finished
 //! (the completion record is sent after the copy), so it is reused at once.
 
 // Mapping shared memory needs `unsafe` (mmap, raw copies); every block says why it holds.
@@ -108,8 +109,9 @@ pub enum LandingError {
         /// The arena's length.
         arena_len: u64,
     },
-    /// The slot's fence no longer holds the descriptor's token: its reservation let go.
-    #[error("the landing slot's reservation has ended")]
+    /// The slot's fence no longer holds the descriptor's token: its reservation let go (or
+    /// another writer claimed it).
+    #[error("the landing slot's reservation has ended (or another writer claimed it)")]
     Released,
 }
 
@@ -381,7 +383,7 @@ impl LandingArena {
         let mut slots = self.slots.lock();
         slots.reclaim(Instant::now());
         let offset = slots.take(len)?;
-        let fence = rand::random::<u64>() | 1;
+        let fence = fresh_token();
         self.fence_of(offset).store(fence, Ordering::Release);
         Some(LandingSlot {
             arena: Arc::clone(self),
@@ -446,6 +448,17 @@ impl LandingSlot {
             capacity: self.len as u64,
             fence: self.fence,
         }
+    }
+
+    /// A new token in the slot's fence (a claim of the old one is void) and the descriptor
+    /// with it: for reusing one slot for several handoffs in turn (benchmarks), each after
+    /// the previous one's bytes were read.
+    pub fn rearm(&mut self) -> Landing {
+        self.fence = fresh_token();
+        self.arena
+            .fence_of(self.offset)
+            .store(self.fence, Ordering::Release);
+        self.landing()
     }
 
     /// The slot's offset in its arena.
@@ -513,6 +526,17 @@ impl Drop for LandingSlot {
             slots.quarantined.push_back((until, self.offset, self.len));
         }
     }
+}
+
+/// The value a slot's fence holds once a writer claimed it from `token`.
+pub fn claimed(token: u64) -> u64 {
+    !token
+}
+
+/// A fresh fence token: odd (never 0) with the top bit clear, so its claimed form is neither
+/// 0 nor a token.
+fn fresh_token() -> u64 {
+    (rand::random::<u64>() | 1) & !(1 << 63)
 }
 
 /// Where the fence word of the slot starting at `offset` lies, for an arena whose fence table
@@ -585,7 +609,17 @@ impl LandingWriter {
         let fence = fence_at(fences, slots_at, to.offset)
             .filter(|&at| at >= HEADER_BYTES && at + 8 <= slots_at)
             .ok_or_else(out_of_bounds)?;
-        if to.fence == 0 || map.fence(fence).load(Ordering::Acquire) != to.fence {
+        if to.fence == 0
+            || map
+                .fence(fence)
+                .compare_exchange(
+                    to.fence,
+                    claimed(to.fence),
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                )
+                .is_err()
+        {
             return Err(LandingError::Released);
         }
         // SAFETY: [offset, offset + len) is inside the mapping (checked against arena_len,
@@ -706,6 +740,10 @@ mod tests {
         writer
             .write(&to, b"ok")
             .expect("the real descriptor still writes");
+        assert!(
+            matches!(writer.write(&to, b"twice"), Err(LandingError::Released)),
+            "a slot takes one writer: the first claimed it"
+        );
     }
 
     /// The stale-writer race: once a reservation lets go of its slot (its lease ran out, it
