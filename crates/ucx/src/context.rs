@@ -25,7 +25,10 @@ impl Context {
         let params = sys::ucp_params_t {
             field_mask: u64::from(sys::UCP_PARAM_FIELD_FEATURES),
             features: u64::from(
-                sys::UCP_FEATURE_TAG | sys::UCP_FEATURE_RMA | sys::UCP_FEATURE_WAKEUP,
+                sys::UCP_FEATURE_TAG
+                    | sys::UCP_FEATURE_RMA
+                    | sys::UCP_FEATURE_AMO64
+                    | sys::UCP_FEATURE_WAKEUP,
             ),
             ..Default::default()
         };

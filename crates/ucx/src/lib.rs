@@ -53,7 +53,7 @@ pub use endpoint::{CloseMode, Endpoint};
 pub use error::{status_text, Error, Result};
 pub use listener::{ConnRequest, Listener};
 pub use request::{Closing, RecvOp, SendOp};
-pub use rma::{MemoryRegion, RemoteKey};
+pub use rma::{AtomicOp, MemoryRegion, RemoteKey};
 pub use worker::{Waker, Worker};
 
 /// The raw bindings, for status constants (`sys::UCS_ERR_UNREACHABLE`, …) and types.

@@ -339,7 +339,7 @@ impl Drop for Closing {
     }
 }
 
-fn status_result(op: &'static str, status: sys::ucs_status_t) -> Result<()> {
+pub(crate) fn status_result(op: &'static str, status: sys::ucs_status_t) -> Result<()> {
     if status == sys::UCS_OK {
         Ok(())
     } else {

@@ -1,6 +1,6 @@
 //! One-sided puts: memory a peer may write ([`MemoryRegion`], packed into a remote key for
-//! it), the peer's view of that key ([`RemoteKey`]), and puts and flushes on an
-//! [`Endpoint`].
+//! it), the peer's view of that key ([`RemoteKey`]), and puts, flushes and 64-bit
+//! compare-and-swaps on an [`Endpoint`].
 
 use std::ffi::c_void;
 use std::ptr;
@@ -137,6 +137,46 @@ impl Endpoint {
         }
     }
 
+    /// Atomically replaces the 8-byte word at `remote_address` (8-aligned, in the peer's
+    /// region that `key` describes) with `swap` if it holds `compare`
+    /// (`ucp_atomic_op_nbx`, `UCP_ATOMIC_OP_CSWAP`); the operation yields the word's old
+    /// value, so it succeeded exactly when that equals `compare`. Native byte order on both
+    /// sides (one architecture per cluster).
+    pub fn compare_swap(
+        &self,
+        remote_address: u64,
+        key: &RemoteKey,
+        compare: u64,
+        swap: u64,
+    ) -> Result<AtomicOp> {
+        // One buffer: the compare value (UCX's operand), then the reply word (the value to
+        // write going in, the old value coming back): `Result = Y; if (X == Y) Y = Z`.
+        let mut buf = compare.to_ne_bytes().to_vec();
+        buf.extend_from_slice(&swap.to_ne_bytes());
+        // SAFETY: endpoint open and key alive; UCX reads the operand at `value`, and reads and
+        // writes the reply word at `value + 8`, both inside the operation's 16-byte buffer
+        // that lives until the callback.
+        let op = unsafe {
+            start_send("ucp_atomic_op_nbx", Some(buf), |value, _len, param| {
+                let mut param = *param;
+                param.op_attr_mask |=
+                    sys::UCP_OP_ATTR_FIELD_DATATYPE | sys::UCP_OP_ATTR_FIELD_REPLY_BUFFER;
+                param.datatype = (8 << sys::UCP_DATATYPE_SHIFT) | sys::UCP_DATATYPE_CONTIG as u64;
+                param.reply_buffer = value.cast::<u8>().add(8).cast_mut().cast();
+                sys::ucp_atomic_op_nbx(
+                    self.handle(),
+                    sys::UCP_ATOMIC_OP_CSWAP,
+                    value,
+                    1,
+                    remote_address,
+                    key.handle,
+                    &param,
+                )
+            })
+        }?;
+        Ok(AtomicOp { op })
+    }
+
     /// Completes once every put issued on this endpoint before it is in the peer's memory
     /// (`ucp_ep_flush_nbx`).
     pub fn flush(&self) -> Result<SendOp> {
@@ -146,5 +186,26 @@ impl Endpoint {
                 sys::ucp_ep_flush_nbx(self.handle(), param)
             })
         }
+    }
+}
+
+/// A compare-and-swap in flight ([`Endpoint::compare_swap`]).
+pub struct AtomicOp {
+    op: SendOp,
+}
+
+impl AtomicOp {
+    /// `None` while in flight; then the word's value before the operation, or the error UCX
+    /// completed it with.
+    pub fn result(&self) -> Option<Result<u64>> {
+        let done = self.op.state.status()?;
+        Some(
+            crate::request::status_result("ucp_atomic_op_nbx", done).map(|()| {
+                let p = self.op.state.buffer_ptr();
+                // SAFETY: the operation completed, so UCX wrote the reply word, the second
+                // 8 bytes of the operation's own 16-byte buffer (still held by its state).
+                unsafe { std::ptr::read_unaligned(p.add(8).cast::<u64>()) }
+            }),
+        )
     }
 }

@@ -209,3 +209,65 @@ fn puts_land_in_the_peers_registered_memory_once_flushed() {
         .is_done()));
     drop(server_eps);
 }
+
+/// The fence a remote writer claims a landing slot with: a compare-and-swap that succeeds
+/// only on the expected word, reports the old value either way, and leaves the neighbours be.
+#[test]
+fn a_compare_and_swap_changes_the_peers_word_only_when_it_holds_the_expected_value() {
+    let server_ctx = context();
+    let server = Worker::new(&server_ctx).expect("server worker");
+    let any: SocketAddr = "127.0.0.1:0".parse().expect("literal");
+    let listener = Listener::bind(&server, any).expect("listen");
+    let addr = listener.local_addr().expect("local addr");
+    let mut words = vec![7u64, 0x1234_5678_9abc_def1, 9u64];
+    // SAFETY: `words` outlives `region` (dropped first below).
+    let region =
+        unsafe { MemoryRegion::map(&server_ctx, words.as_mut_ptr().cast(), words.len() * 8) }
+            .expect("ucp_mem_map");
+    let packed = region.packed_key().expect("rkey");
+    let client_ctx = context();
+    let client = Worker::new(&client_ctx).expect("client worker");
+    let ep = Endpoint::connect(&client, addr).expect("connect");
+    let mut server_eps = Vec::new();
+    let hello = ep.tag_send(1, b"hi".to_vec()).expect("send");
+    let mut recv = None;
+    assert!(drive(&client, &server, Duration::from_secs(20), || {
+        while let Some(req) = listener.next_conn_request() {
+            server_eps.push(Endpoint::accept(req).expect("accept"));
+        }
+        if recv.is_none() {
+            recv = server.tag_probe_recv(0, 0).expect("probe");
+        }
+        hello.result().is_some() && recv.as_ref().is_some_and(|r: &RecvOp| r.result().is_some())
+    }));
+    let key = RemoteKey::unpack(&ep, &packed).expect("unpack rkey");
+    let middle = region.address() + 8;
+    let token = 0x1234_5678_9abc_def1u64;
+    let run = |compare: u64, swap: u64| {
+        let op = ep.compare_swap(middle, &key, compare, swap).expect("cswap");
+        assert!(
+            drive(&client, &server, Duration::from_secs(20), || op
+                .result()
+                .is_some()),
+            "the compare-and-swap did not complete"
+        );
+        op.result().expect("done").expect("no error")
+    };
+    assert_eq!(run(token, !token), token, "the claim sees the token");
+    assert_eq!(
+        run(token, 5),
+        !token,
+        "a second claim fails and sees the claimed word"
+    );
+    let flush = ep.flush().expect("flush");
+    assert!(drive(&client, &server, Duration::from_secs(20), || flush
+        .result()
+        .is_some()));
+    drop(region);
+    assert_eq!(words, [7, !token, 9], "only the middle word changed, once");
+    drop(key);
+    let closing = ep.close(CloseMode::Flush);
+    assert!(drive(&client, &server, Duration::from_secs(5), || closing
+        .is_done()));
+    drop(server_eps);
+}
