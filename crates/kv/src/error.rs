@@ -50,6 +50,19 @@ pub enum Error {
     /// The transport's thread has stopped (it is shutting down or crashed).
     #[error("the KV transport thread has stopped")]
     Stopped,
+    /// A one-sided write found its landing slot no longer held by its reservation (or
+    /// already claimed by another writer): nothing was written.
+    #[error("the landing slot at {address} is no longer its reservation's")]
+    SlotReleased {
+        /// The receiver's address.
+        address: String,
+    },
+    /// A landing descriptor without what a one-sided write needs (no remote key).
+    #[error("the landing slot at {address} is not registered for one-sided writes")]
+    NotRemote {
+        /// The receiver's address.
+        address: String,
+    },
 }
 
 /// `Result` with this crate's [`Error`].
@@ -59,7 +72,10 @@ impl Error {
     /// How the failure is classified for retries and protocol status codes.
     pub fn class(&self) -> ErrorClass {
         match self {
-            Error::Transfer { .. } | Error::Timeout { .. } => ErrorClass::TransferFailed,
+            Error::Transfer { .. } | Error::Timeout { .. } | Error::SlotReleased { .. } => {
+                ErrorClass::TransferFailed
+            }
+            Error::NotRemote { .. } => ErrorClass::InvalidRequest,
             Error::Setup(_)
             | Error::Spawn(_)
             | Error::InvalidAddress { .. }

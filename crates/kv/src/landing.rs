@@ -74,6 +74,21 @@ pub struct Landing {
     pub capacity: u64,
     /// The token the slot's fence holds while its reservation waits for this KV.
     pub fence: u64,
+    /// The slot's fence word's offset in the arena.
+    pub fence_offset: u64,
+    /// The arena as registered with the decode worker's transport, for writers that cannot
+    /// map it (another host): they claim and fill the slot with one-sided UCX operations.
+    pub remote: Option<RemoteArena>,
+}
+
+/// A landing arena registered for one-sided writes (`ucp_mem_map`) by the decode worker's
+/// transport: its packed remote key and the address the arena is mapped at there.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RemoteArena {
+    /// The packed remote key.
+    pub rkey: Vec<u8>,
+    /// The arena's first byte in the decode worker's address space.
+    pub base: u64,
 }
 
 /// Why a landing write did not happen (the caller falls back to sending the handoff).
@@ -298,6 +313,8 @@ pub struct LandingArena {
     name: String,
     nonce: u64,
     map: Mapping,
+    /// Set once the transport registered the arena.
+    remote: std::sync::OnceLock<RemoteArena>,
     /// Where the fence table and the slots start.
     fences: usize,
     slots_at: usize,
@@ -369,6 +386,7 @@ impl LandingArena {
             name,
             nonce,
             map,
+            remote: std::sync::OnceLock::new(),
             fences,
             slots_at,
             slots: Mutex::new(slots),
@@ -410,6 +428,17 @@ impl LandingArena {
     pub fn name(&self) -> &str {
         &self.name
     }
+
+    /// The mapping's address and length (what the transport registers).
+    pub(crate) fn region(&self) -> (*mut u8, usize) {
+        (self.map.ptr, self.map.len)
+    }
+
+    /// Records the arena's registration with the transport; descriptors made from then on
+    /// carry it. A second registration is ignored.
+    pub fn set_remote(&self, remote: RemoteArena) {
+        let _ = self.remote.set(remote);
+    }
 }
 
 impl Drop for LandingArena {
@@ -447,6 +476,9 @@ impl LandingSlot {
             offset: self.offset as u64,
             capacity: self.len as u64,
             fence: self.fence,
+            fence_offset: fence_at(self.arena.fences, self.arena.slots_at, self.offset as u64)
+                .expect("a slot's offset") as u64,
+            remote: self.arena.remote.get().cloned(),
         }
     }
 

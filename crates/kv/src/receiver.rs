@@ -4,10 +4,13 @@ use std::sync::{mpsc as std_mpsc, Arc};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use tandem_ucx::{CloseMode, Closing, Context, Endpoint, Listener, RecvOp, Waker, Worker};
+use tandem_ucx::{
+    CloseMode, Closing, Context, Endpoint, Listener, MemoryRegion, RecvOp, Waker, Worker,
+};
 use tokio::sync::mpsc;
 
 use crate::error::{Error, Result};
+use crate::landing::{LandingArena, RemoteArena};
 use crate::message::KvMessage;
 use crate::peer_address::resolve;
 use crate::transport_config::ucx_config;
@@ -34,6 +37,13 @@ pub struct UcxReceiver {
 impl UcxReceiver {
     /// Binds on `bind` ("127.0.0.1:0" picks a free port). Returns once listening.
     pub fn listen(bind: &str) -> Result<UcxReceiver> {
+        Self::listen_with_arena(bind, None)
+    }
+
+    /// [`UcxReceiver::listen`], registering `arena` with this transport for one-sided writes
+    /// from senders that cannot map it (its descriptors then carry the remote key). A failed
+    /// registration is logged and leaves the arena to local writers.
+    pub fn listen_with_arena(bind: &str, arena: Option<Arc<LandingArena>>) -> Result<UcxReceiver> {
         let bind_addr = resolve(bind)?;
         let (incoming_tx, incoming_rx) = mpsc::unbounded_channel();
         let bytes_received = Arc::new(AtomicU64::new(0));
@@ -45,19 +55,21 @@ impl UcxReceiver {
         let thread = std::thread::Builder::new()
             .name("kv-ucx-recv".into())
             .spawn(move || {
-                let setup = || -> tandem_ucx::Result<(Worker, Listener, SocketAddr)> {
+                type Setup = (Worker, Listener, SocketAddr, Option<MemoryRegion>);
+                let setup = || -> tandem_ucx::Result<Setup> {
                     let context = Context::new(&ucx_config()?)?;
                     let worker = Worker::new(&context)?;
                     let listener = Listener::bind(&worker, bind_addr)?;
                     let addr = listener.local_addr()?;
-                    Ok((worker, listener, addr))
+                    let region = arena.as_ref().and_then(|a| register(&context, a));
+                    Ok((worker, listener, addr, region))
                 };
-                let (worker, listener) = match setup() {
-                    Ok((worker, listener, addr)) => {
+                let (worker, listener, region) = match setup() {
+                    Ok((worker, listener, addr, region)) => {
                         if ready_tx.send(Ok((addr, worker.waker()))).is_err() {
                             return;
                         }
-                        (worker, listener)
+                        (worker, listener, region)
                     }
                     Err(err) => {
                         // If the caller is gone there is no one left to tell.
@@ -66,6 +78,8 @@ impl UcxReceiver {
                     }
                 };
                 ReceiverLoop {
+                    _region: region,
+                    _arena: arena,
                     worker,
                     listener: Some(listener),
                     endpoints: Vec::new(),
@@ -120,8 +134,43 @@ impl Drop for UcxReceiver {
     }
 }
 
+/// Registers `arena`'s memory with `context` and records the remote key in it.
+#[allow(unsafe_code)]
+fn register(context: &Context, arena: &Arc<LandingArena>) -> Option<MemoryRegion> {
+    let (ptr, len) = arena.region();
+    // SAFETY: the receiver loop holds the arena (an `Arc`) for as long as the region, and
+    // drops the region first; the arena's mapping lives as long as the arena.
+    let region = match unsafe { MemoryRegion::map(context, ptr, len) } {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::warn!(error = %e, "KV landing arena not registered for remote writes");
+            return None;
+        }
+    };
+    match region.packed_key() {
+        Ok(rkey) => {
+            arena.set_remote(RemoteArena {
+                rkey,
+                base: region.address(),
+            });
+            tracing::info!(
+                bytes = len,
+                "KV landing arena registered for one-sided writes"
+            );
+            Some(region)
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "KV landing arena's remote key not packed");
+            None
+        }
+    }
+}
+
 /// The receiver thread's state; everything UCX lives here, on one thread.
 struct ReceiverLoop {
+    /// The landing arena's registration (dropped before the arena it covers).
+    _region: Option<MemoryRegion>,
+    _arena: Option<Arc<LandingArena>>,
     worker: Worker,
     /// `None` once shutting down.
     listener: Option<Listener>,

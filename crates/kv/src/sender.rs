@@ -5,10 +5,13 @@ use std::sync::{mpsc as std_mpsc, Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use tandem_ucx::{CloseMode, Closing, Context, Endpoint, SendOp, Waker, Worker};
+use tandem_ucx::{
+    AtomicOp, CloseMode, Closing, Context, Endpoint, RemoteKey, SendOp, Waker, Worker,
+};
 use tokio::sync::oneshot;
 
 use crate::error::{Error, Result};
+use crate::landing::{claimed, Landing};
 use crate::peer_address::resolve;
 use crate::transport_config::ucx_config;
 
@@ -41,6 +44,16 @@ enum Command {
         address: String,
         tag: u64,
         payload: Vec<u8>,
+        timeout: Duration,
+        reply: oneshot::Sender<Result<()>>,
+    },
+    /// Claim a landing slot remotely, put `payload` into it, flush, then send `record`.
+    Put {
+        address: String,
+        tag: u64,
+        landing: Landing,
+        payload: Vec<u8>,
+        record: Vec<u8>,
         timeout: Duration,
         reply: oneshot::Sender<Result<()>>,
     },
@@ -80,6 +93,7 @@ impl UcxSender {
                     peers: HashMap::new(),
                     next_peer_id: 0,
                     pending: Vec::new(),
+                    puts: Vec::new(),
                     closing: Vec::new(),
                     bytes_sent: thread_bytes,
                 }
@@ -117,6 +131,43 @@ impl UcxSender {
                 address: address.to_owned(),
                 tag,
                 payload,
+                timeout,
+                reply,
+            })
+            .map_err(|_| Error::Stopped)?;
+        self.shared.waker.wake();
+        outcome.await.unwrap_or(Err(Error::Stopped))
+    }
+
+    /// Writes `payload` into the receiver's landing slot `landing` describes with
+    /// one-sided UCX operations, for a sender that cannot map the slot's arena (another
+    /// host): claims the slot by a remote compare-and-swap of its fence (nothing is written
+    /// when the reservation has let go: [`Error::SlotReleased`]), puts the bytes, flushes
+    /// them into the receiver's memory, then sends `record` (the completion record) with
+    /// `tag`. Resolves once the record's send completed, or with an error, within `timeout`.
+    pub async fn put_landing(
+        &self,
+        address: &str,
+        tag: u64,
+        landing: &Landing,
+        payload: Vec<u8>,
+        record: Vec<u8>,
+        timeout: Duration,
+    ) -> Result<()> {
+        if landing.remote.is_none() || payload.len() as u64 > landing.capacity {
+            return Err(Error::NotRemote {
+                address: address.to_owned(),
+            });
+        }
+        let (reply, outcome) = oneshot::channel();
+        self.shared
+            .commands
+            .send(Command::Put {
+                address: address.to_owned(),
+                tag,
+                landing: landing.clone(),
+                payload,
+                record,
                 timeout,
                 reply,
             })
@@ -167,6 +218,33 @@ struct PendingSend {
     reply: oneshot::Sender<Result<()>>,
 }
 
+/// Where a one-sided write is.
+enum PutStage {
+    /// The fence's compare-and-swap is out.
+    Claim(AtomicOp),
+    /// The bytes' put and the flush behind it are out.
+    Write { put: SendOp, flush: SendOp },
+}
+
+/// A one-sided write into a landing slot in flight; its completion record goes out as an
+/// ordinary send when the flush completes.
+struct PendingPut {
+    stage: PutStage,
+    key: RemoteKey,
+    address: String,
+    peer_id: u64,
+    tag: u64,
+    /// The fence's token: the claim succeeded when the swap found it.
+    token: u64,
+    data_address: u64,
+    data_len: usize,
+    payload: Option<Vec<u8>>,
+    record: Vec<u8>,
+    deadline: Instant,
+    timeout: Duration,
+    reply: oneshot::Sender<Result<()>>,
+}
+
 /// The sender thread's state; everything UCX lives here, on one thread.
 struct SenderLoop {
     worker: Worker,
@@ -174,6 +252,7 @@ struct SenderLoop {
     peers: HashMap<String, Peer>,
     next_peer_id: u64,
     pending: Vec<PendingSend>,
+    puts: Vec<PendingPut>,
     closing: Vec<Closing>,
     bytes_sent: Arc<AtomicU64>,
 }
@@ -183,19 +262,23 @@ impl SenderLoop {
         loop {
             self.worker.progress_all();
             let (busy, stop) = self.take_commands();
+            let advanced = self.advance_puts();
             self.complete_sends();
             self.expire_sends();
+            self.expire_puts();
             self.evict_failed_peers();
             if stop {
                 break;
             }
-            if busy {
+            if busy || advanced {
                 continue;
             }
             let wait = self
                 .pending
                 .iter()
-                .map(|p| p.deadline.saturating_duration_since(Instant::now()))
+                .map(|p| p.deadline)
+                .chain(self.puts.iter().map(|p| p.deadline))
+                .map(|d| d.saturating_duration_since(Instant::now()))
                 .min()
                 .map_or(IDLE_WAIT, |d| d.min(IDLE_WAIT));
             if let Err(err) = self.worker.wait(wait) {
@@ -220,6 +303,18 @@ impl SenderLoop {
                 }) => {
                     busy = true;
                     self.start_send(address, tag, payload, timeout, reply);
+                }
+                Ok(Command::Put {
+                    address,
+                    tag,
+                    landing,
+                    payload,
+                    record,
+                    timeout,
+                    reply,
+                }) => {
+                    busy = true;
+                    self.start_put(address, tag, &landing, payload, record, timeout, reply);
                 }
                 Ok(Command::Shutdown) | Err(std_mpsc::TryRecvError::Disconnected) => {
                     return (busy, true)
@@ -266,6 +361,155 @@ impl SenderLoop {
                 let _ = reply.send(Err(err));
             }
         }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn start_put(
+        &mut self,
+        address: String,
+        tag: u64,
+        landing: &Landing,
+        payload: Vec<u8>,
+        record: Vec<u8>,
+        timeout: Duration,
+        reply: oneshot::Sender<Result<()>>,
+    ) {
+        if reply.is_closed() {
+            return;
+        }
+        let Some(remote) = &landing.remote else {
+            let _ = reply.send(Err(Error::NotRemote { address }));
+            return;
+        };
+        let deadline = Instant::now()
+            .checked_add(timeout)
+            .unwrap_or_else(|| Instant::now() + FAR_FUTURE);
+        let peer = match self.peer(&address) {
+            Ok(peer) => peer,
+            Err(err) => {
+                let _ = reply.send(Err(err));
+                return;
+            }
+        };
+        let peer_id = peer.id;
+        let started = RemoteKey::unpack(&peer.ep, &remote.rkey).and_then(|key| {
+            let fence = remote.base + landing.fence_offset;
+            let op = peer
+                .ep
+                .compare_swap(fence, &key, landing.fence, claimed(landing.fence))?;
+            Ok((key, op))
+        });
+        match started {
+            Ok((key, op)) => self.puts.push(PendingPut {
+                stage: PutStage::Claim(op),
+                key,
+                address,
+                peer_id,
+                tag,
+                token: landing.fence,
+                data_address: remote.base + landing.offset,
+                data_len: payload.len(),
+                payload: Some(payload),
+                record,
+                deadline,
+                timeout,
+                reply,
+            }),
+            Err(err) => {
+                let err = self.send_failed(&address, peer_id, err);
+                let _ = reply.send(Err(err));
+            }
+        }
+    }
+
+    /// Moves one-sided writes along: a claimed slot gets its put and flush, a flushed one its
+    /// completion record (an ordinary send from then on). Returns whether any moved.
+    fn advance_puts(&mut self) -> bool {
+        let mut moved = false;
+        let mut i = 0;
+        while i < self.puts.len() {
+            let p = &mut self.puts[i];
+            let step: Option<Result<bool>> = match &p.stage {
+                PutStage::Claim(op) => op.result().map(|old| {
+                    let old = old.map_err(|e| (e, false));
+                    match old {
+                        Ok(v) if v == p.token => {
+                            let ep = self.peers.get(&p.address).filter(|q| q.id == p.peer_id);
+                            match ep {
+                                Some(peer) => {
+                                    let data = p.payload.take().unwrap_or_default();
+                                    match peer
+                                        .ep
+                                        .put(data, p.data_address, &p.key)
+                                        .and_then(|put| Ok((put, peer.ep.flush()?)))
+                                    {
+                                        Ok((put, flush)) => {
+                                            p.stage = PutStage::Write { put, flush };
+                                            Ok(false)
+                                        }
+                                        Err(e) => Err(Error::Transfer {
+                                            address: p.address.clone(),
+                                            source: e,
+                                        }),
+                                    }
+                                }
+                                None => Err(Error::Stopped),
+                            }
+                        }
+                        Ok(_) => Err(Error::SlotReleased {
+                            address: p.address.clone(),
+                        }),
+                        Err((e, _)) => Err(Error::Transfer {
+                            address: p.address.clone(),
+                            source: e,
+                        }),
+                    }
+                }),
+                PutStage::Write { put, flush } => match (put.result(), flush.result()) {
+                    (Some(Err(e)), _) | (_, Some(Err(e))) => Some(Err(Error::Transfer {
+                        address: p.address.clone(),
+                        source: e,
+                    })),
+                    (Some(Ok(())), Some(Ok(()))) => Some(Ok(true)),
+                    _ => None,
+                },
+            };
+            match step {
+                None => i += 1,
+                Some(Ok(false)) => {
+                    moved = true;
+                    i += 1;
+                }
+                Some(Ok(true)) => {
+                    moved = true;
+                    let p = self.puts.swap_remove(i);
+                    self.bytes_sent
+                        .fetch_add(p.data_len as u64, Ordering::Relaxed);
+                    let left = p.deadline.saturating_duration_since(Instant::now());
+                    self.start_send(p.address, p.tag, p.record, left, p.reply);
+                }
+                Some(Err(err)) => {
+                    moved = true;
+                    let p = self.puts.swap_remove(i);
+                    // The remote key goes before its endpoint may be evicted below.
+                    let PendingPut {
+                        key,
+                        address,
+                        peer_id,
+                        reply,
+                        ..
+                    } = p;
+                    drop(key);
+                    let p = (address, peer_id, reply);
+                    let err = match err {
+                        Error::Transfer { source, .. } => self.send_failed(&p.0, p.1, source),
+                        other => other,
+                    };
+                    let _ = p.2.send(Err(err));
+                }
+            }
+        }
+        moved
     }
 
     /// The cached endpoint for `address`, connecting if there is none (or it failed).
@@ -372,6 +616,33 @@ impl SenderLoop {
         }
     }
 
+    /// Fails one-sided writes whose deadline passed (their endpoint is evicted: a stalled
+    /// peer); a write that claimed its slot and stalled leaves the slot to the receiver's
+    /// quarantine.
+    fn expire_puts(&mut self) {
+        let now = Instant::now();
+        let mut i = 0;
+        while i < self.puts.len() {
+            if self.puts[i].deadline > now {
+                i += 1;
+                continue;
+            }
+            let p = self.puts.swap_remove(i);
+            tracing::warn!(address = %p.address, timeout = ?p.timeout, "KV one-sided write timed out");
+            let PendingPut {
+                key,
+                address,
+                peer_id,
+                timeout,
+                reply,
+                ..
+            } = p;
+            drop(key);
+            self.evict(&address, Some(peer_id));
+            let _ = reply.send(Err(Error::Timeout { address, timeout }));
+        }
+    }
+
     fn evict_failed_peers(&mut self) {
         let failed: Vec<String> = self
             .peers
@@ -394,6 +665,9 @@ impl SenderLoop {
         self.complete_sends();
         for send in self.pending.drain(..) {
             let _ = send.reply.send(Err(Error::Stopped));
+        }
+        for put in self.puts.drain(..) {
+            let _ = put.reply.send(Err(Error::Stopped));
         }
         for (_, peer) in self.peers.drain() {
             let mode = if peer.ep.is_failed() {

@@ -314,6 +314,109 @@ fn run_child(env: &[(&str, Option<&str>)]) {
 /// A test cannot safely change its own process's environment, so the transport variants run
 /// in child processes: TCP only, and the crate's default transports, both with
 /// `UCX_TCP_CM_REUSEADDR=y` so the restart test rebinds the same port.
+/// The cross-host landing path: a sender that does not map the receiver's arena claims a
+/// slot by a remote compare-and-swap of its fence, puts the handoff into it, flushes, and
+/// sends only the completion record; the bytes are in the slot when the record arrives. A
+/// write through the descriptor of a slot its reservation let go of — even once the same
+/// range belongs to another reservation — claims nothing and writes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_sided_writes_land_in_a_held_slot_and_never_in_a_released_one() {
+    use tandem_kv::landing::LandingArena;
+    let arena = LandingArena::with_quarantine(8 << 20, Duration::ZERO).expect("arena");
+    let mut receiver =
+        UcxReceiver::listen_with_arena("127.0.0.1:0", Some(arena.clone())).expect("listen");
+    let mut incoming = receiver.take_incoming().expect("incoming");
+    let address = receiver.address();
+    let sender = UcxSender::new().expect("sender");
+
+    let mut slot = arena.slot(4 << 20).expect("slot");
+    let to = slot.landing();
+    assert!(to.remote.is_some(), "the arena was registered: {to:?}");
+    let payload = pattern(3 << 20, 9);
+    timeout(
+        TEST_BOUND,
+        sender.put_landing(
+            &address,
+            77,
+            &to,
+            payload.clone(),
+            b"landed".to_vec(),
+            SEND_TIMEOUT,
+        ),
+    )
+    .await
+    .expect("bounded")
+    .expect("one-sided write");
+    let record = next(&mut incoming).await;
+    assert_eq!((record.tag, &record.payload[..]), (77, &b"landed"[..]));
+    assert!(
+        slot.landed(payload.len()).expect("fits") == &payload[..],
+        "the bytes landed"
+    );
+    // A second write through the same descriptor: the slot was claimed already.
+    let again = sender
+        .put_landing(
+            &address,
+            78,
+            &to,
+            pattern(100, 1),
+            b"x".to_vec(),
+            SEND_TIMEOUT,
+        )
+        .await;
+    assert!(
+        matches!(again, Err(tandem_kv::Error::SlotReleased { .. })),
+        "{again:?}"
+    );
+
+    // Released, then the same range handed to another reservation.
+    let stale = {
+        let s = arena.slot(4 << 20).expect("another slot");
+        let d = s.landing();
+        drop(s);
+        d
+    };
+    let mut reused = arena.slot(4 << 20).expect("the range again");
+    assert_eq!(
+        reused.landing().offset,
+        stale.offset,
+        "the test reuses the range"
+    );
+    let late = timeout(
+        TEST_BOUND,
+        sender.put_landing(
+            &address,
+            79,
+            &stale,
+            pattern(4 << 20, 3),
+            b"late".to_vec(),
+            SEND_TIMEOUT,
+        ),
+    )
+    .await
+    .expect("bounded");
+    assert!(
+        matches!(late, Err(tandem_kv::Error::SlotReleased { .. })),
+        "{late:?}"
+    );
+    assert_eq!(
+        late.map_err(|e| e.class()).expect_err("refused"),
+        ErrorClass::TransferFailed
+    );
+    assert!(
+        reused
+            .landed(4 << 20)
+            .expect("fits")
+            .iter()
+            .all(|&b| b == 0),
+        "the late writer touched the new reservation's bytes"
+    );
+    assert!(
+        incoming.try_recv().is_err(),
+        "no record followed a refused write"
+    );
+}
+
 #[test]
 fn tcp_only_and_default_transports_pass_in_child_processes() {
     if std::env::var_os("TANDEM_KV_TEST_CHILD").is_some() {
