@@ -770,11 +770,13 @@ fn aggregated_workers_serve_beside_pd_pairs() {
 }
 
 /// Prefill and decode on one host: each handoff is written straight into the decode
-/// worker's shared-memory landing slot and only a completion record crosses UCX; the answers
-/// equal those of a pair whose decode worker offers no slot (every handoff over the
+/// worker's shared-memory landing slot and only a completion record crosses UCX; with
+/// `--kv-landing put` on the prefill worker (what a prefill worker on another host does) the
+/// same slot is claimed and written with one-sided UCX operations over tcp instead; the
+/// answers equal those of a pair whose decode worker offers no slot (every handoff over the
 /// transport), and a prompt too long for its slot falls back to the transport.
 #[test]
-fn handoffs_land_in_shared_memory_on_one_host_and_answer_the_same() {
+fn handoffs_land_in_the_decode_workers_memory_by_shm_or_one_sided_puts_and_answer_the_same() {
     if tandem_e2e::shm_free_bytes() < 32 << 20 {
         eprintln!("skipping: /dev/shm has less than 32 MiB free for landing arenas");
         return;
@@ -786,12 +788,13 @@ fn handoffs_land_in_shared_memory_on_one_host_and_answer_the_same() {
         "the quick brown fox jumps. ".repeat(20)
     );
     let mut answers = Vec::new();
-    for mib in ["3", "0"] {
+    for (mib, landing) in [("3", "auto"), ("3", "put"), ("0", "auto")] {
         let cluster = Cluster::start(ClusterOptions {
             worker_env: vec![
                 ("UCX_TLS".into(), "tcp".into()),
                 ("TANDEM_KV_LANDING_MIB".into(), mib.into()),
             ],
+            prefill_args: vec!["--kv-landing".into(), landing.into()],
             ..ClusterOptions::default()
         });
         let (url, long) = (cluster.url.clone(), long.clone());
@@ -817,18 +820,27 @@ fn handoffs_land_in_shared_memory_on_one_host_and_answer_the_same() {
         });
         answers.push(got);
     }
-    let (with_slots, without) = (&answers[0], &answers[1]);
-    assert_eq!(with_slots.0, "The capital of France is Paris.");
-    assert_eq!((&with_slots.0, &with_slots.1), (&without.0, &without.1));
-    let (prefill_wrote, decode_landed) = with_slots.2;
-    assert!(
-        prefill_wrote > 0,
-        "the short prompt's handoff landed in shared memory"
-    );
-    assert_eq!(
-        prefill_wrote, decode_landed,
-        "what the prefill wrote is what the decode took"
-    );
+    let without = &answers[2];
+    for (with_slots, how) in [
+        (&answers[0], "shared memory"),
+        (&answers[1], "one-sided puts"),
+    ] {
+        assert_eq!(with_slots.0, "The capital of France is Paris.", "{how}");
+        assert_eq!(
+            (&with_slots.0, &with_slots.1),
+            (&without.0, &without.1),
+            "{how}"
+        );
+        let (prefill_wrote, decode_landed) = with_slots.2;
+        assert!(
+            prefill_wrote > 0,
+            "the short prompt's handoff landed by {how}"
+        );
+        assert_eq!(
+            prefill_wrote, decode_landed,
+            "{how}: what the prefill wrote is what the decode took"
+        );
+    }
     assert_eq!(without.2, (0, 0), "no arena, no landing");
 }
 

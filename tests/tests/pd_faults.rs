@@ -187,6 +187,17 @@ fn workers_end_a_request_at_its_deadline_when_the_router_cannot_tell_them() {
 /// landing in shared memory as usual.
 #[test]
 fn a_push_to_an_expired_reservation_touches_nobody_elses_memory() {
+    stale_push_case("auto");
+}
+
+/// As above, for a prefill worker that writes the slot with one-sided UCX operations (as one
+/// on another host does): its remote claim of the released slot fails, so nothing is put.
+#[test]
+fn a_one_sided_write_to_an_expired_reservation_touches_nobody_elses_memory() {
+    stale_push_case("put");
+}
+
+fn stale_push_case(landing: &str) {
     use tandem_proto::v1 as pb;
     if tandem_e2e::shm_free_bytes() < 32 << 20 {
         eprintln!("skipping: /dev/shm has less than 32 MiB free for landing arenas");
@@ -194,6 +205,7 @@ fn a_push_to_an_expired_reservation_touches_nobody_elses_memory() {
     }
     let cluster = Cluster::start(ClusterOptions {
         decode_args: vec!["--kv-lease".to_string(), "1s".to_string()],
+        prefill_args: vec!["--kv-landing".to_string(), landing.to_string()],
         ..ClusterOptions::default()
     });
     let (url, prefill, decode) = (

@@ -146,6 +146,17 @@ enum ModelCommand {
     },
 }
 
+/// `tandem worker --kv-landing`.
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum LandingArg {
+    /// Shared memory on one host, else one-sided UCX writes, else a message.
+    Auto,
+    /// One-sided UCX writes (even on one host), else a message.
+    Put,
+    /// Always a message.
+    Off,
+}
+
 /// The dtype weights and K/V are kept in (activations and accumulation are f32).
 #[derive(ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum DtypeArg {
@@ -334,6 +345,11 @@ struct WorkerArgs {
     /// sends every handoff over the transport.
     #[arg(long, env = "TANDEM_KV_LANDING_MIB", default_value_t = 256)]
     kv_landing_mib: usize,
+    /// Prefill role: how a handoff reaches the decode worker's landing slot: `auto` (shared
+    /// memory on one host, else one-sided UCX writes into the registered arena, else a
+    /// message), `put` (one-sided writes even on one host), `off` (always a message).
+    #[arg(long, value_enum, default_value_t = LandingArg::Auto)]
+    kv_landing: LandingArg,
     /// On SIGTERM or `tandem admin drain`: how long to wait for in-flight requests before
     /// exiting anyway.
     #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
@@ -614,6 +630,11 @@ async fn worker(args: WorkerArgs) -> Result<()> {
         kv_lease: args.kv_lease,
         transfer_timeout: args.transfer_timeout,
         kv_landing_bytes: args.kv_landing_mib << 20,
+        kv_landing: match args.kv_landing {
+            LandingArg::Auto => tandem_worker::LandingMode::Auto,
+            LandingArg::Put => tandem_worker::LandingMode::Put,
+            LandingArg::Off => tandem_worker::LandingMode::Off,
+        },
         model_id,
         drain_deadline: args.drain_deadline,
         transfer_chaos: match &args.chaos_scenario {

@@ -16,7 +16,7 @@ pub mod reservations;
 pub mod service;
 
 pub use engines::WorkerEngine;
-pub use service::{serve, serve_registered, Role, WorkerOptions};
+pub use service::{serve, serve_registered, LandingMode, Role, WorkerOptions};
 
 use tandem_core::ErrorClass;
 

@@ -37,6 +37,22 @@ impl Role {
     }
 }
 
+/// How a prefill worker puts a handoff into the decode worker's landing slot, when it is
+/// offered one.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum LandingMode {
+    /// Copy into the slot's shared memory when the arena can be mapped here (same host),
+    /// else write it with one-sided UCX operations when the arena is registered, else send
+    /// the whole handoff as a message.
+    #[default]
+    Auto,
+    /// One-sided UCX writes only (never shared memory), else a message: what a prefill
+    /// worker on another host does, on one host.
+    Put,
+    /// Always a message.
+    Off,
+}
+
 /// How a worker runs.
 #[derive(Clone, Debug)]
 pub struct WorkerOptions {
@@ -51,6 +67,8 @@ pub struct WorkerOptions {
     /// Decode role: bytes of the shared-memory landing arena prefill workers on this host
     /// write handoffs into (0: none; every handoff travels over the transport).
     pub kv_landing_bytes: usize,
+    /// Prefill role: how handoffs reach a decode worker's landing slot.
+    pub kv_landing: LandingMode,
     /// Identity of the served checkpoint (`tandem_model::model_identity`): handoffs between
     /// workers of different identities are refused.
     pub model_id: u64,
@@ -110,9 +128,22 @@ pub async fn serve_registered(
 ) -> Result<()> {
     let reservations = Arc::new(Reservations::default());
     let kv_bytes_landed = Arc::new(AtomicU64::new(0));
+    let landing = match (opts.role, opts.kv_landing_bytes) {
+        (Role::Decode, n) if n > 0 => match LandingArena::create(n) {
+            Ok(arena) => Some(arena),
+            Err(e) => {
+                tracing::warn!(error = %e, bytes = n,
+                    "no shared-memory KV landing arena: every handoff travels over the transport");
+                None
+            }
+        },
+        _ => None,
+    };
     let (receiver, sender, transfer_address) = match opts.role {
         Role::Decode => {
-            let mut receiver = UcxReceiver::listen(&opts.transfer_bind)?;
+            // The arena is registered with the transport too, for writers on other hosts.
+            let mut receiver =
+                UcxReceiver::listen_with_arena(&opts.transfer_bind, landing.clone())?;
             let address = receiver.address();
             let incoming = receiver
                 .take_incoming()
@@ -127,17 +158,6 @@ pub async fn serve_registered(
         }
         Role::Prefill => (None, Some(UcxSender::new()?), String::new()),
         Role::Both => (None, None, String::new()),
-    };
-    let landing = match (opts.role, opts.kv_landing_bytes) {
-        (Role::Decode, n) if n > 0 => match LandingArena::create(n) {
-            Ok(arena) => Some(arena),
-            Err(e) => {
-                tracing::warn!(error = %e, bytes = n,
-                    "no shared-memory KV landing arena: every handoff travels over the transport");
-                None
-            }
-        },
-        _ => None,
     };
     let admission = crate::drain::Admission::new(registration.as_ref().map(|r| r.registered()));
     let shared = Arc::new(Shared {
@@ -496,27 +516,65 @@ impl Shared {
                 corrupt,
             };
             // A dropped push (chaos) writes nowhere.
+            let mode = self.opts.kv_landing;
             let landing = target
                 .landing
                 .as_ref()
-                .filter(|_| !dropped)
+                .filter(|_| !dropped && mode != LandingMode::Off)
                 .map(landing_from_pb);
+            let local = landing.clone().filter(|_| mode == LandingMode::Auto);
             let (writer, landed) = (self.landing_writer.clone(), self.kv_bytes_landed.clone());
-            let (message, len) = tokio::task::spawn_blocking(move || {
-                message.encode(landing.as_ref().map(|l| (l, &*writer, &*landed)))
+            let (message, len, in_place) = tokio::task::spawn_blocking(move || {
+                message.encode(local.as_ref().map(|l| (l, &*writer, &*landed)))
             })
             .await
             .map_err(|e| Error::InvalidRequest(format!("encoding task failed: {e}")))?;
             sent = len as u64;
-            if !dropped {
-                sender
-                    .send(
-                        &target.transfer_address,
-                        target.reservation_id,
-                        message,
-                        self.opts.transfer_timeout,
-                    )
-                    .await?;
+            let remote =
+                landing.filter(|l| !in_place && l.remote.is_some() && len as u64 <= l.capacity);
+            match remote {
+                _ if dropped => {}
+                Some(to) => {
+                    // Another host (or `--kv-landing put`): claim the slot and write it with
+                    // one-sided operations; the completion record follows the flush.
+                    let record = handoff::encode_landed(&handoff::Landed {
+                        reservation,
+                        epoch,
+                        offset: to.offset,
+                        len: len as u64,
+                    });
+                    let put = sender
+                        .put_landing(
+                            &target.transfer_address,
+                            target.reservation_id,
+                            &to,
+                            message,
+                            record,
+                            self.opts.transfer_timeout,
+                        )
+                        .await;
+                    match put {
+                        Ok(()) => {
+                            self.kv_bytes_landed.fetch_add(sent, Ordering::Relaxed);
+                        }
+                        // The reservation let go before the write: it waits for nothing.
+                        Err(e @ tandem_kv::Error::SlotReleased { .. }) => {
+                            tracing::debug!(error = %e, reservation = %reservation,
+                                "KV landing slot released before the one-sided write; nothing written");
+                        }
+                        Err(e) => return Err(e.into()),
+                    }
+                }
+                None => {
+                    sender
+                        .send(
+                            &target.transfer_address,
+                            target.reservation_id,
+                            message,
+                            self.opts.transfer_timeout,
+                        )
+                        .await?;
+                }
             }
             self.kv_bytes_sent.fetch_add(sent, Ordering::Relaxed);
         }
@@ -825,6 +883,13 @@ fn landing_to_pb(l: &Landing) -> pb::KvLanding {
         offset: l.offset,
         capacity: l.capacity,
         fence: l.fence,
+        fence_offset: l.fence_offset,
+        rkey: l
+            .remote
+            .as_ref()
+            .map(|r| r.rkey.clone())
+            .unwrap_or_default(),
+        remote_base: l.remote.as_ref().map_or(0, |r| r.base),
     }
 }
 
@@ -836,6 +901,11 @@ fn landing_from_pb(l: &pb::KvLanding) -> Landing {
         offset: l.offset,
         capacity: l.capacity,
         fence: l.fence,
+        fence_offset: l.fence_offset,
+        remote: (!l.rkey.is_empty()).then(|| tandem_kv::landing::RemoteArena {
+            rkey: l.rkey.clone(),
+            base: l.remote_base,
+        }),
     }
 }
 
@@ -849,9 +919,12 @@ struct Outgoing {
 
 impl Outgoing {
     /// Encodes the handoff message straight into the landing slot when one is offered and
-    /// reachable (returning the completion record to send), or into a message of its own;
-    /// returns it with the handoff message's length.
-    fn encode(self, landing: Option<(&Landing, &LandingWriter, &AtomicU64)>) -> (Vec<u8>, usize) {
+    /// mappable here (returning the completion record to send), or into a message of its
+    /// own; returns it with the handoff message's length and whether it went in place.
+    fn encode(
+        self,
+        landing: Option<(&Landing, &LandingWriter, &AtomicU64)>,
+    ) -> (Vec<u8>, usize, bool) {
         let h = &self.handoff;
         let head = handoff::encode_head(&self.head, &h.segments, &h.body);
         let len = head.len() + h.body.len();
@@ -874,7 +947,7 @@ impl Outgoing {
                         offset: to.offset,
                         len: len as u64,
                     });
-                    return (record, len);
+                    return (record, len, true);
                 }
                 Err(e) => tracing::debug!(error = %e,
                     "KV landing slot not used; sending the handoff over the transport"),
@@ -882,6 +955,6 @@ impl Outgoing {
         }
         let mut message = vec![0u8; len];
         fill(&mut message);
-        (message, len)
+        (message, len, false)
     }
 }
