@@ -95,6 +95,7 @@ bench-serve-cpu: model
 bench-kv: deps
 	scripts/bench-kv.sh tcp
 	scripts/bench-kv.sh landing
+	scripts/bench-kv.sh put
 
 clean:
 	$(CARGO) clean

@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # KV transport bandwidth against ucx_perftest on the same transport, in the same run.
-# Usage: scripts/bench-kv.sh [tcp|sm|landing]   (default tcp)
+# Usage: scripts/bench-kv.sh [tcp|sm|landing|put]   (default tcp)
 #   tcp, sm:  the transport's tagged messages (UCX_TLS=tcp or sm) vs ucx_perftest tag_bw.
 #   landing:  the shared-memory landing path of two workers on one host (a copy into the
 #             receiver's slot, then a completion record over UCX) vs ucx_perftest ucp_put_bw
 #             over UCX_TLS=sm (one-sided puts into the peer's memory).
+#   put:      the cross-host landing path over UCX_TLS=tcp (remote claim, one-sided put,
+#             flush, completion record) vs ucx_perftest ucp_put_bw over tcp.
 set -euo pipefail
 mode=${1:-tcp}
 case "$mode" in
   landing) perf_tls=sm; perf_test=ucp_put_bw; ours_tls=tcp; ours_args=(--landing --messages 400) ;;
+  put) perf_tls=tcp; perf_test=ucp_put_bw; ours_tls=tcp; ours_args=(--put --messages 200) ;;
   *) perf_tls=$mode; perf_test=tag_bw; ours_tls=$mode; ours_args=(--messages 200) ;;
 esac
 export UCX_NET_DEVICES=lo

@@ -13,6 +13,11 @@
 //! `--landing`: the shared-memory path of two workers on one host instead: each message is
 //! copied into a landing slot of the receiver's arena and only its 36-byte completion record
 //! travels over UCX (compare with `ucx_perftest -t ucp_put_bw` over `UCX_TLS=sm`).
+//!
+//! `--put`: the path of a prefill worker on another host: the receiver registers its arena
+//! with UCX, and each message claims a slot by a remote compare-and-swap, is put into it,
+//! flushed, and followed by its completion record (compare with `ucx_perftest -t ucp_put_bw`
+//! on the same transport).
 
 use std::time::{Duration, Instant};
 
@@ -24,6 +29,7 @@ struct Args {
     size: usize,
     window: usize,
     landing: bool,
+    put: bool,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -32,6 +38,7 @@ fn parse_args() -> Result<Args, String> {
         size: 4 << 20,
         window: 4,
         landing: false,
+        put: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -46,6 +53,7 @@ fn parse_args() -> Result<Args, String> {
             "--size-mib" => args.size = value()?.max(1) << 20,
             "--window" => args.window = value()?.max(1),
             "--landing" => args.landing = true,
+            "--put" => args.put = true,
             other => return Err(format!("unknown argument {other}")),
         }
     }
@@ -62,6 +70,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let devices = std::env::var("UCX_NET_DEVICES")
         .unwrap_or_else(|_| format!("{DEFAULT_NET_DEVICES} (default)"));
 
+    if args.put {
+        println!(
+            "UCX {} | UCX_TLS={tls} UCX_NET_DEVICES={devices}",
+            tandem_ucx::version()
+        );
+        return put(&args).await;
+    }
     let mut receiver = UcxReceiver::listen("127.0.0.1:0")?;
     let mut incoming = receiver.take_incoming().ok_or("incoming already taken")?;
     let address = receiver.address();
@@ -220,6 +235,79 @@ async fn landing(
         mib / elapsed.as_secs_f64(),
         elapsed.as_secs_f64(),
         mib / copies.as_secs_f64(),
+    );
+    Ok(())
+}
+
+/// The one-sided path: `window` lanes, each writing its own slot of the receiver's
+/// registered arena in turn (re-armed before every write); done when every completion
+/// record has arrived.
+async fn put(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
+    use std::sync::Arc;
+    use tandem_kv::landing::LandingArena;
+    let arena = LandingArena::create(args.window * args.size + (1 << 20))?;
+    let mut receiver = UcxReceiver::listen_with_arena("127.0.0.1:0", Some(arena.clone()))?;
+    let mut incoming = receiver.take_incoming().ok_or("incoming already taken")?;
+    let address = receiver.address();
+    let sender = UcxSender::new()?;
+    let slots: Vec<_> = (0..args.window)
+        .map(|_| arena.slot(args.size).ok_or("arena too small"))
+        .collect::<Result<_, _>>()?;
+    let payload = Arc::new((0..args.size).map(|i| (i % 251) as u8).collect::<Vec<u8>>());
+    let timeout = Duration::from_secs(30);
+    let lanes = |count: usize, slots: Vec<tandem_kv::landing::LandingSlot>| {
+        let mut set = JoinSet::new();
+        for (lane, mut slot) in slots.into_iter().enumerate() {
+            let (sender, address, payload) = (sender.clone(), address.clone(), payload.clone());
+            let window = args.window;
+            set.spawn(async move {
+                let mut tag = lane;
+                while tag < count {
+                    let to = slot.rearm();
+                    sender
+                        .put_landing(
+                            &address,
+                            tag as u64,
+                            &to,
+                            payload.to_vec(),
+                            vec![0u8; 36],
+                            timeout,
+                        )
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    tag += window;
+                }
+                Ok::<_, String>(slot)
+            });
+        }
+        set
+    };
+    // Warm-up: one message a lane (connection, remote key, first touches).
+    let mut warm = lanes(args.window, slots);
+    let mut slots = Vec::new();
+    while let Some(done) = warm.join_next().await {
+        slots.push(done??);
+    }
+    for _ in 0..args.window {
+        incoming.recv().await.ok_or("receiver stopped")?;
+    }
+    let started = Instant::now();
+    let mut run = lanes(args.messages, slots);
+    while let Some(done) = run.join_next().await {
+        done??;
+    }
+    for _ in 0..args.messages {
+        incoming.recv().await.ok_or("receiver stopped")?;
+    }
+    let elapsed = started.elapsed();
+    let mib = (args.messages * args.size) as f64 / (1024.0 * 1024.0);
+    println!(
+        "put: {} messages x {} MiB, window {}: {:.1} MiB/s end-to-end ({:.3} s)",
+        args.messages,
+        args.size >> 20,
+        args.window,
+        mib / elapsed.as_secs_f64(),
+        elapsed.as_secs_f64(),
     );
     Ok(())
 }
