@@ -332,19 +332,8 @@ impl SenderLoop {
         timeout: Duration,
         reply: oneshot::Sender<Result<()>>,
     ) {
-        if reply.is_closed() {
-            return; // the caller gave up before we started
-        }
-        // A timeout too large to represent means "no practical deadline".
-        let deadline = Instant::now()
-            .checked_add(timeout)
-            .unwrap_or_else(|| Instant::now() + FAR_FUTURE);
-        let peer = match self.peer(&address) {
-            Ok(peer) => peer,
-            Err(err) => {
-                let _ = reply.send(Err(err));
-                return;
-            }
+        let Some((peer, deadline, reply)) = self.start(&address, timeout, reply) else {
+            return;
         };
         let peer_id = peer.id;
         match peer.ep.tag_send(tag, payload) {
@@ -363,6 +352,30 @@ impl SenderLoop {
         }
     }
 
+    /// What starting an operation to `address` needs: its peer (connecting if need be) and
+    /// its deadline; `None` (the caller told, if still waiting) when it cannot start.
+    fn start(
+        &mut self,
+        address: &str,
+        timeout: Duration,
+        reply: oneshot::Sender<Result<()>>,
+    ) -> Option<(&mut Peer, Instant, oneshot::Sender<Result<()>>)> {
+        if reply.is_closed() {
+            return None; // the caller gave up before we started
+        }
+        // A timeout too large to represent means "no practical deadline".
+        let deadline = Instant::now()
+            .checked_add(timeout)
+            .unwrap_or_else(|| Instant::now() + FAR_FUTURE);
+        match self.peer(address) {
+            Ok(peer) => Some((peer, deadline, reply)),
+            Err(err) => {
+                let _ = reply.send(Err(err));
+                None
+            }
+        }
+    }
+
     #[allow(clippy::too_many_arguments)]
     fn start_put(
         &mut self,
@@ -374,22 +387,12 @@ impl SenderLoop {
         timeout: Duration,
         reply: oneshot::Sender<Result<()>>,
     ) {
-        if reply.is_closed() {
-            return;
-        }
         let Some(remote) = &landing.remote else {
             let _ = reply.send(Err(Error::NotRemote { address }));
             return;
         };
-        let deadline = Instant::now()
-            .checked_add(timeout)
-            .unwrap_or_else(|| Instant::now() + FAR_FUTURE);
-        let peer = match self.peer(&address) {
-            Ok(peer) => peer,
-            Err(err) => {
-                let _ = reply.send(Err(err));
-                return;
-            }
+        let Some((peer, deadline, reply)) = self.start(&address, timeout, reply) else {
+            return;
         };
         let peer_id = peer.id;
         let started = RemoteKey::unpack(&peer.ep, &remote.rkey).and_then(|key| {

@@ -145,6 +145,30 @@ fn an_empty_worker_address_is_refused() {
     assert!(Endpoint::connect_to_worker(&worker, &[]).is_err());
 }
 
+/// A client endpoint to a server worker, with the wire-up done on both sides (one message
+/// each way's worth: what one-sided operations need first); the server's accepted endpoints.
+fn wired_up(
+    client: &Worker,
+    server: &Worker,
+    listener: &Listener,
+    addr: SocketAddr,
+) -> (Endpoint, Vec<Endpoint>) {
+    let ep = Endpoint::connect(client, addr).expect("connect");
+    let mut server_eps = Vec::new();
+    let hello = ep.tag_send(1, b"hi".to_vec()).expect("send");
+    let mut recv = None;
+    assert!(drive(client, server, Duration::from_secs(20), || {
+        while let Some(req) = listener.next_conn_request() {
+            server_eps.push(Endpoint::accept(req).expect("accept"));
+        }
+        if recv.is_none() {
+            recv = server.tag_probe_recv(0, 0).expect("probe");
+        }
+        hello.result().is_some() && recv.as_ref().is_some_and(|r: &RecvOp| r.result().is_some())
+    }));
+    (ep, server_eps)
+}
+
 #[test]
 fn puts_land_in_the_peers_registered_memory_once_flushed() {
     let server_ctx = context();
@@ -162,20 +186,7 @@ fn puts_land_in_the_peers_registered_memory_once_flushed() {
 
     let client_ctx = context();
     let client = Worker::new(&client_ctx).expect("client worker");
-    let ep = Endpoint::connect(&client, addr).expect("connect");
-    let mut server_eps = Vec::new();
-    // The connection first (puts need the wire-up done on both sides).
-    let hello = ep.tag_send(1, b"hi".to_vec()).expect("send");
-    let mut recv = None;
-    assert!(drive(&client, &server, Duration::from_secs(20), || {
-        while let Some(req) = listener.next_conn_request() {
-            server_eps.push(Endpoint::accept(req).expect("accept"));
-        }
-        if recv.is_none() {
-            recv = server.tag_probe_recv(0, 0).expect("probe");
-        }
-        hello.result().is_some() && recv.as_ref().is_some_and(|r: &RecvOp| r.result().is_some())
-    }));
+    let (ep, server_eps) = wired_up(&client, &server, &listener, addr);
     let key = RemoteKey::unpack(&ep, &packed).expect("unpack rkey");
     let data: Vec<u8> = (0..1 << 20).map(|i: u32| (i % 241) as u8 + 1).collect();
     let put = ep
@@ -227,19 +238,7 @@ fn a_compare_and_swap_changes_the_peers_word_only_when_it_holds_the_expected_val
     let packed = region.packed_key().expect("rkey");
     let client_ctx = context();
     let client = Worker::new(&client_ctx).expect("client worker");
-    let ep = Endpoint::connect(&client, addr).expect("connect");
-    let mut server_eps = Vec::new();
-    let hello = ep.tag_send(1, b"hi".to_vec()).expect("send");
-    let mut recv = None;
-    assert!(drive(&client, &server, Duration::from_secs(20), || {
-        while let Some(req) = listener.next_conn_request() {
-            server_eps.push(Endpoint::accept(req).expect("accept"));
-        }
-        if recv.is_none() {
-            recv = server.tag_probe_recv(0, 0).expect("probe");
-        }
-        hello.result().is_some() && recv.as_ref().is_some_and(|r: &RecvOp| r.result().is_some())
-    }));
+    let (ep, server_eps) = wired_up(&client, &server, &listener, addr);
     let key = RemoteKey::unpack(&ep, &packed).expect("unpack rkey");
     let middle = region.address() + 8;
     let token = 0x1234_5678_9abc_def1u64;
