@@ -24,6 +24,8 @@ strip "$OUT"/bin/*
 SMOL="${TANDEM_HOME:-$HOME/.cache/tandem}/models/smollm2-135m-instruct"
 mkdir -p "$OUT/tokenizer"
 cp "$SMOL"/tokenizer.json "$SMOL"/tokenizer_config.json "$OUT/tokenizer/"
-cp scripts/gpu/run.sh scripts/gpu/hf_compare.py scripts/gpu/profile.sh scripts/gpu/profile_prefill.sh scripts/gpu/profile_decode.sh "$OUT/"
+cp scripts/gpu/run.sh scripts/gpu/hf_compare.py scripts/gpu/profile.sh scripts/gpu/profile_prefill.sh scripts/gpu/profile_decode.sh scripts/gpu/ab_prefill_block16.sh "$OUT/"
+# The kernels' source, for A/B variants made from it there (TANDEM_CUDA_KERNELS_FILE).
+cp crates/cuda/src/kernels.cu "$OUT/"
 du -sh "$OUT"
 ls -la "$OUT/bin"
