@@ -96,7 +96,12 @@ fn run_serves_restarts_a_killed_worker_and_an_interrupt_stops_every_process() {
     };
     let restarted = std::fs::read_to_string(&pid_file).unwrap();
     assert_ne!(restarted.trim(), killed.trim(), "{back}");
-    assert!(log.lock().unwrap().contains("decode-0 exited"), "{back}");
+    assert!(
+        log.lock()
+            .unwrap()
+            .contains("decode-0 exited (killed by signal 9)"),
+        "{back}"
+    );
     // Every worker answers again, decode-0 at the address the router has for it.
     let workers = tandem_e2e::get_json(&format!(
         "http://127.0.0.1:{port}/admin/workers?wait_idle_ms=10000"

@@ -56,10 +56,13 @@ pub struct RunArgs {
     /// `decode-0.pid`, `router.pid`, …) go; default `$TMPDIR/tandem-run-PORT`.
     #[arg(long)]
     state_dir: Option<std::path::PathBuf>,
-    /// Times a worker that died is started again (at the same address) before the cluster
-    /// stops.
-    #[arg(long, default_value_t = 10)]
+    /// Restarts of one worker within `--restart-window` after which it counts as crash-looping
+    /// and the cluster stops (a worker that dies is otherwise started again at its address).
+    #[arg(long, default_value_t = 5)]
     max_restarts: u32,
+    /// The window `--max-restarts` counts over.
+    #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
+    restart_window: Duration,
 }
 
 /// The `127.0.0.1:PORT` after `listen` in a worker's ready line.
@@ -126,7 +129,7 @@ async fn worker_addr(
 ) -> Result<String> {
     tokio::select! {
         addr = ready => addr.map_err(|_| anyhow::anyhow!("{name} exited during start-up")),
-        status = child.wait() => bail!("{name} exited during start-up ({status:?})"),
+        status = child.wait() => bail!("{name} exited during start-up ({})", ended(&status)),
         () = tokio::time::sleep_until(deadline.into()) => bail!("{name} not ready in time"),
     }
 }
@@ -171,8 +174,8 @@ struct Member {
     args: Vec<String>,
     /// Its current pid.
     pid: Option<u32>,
-    /// Times it was restarted.
-    restarts: u32,
+    /// When it was restarted (the last `--restart-window` of them).
+    restarts: std::collections::VecDeque<Instant>,
 }
 
 /// What a member's waiter reports: its id, its pid, and how it ended.
@@ -189,6 +192,19 @@ fn watch(id: &str, mut child: Child, exits: &tokio::sync::mpsc::UnboundedSender<
         let status = child.wait().await;
         let _ = exits.send((id, pid, status));
     });
+}
+
+/// How a process ended, in words: `exit code 1`, `killed by signal 9`.
+fn ended(status: &std::io::Result<std::process::ExitStatus>) -> String {
+    use std::os::unix::process::ExitStatusExt;
+    match status {
+        Ok(s) => match (s.code(), s.signal()) {
+            (Some(code), _) => format!("exit code {code}"),
+            (None, Some(sig)) => format!("killed by signal {sig}"),
+            _ => s.to_string(),
+        },
+        Err(e) => format!("its status is unknown: {e}"),
+    }
 }
 
 fn write_pid(dir: &Path, m: &Member) -> Result<()> {
@@ -281,7 +297,7 @@ pub fn run(args: RunArgs) -> Result<()> {
                 .entry(section)
                 .or_default()
                 .push_str(&format!("  - id: {id}\n    address: http://{addr}\n"));
-            let m = Member { id: id.clone(), args: with_listen(&a, &addr), pid: child.id(), restarts: 0 };
+            let m = Member { id: id.clone(), args: with_listen(&a, &addr), pid: child.id(), restarts: Default::default() };
             write_pid(&state_dir, &m)?;
             watch(&id, child, &exits_tx);
             members.push(m);
@@ -294,7 +310,7 @@ pub fn run(args: RunArgs) -> Result<()> {
             router_args.extend(["--chat-template".into(), template.clone()]);
         }
         let router = spawn(&exe, &router_args, "router")?;
-        let router_member = Member { id: "router".into(), args: router_args, pid: router.id(), restarts: 0 };
+        let router_member = Member { id: "router".into(), args: router_args, pid: router.id(), restarts: Default::default() };
         write_pid(&state_dir, &router_member)?;
         watch("router", router, &exits_tx);
         members.push(router_member);
@@ -302,7 +318,7 @@ pub fn run(args: RunArgs) -> Result<()> {
         let deadline = Instant::now() + args.ready_timeout;
         loop {
             if let Ok((id, _, status)) = exits.try_recv() {
-                bail!("{id} exited during start-up ({status:?})");
+                bail!("{id} exited during start-up ({})", ended(&status));
             }
             if http_get_ok(args.port, "/health") && http_get_ok(args.port, "/ready") {
                 break;
@@ -315,7 +331,7 @@ pub fn run(args: RunArgs) -> Result<()> {
         println!("\ntandem is ready: http://127.0.0.1:{}/v1 (Ctrl-C stops the cluster)\n", args.port);
         println!("  curl http://127.0.0.1:{}/v1/chat/completions -H 'Content-Type: application/json' \\", args.port);
         println!("    -d '{{\"messages\":[{{\"role\":\"user\",\"content\":\"What is the capital of France?\"}}],\"max_tokens\":32,\"temperature\":0}}'\n");
-        println!("pid files in {} (a worker that dies is restarted at its address, at most {} times)\n", state_dir.display(), args.max_restarts);
+        println!("pid files in {} (a worker that dies is restarted at its address, up to {} times in {:?})\n", state_dir.display(), args.max_restarts, args.restart_window);
         // Supervise: a worker that exits comes back at its address; the router exiting, a
         // worker past its restarts, or Ctrl-C stops the cluster.
         let shutdown = crate::shutdown_signal();
@@ -333,12 +349,22 @@ pub fn run(args: RunArgs) -> Result<()> {
             };
             let m = &mut members[i];
             m.pid = None;
-            if m.id == "router" || m.restarts >= args.max_restarts {
-                eprintln!("{id} exited ({status:?}); stopping the cluster");
+            let now = Instant::now();
+            while m.restarts.front().is_some_and(|t| now.duration_since(*t) > args.restart_window) {
+                m.restarts.pop_front();
+            }
+            if m.id == "router" || m.restarts.len() >= args.max_restarts as usize {
+                eprintln!("{id} exited ({}); stopping the cluster", ended(&status));
                 break;
             }
-            m.restarts += 1;
-            eprintln!("{id} exited ({status:?}); restarting it (restart {} of {})", m.restarts, args.max_restarts);
+            m.restarts.push_back(now);
+            eprintln!(
+                "{id} exited ({}); restarting it ({} of at most {} in {:?})",
+                ended(&status),
+                m.restarts.len(),
+                args.max_restarts,
+                args.restart_window
+            );
             let (mut child, ready) = spawn_worker(&exe, &m.args, &m.id)?;
             m.pid = child.id();
             write_pid(&state_dir, m)?;
