@@ -10,6 +10,7 @@ mod drain;
 pub mod engines;
 /// The KV handoff message format (header, checksum, body).
 pub mod handoff;
+mod push;
 /// Decode-side reservations awaiting their KV.
 pub mod reservations;
 /// The gRPC service.

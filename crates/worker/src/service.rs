@@ -1,5 +1,7 @@
 use crate::engines::WorkerEngine;
 use crate::handoff;
+pub use crate::push::LandingMode;
+use crate::push::{landing_to_pb, Outgoing};
 use crate::reservations::Reservations;
 use crate::{Error, Result};
 use parking_lot::Mutex;
@@ -8,7 +10,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tandem_core::{FinishReason, OutputConstraint, SamplingParams};
-use tandem_kv::landing::{Landing, LandingArena, LandingWriter};
+use tandem_kv::landing::{LandingArena, LandingWriter};
 use tandem_kv::{UcxReceiver, UcxSender};
 use tandem_proto::v1 as pb;
 use tokio::sync::mpsc;
@@ -35,22 +37,6 @@ impl Role {
             Role::Both => "both",
         }
     }
-}
-
-/// How a prefill worker puts a handoff into the decode worker's landing slot, when it is
-/// offered one.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum LandingMode {
-    /// Copy into the slot's shared memory when the arena can be mapped here (same host),
-    /// else write it with one-sided UCX operations when the arena is registered, else send
-    /// the whole handoff as a message.
-    #[default]
-    Auto,
-    /// One-sided UCX writes only (never shared memory), else a message: what a prefill
-    /// worker on another host does, on one host.
-    Put,
-    /// Always a message.
-    Off,
 }
 
 /// How a worker runs.
@@ -515,67 +501,14 @@ impl Shared {
                 handoff,
                 corrupt,
             };
-            // A dropped push (chaos) writes nowhere.
-            let mode = self.opts.kv_landing;
-            let landing = target
-                .landing
-                .as_ref()
-                .filter(|_| !dropped && mode != LandingMode::Off)
-                .map(landing_from_pb);
-            let local = landing.clone().filter(|_| mode == LandingMode::Auto);
-            let (writer, landed) = (self.landing_writer.clone(), self.kv_bytes_landed.clone());
-            let (message, len, in_place) = tokio::task::spawn_blocking(move || {
-                message.encode(local.as_ref().map(|l| (l, &*writer, &*landed)))
-            })
-            .await
-            .map_err(|e| Error::InvalidRequest(format!("encoding task failed: {e}")))?;
-            sent = len as u64;
-            let remote =
-                landing.filter(|l| !in_place && l.remote.is_some() && len as u64 <= l.capacity);
-            match remote {
-                _ if dropped => {}
-                Some(to) => {
-                    // Another host (or `--kv-landing put`): claim the slot and write it with
-                    // one-sided operations; the completion record follows the flush.
-                    let record = handoff::encode_landed(&handoff::Landed {
-                        reservation,
-                        epoch,
-                        offset: to.offset,
-                        len: len as u64,
-                    });
-                    let put = sender
-                        .put_landing(
-                            &target.transfer_address,
-                            target.reservation_id,
-                            &to,
-                            message,
-                            record,
-                            self.opts.transfer_timeout,
-                        )
-                        .await;
-                    match put {
-                        Ok(()) => {
-                            self.kv_bytes_landed.fetch_add(sent, Ordering::Relaxed);
-                        }
-                        // The reservation let go before the write: it waits for nothing.
-                        Err(e @ tandem_kv::Error::SlotReleased { .. }) => {
-                            tracing::debug!(error = %e, reservation = %reservation,
-                                "KV landing slot released before the one-sided write; nothing written");
-                        }
-                        Err(e) => return Err(e.into()),
-                    }
-                }
-                None => {
-                    sender
-                        .send(
-                            &target.transfer_address,
-                            target.reservation_id,
-                            message,
-                            self.opts.transfer_timeout,
-                        )
-                        .await?;
-                }
-            }
+            let how = crate::push::Push {
+                sender,
+                writer: &self.landing_writer,
+                landed: &self.kv_bytes_landed,
+                mode: self.opts.kv_landing,
+                timeout: self.opts.transfer_timeout,
+            };
+            sent = how.push(&target, message, dropped).await?;
             self.kv_bytes_sent.fetch_add(sent, Ordering::Relaxed);
         }
         Ok(pb::PrefillResponse {
@@ -872,89 +805,5 @@ impl pb::worker_server::Worker for WorkerService {
         };
         tracing::info!(%message, "drain requested");
         Ok(Response::new(pb::DrainResponse { in_flight, message }))
-    }
-}
-
-fn landing_to_pb(l: &Landing) -> pb::KvLanding {
-    pb::KvLanding {
-        shm_name: l.name.clone(),
-        nonce: l.nonce,
-        arena_len: l.arena_len,
-        offset: l.offset,
-        capacity: l.capacity,
-        fence: l.fence,
-        fence_offset: l.fence_offset,
-        rkey: l
-            .remote
-            .as_ref()
-            .map(|r| r.rkey.clone())
-            .unwrap_or_default(),
-        remote_base: l.remote.as_ref().map_or(0, |r| r.base),
-    }
-}
-
-fn landing_from_pb(l: &pb::KvLanding) -> Landing {
-    Landing {
-        name: l.shm_name.clone(),
-        nonce: l.nonce,
-        arena_len: l.arena_len,
-        offset: l.offset,
-        capacity: l.capacity,
-        fence: l.fence,
-        fence_offset: l.fence_offset,
-        remote: (!l.rkey.is_empty()).then(|| tandem_kv::landing::RemoteArena {
-            rkey: l.rkey.clone(),
-            base: l.remote_base,
-        }),
-    }
-}
-
-/// A handoff on its way out of a prefill worker.
-struct Outgoing {
-    head: handoff::Head,
-    handoff: tandem_engine::Handoff,
-    /// Chaos: flip the byte at this index of the body (modulo its length).
-    corrupt: Option<usize>,
-}
-
-impl Outgoing {
-    /// Encodes the handoff message straight into the landing slot when one is offered and
-    /// mappable here (returning the completion record to send), or into a message of its
-    /// own; returns it with the handoff message's length and whether it went in place.
-    fn encode(
-        self,
-        landing: Option<(&Landing, &LandingWriter, &AtomicU64)>,
-    ) -> (Vec<u8>, usize, bool) {
-        let h = &self.handoff;
-        let head = handoff::encode_head(&self.head, &h.segments, &h.body);
-        let len = head.len() + h.body.len();
-        let fill = |out: &mut [u8]| {
-            out[..head.len()].copy_from_slice(&head);
-            out[head.len()..].copy_from_slice(&h.body);
-            if let Some(i) = self.corrupt {
-                // In the body, past the header and manifest: what the checksums cover.
-                let n = h.body.len().max(1);
-                out[len - n + i % n] ^= 0x5a;
-            }
-        };
-        if let Some((to, writer, landed)) = landing {
-            match writer.write_with(to, len, fill) {
-                Ok(()) => {
-                    landed.fetch_add(len as u64, Ordering::Relaxed);
-                    let record = handoff::encode_landed(&handoff::Landed {
-                        reservation: self.head.reservation,
-                        epoch: self.head.epoch,
-                        offset: to.offset,
-                        len: len as u64,
-                    });
-                    return (record, len, true);
-                }
-                Err(e) => tracing::debug!(error = %e,
-                    "KV landing slot not used; sending the handoff over the transport"),
-            }
-        }
-        let mut message = vec![0u8; len];
-        fill(&mut message);
-        (message, len, false)
     }
 }
