@@ -257,34 +257,27 @@ fn bad_scenario_and_trace_files_are_refused_with_the_reason() {
     .unwrap();
     let kills = dir.path().join("kills.yaml");
     std::fs::write(&kills, "kill: {targets: [decode], every: 1s}\n").unwrap();
-    let out = tandem(&[
-        "chaos",
-        "replay",
-        "--trace",
-        good_trace.to_str().unwrap(),
-        "--target",
-        "http://127.0.0.1:9",
-        "--scenario",
-        kills.to_str().unwrap(),
-    ]);
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    // The replay refuses `args` (after `chaos replay --trace good --target …`); its stderr.
+    let refused = |args: &[&str]| {
+        let mut all = vec![
+            "chaos",
+            "replay",
+            "--trace",
+            good_trace.to_str().unwrap(),
+            "--target",
+            "http://127.0.0.1:9",
+        ];
+        all.extend_from_slice(args);
+        let out = tandem(&all);
+        assert!(!out.status.success(), "{args:?} was accepted");
+        String::from_utf8_lossy(&out.stderr).to_string()
+    };
+    let err = refused(&["--scenario", kills.to_str().unwrap()]);
     assert!(
         err.contains("kills decode but no --process NAME=PIDFILE names it"),
         "{err}"
     );
-    let out = tandem(&[
-        "chaos",
-        "replay",
-        "--trace",
-        good_trace.to_str().unwrap(),
-        "--target",
-        "http://127.0.0.1:9",
-        "--process",
-        "decode",
-    ]);
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = refused(&["--process", "decode"]);
     assert!(err.contains("expected NAME=PIDFILE"), "{err}");
 }
 

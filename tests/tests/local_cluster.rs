@@ -65,14 +65,18 @@ fn run_serves_restarts_a_killed_worker_and_an_interrupt_stops_every_process() {
         banner.contains(&format!("http://127.0.0.1:{port}/v1/chat/completions")),
         "{banner}"
     );
-    let answer = tandem_e2e::post_json(
-        &format!("http://127.0.0.1:{port}/v1/chat/completions"),
-        r#"{"messages":[{"role":"user","content":"What is the capital of France?"}],"max_tokens":32,"temperature":0}"#,
-    );
-    assert!(
-        answer.contains("The capital of France is Paris."),
-        "{answer}"
-    );
+    // The curl the banner prints, answered.
+    let answers_france = || {
+        let answer = tandem_e2e::post_json(
+            &format!("http://127.0.0.1:{port}/v1/chat/completions"),
+            r#"{"messages":[{"role":"user","content":"What is the capital of France?"}],"max_tokens":32,"temperature":0}"#,
+        );
+        assert!(
+            answer.contains("The capital of France is Paris."),
+            "{answer}"
+        );
+    };
+    answers_france();
     for id in ["prefill-0", "decode-0", "decode-1", "router"] {
         assert!(
             state.path().join(format!("{id}.pid")).exists(),
@@ -110,16 +114,8 @@ fn run_serves_restarts_a_killed_worker_and_an_interrupt_stops_every_process() {
     let list = v["workers"].as_array().unwrap();
     assert_eq!(list.len(), 3, "{v}");
     assert!(list.iter().all(|w| w["error"].is_null()), "{v}");
-    for _ in 0..2 {
-        let answer = tandem_e2e::post_json(
-            &format!("http://127.0.0.1:{port}/v1/chat/completions"),
-            r#"{"messages":[{"role":"user","content":"What is the capital of France?"}],"max_tokens":32,"temperature":0}"#,
-        );
-        assert!(
-            answer.contains("The capital of France is Paris."),
-            "{answer}"
-        );
-    }
+    answers_france();
+    answers_france();
 
     // Interrupt the launcher only; it must stop its children and exit.
     let pid = child.id().to_string();

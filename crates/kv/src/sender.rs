@@ -200,6 +200,16 @@ impl Drop for SenderShared {
     }
 }
 
+/// Takes out of `items` those whose deadline has passed.
+fn take_expired<T>(items: &mut Vec<T>, deadline: impl Fn(&T) -> Instant) -> Vec<T> {
+    let now = Instant::now();
+    let (expired, live) = std::mem::take(items)
+        .into_iter()
+        .partition(|t| deadline(t) <= now);
+    *items = live;
+    expired
+}
+
 /// One cached connection. `id` tells a replacement apart from the endpoint an old send used.
 struct Peer {
     id: u64,
@@ -601,15 +611,8 @@ impl SenderLoop {
 
     /// Fails sends whose deadline passed and evicts their endpoints (a stalled peer).
     fn expire_sends(&mut self) {
-        let now = Instant::now();
-        let mut i = 0;
-        while i < self.pending.len() {
-            if self.pending[i].deadline > now {
-                i += 1;
-                continue;
-            }
-            // Dropping the SendOp is safe: UCX keeps the payload until it is done with it.
-            let send = self.pending.swap_remove(i);
+        // Dropping a SendOp is safe: UCX keeps the payload until it is done with it.
+        for send in take_expired(&mut self.pending, |s| s.deadline) {
             tracing::warn!(address = %send.address, timeout = ?send.timeout, "KV send timed out");
             self.evict(&send.address, Some(send.peer_id));
             let _ = send.reply.send(Err(Error::Timeout {
@@ -623,14 +626,7 @@ impl SenderLoop {
     /// peer); a write that claimed its slot and stalled leaves the slot to the receiver's
     /// quarantine.
     fn expire_puts(&mut self) {
-        let now = Instant::now();
-        let mut i = 0;
-        while i < self.puts.len() {
-            if self.puts[i].deadline > now {
-                i += 1;
-                continue;
-            }
-            let p = self.puts.swap_remove(i);
+        for p in take_expired(&mut self.puts, |p| p.deadline) {
             tracing::warn!(address = %p.address, timeout = ?p.timeout, "KV one-sided write timed out");
             let PendingPut {
                 key,
@@ -640,6 +636,7 @@ impl SenderLoop {
                 reply,
                 ..
             } = p;
+            // The remote key goes before its endpoint is evicted.
             drop(key);
             self.evict(&address, Some(peer_id));
             let _ = reply.send(Err(Error::Timeout { address, timeout }));
