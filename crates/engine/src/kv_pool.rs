@@ -222,6 +222,15 @@ impl BlockAllocation {
     pub fn blocks(&self) -> &[BlockId] {
         &self.blocks
     }
+
+    /// Splits off the blocks from `at` on into an allocation of their own (this one keeps
+    /// the first `at`).
+    pub fn split_off(&mut self, at: usize) -> BlockAllocation {
+        BlockAllocation {
+            blocks: self.blocks.split_off(at.min(self.blocks.len())),
+            pool: self.pool.clone(),
+        }
+    }
 }
 
 impl Drop for BlockAllocation {
@@ -251,6 +260,19 @@ mod tests {
         assert_eq!(pool.free_blocks(), 3);
         drop(b);
         assert_eq!(pool.free_blocks(), 8);
+    }
+
+    #[test]
+    fn a_split_allocation_returns_each_part_when_it_drops() {
+        let pool = BlockAllocator::new(6);
+        let mut head = pool.allocate(5).expect("5 of 6 free");
+        let all = head.blocks().to_vec();
+        let tail = head.split_off(2);
+        assert_eq!([head.blocks(), tail.blocks()].concat(), all);
+        drop(tail);
+        assert_eq!(pool.free_blocks(), 4);
+        drop(head);
+        assert_eq!(pool.free_blocks(), 6);
     }
 
     #[test]

@@ -43,7 +43,9 @@ pub use handoff::{Body, Handoff, Segment, SegmentKind};
 pub use kv_pool::{BlockAllocation, BlockAllocator, KvCache, KvLayout};
 pub use llama::{LlamaModel, LlamaWorkspace, TpShard};
 pub use llama_ranks::{LlamaRanks, LlamaServed};
-pub use scheduler::{blocking_tokens, Engine, EngineConfig, EngineEvent, EngineStats, SeqKind};
+pub use scheduler::{
+    blocking_tokens, Engine, EngineConfig, EngineEvent, EngineStats, Sampled, SeqKind,
+};
 pub use served::{Pools, Reservation, ServedInfo, ServedModel, StateSlot};
 pub use step::{StepLimits, StepMeta};
 pub use tensor::{DType, HostData, HostTensor, Tensor};
@@ -87,6 +89,21 @@ pub enum Error {
 }
 
 impl Error {
+    /// The same failure told again (to another choice of one request): same class and
+    /// message.
+    pub fn again(&self) -> Error {
+        match self {
+            Error::CapacityExhausted { needed, free } => Error::CapacityExhausted {
+                needed: *needed,
+                free: *free,
+            },
+            Error::InvalidRequest(m) => Error::InvalidRequest(m.clone()),
+            Error::Stopped => Error::Stopped,
+            Error::Collective(m) => Error::Collective(m.clone()),
+            other => Error::Weights(other.to_string()),
+        }
+    }
+
     /// The class this failure belongs to.
     pub fn class(&self) -> tandem_core::ErrorClass {
         use tandem_core::ErrorClass;

@@ -540,6 +540,27 @@ impl<B: Ops> ServedModel for LlamaServed<B> {
         self.ranks.write_kv_host(r.blocks(), prompt_len, &kv)
     }
 
+    fn fork(&mut self, from: &Reservation, to: &Reservation, prompt_len: usize) -> Result<()> {
+        // The full blocks are shared; only the prompt's part of its last, partial block is
+        // copied (copy on write: every choice writes its own tokens after it).
+        let bs = self.ranks.layout().block_size;
+        let shared = to.shared_blocks();
+        let sharing = shared == prompt_len / bs
+            && from.shared_blocks() == shared
+            && from.blocks()[..shared] == to.blocks()[..shared];
+        if !sharing {
+            let h = self.export(from, prompt_len)?;
+            return self.import(to, prompt_len, &h);
+        }
+        let partial = prompt_len % bs;
+        if partial == 0 {
+            return Ok(());
+        }
+        let at = shared..shared + 1;
+        let kv = self.ranks.read_kv(&from.blocks()[at.clone()], partial)?;
+        self.ranks.write_kv_host(&to.blocks()[at], partial, &kv)
+    }
+
     fn refresh(&mut self, dir: &std::path::Path) -> Result<()> {
         self.ranks.refresh(dir)
     }

@@ -73,7 +73,22 @@ pub enum SeqKind {
         handoff: Handoff,
         /// The token the prefill worker sampled.
         first_token: u32,
+        /// The prompt's other choices ([`Engine::submit_choices`]), in order: each one's
+        /// reservation (after the first of [`crate::Pools::reserve_choices`]) and the token
+        /// the prefill worker sampled for it. Empty for one choice.
+        forks: Vec<(Reservation, u32)>,
     },
+}
+
+/// A token sampled for one choice, with what it means for that choice.
+#[derive(Debug)]
+pub struct Sampled {
+    /// The token.
+    pub token: u32,
+    /// Set when it already ends the choice.
+    pub finish: Option<FinishReason>,
+    /// Its log-probabilities, when the choice asked for them.
+    pub logprobs: Option<TokenLogprobs>,
 }
 
 /// What the engine reports for a sequence.
@@ -98,6 +113,8 @@ pub enum EngineEvent {
         logprobs: Option<TokenLogprobs>,
         /// The prompt's state (K/V, or KDA state and MLA latents), typed.
         handoff: Handoff,
+        /// The first tokens of the prompt's other choices, in order (empty for one).
+        others: Vec<Sampled>,
     },
     /// The request failed inside the engine (it holds nothing any more).
     Failed(Error),
@@ -129,6 +146,7 @@ struct Seq {
     prompt_len: usize,
     params: SamplingParams,
     stop_ids: Vec<u32>,
+    eos_ids: Vec<u32>,
     prefill_only: bool,
     cached: usize,
     reservation: Option<Reservation>,
@@ -138,9 +156,80 @@ struct Seq {
     /// Why the sequence cannot go on (its grammar failed); it ends with this error.
     failure: Option<Error>,
     tx: UnboundedSender<EngineEvent>,
+    /// The prompt's other choices (n > 1), each started as a sequence of its own once
+    /// the prompt is computed, sharing its cache.
+    followers: Vec<Follower>,
+}
+
+/// Another choice of a sequence's prompt, waiting for the prompt.
+struct Follower {
+    params: SamplingParams,
+    stop_ids: Vec<u32>,
+    constraint: Option<Box<Constrained>>,
+    failure: Option<Error>,
+    /// Where it decodes (a generating sequence's; a decode's comes with the request).
+    reservation: Option<Reservation>,
+    /// Decode role: the token the prefill worker sampled for it.
+    first_token: Option<u32>,
+    tx: UnboundedSender<EngineEvent>,
 }
 
 impl Seq {
+    /// The sampling row of this sequence (or of a choice following it: its `params`,
+    /// `stop_ids` and grammar) for its next token.
+    fn sample_row<'a>(
+        &'a self,
+        params: &'a SamplingParams,
+        stop_ids: &'a [u32],
+        constraint: &'a Option<Box<Constrained>>,
+    ) -> SampleRow<'a> {
+        // A resumed request's last prompt tokens are output of its earlier attempt.
+        let resumed = (self.params.resumed as usize).min(self.prompt_len);
+        let split = self.prompt_len - resumed;
+        SampleRow {
+            params,
+            step: (resumed + self.generated()) as u32,
+            prompt: &self.tokens[..split],
+            output: &self.tokens[split..],
+            stop_ids,
+            allowed: constraint.as_ref().map(|c| c.mask()),
+        }
+    }
+
+    /// Nobody listens any more: neither the sequence's caller nor any follower's.
+    fn abandoned(&self) -> bool {
+        self.tx.is_closed() && self.followers.iter().all(|f| f.tx.is_closed())
+    }
+
+    /// Sends `e` to the sequence's caller and every follower's.
+    fn fail(&mut self, e: Error) {
+        for f in self.followers.drain(..) {
+            let _ = f.tx.send(EngineEvent::Failed(e.again()));
+        }
+        let _ = self.tx.send(EngineEvent::Failed(e));
+    }
+
+    /// Follower `f` as a sequence of its own over `reservation`, its prompt computed.
+    fn forked(&self, f: Follower, reservation: Reservation) -> Seq {
+        let mut tokens = Vec::with_capacity(self.wanted() + 1);
+        tokens.extend_from_slice(&self.tokens[..self.prompt_len]);
+        Seq {
+            tokens,
+            prompt_len: self.prompt_len,
+            stop_ids: f.stop_ids,
+            eos_ids: self.eos_ids.clone(),
+            params: f.params,
+            prefill_only: false,
+            cached: self.prompt_len,
+            reservation: Some(reservation),
+            import: None,
+            constraint: f.constraint,
+            failure: f.failure,
+            tx: f.tx,
+            followers: Vec::new(),
+        }
+    }
+
     fn generated(&self) -> usize {
         self.tokens.len() - self.prompt_len
     }
@@ -194,6 +283,7 @@ pub struct Engine {
     /// Structured outputs' grammar compiler, or why there is none.
     grammars: std::result::Result<Arc<Grammars>, String>,
     stats: Arc<Mutex<EngineStats>>,
+    max_running: usize,
     _thread: Arc<ThreadGuard>,
 }
 
@@ -246,6 +336,7 @@ impl Engine {
     {
         let stats = Arc::new(Mutex::new(EngineStats::default()));
         let tokenizer = config.tokenizer.clone();
+        let max_running = config.max_running;
         let (tx, rx) = mpsc::channel();
         let thread_stats = stats.clone();
         let (ready_tx, ready_rx) = mpsc::channel();
@@ -297,6 +388,7 @@ impl Engine {
             spec,
             grammars,
             stats,
+            max_running,
             _thread: Arc::new(ThreadGuard {
                 tx,
                 handle: Mutex::new(Some(handle)),
@@ -334,12 +426,47 @@ impl Engine {
         params: SamplingParams,
         kind: SeqKind,
     ) -> Result<UnboundedReceiver<EngineEvent>> {
+        let mut rx = self.submit_choices(prompt, vec![params], kind)?;
+        Ok(rx.remove(0))
+    }
+
+    /// Submits `choices.len()` choices of one prompt (OpenAI's `n`; the choices differ in
+    /// their seeds, nothing else that sizes them): the prompt is computed once, each choice
+    /// samples its first token from its logits, then decodes on its own over the prompt's
+    /// cache (full K/V blocks shared, the partial one copied; state copied). One channel per
+    /// choice, in order; dropping one cancels that choice. A prefill sends every choice's
+    /// first token in one [`EngineEvent::Prefilled`] on the first channel; a decode's other
+    /// choices come with `forks`.
+    pub fn submit_choices(
+        &self,
+        prompt: Vec<u32>,
+        choices: Vec<SamplingParams>,
+        kind: SeqKind,
+    ) -> Result<Vec<UnboundedReceiver<EngineEvent>>> {
+        let Some(params) = choices.first() else {
+            return Err(Error::InvalidRequest("no choices".into()));
+        };
         if prompt.is_empty() {
             return Err(Error::InvalidRequest("empty prompt".into()));
         }
         if params.max_tokens == 0 {
             return Err(Error::InvalidRequest(
                 "max_tokens must be at least 1".into(),
+            ));
+        }
+        if choices.len() > self.max_running {
+            return Err(Error::InvalidRequest(format!(
+                "{} choices exceed the {} sequences this engine runs at once",
+                choices.len(),
+                self.max_running
+            )));
+        }
+        if choices
+            .iter()
+            .any(|c| (c.max_tokens, c.resumed) != (params.max_tokens, params.resumed))
+        {
+            return Err(Error::InvalidRequest(
+                "the choices of one prompt must share max_tokens".into(),
             ));
         }
         if params.resumed > 0 && params.resumed as usize >= prompt.len() {
@@ -363,58 +490,97 @@ impl Engine {
                 self.info.max_context
             )));
         }
-        let mut stop_ids = params.stop_token_ids.clone();
-        if !params.ignore_eos {
-            stop_ids.extend(&self.info.eos_ids);
-        }
-        let (tx, rx) = unbounded_channel();
         let prompt_len = prompt.len();
-        let prefill_only = matches!(kind, SeqKind::Prefill);
+        let mut choices = choices.into_iter();
+        let params = choices.next().expect("checked: one choice at least");
+        let (tx, rx) = unbounded_channel();
+        let mut receivers = vec![rx];
         let mut seq = Seq {
             tokens: prompt,
             prompt_len,
+            stop_ids: stop_ids(&params, &self.info.eos_ids),
+            eos_ids: self.info.eos_ids.clone(),
             params,
-            stop_ids,
-            prefill_only,
+            prefill_only: matches!(kind, SeqKind::Prefill),
             cached: 0,
             reservation: None,
             import: None,
             constraint: None,
             failure: None,
             tx,
+            followers: Vec::new(),
         };
+        let mut forks = Vec::new();
         match kind {
             SeqKind::Decode {
                 reservation,
                 handoff,
                 first_token,
+                forks: others,
             } => {
-                if reservation.tokens() < total {
+                if others.len() != choices.len() {
                     return Err(Error::InvalidRequest(format!(
-                        "the reservation holds {} tokens, the request needs {total}",
-                        reservation.tokens()
+                        "{} choices come with {} forks",
+                        choices.len() + 1,
+                        others.len()
                     )));
+                }
+                for r in std::iter::once(&reservation).chain(others.iter().map(|(r, _)| r)) {
+                    if r.tokens() < total {
+                        return Err(Error::InvalidRequest(format!(
+                            "the reservation holds {} tokens, the request needs {total}",
+                            r.tokens()
+                        )));
+                    }
                 }
                 seq.import = Some(self.spec.prepare(handoff, prompt_len, &reservation)?);
                 seq.reservation = Some(reservation);
                 seq.tokens.push(first_token);
+                forks = others;
             }
             SeqKind::Generate | SeqKind::Prefill => self.pools.check_fits(seq.wanted())?,
         }
-        if let Some(c) = &seq.params.constraint {
-            let grammars = self.grammars.as_ref().map_err(|why| {
-                Error::InvalidRequest(format!("structured outputs are not available: {why}"))
-            })?;
-            let mut constrained = grammars.constrain(c)?;
-            // What this request already generated (resumed output, a decode's first token).
-            let resumed = (seq.params.resumed as usize).min(seq.prompt_len);
-            constrained.consume(&seq.tokens[seq.prompt_len - resumed..])?;
-            seq.constraint = Some(Box::new(constrained));
+        // What this request already generated (resumed output, a decode's first token).
+        let resumed = (seq.params.resumed as usize).min(prompt_len);
+        seq.constraint = self.constrain(&seq.params, &seq.tokens[prompt_len - resumed..])?;
+        let mut forks = forks.into_iter();
+        for params in choices {
+            let (tx, rx) = unbounded_channel();
+            receivers.push(rx);
+            let (reservation, first_token) = forks.next().unzip();
+            let mut so_far = seq.tokens[prompt_len - resumed..prompt_len].to_vec();
+            so_far.extend(first_token);
+            seq.followers.push(Follower {
+                constraint: self.constrain(&params, &so_far)?,
+                stop_ids: stop_ids(&params, &self.info.eos_ids),
+                params,
+                failure: None,
+                reservation,
+                first_token,
+                tx,
+            });
         }
         self.tx
             .send(Command::Submit(Box::new(seq)))
             .map_err(|_| Error::Stopped)?;
-        Ok(rx)
+        Ok(receivers)
+    }
+
+    /// The grammar a request's output follows, having read `so_far` of it.
+    fn constrain(
+        &self,
+        params: &SamplingParams,
+        so_far: &[u32],
+    ) -> Result<Option<Box<Constrained>>> {
+        let Some(c) = &params.constraint else {
+            return Ok(None);
+        };
+        let grammars = self.grammars.as_ref().map_err(|why| {
+            Error::InvalidRequest(format!("structured outputs are not available: {why}"))
+        })?;
+        let mut constrained = grammars.constrain(c)?;
+        constrained.consume(so_far)?;
+        Ok(Some(Box::new(constrained)))
     }
 
     /// Reserves space for a decode of `tokens` tokens (prompt + max_tokens).
@@ -538,14 +704,29 @@ impl<M: ServedModel> Worker<M> {
     }
 
     fn admit(&mut self) {
-        self.waiting.retain(|s| !s.tx.is_closed());
-        while self.running.len() < self.config.max_running {
-            let Some(mut seq) = self.waiting.pop_front() else {
+        self.waiting.retain(|s| !s.abandoned());
+        while let Some(mut seq) = self.waiting.pop_front() {
+            // A prompt's choices all run: admit them together.
+            let width = 1 + seq.followers.len();
+            if !self.running.is_empty() && self.running.len() + width > self.config.max_running {
+                self.waiting.push_front(seq);
                 break;
-            };
+            }
             if seq.reservation.is_none() {
-                match self.pools.reserve(seq.wanted(), None) {
-                    Ok(r) => seq.reservation = Some(r),
+                // A generation's choices each decode on their own; a prefill samples them all
+                // from its one row of logits.
+                let sharing = if seq.prefill_only { 1 } else { width };
+                match self
+                    .pools
+                    .reserve_choices(seq.wanted(), seq.prompt_len, sharing, None)
+                {
+                    Ok(rs) => {
+                        let mut rs = rs.into_iter();
+                        seq.reservation = rs.next();
+                        for (f, r) in seq.followers.iter_mut().zip(rs) {
+                            f.reservation = Some(r);
+                        }
+                    }
                     Err(_) => {
                         // Checked at submission to fit empty pools: wait for space.
                         self.waiting.push_front(seq);
@@ -566,17 +747,72 @@ impl<M: ServedModel> Worker<M> {
             if let Err(e) = imported {
                 tracing::warn!(error = %e, "a request could not start");
                 self.release(&mut seq, false);
-                let _ = seq.tx.send(EngineEvent::Failed(e));
+                seq.fail(e);
                 continue;
             }
-            self.running.push(*seq);
+            if seq.cached == seq.prompt_len {
+                // A decode: its choices start now, each from the token sampled for it.
+                let followers = std::mem::take(&mut seq.followers);
+                for f in followers {
+                    let first = f.first_token;
+                    if let Some(child) = self.fork(&seq, f) {
+                        self.start_decode(child, first);
+                    }
+                }
+                self.start_decode(*seq, None);
+            } else {
+                self.running.push(*seq);
+            }
         }
+    }
+
+    /// Follower `f` of `leader` (whose prompt is computed) as a sequence of its own, its
+    /// cache forked from the leader's; `None` when it is gone or the fork failed (it heard).
+    fn fork(&mut self, leader: &Seq, mut f: Follower) -> Option<Seq> {
+        let (Some(mut reservation), Some(from)) = (f.reservation.take(), &leader.reservation)
+        else {
+            let _ = f.tx.send(EngineEvent::Failed(Error::InvalidRequest(
+                "a choice holds no space".into(),
+            )));
+            return None;
+        };
+        if f.tx.is_closed() {
+            return None;
+        }
+        let forked = self
+            .model
+            .begin(&mut reservation)
+            .and_then(|()| self.model.fork(from, &reservation, leader.prompt_len));
+        if let Err(e) = forked {
+            tracing::warn!(error = %e, "a choice could not fork from its prompt");
+            self.model.end(&reservation);
+            let _ = f.tx.send(EngineEvent::Failed(e));
+            return None;
+        }
+        Some(leader.forked(f, reservation))
+    }
+
+    /// Starts decoding `seq` (its prompt imported), whose first token is the last of its
+    /// tokens or `first`; one that the token already ends is answered with it and let go.
+    fn start_decode(&mut self, mut seq: Seq, first: Option<u32>) {
+        seq.tokens.extend(first);
+        let token = *seq.tokens.last().expect("a decode holds its first token");
+        if let Some(finish) = seq.finish_reason(token) {
+            self.release(&mut seq, false);
+            let _ = seq.tx.send(EngineEvent::Token {
+                token_id: token,
+                finish: Some(finish),
+                logprobs: None,
+            });
+            return;
+        }
+        self.running.push(seq);
     }
 
     fn step(&mut self) {
         let mut k = 0;
         while k < self.running.len() {
-            if self.running[k].tx.is_closed() {
+            if self.running[k].abandoned() {
                 let mut seq = self.running.swap_remove(k);
                 self.release(&mut seq, true);
             } else {
@@ -627,6 +863,12 @@ impl<M: ServedModel> Worker<M> {
                 bs,
                 done,
             );
+            if done {
+                // Every choice samples from the prompt's last row.
+                let last = batch.num_tokens() - 1;
+                let copies = seq.followers.len();
+                batch.logits_rows.extend(std::iter::repeat_n(last, copies));
+            }
             in_batch.push((i, n));
             budget = budget.saturating_sub(n);
         }
@@ -647,14 +889,19 @@ impl<M: ServedModel> Worker<M> {
                 .iter_mut()
                 .zip(&samples)
                 .filter(|(_, &sampling)| sampling)
-                .filter_map(|(seq, _)| {
+                .flat_map(|(seq, _)| {
                     let Seq {
                         constraint,
                         failure,
+                        followers,
                         ..
                     } = seq;
-                    constraint.as_deref_mut().map(|c| (c, failure))
+                    let followers = followers
+                        .iter_mut()
+                        .map(|f| (&mut f.constraint, &mut f.failure));
+                    std::iter::once((constraint, failure)).chain(followers)
                 })
+                .filter_map(|(constraint, failure)| constraint.as_deref_mut().map(|c| (c, failure)))
                 .collect();
             std::thread::scope(|s| {
                 let computing = s.spawn(move || {
@@ -679,32 +926,26 @@ impl<M: ServedModel> Worker<M> {
             failed.extend(self.waiting.drain(..).map(|b| *b));
             for seq in &mut failed {
                 self.release(seq, false);
-                let _ = seq.tx.send(EngineEvent::Failed(Error::Collective(format!(
-                    "the engine step failed: {e}"
-                ))));
+                seq.fail(Error::Collective(format!("the engine step failed: {e}")));
             }
             let mut s = self.stats.lock();
             s.running = 0;
             s.waiting = 0;
             return;
         }
-        // Sample: one row per sequence whose prompt is complete, in batch order.
+        // Sample: one row per sequence whose prompt is complete, in batch order, and one
+        // more for each choice following it.
         let sampling: Vec<_> = in_batch
             .iter()
             .map(|&(i, n)| (&self.running[i], n))
             .filter(|(seq, n)| seq.cached + n == seq.tokens.len())
-            .map(|(seq, _)| {
-                // A resumed request's last prompt tokens are output of its earlier attempt.
-                let resumed = (seq.params.resumed as usize).min(seq.prompt_len);
-                let split = seq.prompt_len - resumed;
-                SampleRow {
-                    params: &seq.params,
-                    step: (resumed + seq.generated()) as u32,
-                    prompt: &seq.tokens[..split],
-                    output: &seq.tokens[split..],
-                    stop_ids: &seq.stop_ids,
-                    allowed: seq.constraint.as_ref().map(|c| c.mask()),
-                }
+            .flat_map(|(seq, _)| {
+                let followers = seq
+                    .followers
+                    .iter()
+                    .map(move |f| seq.sample_row(&f.params, &f.stop_ids, &f.constraint));
+                std::iter::once(seq.sample_row(&seq.params, &seq.stop_ids, &seq.constraint))
+                    .chain(followers)
             })
             .collect();
         self.model
@@ -730,63 +971,37 @@ impl<M: ServedModel> Worker<M> {
             let Some((token, token_logprobs)) = rows.next() else {
                 break;
             };
-            let seq = &mut self.running[i];
-            seq.tokens.push(token);
             generated += 1;
-            if let Some(c) = &mut seq.constraint {
-                if seq.failure.is_none() && !seq.stop_ids.contains(&token) {
-                    seq.failure = c.consume(&[token]).err();
+            // The prompt's other choices sampled from the same row.
+            let followers = std::mem::take(&mut self.running[i].followers);
+            let theirs: Vec<_> = rows.by_ref().take(followers.len()).collect();
+            generated += theirs.len() as u64;
+            let mut others = Vec::new();
+            for (f, (token, logprobs)) in followers.into_iter().zip(theirs) {
+                if self.running[i].prefill_only {
+                    // The prefill answers for every choice; their decodes fork elsewhere.
+                    let mut f = f;
+                    let finish = f.first_finish(token);
+                    if let Some(e) = f.failure.take() {
+                        self.running[i].failure.get_or_insert(e);
+                    }
+                    others.push(Sampled {
+                        token,
+                        finish,
+                        logprobs,
+                    });
+                } else {
+                    let leader = std::mem::replace(&mut self.running[i], placeholder());
+                    let child = self.fork(&leader, f);
+                    self.running[i] = leader;
+                    if let Some(child) = child {
+                        self.running.push(child);
+                        let j = self.running.len() - 1;
+                        self.on_sampled(j, token, logprobs, Vec::new(), &mut finished);
+                    }
                 }
             }
-            if let Some(e) = seq.failure.take() {
-                tracing::warn!(error = %e, "a constrained request cannot go on");
-                let mut seq = std::mem::replace(&mut self.running[i], placeholder());
-                finished.push(i);
-                self.release(&mut seq, true);
-                let _ = seq.tx.send(EngineEvent::Failed(e));
-                continue;
-            }
-            let finish = seq.finish_reason(token);
-            if seq.prefill_only {
-                let prompt_len = seq.prompt_len;
-                let exported = match &seq.reservation {
-                    Some(r) => self.model.export(r, prompt_len),
-                    None => Err(Error::InvalidRequest("a prefill holds no space".into())),
-                };
-                let mut seq = std::mem::replace(&mut self.running[i], placeholder());
-                finished.push(i);
-                // Free the space before the caller hears of it, so accounting is exact.
-                self.release(&mut seq, true);
-                let event = match exported {
-                    Ok(handoff) => EngineEvent::Prefilled {
-                        first_token: token,
-                        finish,
-                        logprobs: token_logprobs,
-                        handoff,
-                    },
-                    Err(e) => {
-                        tracing::error!(error = %e, "exporting a prompt's state failed");
-                        EngineEvent::Failed(e)
-                    }
-                };
-                let _ = seq.tx.send(event);
-                continue;
-            }
-            let event = EngineEvent::Token {
-                token_id: token,
-                finish,
-                logprobs: token_logprobs,
-            };
-            if finish.is_some() {
-                let mut seq = std::mem::replace(&mut self.running[i], placeholder());
-                finished.push(i);
-                self.release(&mut seq, true);
-                let _ = seq.tx.send(event);
-            } else if self.running[i].tx.send(event).is_err() {
-                let mut seq = std::mem::replace(&mut self.running[i], placeholder());
-                finished.push(i);
-                self.release(&mut seq, true);
-            }
+            self.on_sampled(i, token, token_logprobs, others, &mut finished);
         }
         drop(rows);
         self.sampled = sampled;
@@ -803,6 +1018,109 @@ impl<M: ServedModel> Worker<M> {
     }
 }
 
+impl<M: ServedModel> Worker<M> {
+    /// Running sequence `i` sampled `token`: it takes it, and its caller hears of it (a
+    /// prefill's with the prompt's state and its other choices' first tokens, `others`); one
+    /// that ends is let go and listed in `finished`.
+    fn on_sampled(
+        &mut self,
+        i: usize,
+        token: u32,
+        token_logprobs: Option<TokenLogprobs>,
+        others: Vec<Sampled>,
+        finished: &mut Vec<usize>,
+    ) {
+        let seq = &mut self.running[i];
+        seq.tokens.push(token);
+        if let Some(c) = &mut seq.constraint {
+            if seq.failure.is_none() && !seq.stop_ids.contains(&token) {
+                seq.failure = c.consume(&[token]).err();
+            }
+        }
+        if let Some(e) = seq.failure.take() {
+            tracing::warn!(error = %e, "a constrained request cannot go on");
+            let mut seq = std::mem::replace(&mut self.running[i], placeholder());
+            finished.push(i);
+            self.release(&mut seq, true);
+            let _ = seq.tx.send(EngineEvent::Failed(e));
+            return;
+        }
+        let finish = seq.finish_reason(token);
+        if seq.prefill_only {
+            let prompt_len = seq.prompt_len;
+            let exported = match &seq.reservation {
+                Some(r) => self.model.export(r, prompt_len),
+                None => Err(Error::InvalidRequest("a prefill holds no space".into())),
+            };
+            let mut seq = std::mem::replace(&mut self.running[i], placeholder());
+            finished.push(i);
+            // Free the space before the caller hears of it, so accounting is exact.
+            self.release(&mut seq, true);
+            let event = match exported {
+                Ok(handoff) => EngineEvent::Prefilled {
+                    first_token: token,
+                    finish,
+                    logprobs: token_logprobs,
+                    handoff,
+                    others,
+                },
+                Err(e) => {
+                    tracing::error!(error = %e, "exporting a prompt's state failed");
+                    EngineEvent::Failed(e)
+                }
+            };
+            let _ = seq.tx.send(event);
+            return;
+        }
+        let event = EngineEvent::Token {
+            token_id: token,
+            finish,
+            logprobs: token_logprobs,
+        };
+        if finish.is_some() {
+            let mut seq = std::mem::replace(&mut self.running[i], placeholder());
+            finished.push(i);
+            self.release(&mut seq, true);
+            let _ = seq.tx.send(event);
+        } else if self.running[i].tx.send(event).is_err() {
+            let mut seq = std::mem::replace(&mut self.running[i], placeholder());
+            finished.push(i);
+            self.release(&mut seq, true);
+        }
+    }
+}
+
+/// The tokens that end a request of `params` (its stop ids, and the model's end-of-sequence
+/// ids unless it ignores them).
+fn stop_ids(params: &SamplingParams, eos_ids: &[u32]) -> Vec<u32> {
+    let mut stop = params.stop_token_ids.clone();
+    if !params.ignore_eos {
+        stop.extend(eos_ids);
+    }
+    stop
+}
+
+impl Follower {
+    /// Whether `token`, sampled as this choice's first, ends it
+    /// (a grammar that cannot take it is recorded as the failure).
+    fn first_finish(&mut self, token: u32) -> Option<FinishReason> {
+        let stop_ids = &self.stop_ids;
+        if let Some(c) = &mut self.constraint {
+            if !stop_ids.contains(&token) {
+                self.failure = c.consume(&[token]).err();
+            }
+        }
+        let complete = self.constraint.as_ref().is_some_and(|c| c.is_complete());
+        if stop_ids.contains(&token) || complete {
+            Some(FinishReason::Stop)
+        } else if self.params.max_tokens <= 1 {
+            Some(FinishReason::Length)
+        } else {
+            None
+        }
+    }
+}
+
 /// What a finished sequence's place in the running list holds until the list is compacted
 /// at the end of the step.
 fn placeholder() -> Seq {
@@ -812,6 +1130,7 @@ fn placeholder() -> Seq {
         prompt_len: 0,
         params: SamplingParams::greedy(1),
         stop_ids: Vec::new(),
+        eos_ids: Vec::new(),
         prefill_only: false,
         cached: 0,
         reservation: None,
@@ -819,6 +1138,7 @@ fn placeholder() -> Seq {
         constraint: None,
         failure: None,
         tx,
+        followers: Vec::new(),
     }
 }
 

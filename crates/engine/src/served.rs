@@ -89,10 +89,39 @@ pub struct Pools {
 #[derive(Debug)]
 pub struct Reservation {
     tokens: usize,
-    blocks: Option<BlockAllocation>,
+    blocks: Option<BlockTable>,
     slot: Option<(usize, BlockAllocation)>,
     _slot_total: Option<BlockAllocation>,
     latents: Option<Claim>,
+}
+
+/// A request's paged blocks: a prefix it may share with the other choices of its prompt
+/// (held until the last of them lets go), then blocks of its own.
+#[derive(Debug)]
+struct BlockTable {
+    shared: Option<Arc<BlockAllocation>>,
+    own: BlockAllocation,
+    ids: Vec<BlockId>,
+}
+
+impl BlockTable {
+    fn own(own: BlockAllocation) -> Self {
+        let ids = own.blocks().to_vec();
+        Self {
+            shared: None,
+            own,
+            ids,
+        }
+    }
+
+    fn sharing(shared: Arc<BlockAllocation>, own: BlockAllocation) -> Self {
+        let ids = [shared.blocks(), own.blocks()].concat();
+        Self {
+            shared: Some(shared),
+            own,
+            ids,
+        }
+    }
 }
 
 impl Reservation {
@@ -103,7 +132,16 @@ impl Reservation {
 
     /// The paged blocks, in order (empty for a model without a paged K/V cache).
     pub fn blocks(&self) -> &[BlockId] {
-        self.blocks.as_ref().map_or(&[], BlockAllocation::blocks)
+        self.blocks.as_ref().map_or(&[], |t| &t.ids)
+    }
+
+    /// Leading blocks this reservation shares with others (the full blocks of a prompt
+    /// whose choices decode apart; see [`Pools::reserve_choices`]).
+    pub fn shared_blocks(&self) -> usize {
+        self.blocks
+            .as_ref()
+            .and_then(|t| t.shared.as_ref())
+            .map_or(0, |s| s.blocks().len())
     }
 
     /// The state slot, for models with per-request state.
@@ -192,9 +230,64 @@ impl Pools {
             )));
         }
         let blocks = match &self.kv {
-            Some((a, bs)) => Some(a.allocate(tokens.div_ceil(*bs))?),
+            Some((a, bs)) => Some(BlockTable::own(a.allocate(tokens.div_ceil(*bs))?)),
             None => None,
         };
+        self.reserve_rest(tokens, group, blocks)
+    }
+
+    /// Reserves space for `n` choices of one prompt of `prompt_len` tokens, each of
+    /// `tokens` tokens (prompt + generation), on one attention-DP group; all or nothing.
+    /// The first reservation is the prompt's; the others share its full prompt blocks
+    /// (which no choice writes again) and hold blocks of their own from the prompt's last,
+    /// partial block on, into which each copies the prompt's part when it forks
+    /// ([`ServedModel::fork`]). State slots and latent rows are each choice's own.
+    pub fn reserve_choices(
+        &self,
+        tokens: usize,
+        prompt_len: usize,
+        n: usize,
+        group: Option<usize>,
+    ) -> Result<Vec<Reservation>> {
+        let mut first = self.reserve(tokens, group)?;
+        if n <= 1 {
+            return Ok(vec![first]);
+        }
+        let group = Some(first.group());
+        let mut out = Vec::with_capacity(n);
+        let shared = match (&self.kv, first.blocks.take()) {
+            (Some((_, bs)), Some(mut table)) => {
+                let rest = table.own.split_off(prompt_len.min(tokens) / bs);
+                let shared = Arc::new(table.own);
+                first.blocks = Some(BlockTable::sharing(shared.clone(), rest));
+                Some(shared)
+            }
+            (_, table) => {
+                first.blocks = table;
+                None
+            }
+        };
+        out.push(first);
+        for _ in 1..n {
+            let blocks = match (&self.kv, &shared) {
+                (Some((a, bs)), Some(shared)) => {
+                    let own = a.allocate(tokens.div_ceil(*bs) - shared.blocks().len())?;
+                    Some(BlockTable::sharing(shared.clone(), own))
+                }
+                _ => None,
+            };
+            out.push(self.reserve_rest(tokens, group, blocks)?);
+        }
+        Ok(out)
+    }
+
+    /// The rest of a reservation whose paged blocks are `blocks`: a state slot, latent rows.
+    fn reserve_rest(
+        &self,
+        tokens: usize,
+        group: Option<usize>,
+        blocks: Option<BlockTable>,
+    ) -> Result<Reservation> {
         let slot = if self.slots.is_empty() {
             None
         } else {
@@ -320,6 +413,73 @@ pub trait ServedModel: 'static {
     fn export(&mut self, r: &Reservation, prompt_len: usize) -> Result<Handoff>;
     /// Writes a handoff ([`HandoffSpec::prepare`]d) into a begun reservation.
     fn import(&mut self, r: &Reservation, prompt_len: usize, h: &Handoff) -> Result<()>;
+    /// Gives begun reservation `to` (another choice of the same prompt, from
+    /// [`Pools::reserve_choices`]) the state of `from`'s first `prompt_len` tokens. The
+    /// default copies it all (export, then import); a paged model copies only what the two
+    /// do not share.
+    fn fork(&mut self, from: &Reservation, to: &Reservation, prompt_len: usize) -> Result<()> {
+        let h = self.export(from, prompt_len)?;
+        self.import(to, prompt_len, &h)
+    }
     /// Overwrites the weights in place with those of `dir` (same configuration).
     fn refresh(&mut self, dir: &Path) -> Result<()>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn paged(blocks: usize, bs: usize) -> Pools {
+        Pools {
+            kv: Some((BlockAllocator::new(blocks), bs)),
+            ..Pools::default()
+        }
+    }
+
+    #[test]
+    fn choices_share_the_full_prompt_blocks_and_hold_the_rest_each() {
+        let pools = paged(32, 16);
+        // 37 prompt tokens + 20 generated = 57 tokens, 4 blocks each; the prompt fills 2.
+        let rs = pools.reserve_choices(57, 37, 3, None).expect("fits");
+        assert_eq!(rs.len(), 3);
+        for r in &rs {
+            assert_eq!(r.blocks().len(), 4);
+            assert_eq!(r.shared_blocks(), 2);
+            assert_eq!(
+                r.blocks()[..2],
+                rs[0].blocks()[..2],
+                "one copy of the prompt"
+            );
+        }
+        let mut tails: Vec<BlockId> = rs.iter().flat_map(|r| r.blocks()[2..].to_vec()).collect();
+        tails.sort_unstable_by_key(|b| b.0);
+        tails.dedup();
+        assert_eq!(tails.len(), 6, "each choice writes blocks of its own");
+        assert_eq!(pools.paged_blocks(), (32, 32 - 2 - 3 * 2));
+        // The shared blocks outlive the first choice while another holds them.
+        let mut rs = rs.into_iter();
+        drop(rs.next());
+        assert_eq!(pools.paged_blocks().1, 32 - 2 - 2 * 2);
+        drop(rs);
+        assert_eq!(pools.paged_blocks().1, 32, "the pool is whole");
+    }
+
+    #[test]
+    fn choices_that_do_not_all_fit_take_nothing() {
+        let pools = paged(9, 16);
+        // 4 blocks for the first, 2 more for each other choice: 3 choices need 8, 4 need 10.
+        assert!(pools.reserve_choices(57, 37, 4, None).is_err());
+        assert_eq!(pools.paged_blocks().1, 9);
+        let rs = pools.reserve_choices(57, 37, 3, None).expect("8 of 9");
+        assert_eq!(pools.paged_blocks().1, 1);
+        drop(rs);
+        assert_eq!(pools.paged_blocks().1, 9);
+    }
+
+    #[test]
+    fn one_choice_is_a_plain_reservation() {
+        let pools = paged(8, 16);
+        let rs = pools.reserve_choices(40, 37, 1, None).expect("fits");
+        assert_eq!((rs[0].blocks().len(), rs[0].shared_blocks()), (3, 0));
+    }
 }

@@ -222,6 +222,7 @@ mod tests {
                     reservation,
                     handoff,
                     first_token,
+                    forks: Vec::new(),
                 },
             )
             .expect("decode"),

@@ -141,6 +141,7 @@ fn kv_handed_from_tp1_prefill_to_a_tp2_decoder_continues_the_generation() {
                     reservation,
                     handoff,
                     first_token,
+                    forks: Vec::new(),
                 },
             )
             .expect("decode"),

@@ -169,8 +169,14 @@ impl ServedModel for KdaServed {
             let ids = batch.token_ids[s.start..s.start + s.len].to_vec();
             let states = std::mem::take(self.slot_states(slot)?);
             work.push((slot.group, ids, states));
-            let last = (s.len > 0).then(|| s.start + s.len - 1);
-            wants.push(last.is_some_and(|l| rows.next_if(|&&r| r == l).is_some()));
+            // A row listed more than once (the choices of one prompt) is sampled that often.
+            let mut copies = 0;
+            if let Some(l) = (s.len > 0).then(|| s.start + s.len - 1) {
+                while rows.next_if(|&&r| r == l).is_some() {
+                    copies += 1;
+                }
+            }
+            wants.push(copies);
         }
         let out = self.model.step(&mut work);
         // The states go back to their slots whatever the outcome.
@@ -182,7 +188,7 @@ impl ServedModel for KdaServed {
         self.logits = out?
             .into_iter()
             .zip(wants)
-            .filter_map(|(l, want)| want.then_some(l))
+            .flat_map(|(l, copies)| std::iter::repeat_n(l, copies))
             .collect();
         Ok(())
     }
@@ -398,6 +404,7 @@ mod tests {
                     reservation,
                     handoff,
                     first_token,
+                    forks: Vec::new(),
                 },
             )
             .expect("decode");
@@ -491,6 +498,7 @@ mod tests {
                         reservation,
                         handoff,
                         first_token,
+                        forks: Vec::new(),
                     },
                 )
                 .expect("decode");
