@@ -317,3 +317,102 @@ assert got == "{expect}", got
         assert_eq!(admin.status(), 401, "admin routes need a key");
     });
 }
+
+/// The `prefill_tokens` counter of the worker at gRPC address `addr`.
+async fn prefill_tokens(addr: &str) -> u64 {
+    let mut w = tandem_proto::v1::worker_client::WorkerClient::connect(addr.to_string())
+        .await
+        .expect("connect");
+    w.stats(tandem_proto::v1::StatsRequest::default())
+        .await
+        .expect("stats")
+        .into_inner()
+        .prefill_tokens
+}
+
+/// The texts of a streamed completion's choices, by `index`.
+async fn streamed_texts(c: &reqwest::Client, url: &str, body: Value, n: usize) -> Vec<String> {
+    let resp = c
+        .post(format!("{url}/v1/completions"))
+        .json(&body)
+        .send()
+        .await
+        .expect("sent");
+    assert_eq!(resp.status(), 200);
+    let sse = resp.text().await.expect("the stream");
+    let mut texts = vec![String::new(); n];
+    for line in sse.lines().filter_map(|l| l.strip_prefix("data: ")) {
+        if line == "[DONE]" {
+            continue;
+        }
+        let chunk: Value = serde_json::from_str(line).expect("a JSON chunk");
+        for choice in chunk["choices"].as_array().expect("choices") {
+            let i = choice["index"].as_u64().expect("index") as usize;
+            texts[i].push_str(choice["text"].as_str().unwrap_or_default());
+        }
+    }
+    assert!(sse.trim_end().ends_with("data: [DONE]"), "{sse}");
+    texts
+}
+
+/// `n` choices compute their prompt once (the prefill worker's, or the aggregated worker's,
+/// prompt-token counter moves by one prompt), then decode apart over the decode worker's
+/// shared blocks: each choice equals the request with its seed alone (`seed + index`),
+/// streamed equals whole, P/D equals one process, and the pools end whole.
+#[test]
+fn n_choices_share_one_prefill_and_each_equals_its_seed_alone() {
+    let (pd, one) = pd_and_one();
+    let (pd_url, one_url) = (pd.url.clone(), one.url.clone());
+    let (prefill, aggregated) = (pd.prefill_addr.clone(), one.aggregated_addr.clone());
+    rt().block_on(async move {
+        let c = reqwest::Client::new();
+        let prompt = "The old lighthouse keeper looked out at the sea and said";
+        let body = |n: u32, seed: u64| {
+            json!({"prompt": prompt, "n": n, "seed": seed, "temperature": 1.1,
+                   "max_tokens": 10, "ignore_eos": true})
+        };
+        let texts = |v: &Value| -> Vec<String> {
+            v["choices"]
+                .as_array()
+                .expect("choices")
+                .iter()
+                .map(|c| c["text"].as_str().unwrap_or_default().to_string())
+                .collect()
+        };
+        let mut answers = Vec::new();
+        for (url, worker) in [(&pd_url, &prefill), (&one_url, &aggregated)] {
+            let before = prefill_tokens(worker).await;
+            let v = complete(&c, url, body(4, 21)).await;
+            let computed = prefill_tokens(worker).await - before;
+            assert_eq!(
+                json!(computed),
+                v["usage"]["prompt_tokens"],
+                "{url}: 4 choices computed the prompt {computed} tokens' worth: {v}"
+            );
+            assert_eq!(v["usage"]["completion_tokens"], 40, "{v}");
+            let got = texts(&v);
+            for (j, want) in got.iter().enumerate() {
+                let alone = complete(&c, url, body(1, 21 + j as u64)).await;
+                assert_eq!(
+                    &text(&alone),
+                    want,
+                    "{url}: choice {j} differs from its seed alone"
+                );
+            }
+            let mut streamed = body(4, 21);
+            streamed["stream"] = json!(true);
+            let streamed = streamed_texts(&c, url, streamed, 4).await;
+            assert_eq!(streamed, got, "{url}: streamed differs from whole");
+            answers.push(got);
+        }
+        assert_eq!(answers[0], answers[1], "P/D differs from one process");
+        let mut distinct = answers[0].clone();
+        distinct.sort();
+        distinct.dedup();
+        assert!(distinct.len() > 1, "four samples all equal: {distinct:?}");
+        for url in [&pd_url, &one_url] {
+            let workers = tandem_e2e::workers_when_idle(&c, url).await;
+            assert!(tandem_e2e::pools_full(&workers, None), "{workers}");
+        }
+    });
+}

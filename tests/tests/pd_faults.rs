@@ -217,6 +217,7 @@ fn stale_push_case(landing: &str) {
         let request = pb::GenerateRequest {
             request_id: "stale".into(),
             prompt_token_ids: (0..40).map(|i| 200 + i * 3).collect(),
+            choices: 1,
             sampling: Some(pb::SamplingParams {
                 max_tokens: 4,
                 ..Default::default()

@@ -58,6 +58,7 @@ impl pb::worker_server::Worker for NullWorker {
                     token_id: 42 + i,
                     finish_reason: finish,
                     logprobs: None,
+                    choice: 0,
                 };
                 if tx
                     .send(Ok(pb::DecodeEvent {
@@ -89,6 +90,7 @@ impl pb::worker_server::Worker for NullWorker {
                 pb::FinishReason::Unspecified as i32
             },
             first_logprobs: None,
+            other_choices: Vec::new(),
         }))
     }
 
@@ -153,6 +155,7 @@ async fn direct(
     let request = pb::GenerateRequest {
         request_id: "bench".into(),
         prompt_token_ids: prompt.to_vec(),
+        choices: 1,
         sampling: Some(pb::SamplingParams {
             max_tokens,
             ..pb::SamplingParams::default()

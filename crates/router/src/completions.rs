@@ -62,8 +62,7 @@ async fn handle(
     };
     let n = batch[0].choices.max(1);
     if batch.len() > 1 || n > 1 {
-        let choices = batch.into_iter().flat_map(Prepared::expand).collect();
-        return respond_batch(state, endpoint, record, base_id, choices, n).await;
+        return respond_batch(state, endpoint, record, base_id, batch, n).await;
     }
     let prepared = batch.remove(0);
     record.admitted(prepared.request.prompt_token_ids.len());
@@ -197,7 +196,8 @@ async fn respond_whole(text: TextStream, shape: Shape) -> Response {
 }
 
 /// Several choices: `n` > 1 and/or a batch of prompts (`n` choices per prompt, prompt-major).
-/// Every choice is its own generation, started at once; one answer with every choice
+/// Each prompt's choices start together ([`crate::generator::Generator::generate_choices`]),
+/// every prompt at once; one answer with every choice
 /// (streamed: chunks of every choice as they come, by `index`, then one usage chunk over all
 /// and `[DONE]`); usage counts each prompt once. A choice that cannot start fails the whole
 /// request (the others are cancelled).
@@ -210,52 +210,66 @@ async fn respond_batch(
     n: u32,
 ) -> Response {
     let (stream, include_usage) = (batch[0].stream, batch[0].include_usage);
+    let per_prompt = n.max(1) as usize;
     let mut records = vec![first_record];
-    records.extend((1..batch.len()).map(|_| state.metrics().start(endpoint)));
-    let starts = batch
-        .into_iter()
-        .zip(records)
-        .enumerate()
-        .map(|(i, (p, mut record))| {
-            let state = state.clone();
-            let base_id = base_id.clone();
-            async move {
+    records.extend((1..batch.len() * per_prompt).map(|_| state.metrics().start(endpoint)));
+    let mut records = records.into_iter();
+    let starts = batch.into_iter().enumerate().map(|(i, p)| {
+        let mut records: Vec<_> = records.by_ref().take(per_prompt).collect();
+        let state = state.clone();
+        let base_id = base_id.clone();
+        async move {
+            for record in &mut records {
                 record.admitted(p.request.prompt_token_ids.len());
-                let shape = Shape::new(
-                    &state,
-                    endpoint,
-                    &p.request,
-                    include_usage,
-                    base_id,
-                    i as u32,
-                )
-                .reading_calls(p.tools.clone())
-                .echoing(p.echo.clone());
-                let detok = Detokenizer::new(
-                    state.model().tokenizer().clone(),
-                    &p.request.prompt_token_ids,
-                )
-                .skip_special_tokens(p.skip_special_tokens);
-                let max_tokens = p.request.sampling.max_tokens;
-                let stop_ids = p.request.sampling.stop_token_ids.clone();
-                match state.generator().generate(p.request).await {
-                    Ok(tokens) => Ok((
-                        TextStream::new(tokens, detok, p.stop, stop_ids, max_tokens, record)
-                            .include_stop_str(p.include_stop_str),
-                        shape,
-                    )),
-                    Err(err) => {
-                        let err = ApiError::from(err);
-                        record.failed(&err);
-                        Err(err)
-                    }
-                }
             }
-        });
+            // The prompt's choices start together (on P/D: one prefill for them all).
+            let streams = match state
+                .generator()
+                .generate_choices(p.request.clone(), n)
+                .await
+            {
+                Ok(streams) => streams,
+                Err(err) => {
+                    let err = ApiError::from(err);
+                    for record in &mut records {
+                        record.failed(&err);
+                    }
+                    return Err(err);
+                }
+            };
+            let choices = streams.into_iter().zip(p.expand()).zip(records);
+            Ok(choices
+                .enumerate()
+                .map(|(j, ((tokens, c), record))| {
+                    let index = (i * per_prompt + j) as u32;
+                    let shape = Shape::new(
+                        &state,
+                        endpoint,
+                        &c.request,
+                        include_usage,
+                        base_id.clone(),
+                        index,
+                    )
+                    .reading_calls(c.tools.clone())
+                    .echoing(c.echo.clone());
+                    let detok = Detokenizer::new(
+                        state.model().tokenizer().clone(),
+                        &c.request.prompt_token_ids,
+                    )
+                    .skip_special_tokens(c.skip_special_tokens);
+                    let max_tokens = c.request.sampling.max_tokens;
+                    let stop_ids = c.request.sampling.stop_token_ids.clone();
+                    let text = TextStream::new(tokens, detok, c.stop, stop_ids, max_tokens, record)
+                        .include_stop_str(c.include_stop_str);
+                    (text, shape)
+                })
+                .collect::<Vec<_>>())
+        }
+    });
     let mut started = Vec::new();
     for r in futures::future::join_all(starts).await {
         match r {
-            Ok(t) => started.push(t),
+            Ok(t) => started.extend(t),
             Err(err) => return err.into_response(),
         }
     }

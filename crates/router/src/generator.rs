@@ -58,9 +58,33 @@ pub type TokenStream = BoxStream<'static, Result<GeneratedToken, GenerateError>>
 /// Boxed future returned by [`Generator::generate`].
 pub type GenerateFuture = Pin<Box<dyn Future<Output = Result<TokenStream, GenerateError>> + Send>>;
 
+/// Boxed future returned by [`Generator::generate_choices`]: one stream per choice.
+pub type ChoicesFuture =
+    Pin<Box<dyn Future<Output = Result<Vec<TokenStream>, GenerateError>> + Send>>;
+
 /// Produces tokens for validated requests.
 pub trait Generator: Send + Sync + 'static {
     /// Starts generating. Resolves once the request is admitted (may already carry the first
     /// token); the stream yields every generated token, the first included.
     fn generate(&self, request: ValidGenerateRequest) -> GenerateFuture;
+
+    /// Starts `n` choices of one prompt (OpenAI's `n`): choice `j` samples with seed
+    /// `seed + j` (request id suffixed `-j` when `n` > 1). Resolves once every choice has
+    /// started; one stream per choice, in order. This default runs each choice as a request
+    /// of its own; the P/D generator computes the prompt once for them all.
+    fn generate_choices(&self, request: ValidGenerateRequest, n: u32) -> ChoicesFuture {
+        if n <= 1 {
+            let one = self.generate(request);
+            return Box::pin(async move { Ok(vec![one.await?]) });
+        }
+        let starts: Vec<GenerateFuture> = (0..n)
+            .map(|j| {
+                let mut c = request.clone();
+                c.id = RequestId(format!("{}-{j}", request.id.0));
+                c.sampling.seed = request.sampling.seed.wrapping_add(u64::from(j));
+                self.generate(c)
+            })
+            .collect();
+        Box::pin(async move { futures::future::try_join_all(starts).await })
+    }
 }

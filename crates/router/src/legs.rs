@@ -23,11 +23,13 @@ fn logprobs_from_pb(l: pb::Logprobs) -> tandem_core::TokenLogprobs {
     }
 }
 
-pub(crate) fn to_pb(req: &ValidGenerateRequest) -> pb::GenerateRequest {
+/// `req` on the wire, asking for `choices` choices of its prompt (seeds `seed`, `seed + 1`, …).
+pub(crate) fn to_pb(req: &ValidGenerateRequest, choices: u32) -> pb::GenerateRequest {
     let s = &req.sampling;
     pb::GenerateRequest {
         request_id: req.id.0.clone(),
         prompt_token_ids: req.prompt_token_ids.clone(),
+        choices,
         sampling: Some(pb::SamplingParams {
             temperature: s.temperature,
             top_k: s.top_k,
@@ -64,28 +66,103 @@ fn constraint_to_wire(c: &tandem_core::OutputConstraint) -> pb::OutputConstraint
     }
 }
 
-/// A whole request on one aggregated worker: resolves with its first token (so a failure
-/// before it can still be retried elsewhere), then streams the rest.
-pub(crate) async fn try_aggregated(
-    w: &WorkerHandle,
-    req: &ValidGenerateRequest,
-    budget: Budget,
-    tracker: &crate::inflight::Tracker,
-) -> Result<TokenStream, GenerateError> {
-    let claim = w.claim();
-    tracker.phase(crate::inflight::Phase::Prefilling);
-    let mut events = w
-        .client
-        .clone()
-        .generate(with_deadline(to_pb(req), budget.request))
-        .await
-        .map_err(classify_status)?
-        .into_inner();
-    let token = |t: pb::TokenEvent| GeneratedToken {
+fn token_from_pb(t: pb::TokenEvent) -> GeneratedToken {
+    GeneratedToken {
         token_id: t.token_id,
         finish_reason: finish_from_pb(t.finish_reason),
         logprobs: t.logprobs.map(logprobs_from_pb),
-    };
+    }
+}
+
+/// Tokens of a worker's stream with the choice each belongs to.
+type ChoiceEvents = futures::stream::BoxStream<'static, Result<pb::TokenEvent, GenerateError>>;
+
+/// Splits a worker's stream of `open.len()` choices' tokens into one stream per choice (in
+/// order), on a task of its own that holds `hold` (the stream's load claims) until every
+/// choice has ended or been dropped. Choices not `open` (they ended with their first
+/// token) get nothing; a stream that fails or ends early fails every choice still open.
+fn split_choices(
+    mut events: ChoiceEvents,
+    mut open: Vec<bool>,
+    ended: impl Fn() -> GenerateError + Send + 'static,
+    hold: impl Send + 'static,
+) -> Vec<TokenStream> {
+    let (txs, rxs): (Vec<_>, Vec<_>) = open
+        .iter()
+        .map(|_| tokio::sync::mpsc::unbounded_channel())
+        .unzip();
+    tokio::spawn(async move {
+        let _hold = hold;
+        let fail_open = |open: &[bool], e: &GenerateError| {
+            for (tx, _) in txs.iter().zip(open).filter(|(_, &o)| o) {
+                let _ = tx.send(Err(GenerateError::new(e.class, e.message.clone())));
+            }
+        };
+        loop {
+            for (o, tx) in open.iter_mut().zip(&txs) {
+                *o &= !tx.is_closed();
+            }
+            if !open.contains(&true) {
+                return;
+            }
+            let gone = futures::future::join_all(
+                txs.iter()
+                    .zip(&open)
+                    .filter(|(_, &o)| o)
+                    .map(|(tx, _)| tx.closed()),
+            );
+            let next = tokio::select! {
+                n = events.next() => n,
+                _ = gone => return,
+            };
+            match next {
+                Some(Ok(t)) => {
+                    let c = t.choice as usize;
+                    let tok = token_from_pb(t);
+                    match open.get_mut(c) {
+                        Some(o) if *o => {
+                            *o = tok.finish_reason.is_none();
+                            let _ = txs[c].send(Ok(tok));
+                        }
+                        Some(_) => {} // a choice that ended with its first token
+                        None => {
+                            let e = GenerateError::new(
+                                ErrorClass::Internal,
+                                format!("a token of choice {c} of {}", open.len()),
+                            );
+                            return fail_open(&open, &e);
+                        }
+                    }
+                }
+                Some(Err(e)) => return fail_open(&open, &e),
+                None => return fail_open(&open, &ended()),
+            }
+        }
+    });
+    rxs.into_iter()
+        .map(|rx| tokio_stream::wrappers::UnboundedReceiverStream::new(rx).boxed())
+        .collect()
+}
+
+/// A whole request's `n` choices on one aggregated worker: resolves with every choice's
+/// first token (so a failure before them can still be retried elsewhere), then streams the
+/// rest, one stream per choice.
+pub(crate) async fn try_aggregated(
+    w: &WorkerHandle,
+    req: &ValidGenerateRequest,
+    n: u32,
+    budget: Budget,
+    tracker: &crate::inflight::Tracker,
+) -> Result<Vec<TokenStream>, GenerateError> {
+    let claim = w.claim();
+    tracker.phase(crate::inflight::Phase::Prefilling);
+    let events = w
+        .client
+        .clone()
+        .generate(with_deadline(to_pb(req, n), budget.request))
+        .await
+        .map_err(classify_status)?
+        .into_inner();
     let id = w.id.clone();
     let ended = move || {
         GenerateError::new(
@@ -93,33 +170,36 @@ pub(crate) async fn try_aggregated(
             format!("worker {id} ended the stream before finishing"),
         )
     };
-    let first = match events.message().await.map_err(classify_status)? {
-        Some(t) => token(t),
-        None => return Err(ended()),
-    };
-    tracker.phase(crate::inflight::Phase::Decoding);
-    let ends = first.finish_reason.is_some();
-    let head = futures::stream::once(async move { Ok(first) });
-    if ends {
-        return Ok(head.boxed());
-    }
-    // The load claim rides along with the stream.
-    let rest = futures::stream::unfold(Some((events, claim)), move |state| {
-        let ended = ended.clone();
-        async move {
-            let (mut events, claim) = state?;
-            match events.message().await {
-                Ok(Some(t)) => {
-                    let tok = token(t);
-                    let more = tok.finish_reason.is_none();
-                    Some((Ok(tok), more.then_some((events, claim))))
-                }
-                Ok(None) => Some((Err(ended()), None)),
-                Err(s) => Some((Err(classify_status(s)), None)),
+    let events = events.map(|m| m.map_err(classify_status)).boxed();
+    let mut streams = split_choices(events, vec![true; n.max(1) as usize], ended, claim);
+    // Every choice's first token, before the attempt counts as started.
+    let mut firsts = Vec::with_capacity(streams.len());
+    for s in &mut streams {
+        match s.next().await {
+            Some(Ok(t)) => firsts.push(t),
+            Some(Err(e)) => return Err(e),
+            None => {
+                return Err(GenerateError::new(
+                    ErrorClass::Unavailable,
+                    format!("worker {} ended the stream before a first token", w.id),
+                ))
             }
         }
-    });
-    Ok(head.chain(rest).boxed())
+    }
+    tracker.phase(crate::inflight::Phase::Decoding);
+    Ok(streams
+        .into_iter()
+        .zip(firsts)
+        .map(|(rest, first)| {
+            let ends = first.finish_reason.is_some();
+            let head = futures::stream::once(async move { Ok(first) });
+            if ends {
+                head.boxed()
+            } else {
+                head.chain(rest).boxed()
+            }
+        })
+        .collect())
 }
 
 /// What is left of a request's time when an attempt starts: the workers get it as their
@@ -147,15 +227,18 @@ pub(crate) enum Leg {
     Both,
 }
 
+/// A request's `n` choices on a P/D pair: resolves with every choice's first token (the
+/// prefill's answer), then streams the rest from the decode worker, one stream per choice.
 pub(crate) async fn try_pair(
     p: &WorkerHandle,
     d: &WorkerHandle,
     req: &ValidGenerateRequest,
+    n: u32,
     budget: Budget,
     tracker: &crate::inflight::Tracker,
-) -> Result<TokenStream, (Leg, GenerateError)> {
+) -> Result<Vec<TokenStream>, (Leg, GenerateError)> {
     let on_decode = |e: GenerateError| (Leg::Decode, e);
-    let request = to_pb(req);
+    let request = to_pb(req, n);
     let (dp_rank, dp_slot) = d.pick_dp_rank().await.map_err(on_decode)?;
     // Claims on both workers' load: the prefill's for its call, the decode's with the stream.
     let dp_slot = (dp_slot, d.claim());
@@ -235,51 +318,61 @@ pub(crate) async fn try_pair(
         .into_inner();
     drop(prefill_claim);
     tracker.phase(crate::inflight::Phase::Decoding);
-    let first = GeneratedToken {
+    let firsts: Vec<GeneratedToken> = std::iter::once(GeneratedToken {
         token_id: first.first_token_id,
         finish_reason: finish_from_pb(first.finish_reason),
         logprobs: first.first_logprobs.map(logprobs_from_pb),
-    };
-    let ends = first.finish_reason.is_some();
-    let head = futures::stream::once(async move { Ok(first) });
-    if ends {
-        // Dropping `decode` here cancels the reservation on the decode worker.
-        return Ok(head.boxed());
+    })
+    .chain(first.other_choices.into_iter().map(token_from_pb))
+    .collect();
+    if firsts.len() != n.max(1) as usize {
+        return Err((
+            Leg::Prefill,
+            GenerateError::new(
+                ErrorClass::Internal,
+                format!(
+                    "prefill worker {} answered {} first tokens for {n} choices",
+                    p.id,
+                    firsts.len()
+                ),
+            ),
+        ));
     }
+    let open: Vec<bool> = firsts.iter().map(|t| t.finish_reason.is_none()).collect();
+    let heads = firsts
+        .into_iter()
+        .map(|first| futures::stream::once(async move { Ok(first) }).boxed());
+    if !open.contains(&true) {
+        // Dropping `decode` here cancels the reservation on the decode worker.
+        return Ok(heads.collect());
+    }
+    // A token that arrived during the prefill, then the rest of the stream.
+    let early = futures::stream::iter(early.flatten().map(Ok::<_, tonic::Status>));
+    let rest = early
+        .chain(decode)
+        .map(|m| match m {
+            Ok(pb::DecodeEvent {
+                event: Some(pb::decode_event::Event::Token(t)),
+            }) => Ok(t),
+            Ok(other) => Err(GenerateError::new(
+                ErrorClass::Internal,
+                format!("unexpected decode event {other:?}"),
+            )),
+            Err(s) => Err(classify_status(s)),
+        })
+        .boxed();
     let decode_id = d.id.clone();
-    // The DP slot rides along with the stream: released when the request ends or is dropped.
-    let rest = futures::stream::unfold(Some((decode, dp_slot, early)), move |state| {
-        let decode_id = decode_id.clone();
-        async move {
-            let (mut decode, dp_slot, early) = state?;
-            let next = match early {
-                Some(ev) => Ok(ev),
-                None => decode.message().await,
-            };
-            let item = match next {
-                Ok(Some(pb::DecodeEvent {
-                    event: Some(pb::decode_event::Event::Token(t)),
-                })) => {
-                    let tok = GeneratedToken {
-                        token_id: t.token_id,
-                        finish_reason: finish_from_pb(t.finish_reason),
-                        logprobs: t.logprobs.map(logprobs_from_pb),
-                    };
-                    let more = tok.finish_reason.is_none();
-                    return Some((Ok(tok), more.then_some((decode, dp_slot, None))));
-                }
-                Ok(None) => GenerateError::new(
-                    ErrorClass::Unavailable,
-                    format!("decode worker {decode_id} ended the stream before finishing"),
-                ),
-                Ok(Some(other)) => GenerateError::new(
-                    ErrorClass::Internal,
-                    format!("unexpected decode event {other:?}"),
-                ),
-                Err(s) => classify_status(s),
-            };
-            Some((Err(item), None))
-        }
-    });
-    Ok(head.chain(rest).boxed())
+    let ended = move || {
+        GenerateError::new(
+            ErrorClass::Unavailable,
+            format!("decode worker {decode_id} ended the stream before finishing"),
+        )
+    };
+    // The DP slot rides along with the streams: released when every choice has ended.
+    let rests = split_choices(rest, open.clone(), ended, dp_slot);
+    Ok(heads
+        .zip(rests)
+        .zip(open)
+        .map(|((head, rest), open)| if open { head.chain(rest).boxed() } else { head })
+        .collect())
 }

@@ -6,7 +6,7 @@
 //! returned stream cancels the decode leg, which frees its KV.
 
 use crate::generator::{
-    GenerateError, GenerateFuture, Generator, TokenStream, ValidGenerateRequest,
+    ChoicesFuture, GenerateError, GenerateFuture, Generator, TokenStream, ValidGenerateRequest,
 };
 use crate::legs::{try_aggregated, try_pair, Budget, Leg};
 pub use crate::workers::{classify_status, Pools, WorkerHandle};
@@ -313,7 +313,13 @@ impl PdGenerator {
         Some((pw, dw))
     }
 
-    async fn run(self: Arc<Self>, req: ValidGenerateRequest) -> Result<TokenStream, GenerateError> {
+    /// `n` choices of `req`'s prompt (seeds `seed`, `seed + 1`, …): one prefill and one
+    /// decode stream for them all; a choice whose stream breaks later continues on its own.
+    async fn run(
+        self: Arc<Self>,
+        req: ValidGenerateRequest,
+        n: u32,
+    ) -> Result<Vec<TokenStream>, GenerateError> {
         let base = self.next.fetch_add(1, Ordering::Relaxed);
         let routes = self.pools().routes();
         if routes == 0 {
@@ -327,24 +333,50 @@ impl PdGenerator {
         };
         let t = self.timeouts;
         let deadline = tokio::time::Instant::now() + t.request;
-        let tracker = self.in_flight.open(&req.id.0, req.prompt_token_ids.len());
+        let n = n.max(1);
+        let choices: Vec<ValidGenerateRequest> = if n == 1 {
+            vec![req]
+        } else {
+            (0..n)
+                .map(|j| {
+                    let mut c = req.clone();
+                    c.id = tandem_core::RequestId(format!("{}-{j}", req.id.0));
+                    c.sampling.seed = req.sampling.seed.wrapping_add(u64::from(j));
+                    c
+                })
+                .collect()
+        };
+        let trackers: Vec<_> = choices
+            .iter()
+            .map(|c| self.in_flight.open(&c.id.0, c.prompt_token_ids.len()))
+            .collect();
         self.admit().await?;
-        let stream = self
-            .first_stream(&req, &mut cursor, deadline, &tracker)
+        // Choice 0's request (the base seed) asks for them all.
+        let streams = self
+            .first_streams(&choices[0], n, &mut cursor, deadline, &trackers[0])
             .await?;
-        let resumed = resuming(self.clone(), req, cursor, deadline, stream, tracker);
-        Ok(paced(resumed, t.inter_token, deadline, t.request))
+        Ok(streams
+            .into_iter()
+            .zip(choices)
+            .zip(trackers)
+            .map(|((stream, req), tracker)| {
+                let resumed = resuming(self.clone(), req, cursor, deadline, stream, tracker);
+                paced(resumed, t.inter_token, deadline, t.request)
+            })
+            .collect())
     }
 
-    /// Attempts until one yields a first token (or the retry budget, a non-retryable error
-    /// or the request deadline ends it), moving `cursor` past the routes that failed.
-    async fn first_stream(
+    /// Attempts until one yields the first token of each of `n` choices (or the retry
+    /// budget, a non-retryable error or the request deadline ends it), moving `cursor`
+    /// past the routes that failed.
+    async fn first_streams(
         &self,
         req: &ValidGenerateRequest,
+        n: u32,
         cursor: &mut Cursor,
         deadline: tokio::time::Instant,
         tracker: &crate::inflight::Tracker,
-    ) -> Result<TokenStream, GenerateError> {
+    ) -> Result<Vec<TokenStream>, GenerateError> {
         let mut last = no_workers();
         let t = self.timeouts;
         // The pools as they are now: a migration after a scale change sees the new ones.
@@ -377,7 +409,7 @@ impl PdGenerator {
                     request: left,
                 };
                 let attempt_result =
-                    tokio::time::timeout(budget, try_aggregated(w, req, legs, tracker))
+                    tokio::time::timeout(budget, try_aggregated(w, req, n, legs, tracker))
                         .await
                         .unwrap_or_else(|_| Err(stalled(format!("worker {}", w.id))));
                 w.report(
@@ -401,7 +433,7 @@ impl PdGenerator {
                     request: left,
                 };
                 let attempt_result =
-                    tokio::time::timeout(budget, try_pair(&p, &d, req, legs, tracker))
+                    tokio::time::timeout(budget, try_pair(&p, &d, req, n, legs, tracker))
                         .await
                         .unwrap_or_else(|_| {
                             // Which side stalled is not known: move both.
@@ -523,10 +555,10 @@ fn resuming(
                     let resumed = resumed_request(&s.req, &s.sent);
                     s.tokens = match s
                         .generator
-                        .first_stream(&resumed, &mut s.cursor, s.deadline, &s.tracker)
+                        .first_streams(&resumed, 1, &mut s.cursor, s.deadline, &s.tracker)
                         .await
                     {
-                        Ok(t) => t,
+                        Ok(mut t) => t.remove(0),
                         Err(e) => return Some((Err(e), None)),
                     };
                 }
@@ -595,7 +627,12 @@ pub struct SharedPd(pub Arc<PdGenerator>);
 
 impl Generator for SharedPd {
     fn generate(&self, request: ValidGenerateRequest) -> GenerateFuture {
-        Box::pin(self.0.clone().run(request))
+        let run = self.0.clone().run(request, 1);
+        Box::pin(async move { run.await.map(|mut streams| streams.remove(0)) })
+    }
+
+    fn generate_choices(&self, request: ValidGenerateRequest, n: u32) -> ChoicesFuture {
+        Box::pin(self.0.clone().run(request, n))
     }
 }
 

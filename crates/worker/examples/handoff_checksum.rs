@@ -49,6 +49,7 @@ fn main() {
             first_token: 7,
             num_tokens: tokens,
             model_id: 42,
+            others: Vec::new(),
         };
         msg = encode(&head, &segments, &body);
     });

@@ -25,6 +25,8 @@ pub struct Prefilled {
     pub logprobs: Option<TokenLogprobs>,
     /// The prompt's state, typed.
     pub handoff: Handoff,
+    /// The first tokens of the prompt's other choices, in order (empty for one).
+    pub others: Vec<tandem_engine::Sampled>,
 }
 
 /// One generated token as the service forwards it.
@@ -113,9 +115,10 @@ impl WorkerEngine {
         }
     }
 
-    /// The most bytes a handoff of `tokens` prompt tokens takes (header, manifest and body):
-    /// paged K/V, or per-request state (KDA-hybrid); `None` when the model says neither.
-    pub fn handoff_bound(&self, tokens: usize) -> Option<usize> {
+    /// The most bytes a handoff of `tokens` prompt tokens and `choices` choices takes
+    /// (header, manifest and body): paged K/V, or per-request state (KDA-hybrid); `None`
+    /// when the model says neither.
+    pub fn handoff_bound(&self, tokens: usize, choices: usize) -> Option<usize> {
         let info = self.0.info();
         // The manifest: a few dozen bytes a segment.
         let (body, segments) = match (info.kv, info.state_handoff) {
@@ -123,13 +126,23 @@ impl WorkerEngine {
             (None, Some(s)) => (s.body_bytes(tokens), s.max_segments),
             (None, None) => return None,
         };
-        Some(body + crate::handoff::HEADER_LEN + 4096 + 64 * segments)
+        Some(body + crate::handoff::HEADER_LEN + 4096 + 64 * segments + 4 * choices)
     }
 
-    /// Reserves space for a request of `tokens` tokens (decode role), on attention-DP group
-    /// `dp_rank` when given.
-    pub fn reserve(&self, tokens: usize, dp_rank: Option<usize>) -> Result<Reservation> {
-        Ok(self.0.reserve_on(tokens, dp_rank)?)
+    /// Reserves space for `choices` choices of a prompt of `prompt_len` tokens, each
+    /// `tokens` tokens long (decode role), on attention-DP group `dp_rank` when given; the
+    /// choices share the prompt's full blocks.
+    pub fn reserve(
+        &self,
+        tokens: usize,
+        prompt_len: usize,
+        choices: usize,
+        dp_rank: Option<usize>,
+    ) -> Result<Vec<Reservation>> {
+        Ok(self
+            .0
+            .pools()
+            .reserve_choices(tokens, prompt_len, choices, dp_rank)?)
     }
 
     /// Reloads weights from `dir` in place (a checkpoint of the same configuration).
@@ -157,50 +170,77 @@ impl WorkerEngine {
         )
     }
 
-    /// Runs the prompt (prefill role).
-    pub async fn prefill(&self, prompt: Vec<u32>, params: SamplingParams) -> Result<Prefilled> {
-        let mut rx = self.0.submit(prompt, params, SeqKind::Prefill)?;
+    /// Runs the prompt (prefill role), sampling each choice's first token.
+    pub async fn prefill(
+        &self,
+        prompt: Vec<u32>,
+        choices: Vec<SamplingParams>,
+    ) -> Result<Prefilled> {
+        let mut rx = self
+            .0
+            .submit_choices(prompt, choices, SeqKind::Prefill)?
+            .remove(0);
         match rx.recv().await {
             Some(EngineEvent::Prefilled {
                 first_token,
                 finish,
                 logprobs,
                 handoff,
+                others,
             }) => Ok(Prefilled {
                 first_token,
                 finish,
                 logprobs,
                 handoff,
+                others,
             }),
             Some(EngineEvent::Failed(e)) => Err(Error::Engine(e)),
             _ => Err(Error::Engine(tandem_engine::Error::Stopped)),
         }
     }
 
-    /// Runs a whole request in this process (aggregated role): no transfer.
-    pub fn generate(&self, prompt: Vec<u32>, params: SamplingParams) -> Result<TokenEvents> {
-        Ok(TokenEvents(self.0.submit(
-            prompt,
-            params,
-            SeqKind::Generate,
-        )?))
+    /// Runs a whole request in this process (aggregated role): no transfer. One event
+    /// stream per choice.
+    pub fn generate(
+        &self,
+        prompt: Vec<u32>,
+        choices: Vec<SamplingParams>,
+    ) -> Result<Vec<TokenEvents>> {
+        let rxs = self.0.submit_choices(prompt, choices, SeqKind::Generate)?;
+        Ok(rxs.into_iter().map(TokenEvents).collect())
     }
 
-    /// Continues a request from a received handoff (decode role); a handoff that does not
-    /// fit this model is refused here.
+    /// Continues a request from a received handoff (decode role): each choice on its
+    /// reservation (from [`WorkerEngine::reserve`]) from the first token the prefill worker
+    /// sampled for it. A handoff that does not fit this model is refused here.
     pub fn decode(
         &self,
         prompt: Vec<u32>,
-        params: SamplingParams,
-        reservation: Reservation,
+        choices: Vec<SamplingParams>,
+        reservations: Vec<Reservation>,
         handoff: Handoff,
-        first_token: u32,
-    ) -> Result<TokenEvents> {
+        first_tokens: Vec<u32>,
+    ) -> Result<Vec<TokenEvents>> {
+        if reservations.len() != choices.len() || first_tokens.len() != choices.len() {
+            return Err(Error::InvalidRequest(format!(
+                "{} choices, {} reservations and {} first tokens",
+                choices.len(),
+                reservations.len(),
+                first_tokens.len()
+            )));
+        }
+        let mut reservations = reservations.into_iter();
+        let mut firsts = first_tokens.into_iter();
+        let (Some(reservation), Some(first_token)) = (reservations.next(), firsts.next()) else {
+            return Err(Error::InvalidRequest("no choices".into()));
+        };
         let kind = SeqKind::Decode {
             reservation,
             handoff,
             first_token,
+            forks: reservations.zip(firsts).collect(),
         };
-        Ok(TokenEvents(self.0.submit(prompt, params, kind)?))
+        let rxs = self.0.submit_choices(prompt, choices, kind)?;
+        Ok(rxs.into_iter().map(TokenEvents).collect())
     }
 }

@@ -10,7 +10,7 @@ use tandem_core::{Epoch, ReservationId};
 use tandem_engine::handoff::{dtype_code, dtype_from_code};
 pub use tandem_engine::handoff::{Segment, SegmentKind};
 
-const MAGIC: u32 = 0x5456_4B33; // "TVK3"
+const MAGIC: u32 = 0x5456_4B34; // "TVK4": the manifest ends with the other choices' first tokens
 /// Bytes of the fixed header (before the manifest).
 pub const HEADER_LEN: usize = 4 + 8 + 8 + 4 + 4 + 8 + 8 + 8 + 4;
 
@@ -33,6 +33,9 @@ pub struct HandoffHeader {
     pub checksum: u64,
     /// Segments of the body, in order (empty until [`decode_bytes`] parses them).
     pub segments: Vec<Segment>,
+    /// The first tokens of the prompt's other choices (n > 1), in order (empty until
+    /// [`decode_bytes`] parses them).
+    pub others: Vec<u32>,
 }
 
 /// Why a handoff message was rejected.
@@ -75,7 +78,7 @@ pub fn checksum(bytes: &[u8]) -> u32 {
     crc32fast::hash(bytes)
 }
 
-fn encode_manifest(segments: &[Segment], body: &[u8]) -> Vec<u8> {
+fn encode_manifest(segments: &[Segment], body: &[u8], others: &[u32]) -> Vec<u8> {
     let mut out = Vec::new();
     let mut at = 0usize;
     for s in segments {
@@ -91,11 +94,15 @@ fn encode_manifest(segments: &[Segment], body: &[u8]) -> Vec<u8> {
         out.extend_from_slice(&checksum(&body[at..at + n]).to_le_bytes());
         at += n;
     }
+    out.extend_from_slice(&(others.len() as u32).to_le_bytes());
+    for t in others {
+        out.extend_from_slice(&t.to_le_bytes());
+    }
     out
 }
 
 /// What a handoff message's header says besides sizes and checksums.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Head {
     /// The decode reservation the KV belongs to.
     pub reservation: ReservationId,
@@ -107,6 +114,8 @@ pub struct Head {
     pub num_tokens: u32,
     /// Identity of the sending worker's model.
     pub model_id: u64,
+    /// The first tokens of the prompt's other choices, in order (empty for one).
+    pub others: Vec<u32>,
 }
 
 /// Serialises a handoff message: header, manifest of `segments`, `body`.
@@ -120,7 +129,7 @@ pub fn encode(head: &Head, segments: &[Segment], body: &[u8]) -> Vec<u8> {
 /// The part of a handoff message before its body (header and manifest, whose checksums
 /// cover `body`): the message is these bytes followed by `body`.
 pub fn encode_head(head: &Head, segments: &[Segment], body: &[u8]) -> Vec<u8> {
-    let manifest = encode_manifest(segments, body);
+    let manifest = encode_manifest(segments, body, &head.others);
     let sum = u64::from(checksum(&manifest));
     let mut out = Vec::with_capacity(HEADER_LEN + manifest.len());
     out.extend_from_slice(&MAGIC.to_le_bytes());
@@ -160,6 +169,7 @@ pub fn decode_header(msg: &[u8]) -> Result<HandoffHeader, HandoffError> {
         body_len: u64_at(msg, 36),
         checksum: u64_at(msg, 44),
         segments: Vec::new(),
+        others: Vec::new(),
     })
 }
 
@@ -259,6 +269,16 @@ pub fn decode_bytes(msg: &[u8]) -> Result<(HandoffHeader, &[u8]), HandoffError> 
             shape,
         });
     }
+    if msg.len() < at + 4 {
+        return Err(HandoffError::Malformed);
+    }
+    let choices = u32_at(msg, at) as usize;
+    at += 4;
+    if choices > 1 << 16 || msg.len() < at + 4 * choices {
+        return Err(HandoffError::Malformed);
+    }
+    let others = (0..choices).map(|j| u32_at(msg, at + 4 * j)).collect();
+    at += 4 * choices;
     let (manifest, body) = msg[HEADER_LEN..].split_at(at - HEADER_LEN);
     if body.len() as u64 != header.body_len {
         return Err(HandoffError::Truncated {
@@ -288,6 +308,7 @@ pub fn decode_bytes(msg: &[u8]) -> Result<(HandoffHeader, &[u8]), HandoffError> 
         from += n;
     }
     header.segments = segments;
+    header.others = others;
     Ok((header, body))
 }
 
@@ -309,6 +330,7 @@ mod tests {
             first_token,
             num_tokens,
             model_id,
+            others: Vec::new(),
         }
     }
 
@@ -358,11 +380,24 @@ mod tests {
         assert_eq!(h.epoch, Epoch(4));
         assert_eq!((h.first_token, h.num_tokens, h.model_id), (77, 5, 0xabc));
         assert_eq!(h.segments, segs);
+        assert!(h.others.is_empty());
         assert_eq!(back, &body[..]);
         assert_eq!(
             decode_header(&msg).expect("header").reservation,
             ReservationId(9)
         );
+        // Several choices: their first tokens travel in the manifest, under its checksum.
+        let choices = Head {
+            others: vec![5, 6, 7],
+            ..head(9, 4, 77, 5, 0xabc)
+        };
+        let mut msg = encode(&choices, &segs, &body);
+        let (h, back) = decode_bytes(&msg).expect("valid message");
+        assert_eq!((h.first_token, h.others), (77, vec![5, 6, 7]));
+        assert_eq!(back, &body[..]);
+        let at = msg.len() - body.len() - 4;
+        msg[at] ^= 1;
+        assert_eq!(decode_bytes(&msg).err(), Some(HandoffError::Checksum));
     }
 
     #[test]

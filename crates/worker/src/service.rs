@@ -17,6 +17,9 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
 use tonic::{Request, Response, Status};
 
+/// Most choices (OpenAI's `n`) one request may ask for (the router allows 16).
+const MAX_CHOICES: u32 = 64;
+
 /// What a worker process serves.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Role {
@@ -362,12 +365,19 @@ impl Shared {
         }
     }
 
+    /// The prompt and each choice's sampling parameters (choice j's seed is `seed + j`).
     fn checked_request(
         &self,
         req: Option<pb::GenerateRequest>,
-    ) -> Result<(Vec<u32>, SamplingParams)> {
+    ) -> Result<(Vec<u32>, Vec<SamplingParams>)> {
         let req = req.ok_or_else(|| Error::InvalidRequest("missing request".into()))?;
         let params = sampling_from(req.sampling);
+        if req.choices > MAX_CHOICES {
+            return Err(Error::InvalidRequest(format!(
+                "{} choices exceed the {MAX_CHOICES} one request may ask for",
+                req.choices
+            )));
+        }
         if req.prompt_token_ids.is_empty() {
             return Err(Error::InvalidRequest("empty prompt".into()));
         }
@@ -383,7 +393,13 @@ impl Shared {
                 self.engine.max_context()
             )));
         }
-        Ok((req.prompt_token_ids, params))
+        let choices = (0..u64::from(req.choices.max(1)))
+            .map(|j| SamplingParams {
+                seed: params.seed.wrapping_add(j),
+                ..params.clone()
+            })
+            .collect();
+        Ok((req.prompt_token_ids, choices))
     }
 
     fn kv_layout(&self, num_tokens: usize) -> pb::KvLayout {
@@ -395,7 +411,7 @@ impl Shared {
 
     async fn prefill(&self, req: pb::PrefillRequest) -> Result<pb::PrefillResponse> {
         self.check_role(Role::Prefill)?;
-        let (prompt, params) = self.checked_request(req.request)?;
+        let (prompt, choices) = self.checked_request(req.request)?;
         let target = req
             .kv_target
             .ok_or_else(|| Error::InvalidRequest("missing kv_target".into()))?;
@@ -425,12 +441,13 @@ impl Shared {
             )));
         }
         let prompt_len = prompt.len();
-        let computing = self.engine.prefill(prompt, params);
+        let computing = self.engine.prefill(prompt, choices);
         let crate::engines::Prefilled {
             first_token,
             finish,
             logprobs,
             handoff,
+            others,
         } = match (&self.sender, target.lease_ms) {
             (Some(sender), ms) if ms > 0 => {
                 // Tell the decode worker, at a third of its lease, that this prefill is still
@@ -464,7 +481,8 @@ impl Shared {
             _ => computing.await?,
         };
         let mut sent = 0;
-        if finish.is_none() {
+        // The KV goes unless every choice already ended.
+        if finish.is_none() || others.iter().any(|o| o.finish.is_none()) {
             let reservation = tandem_core::ReservationId(target.reservation_id);
             let epoch = tandem_core::Epoch(target.epoch);
             let model_id = self.opts.model_id;
@@ -497,6 +515,7 @@ impl Shared {
                     first_token,
                     num_tokens: prompt_len as u32,
                     model_id,
+                    others: others.iter().map(|o| o.token).collect(),
                 },
                 handoff,
                 corrupt,
@@ -517,6 +536,16 @@ impl Shared {
             kv_bytes_sent: sent,
             finish_reason: finish_to_pb(finish),
             first_logprobs: logprobs.map(logprobs_to_pb),
+            other_choices: others
+                .into_iter()
+                .enumerate()
+                .map(|(j, o)| pb::TokenEvent {
+                    token_id: o.token,
+                    finish_reason: finish_to_pb(o.finish),
+                    logprobs: o.logprobs.map(logprobs_to_pb),
+                    choice: j as u32 + 1,
+                })
+                .collect(),
         })
     }
 
@@ -524,8 +553,8 @@ impl Shared {
     async fn decode_rest(
         self: Arc<Self>,
         prompt: Vec<u32>,
-        params: SamplingParams,
-        allocation: crate::engines::Reservation,
+        choices: Vec<SamplingParams>,
+        reservations: Vec<crate::engines::Reservation>,
         mut pending: crate::reservations::Pending,
         tx: &mpsc::Sender<std::result::Result<pb::DecodeEvent, Status>>,
     ) -> Result<()> {
@@ -550,7 +579,7 @@ impl Shared {
         drop(pending);
         let engine = self.engine.clone();
         let model_id = self.opts.model_id;
-        let mut events = tokio::task::spawn_blocking(move || -> Result<_> {
+        let events = tokio::task::spawn_blocking(move || -> Result<_> {
             // The handoff reads its body where it arrived (the message, or the landing slot,
             // released once the import is done with it).
             let shared = message.into_shared().ok_or_else(|| {
@@ -573,33 +602,57 @@ impl Shared {
                     prompt.len()
                 )));
             }
-            let first_token = header.first_token;
+            if header.others.len() + 1 != choices.len() {
+                return Err(Error::InvalidRequest(format!(
+                    "KV for {} choices, the request has {}",
+                    header.others.len() + 1,
+                    choices.len()
+                )));
+            }
+            let firsts = std::iter::once(header.first_token)
+                .chain(header.others)
+                .collect();
             let handoff = tandem_engine::Handoff {
                 segments: header.segments,
                 body,
             };
-            engine.decode(prompt, params, allocation, handoff, first_token)
+            engine.decode(prompt, choices, reservations, handoff, firsts)
         })
         .await
         .map_err(|e| Error::InvalidRequest(format!("decoding task failed: {e}")))??;
-        self.forward_tokens(&mut events, tx, |t| pb::DecodeEvent {
+        self.forward_tokens(events, tx, |t| pb::DecodeEvent {
             event: Some(pb::decode_event::Event::Token(t)),
         })
         .await
     }
 
-    /// Sends each of a request's tokens to its caller until the last one, wrapped for the
-    /// stream it travels on; a caller gone away counts as a cancellation.
+    /// Sends each of a request's tokens (every choice's, each marked with its index) to
+    /// its caller until every choice's last one, wrapped for the stream it travels on; a
+    /// caller gone away counts as a cancellation, a choice that fails ends them all.
     async fn forward_tokens<M>(
         &self,
-        events: &mut crate::engines::TokenEvents,
+        events: Vec<crate::engines::TokenEvents>,
         tx: &mpsc::Sender<std::result::Result<M, Status>>,
         wrap: impl Fn(pb::TokenEvent) -> M,
     ) -> Result<()> {
+        use futures::StreamExt;
+        let streams = events.into_iter().enumerate().map(|(choice, events)| {
+            futures::stream::unfold(Some(events), move |events| async move {
+                let mut events = events?;
+                let event = events.recv().await;
+                let more = matches!(&event, Ok(t) if t.finish.is_none());
+                Some(((choice, event), more.then_some(events)))
+            })
+            .boxed()
+        });
+        let mut merged = futures::stream::select_all(streams);
         loop {
-            let event = tokio::select! {
-                e = events.recv() => e,
+            let next = tokio::select! {
+                e = merged.next() => e,
                 _ = tx.closed() => return self.note_cancelled(),
+            };
+            let Some((choice, event)) = next else {
+                return Ok(());
             };
             let crate::engines::Token {
                 token_id,
@@ -610,12 +663,10 @@ impl Shared {
                 token_id,
                 finish_reason: finish_to_pb(finish),
                 logprobs: logprobs.map(logprobs_to_pb),
+                choice: choice as u32,
             });
             if tx.send(Ok(msg)).await.is_err() {
                 return self.note_cancelled();
-            }
-            if finish.is_some() {
-                return Ok(());
             }
         }
     }
@@ -629,11 +680,11 @@ impl Shared {
     async fn generate_all(
         &self,
         prompt: Vec<u32>,
-        params: SamplingParams,
+        choices: Vec<SamplingParams>,
         tx: &mpsc::Sender<std::result::Result<pb::TokenEvent, Status>>,
     ) -> Result<()> {
-        let mut events = self.engine.generate(prompt, params)?;
-        self.forward_tokens(&mut events, tx, |t| t).await
+        let events = self.engine.generate(prompt, choices)?;
+        self.forward_tokens(events, tx, |t| t).await
     }
 }
 
@@ -673,15 +724,16 @@ impl pb::worker_server::Worker for WorkerService {
         let deadline = grpc_deadline(request.metadata());
         let request = request.into_inner();
         let dp_rank = request.dp_rank.map(|r| r as usize);
-        let (prompt, params) = shared.checked_request(request.request)?;
-        let allocation = shared
+        let (prompt, choices) = shared.checked_request(request.request)?;
+        let tokens = prompt.len() + choices[0].max_tokens as usize;
+        let reservations = shared
             .engine
-            .reserve(prompt.len() + params.max_tokens as usize, dp_rank)?;
+            .reserve(tokens, prompt.len(), choices.len(), dp_rank)?;
         let layout = shared.kv_layout(prompt.len());
         let slot = shared
             .landing
             .as_ref()
-            .zip(shared.engine.handoff_bound(prompt.len()))
+            .zip(shared.engine.handoff_bound(prompt.len(), choices.len()))
             .and_then(|(arena, bytes)| arena.slot(bytes));
         let landing = slot.as_ref().map(|s| landing_to_pb(&s.landing()));
         let pending = shared.reservations.register_with(slot);
@@ -704,7 +756,7 @@ impl pb::worker_server::Worker for WorkerService {
             let _claim = claim;
             let work = shared
                 .clone()
-                .decode_rest(prompt, params, allocation, pending, &tx);
+                .decode_rest(prompt, choices, reservations, pending, &tx);
             if let Err(e) = until(deadline, work).await {
                 tracing::warn!(error = %e, "decode failed");
                 let _ = tx.send(Err(Status::from(e))).await;
