@@ -80,6 +80,26 @@ phase_pd() {
     for _ in $(seq 1 180); do curl -sf "localhost:$port/ready" >/dev/null && break; sleep 1; done
     curl -s "localhost:$port/v1/completions" -H 'Content-Type: application/json' \
       -d "{\"model\": \"smollm2\", \"prompt\": \"$prompt\", \"max_tokens\": 16, \"temperature\": 0}" > "$OUT/pd-$port.json"
+    if [ "$1 $2" = "cuda:0 cuda:0" ]; then
+      # n = 3 (one prefill, the decode worker's choices sharing the prompt's blocks) against
+      # each seed alone, on this pair.
+      local body='"model": "smollm2", "prompt": "'"$prompt"'", "max_tokens": 12, "temperature": 1.0, "ignore_eos": true'
+      curl -s "localhost:$port/v1/completions" -H 'Content-Type: application/json' \
+        -d "{$body, \"n\": 3, \"seed\": 3}" > "$OUT/pd-n3-$port.json"
+      for s in 3 4 5; do
+        curl -s "localhost:$port/v1/completions" -H 'Content-Type: application/json' \
+          -d "{$body, \"seed\": $s}" > "$OUT/pd-seed$s-$port.json"
+      done
+      python3 - "$OUT" "$port" <<'PY' || status=1
+import json, sys
+out, port = sys.argv[1], sys.argv[2]
+n3 = [c["text"] for c in json.load(open(f"{out}/pd-n3-{port}.json"))["choices"]]
+alone = [json.load(open(f"{out}/pd-seed{s}-{port}.json"))["choices"][0]["text"] for s in (3, 4, 5)]
+same = n3 == alone
+print(f"n = 3 on GPU P/D: {'each choice equals its seed alone' if same else 'DIFFERENT'}: {n3!r} vs {alone!r}")
+sys.exit(0 if same else 1)
+PY
+    fi
     # Which path the handoff took: shared-memory landing slot or the transport.
     curl -s "localhost:$port/admin/workers?wait_idle_ms=5000" > "$OUT/pd-workers-$port.json"
     python3 - "$OUT/pd-workers-$port.json" <<'PY' || true

@@ -205,6 +205,46 @@ fn the_engine_on_cuda_gives_each_request_the_tokens_it_gets_alone() {
     assert!(alone.iter().all(|t| t.len() == 12));
 }
 
+/// Several choices of one prompt on the device (the prompt's K/V blocks shared, the
+/// partial one copied at the fork): each choice equals the same seed alone, and the pool
+/// ends whole.
+#[test]
+fn choices_of_one_prompt_on_cuda_equal_each_seed_alone() {
+    let Some(g) = gpu() else { return };
+    let dir = synth("tiny");
+    let model = LlamaModel::load(dir.path(), g, DType::BF16).expect("load");
+    let engine = Engine::start(model, EngineConfig::default());
+    let prompt: Vec<u32> = (0..37u32).map(|i| (i * 53) % 500 + 3).collect();
+    let params = |seed: u64| SamplingParams {
+        temperature: 1.0,
+        seed,
+        ignore_eos: true,
+        ..SamplingParams::greedy(12)
+    };
+    let alone: Vec<Vec<u32>> = (0..4)
+        .map(|j| {
+            tandem_engine::blocking_tokens(
+                engine
+                    .submit(prompt.clone(), params(5 + j), SeqKind::Generate)
+                    .expect("submitted"),
+            )
+        })
+        .collect();
+    let together: Vec<Vec<u32>> = engine
+        .submit_choices(
+            prompt.clone(),
+            (0..4).map(|j| params(5 + j)).collect(),
+            SeqKind::Generate,
+        )
+        .expect("submitted")
+        .into_iter()
+        .map(tandem_engine::blocking_tokens)
+        .collect();
+    assert_eq!(together, alone, "a choice differs from its seed alone");
+    let (total, free) = engine.pools().paged_blocks();
+    assert_eq!(free, total, "blocks leaked");
+}
+
 /// SmolLM2's tokenizer: `TANDEM_TEST_TOKENIZER` (the GPU bundle sets it), else the pulled
 /// model's.
 fn smollm2_tokenizer() -> Option<std::path::PathBuf> {
