@@ -403,6 +403,57 @@ fn n_choices_share_one_prefill_and_each_equals_its_seed_alone() {
             streamed["stream"] = json!(true);
             let streamed = streamed_texts(&c, url, streamed, 4).await;
             assert_eq!(streamed, got, "{url}: streamed differs from whole");
+            // best_of = 4, n = 2: the two of those four whose tokens are the most likely on
+            // average, most likely first; all four generated (and counted), the prompt once.
+            let mut scored = body(4, 21);
+            scored["logprobs"] = json!(0);
+            let scored = complete(&c, url, scored).await;
+            assert_eq!(texts(&scored), got, "{url}: logprobs changed the samples");
+            let mean = |choice: &Value| {
+                let lps = choice["logprobs"]["token_logprobs"]
+                    .as_array()
+                    .expect("token_logprobs");
+                lps.iter().filter_map(Value::as_f64).sum::<f64>() / lps.len() as f64
+            };
+            let mut ranked: Vec<(f64, String)> = scored["choices"]
+                .as_array()
+                .expect("choices")
+                .iter()
+                .map(|choice| {
+                    (
+                        mean(choice),
+                        choice["text"].as_str().unwrap_or_default().into(),
+                    )
+                })
+                .collect();
+            ranked.sort_by(|a, b| b.0.total_cmp(&a.0));
+            let mut best = body(2, 21);
+            best["best_of"] = json!(4);
+            let before = prefill_tokens(worker).await;
+            let best = complete(&c, url, best).await;
+            let computed = prefill_tokens(worker).await - before;
+            assert_eq!(
+                json!(computed),
+                best["usage"]["prompt_tokens"],
+                "{url}: {best}"
+            );
+            assert_eq!(best["usage"]["completion_tokens"], 40, "{best}");
+            let want: Vec<String> = ranked.iter().take(2).map(|(_, t)| t.clone()).collect();
+            assert_eq!(texts(&best), want, "{url}: best_of kept others: {ranked:?}");
+            assert_ne!(
+                want[..],
+                got[..2],
+                "the seeds' own order ranks them: no check"
+            );
+            for (i, choice) in best["choices"]
+                .as_array()
+                .expect("choices")
+                .iter()
+                .enumerate()
+            {
+                assert_eq!(choice["index"], i, "{best}");
+                assert!(choice["logprobs"].is_null(), "not asked for: {best}");
+            }
             answers.push(got);
         }
         assert_eq!(answers[0], answers[1], "P/D differs from one process");

@@ -62,7 +62,7 @@ async fn handle(
     };
     let n = batch[0].choices.max(1);
     if batch.len() > 1 || n > 1 {
-        return respond_batch(state, endpoint, record, base_id, batch, n).await;
+        return respond_batch(state, endpoint, record, base_id, batch).await;
     }
     let prepared = batch.remove(0);
     record.admitted(prepared.request.prompt_token_ids.len());
@@ -195,22 +195,27 @@ async fn respond_whole(text: TextStream, shape: Shape) -> Response {
     }
 }
 
-/// Several choices: `n` > 1 and/or a batch of prompts (`n` choices per prompt, prompt-major).
-/// Each prompt's choices start together ([`crate::generator::Generator::generate_choices`]),
-/// every prompt at once; one answer with every choice
-/// (streamed: chunks of every choice as they come, by `index`, then one usage chunk over all
-/// and `[DONE]`); usage counts each prompt once. A choice that cannot start fails the whole
-/// request (the others are cancelled).
+/// Several choices: `n` (or `best_of`) > 1 and/or a batch of prompts (`n` choices per prompt,
+/// prompt-major). Each prompt's choices start together
+/// ([`crate::generator::Generator::generate_choices`]), every prompt at once; one answer with
+/// every choice (streamed: chunks of every choice as they come, by `index`, then one usage
+/// chunk over all and `[DONE]`); usage counts each prompt once and every generated token
+/// (with `best_of`, also those of the choices left out). A choice that cannot start fails the
+/// whole request (the others are cancelled).
 async fn respond_batch(
     state: RouterState,
     endpoint: Endpoint,
     first_record: crate::metrics::RequestRecord,
     base_id: String,
     batch: Vec<Prepared>,
-    n: u32,
 ) -> Response {
     let (stream, include_usage) = (batch[0].stream, batch[0].include_usage);
-    let per_prompt = n.max(1) as usize;
+    let n = batch[0].choices.max(1);
+    let per_prompt = n as usize;
+    // `best_of`: the choices are ranked by their tokens' log-probabilities, so the workers
+    // report the chosen tokens' (the answer shows them only where the client asked).
+    let kept = (batch[0].kept.max(1) as usize).min(per_prompt);
+    let ranked = kept < per_prompt;
     let mut records = vec![first_record];
     records.extend((1..batch.len() * per_prompt).map(|_| state.metrics().start(endpoint)));
     let mut records = records.into_iter();
@@ -223,11 +228,11 @@ async fn respond_batch(
                 record.admitted(p.request.prompt_token_ids.len());
             }
             // The prompt's choices start together (on P/D: one prefill for them all).
-            let streams = match state
-                .generator()
-                .generate_choices(p.request.clone(), n)
-                .await
-            {
+            let mut request = p.request.clone();
+            if ranked {
+                request.sampling.logprobs.get_or_insert(0);
+            }
+            let streams = match state.generator().generate_choices(request, n).await {
                 Ok(streams) => streams,
                 Err(err) => {
                     let err = ApiError::from(err);
@@ -295,6 +300,9 @@ async fn respond_batch(
                 }
                 Err(err) => return err.into_response(),
             }
+        }
+        if ranked {
+            done = best_of(done, per_prompt, kept);
         }
         let usage = Usage::new(prompt_tokens, completion_tokens);
         return match endpoint {
@@ -388,6 +396,28 @@ async fn respond_batch(
     Sse::new(events)
         .keep_alive(KeepAlive::default())
         .into_response()
+}
+
+/// `best_of`: of each prompt's `generated` choices (prompt-major, in `done`), the `kept` with
+/// the highest mean log-probability of their tokens (ties: the lower index), most likely
+/// first, numbered again from 0 across the answer (their log-probabilities shown only where
+/// the client asked for them: see [`Shape::new`]).
+fn best_of(done: Vec<(Shape, Whole)>, generated: usize, kept: usize) -> Vec<(Shape, Whole)> {
+    let mean = |w: &Whole| {
+        let sum: f64 = w.logprobs.iter().map(|(_, lp)| f64::from(lp.logprob)).sum();
+        sum / w.logprobs.len().max(1) as f64
+    };
+    let mut out = Vec::with_capacity(done.len() / generated * kept);
+    let mut done = done.into_iter().peekable();
+    while done.peek().is_some() {
+        let mut prompt: Vec<_> = done.by_ref().take(generated).collect();
+        prompt.sort_by(|(_, a), (_, b)| mean(b).total_cmp(&mean(a)));
+        out.extend(prompt.into_iter().take(kept));
+    }
+    for (i, (shape, _)) in out.iter_mut().enumerate() {
+        shape.index = i as u32;
+    }
+    out
 }
 
 async fn respond_streamed(mut text: TextStream, shape: Shape) -> Response {

@@ -156,11 +156,12 @@ pub struct CompletionRequest {
     pub model: Option<String>,
     /// The prompt.
     pub prompt: Option<PromptInput>,
-    /// Echoing the prompt is not supported.
+    /// Put the prompt's text before each choice's text.
     pub echo: Option<bool>,
     /// Insertion suffixes are not supported.
     pub suffix: Option<String>,
-    /// Only 1 is supported.
+    /// Generate this many choices (at least `n`, at most 16) and answer the `n` with the
+    /// highest log-probability per token; not with `stream` when greater than `n`.
     pub best_of: Option<i64>,
     /// The shared fields.
     #[serde(flatten)]

@@ -34,8 +34,11 @@ pub struct Prepared {
     pub stream: bool,
     /// Streaming: send a final `usage` chunk.
     pub include_usage: bool,
-    /// Choices to generate for the prompt (`n`).
+    /// Choices to generate for the prompt (`n`, or `best_of` when greater).
     pub choices: u32,
+    /// Choices answered (`n`): with `best_of` > `n`, the `kept` of the `choices` generated
+    /// with the highest mean token log-probability; otherwise all of them.
+    pub kept: u32,
     /// Leave special tokens out of the text.
     pub skip_special_tokens: bool,
     /// End the text with the matched stop string.
@@ -237,9 +240,30 @@ pub fn prepare_completion_batch(
             Some("suffix"),
         ));
     }
-    if request.best_of.is_some_and(|n| n != 1) {
+    let best_of = match request.best_of {
+        None => common.choices,
+        Some(b) => u32::try_from(b)
+            .ok()
+            .filter(|b| (1..=MAX_CHOICES).contains(b))
+            .ok_or_else(|| {
+                ApiError::invalid(
+                    format!("`best_of` must be in [1, {MAX_CHOICES}], got {b}"),
+                    Some("best_of"),
+                )
+            })?,
+    };
+    if best_of < common.choices {
         return Err(ApiError::invalid(
-            "only `best_of` = 1 is supported",
+            format!(
+                "`best_of` ({best_of}) must be at least `n` ({})",
+                common.choices
+            ),
+            Some("best_of"),
+        ));
+    }
+    if best_of > common.choices && common.stream {
+        return Err(ApiError::invalid(
+            "`best_of` greater than `n` cannot be streamed (the best are known only at the end)",
             Some("best_of"),
         ));
     }
@@ -289,6 +313,7 @@ pub fn prepare_completion_batch(
             };
             let mut prepared = finish(model, id, prompt, max_tokens, common.clone(), "prompt")?;
             prepared.echo = echo;
+            prepared.choices = best_of;
             Ok(prepared)
         })
         .collect()
@@ -571,6 +596,7 @@ fn finish(
         stream: common.stream,
         include_usage: common.include_usage,
         choices: common.choices,
+        kept: common.choices,
         skip_special_tokens: common.skip_special_tokens,
         include_stop_str: common.include_stop_str,
         tools: None,

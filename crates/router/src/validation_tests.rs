@@ -132,6 +132,16 @@ fn ranges_are_checked() {
             "max_tokens",
         ),
         (serde_json::json!({"prompt": "x", "n": 17}), "n"),
+        (serde_json::json!({"prompt": "x", "best_of": 17}), "best_of"),
+        (serde_json::json!({"prompt": "x", "best_of": 0}), "best_of"),
+        (
+            serde_json::json!({"prompt": "x", "n": 3, "best_of": 2}),
+            "best_of",
+        ),
+        (
+            serde_json::json!({"prompt": "x", "n": 1, "best_of": 2, "stream": true}),
+            "best_of",
+        ),
         (
             serde_json::json!({"prompt": "x", "stop_token_ids": [999]}),
             "stop_token_ids",
@@ -338,4 +348,15 @@ fn top_k_minus_one_disables() {
             .expect("valid");
     assert_eq!(prepared.request.sampling.top_k, 0);
     assert_eq!(prepared.request.sampling.max_tokens, 254);
+}
+
+#[test]
+fn best_of_generates_more_choices_than_it_answers() {
+    let p = completion(serde_json::json!({"prompt": "x", "n": 2, "best_of": 5})).expect("valid");
+    assert_eq!((p.choices, p.kept), (5, 2));
+    let p = completion(serde_json::json!({"prompt": "x", "n": 3})).expect("valid");
+    assert_eq!((p.choices, p.kept), (3, 3));
+    let p = completion(serde_json::json!({"prompt": "x", "best_of": 2, "n": 2, "stream": true}))
+        .expect("best_of = n streams");
+    assert_eq!((p.choices, p.kept), (2, 2));
 }
