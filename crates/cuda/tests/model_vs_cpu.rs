@@ -207,12 +207,13 @@ fn the_engine_on_cuda_gives_each_request_the_tokens_it_gets_alone() {
 
 /// Several choices of one prompt on the device (the prompt's K/V blocks shared, the
 /// partial one copied at the fork): each choice equals the same seed alone, and the pool
-/// ends whole.
+/// ends whole. In f32: in bf16 a step of 4 rows and one of 1 round differently (cuBLAS vs
+/// the GEMV kernels), which moves samples of this flat random model's distribution.
 #[test]
 fn choices_of_one_prompt_on_cuda_equal_each_seed_alone() {
     let Some(g) = gpu() else { return };
     let dir = synth("tiny");
-    let model = LlamaModel::load(dir.path(), g, DType::BF16).expect("load");
+    let model = LlamaModel::load(dir.path(), g, DType::F32).expect("load");
     let engine = Engine::start(model, EngineConfig::default());
     let prompt: Vec<u32> = (0..37u32).map(|i| (i * 53) % 500 + 3).collect();
     let params = |seed: u64| SamplingParams {
@@ -241,6 +242,10 @@ fn choices_of_one_prompt_on_cuda_equal_each_seed_alone() {
         .map(tandem_engine::blocking_tokens)
         .collect();
     assert_eq!(together, alone, "a choice differs from its seed alone");
+    assert!(
+        alone.iter().skip(1).any(|t| t != &alone[0]),
+        "four seeds sampled alike: no check"
+    );
     let (total, free) = engine.pools().paged_blocks();
     assert_eq!(free, total, "blocks leaked");
 }
