@@ -216,6 +216,53 @@ fn logprobs_follow_openai_shapes_and_pd_equals_one_process() {
             .zip(got[1].as_array().unwrap())
             .all(|(a, b)| (a.as_f64().unwrap() - b.as_f64().unwrap()).abs() < 1e-3);
         assert!(close, "P/D {} vs one process {}", got[0], got[1]);
+        // `echo` with `logprobs`: the prompt's tokens first (the first one's null), computed
+        // by the prefill worker on P/D; the same as one process, and the answer's entries the
+        // same as without `echo`.
+        let mut echoed = Vec::new();
+        for url in [&pd_url, &one_url] {
+            let mut with_echo = body.clone();
+            with_echo["echo"] = json!(true);
+            let (_, v) = post(&c, &format!("{url}/v1/completions"), with_echo).await;
+            let lp = &v["choices"][0]["logprobs"];
+            let prompt_tokens = v["usage"]["prompt_tokens"].as_u64().unwrap() as usize;
+            let entries = lp["token_logprobs"].as_array().expect("token_logprobs");
+            assert_eq!(entries.len(), prompt_tokens + 6, "{v}");
+            assert!(
+                entries[0].is_null() && lp["top_logprobs"][0].is_null(),
+                "{v}"
+            );
+            assert!(
+                entries[1..]
+                    .iter()
+                    .all(|e| e.as_f64().is_some_and(|l| l <= 0.0)),
+                "{v}"
+            );
+            let joined: String = lp["tokens"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|t| t.as_str().unwrap())
+                .collect();
+            assert_eq!(
+                joined,
+                text(&v),
+                "the prompt's and the answer's tokens spell the text"
+            );
+            assert_eq!(
+                &Value::from(entries[prompt_tokens..].to_vec()),
+                &got[0],
+                "{v}"
+            );
+            echoed.push(Value::from(entries[1..prompt_tokens].to_vec()));
+        }
+        let close = echoed[0]
+            .as_array()
+            .unwrap()
+            .iter()
+            .zip(echoed[1].as_array().unwrap())
+            .all(|(a, b)| (a.as_f64().unwrap() - b.as_f64().unwrap()).abs() < 1e-3);
+        assert!(close, "P/D {} vs one process {}", echoed[0], echoed[1]);
         for url in [&pd_url, &one_url] {
             let workers = tandem_e2e::workers_when_idle(&c, url).await;
             assert!(tandem_e2e::pools_full(&workers, None), "{workers}");
@@ -249,6 +296,21 @@ assert [t.token for t in streamed] == [t.token for t in content], (streamed, con
 assert text == r.choices[0].message.content
 plain = c.chat.completions.create(model="smollm2-135m-instruct", messages=msgs, max_tokens=4, temperature=0)
 assert plain.choices[0].logprobs is None
+# echo with logprobs: the prompt's tokens and theirs (the first one's None), whole and streamed.
+p = "The capital of France is"
+e = c.completions.create(model="smollm2-135m-instruct", prompt=p, max_tokens=3, temperature=0,
+    echo=True, logprobs=2)
+lp, n = e.choices[0].logprobs, e.usage.prompt_tokens
+assert e.choices[0].text.startswith(p) and "".join(lp.tokens) == e.choices[0].text, lp
+assert len(lp.tokens) == n + 3 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None, lp
+assert all(l <= 0 for l in lp.token_logprobs[1:]) and lp.text_offset == sorted(lp.text_offset), lp
+assert all(len(t) == 2 for t in lp.top_logprobs[1:]), lp
+s = c.completions.create(model="smollm2-135m-instruct", prompt=p, max_tokens=3, temperature=0,
+    echo=True, logprobs=2, stream=True)
+chunks = [ch.choices[0] for ch in s if ch.choices]
+assert chunks[0].text == p and chunks[0].logprobs.tokens == lp.tokens[:n], chunks[0]
+assert chunks[0].logprobs.token_logprobs == lp.token_logprobs[:n], chunks[0]
+assert "".join(ch.text for ch in chunks) == e.choices[0].text
 print("ok")
 "#,
         pd = pd.url

@@ -59,6 +59,7 @@ impl pb::worker_server::Worker for NullWorker {
                     finish_reason: finish,
                     logprobs: None,
                     choice: 0,
+                    prompt_logprobs: Vec::new(),
                 };
                 if tx
                     .send(Ok(pb::DecodeEvent {
@@ -91,6 +92,7 @@ impl pb::worker_server::Worker for NullWorker {
             },
             first_logprobs: None,
             other_choices: Vec::new(),
+            prompt_logprobs: Vec::new(),
         }))
     }
 

@@ -34,6 +34,10 @@ pub struct SamplingParams {
     /// Report each generated token's log-probability and this many most likely
     /// alternatives (`None`: none).
     pub logprobs: Option<u32>,
+    /// Report the log-probability of every prompt token after the first (given the tokens
+    /// before it, over the model's logits as they are) and this many most likely
+    /// alternatives (`None`: none); the worker that computes the prompt computes them.
+    pub prompt_logprobs: Option<u32>,
     /// Trailing prompt tokens an earlier attempt of this request generated (a request moved
     /// to another pair after its stream broke is prefilled again with what it had streamed):
     /// they count as output for the penalties and `min_tokens` and in the sampling step, so
@@ -82,6 +86,7 @@ impl Default for SamplingParams {
             min_tokens: 0,
             logit_bias: Vec::new(),
             logprobs: None,
+            prompt_logprobs: None,
             resumed: 0,
             constraint: None,
         }

@@ -411,9 +411,11 @@ impl<B: Ops> LlamaServed<B> {
             (c.vocab_size, c.eos_token_ids(), c.num_hidden_layers);
         let weight_bytes = first.weight_bytes() * shards.len();
         let tp = shards.len();
+        // As many logits rows again as sequences: prompt tokens scored beside the samples.
+        let score_rows = config.max_running;
         let limits = StepLimits {
             max_tokens: config.max_batch_tokens + config.max_running,
-            max_seqs: config.max_running,
+            max_seqs: config.max_running + score_rows,
             max_blocks_per_seq: max_context.div_ceil(config.block_size),
         };
         let ranks = LlamaRanks::new(shards, limits, config.block_size, config.num_blocks)?;
@@ -428,6 +430,7 @@ impl<B: Ops> LlamaServed<B> {
                 .map_err(|e| Error::InvalidRequest(format!("layout tp{tp}: {e}")))?,
             kv: Some(ranks.layout()),
             state_handoff: None,
+            score_rows,
         };
         Ok(Self {
             ranks,
@@ -524,6 +527,20 @@ impl<B: Ops> ServedModel for LlamaServed<B> {
             let row = &kept[k * vocab..(k + 1) * vocab];
             logprobs[i] = Some(crate::sampling::logprobs_of(row, out[i], top));
         }
+    }
+
+    fn score(&mut self, first: usize, targets: &[(u32, u32)]) -> Result<Vec<TokenLogprobs>> {
+        let vocab = self.info.vocab_size;
+        let rows: Vec<usize> = (first..first + targets.len()).collect();
+        let logits = self
+            .ranks
+            .backend()
+            .download_rows(self.ranks.logits(), vocab, &rows);
+        Ok(targets
+            .iter()
+            .zip(logits.chunks_exact(vocab))
+            .map(|(&(token, top), row)| crate::sampling::logprobs_of(row, token, top))
+            .collect())
     }
 
     fn export(&mut self, r: &Reservation, prompt_len: usize) -> Result<Handoff> {

@@ -41,6 +41,9 @@ pub struct ServedInfo {
     /// `(fixed, per prompt token)` whatever the sender's layout, and the most segments its
     /// manifest lists.
     pub state_handoff: Option<StateHandoffSize>,
+    /// Logits rows a step can score beyond those it samples (prompt log-probabilities, see
+    /// [`ServedModel::score`]); 0: the model does not score prompts.
+    pub score_rows: usize,
 }
 
 /// The size of a state handoff's body (see [`ServedInfo::state_handoff`]).
@@ -399,6 +402,16 @@ pub trait ServedModel: 'static {
         out: &mut Vec<u32>,
         logprobs: &mut Vec<Option<TokenLogprobs>>,
     );
+    /// Log-probabilities of the last step's logits rows `first..first + targets.len()`
+    /// (after those [`ServedModel::sample`] took; untouched by bias and penalties): row
+    /// `first + i` scores token `targets[i].0` with `targets[i].1` alternatives. Only asked
+    /// of a model whose [`ServedInfo::score_rows`] is not 0.
+    fn score(&mut self, first: usize, targets: &[(u32, u32)]) -> Result<Vec<TokenLogprobs>> {
+        let _ = (first, targets);
+        Err(Error::InvalidRequest(
+            "this model does not score prompts".into(),
+        ))
+    }
     /// Makes a reservation's space ready before the request's first step (state zeroed,
     /// latent rows bound to its claim).
     fn begin(&mut self, r: &mut Reservation) -> Result<()> {

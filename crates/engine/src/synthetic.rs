@@ -110,6 +110,7 @@ impl ServedModel for SyntheticServed {
             layout: self.layout,
             kv: None,
             state_handoff: None,
+            score_rows: 0,
         }
     }
 

@@ -212,3 +212,37 @@ fn choices_are_checked_before_anything_runs() {
     assert!(err.to_string().contains("65 choices"), "{err}");
     assert_pools_whole(&engine, "after refusals");
 }
+
+/// A prompt whose choices have not forked yet still counts every choice against
+/// `max_running`: prompts admitted behind it never make the engine run (and a step sample)
+/// more than it holds, which would fail every request in flight.
+#[test]
+fn a_prompts_choices_count_against_max_running_before_they_fork() {
+    let dir = tandem_testkit::smollm2_dir();
+    let model = LlamaModel::load(&dir, CpuBackend::new(), DType::F32).expect("load model");
+    let engine = Engine::start(
+        model,
+        EngineConfig {
+            max_running: 8,
+            ..EngineConfig::default()
+        },
+    );
+    let prompt: Vec<u32> = (0..9).map(|i| 300 + i * 7).collect();
+    let want: Vec<Vec<u32>> = choices(3, 4, 6)
+        .into_iter()
+        .map(|c| alone(&engine, &prompt, c))
+        .collect();
+    // Five prompts of four choices each, at once: 20 sequences for an engine of 8.
+    let groups: Vec<_> = (0..5)
+        .map(|_| {
+            engine
+                .submit_choices(prompt.clone(), choices(3, 4, 6), SeqKind::Generate)
+                .expect("submit")
+        })
+        .collect();
+    for (g, rxs) in groups.into_iter().enumerate() {
+        let got: Vec<Vec<u32>> = rxs.into_iter().map(blocking_tokens).collect();
+        assert_eq!(got, want, "group {g} failed or differs");
+    }
+    assert_pools_whole(&engine, "after the choices");
+}

@@ -159,6 +159,8 @@ fn new_id(prefix: &str) -> RequestId {
 struct Whole {
     text: String,
     logprobs: Vec<(u32, TokenLogprobs)>,
+    /// Prompt tokens 2.. (completions with `echo` and `logprobs`).
+    prompt_logprobs: Vec<TokenLogprobs>,
     reason: FinishReason,
     stop_reason: Option<StopReason>,
     completion_tokens: u32,
@@ -177,6 +179,7 @@ async fn collect(mut text: TextStream) -> Result<Whole, ApiError> {
                 return Ok(Whole {
                     text: content,
                     logprobs: text.take_logprobs(),
+                    prompt_logprobs: text.take_prompt_logprobs(),
                     reason,
                     stop_reason,
                     completion_tokens,
@@ -342,13 +345,14 @@ async fn respond_batch(
             let (tokens, failed) = (tokens.clone(), failed.clone());
             async move {
                 let (mut text, shape, started) = st?;
-                // A chat choice opens with its own role chunk.
+                let next = text.next().await;
+                // A chat choice opens with its own role chunk (an echo, with the prompt's
+                // log-probabilities, which come with the first token).
                 let mut events: Vec<Event> = if started {
                     Vec::new()
                 } else {
-                    shape.opening_chunks()
+                    shape.opening_chunks(&text.take_prompt_logprobs())
                 };
-                let next = text.next().await;
                 let logprobs = text.take_logprobs();
                 let more = match next {
                     Some(Ok(TextEvent::Delta(delta))) => {
@@ -458,8 +462,9 @@ impl SseDriver {
         }
         let mut events = Vec::new();
         if !self.started {
+            // The first event is in: the prompt's log-probabilities came with it.
             self.started = true;
-            events.extend(self.shape.opening_chunks());
+            events.extend(self.shape.opening_chunks(&self.text.take_prompt_logprobs()));
         }
         let next = match self.first.take() {
             Some(event) => Some(Ok(event)),
@@ -513,6 +518,8 @@ struct Shape {
     held_logprobs: std::cell::RefCell<Vec<(u32, TokenLogprobs)>>,
     /// Completions with `echo`: the prompt text, not sent yet.
     echo: std::cell::RefCell<Option<String>>,
+    /// Completions with `echo` and `logprobs`: the prompt's token ids.
+    echo_ids: Vec<u32>,
 }
 
 /// A reported log-probability (JSON has no infinities; vLLM's floor).
@@ -538,6 +545,10 @@ impl Shape {
                 .logprobs
                 .is_some()
                 .then(|| state.model().tokenizer().clone()),
+            echo_ids: match request.sampling.prompt_logprobs {
+                Some(_) => request.prompt_token_ids.clone(),
+                None => Vec::new(),
+            },
             ..Self::new_bare(state, endpoint, include_usage, id)
         }
     }
@@ -557,6 +568,7 @@ impl Shape {
             calls: std::cell::RefCell::new(None),
             held_logprobs: std::cell::RefCell::new(Vec::new()),
             echo: std::cell::RefCell::new(None),
+            echo_ids: Vec::new(),
         }
     }
 
@@ -610,14 +622,26 @@ impl Shape {
     }
 
     fn completion_choice(&self, w: Whole) -> CompletionChoice {
-        let text = match self.echo.borrow_mut().take() {
-            Some(prompt) => prompt + &w.text,
-            None => w.text,
+        let (text, logprobs) = match self.echo.borrow_mut().take() {
+            Some(prompt) => {
+                // The prompt's entries first: their offsets come before the answer's.
+                let echoed = self.echo_logprobs(&w.prompt_logprobs);
+                let answer = self.completion_logprobs(&w.logprobs);
+                let logprobs = match (echoed, answer) {
+                    (Some(mut echoed), Some(answer)) => {
+                        echoed.append(answer);
+                        Some(echoed)
+                    }
+                    (echoed, answer) => echoed.or(answer),
+                };
+                (prompt + &w.text, logprobs)
+            }
+            None => (w.text, self.completion_logprobs(&w.logprobs)),
         };
         CompletionChoice {
             index: self.index,
             text,
-            logprobs: self.completion_logprobs(&w.logprobs),
+            logprobs,
             finish_reason: Some(w.reason.into()),
             stop_reason: w.stop_reason,
         }
@@ -659,21 +683,47 @@ impl Shape {
         let tk = self.logprobs.as_ref()?;
         let mut out = CompletionLogprobs::default();
         for (id, lp) in entries {
-            let token = Self::token_text(tk, *id);
-            let at = self.text_offset.get();
-            self.text_offset
-                .set(at + u32::try_from(token.chars().count()).unwrap_or(0));
-            out.text_offset.push(at);
-            out.tokens.push(token);
-            out.token_logprobs.push(finite(lp.logprob));
-            out.top_logprobs.push(
-                lp.top
-                    .iter()
-                    .map(|&(t, l)| (Self::token_text(tk, t), finite(l)))
-                    .collect(),
-            );
+            self.push_completion_logprob(tk, &mut out, *id, Some(lp));
         }
         Some(out)
+    }
+
+    /// The echoed prompt's entries (`echo` with `logprobs`): its first token has none
+    /// (`null`), the others `scored` (prompt tokens 2..).
+    fn echo_logprobs(&self, scored: &[TokenLogprobs]) -> Option<CompletionLogprobs> {
+        let tk = self.logprobs.as_ref()?;
+        if self.echo_ids.is_empty() {
+            return None;
+        }
+        let mut out = CompletionLogprobs::default();
+        for (i, &id) in self.echo_ids.iter().enumerate() {
+            let lp = i.checked_sub(1).and_then(|j| scored.get(j));
+            self.push_completion_logprob(tk, &mut out, id, lp);
+        }
+        Some(out)
+    }
+
+    /// Appends token `id` (log-probabilities `lp`, `null` without) at the next text offset.
+    fn push_completion_logprob(
+        &self,
+        tk: &tokenizers::Tokenizer,
+        out: &mut CompletionLogprobs,
+        id: u32,
+        lp: Option<&TokenLogprobs>,
+    ) {
+        let token = Self::token_text(tk, id);
+        let at = self.text_offset.get();
+        self.text_offset
+            .set(at + u32::try_from(token.chars().count()).unwrap_or(0));
+        out.text_offset.push(at);
+        out.tokens.push(token);
+        out.token_logprobs.push(lp.map(|lp| finite(lp.logprob)));
+        out.top_logprobs.push(lp.map(|lp| {
+            lp.top
+                .iter()
+                .map(|&(t, l)| (Self::token_text(tk, t), finite(l)))
+                .collect()
+        }));
     }
 
     fn whole(&self, w: Whole) -> Response {
@@ -703,23 +753,37 @@ impl Shape {
     }
 
     /// What a stream opens with: chat's `{"role": "assistant"}` chunk; a completion's
-    /// echoed prompt.
-    fn opening_chunks(&self) -> Vec<Event> {
-        let delta = match self.endpoint {
-            Endpoint::ChatCompletions => ChatDelta {
-                role: Some("assistant"),
-                content: Some(String::new()),
-                tool_calls: None,
-            },
+    /// echoed prompt (with its tokens' log-probabilities, `scored` being prompt tokens 2..,
+    /// when asked for).
+    fn opening_chunks(&self, scored: &[TokenLogprobs]) -> Vec<Event> {
+        match self.endpoint {
+            Endpoint::ChatCompletions => {
+                let delta = ChatDelta {
+                    role: Some("assistant"),
+                    content: Some(String::new()),
+                    tool_calls: None,
+                };
+                vec![self.chunk(delta, &[], None, None)]
+            }
             Endpoint::Completions => match self.echo.borrow_mut().take() {
-                Some(prompt) => ChatDelta {
-                    content: Some(prompt),
-                    ..ChatDelta::default()
-                },
-                None => return Vec::new(),
+                Some(prompt) => vec![json_event(&Completion {
+                    id: self.id.clone(),
+                    object: "text_completion",
+                    created: self.created,
+                    model: self.model.clone(),
+                    system_fingerprint: SYSTEM_FINGERPRINT,
+                    choices: vec![CompletionChoice {
+                        index: self.index,
+                        text: prompt,
+                        logprobs: self.echo_logprobs(scored),
+                        finish_reason: None,
+                        stop_reason: None,
+                    }],
+                    usage: self.include_usage.then_some(None),
+                })],
+                None => Vec::new(),
             },
-        };
-        vec![self.chunk(delta, &[], None, None)]
+        }
     }
 
     /// The chunks of more generated text (with the log-probabilities of its tokens): one

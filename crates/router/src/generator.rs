@@ -30,6 +30,8 @@ pub struct GeneratedToken {
     pub finish_reason: Option<FinishReason>,
     /// Its log-probabilities, when the request asked for them.
     pub logprobs: Option<TokenLogprobs>,
+    /// On the first token, with `prompt_logprobs`: those of prompt tokens 2.. (else empty).
+    pub prompt_logprobs: Vec<TokenLogprobs>,
 }
 
 /// A classified generation failure.

@@ -44,6 +44,7 @@ pub(crate) fn to_pb(req: &ValidGenerateRequest, choices: u32) -> pb::GenerateReq
             min_p: s.min_p,
             min_tokens: s.min_tokens,
             logprobs: s.logprobs,
+            prompt_logprobs: s.prompt_logprobs,
             resumed: s.resumed,
             constraint: s.constraint.as_ref().map(constraint_to_wire),
             logit_bias: s
@@ -71,6 +72,11 @@ fn token_from_pb(t: pb::TokenEvent) -> GeneratedToken {
         token_id: t.token_id,
         finish_reason: finish_from_pb(t.finish_reason),
         logprobs: t.logprobs.map(logprobs_from_pb),
+        prompt_logprobs: t
+            .prompt_logprobs
+            .into_iter()
+            .map(logprobs_from_pb)
+            .collect(),
     }
 }
 
@@ -318,12 +324,23 @@ pub(crate) async fn try_pair(
         .into_inner();
     drop(prefill_claim);
     tracker.phase(crate::inflight::Phase::Decoding);
+    // The prompt's log-probabilities (when asked for) are every choice's.
+    let prompt_logprobs: Vec<_> = first
+        .prompt_logprobs
+        .into_iter()
+        .map(logprobs_from_pb)
+        .collect();
     let firsts: Vec<GeneratedToken> = std::iter::once(GeneratedToken {
         token_id: first.first_token_id,
         finish_reason: finish_from_pb(first.finish_reason),
         logprobs: first.first_logprobs.map(logprobs_from_pb),
+        prompt_logprobs: Vec::new(),
     })
     .chain(first.other_choices.into_iter().map(token_from_pb))
+    .map(|t| GeneratedToken {
+        prompt_logprobs: prompt_logprobs.clone(),
+        ..t
+    })
     .collect();
     if firsts.len() != n.max(1) as usize {
         return Err((

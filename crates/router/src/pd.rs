@@ -575,6 +575,8 @@ fn resumed_request(req: &ValidGenerateRequest, sent: &[u32]) -> ValidGenerateReq
     let mut next = req.clone();
     next.prompt_token_ids.extend_from_slice(sent);
     next.sampling.resumed += sent.len() as u32;
+    // The client has them from the first attempt.
+    next.sampling.prompt_logprobs = None;
     next.sampling.max_tokens -= sent.len() as u32;
     next
 }

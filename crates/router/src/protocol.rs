@@ -156,7 +156,8 @@ pub struct CompletionRequest {
     pub model: Option<String>,
     /// The prompt.
     pub prompt: Option<PromptInput>,
-    /// Put the prompt's text before each choice's text.
+    /// Put the prompt's text before each choice's text (with `logprobs`, the prompt's
+    /// tokens' log-probabilities before the generated ones').
     pub echo: Option<bool>,
     /// Insertion suffixes are not supported.
     pub suffix: Option<String>,
@@ -506,12 +507,23 @@ pub struct ChatTopLogprob {
 pub struct CompletionLogprobs {
     /// Each token's text.
     pub tokens: Vec<String>,
-    /// Each token's log-probability.
-    pub token_logprobs: Vec<f32>,
-    /// Per token, the most likely tokens' texts and log-probabilities.
-    pub top_logprobs: Vec<std::collections::BTreeMap<String, f32>>,
+    /// Each token's log-probability (`null` for an echoed prompt's first token).
+    pub token_logprobs: Vec<Option<f32>>,
+    /// Per token, the most likely tokens' texts and log-probabilities (`null` for an
+    /// echoed prompt's first token).
+    pub top_logprobs: Vec<Option<std::collections::BTreeMap<String, f32>>>,
     /// Each token's character offset in the generated text.
     pub text_offset: Vec<u32>,
+}
+
+impl CompletionLogprobs {
+    /// Appends `other`'s entries after these.
+    pub fn append(&mut self, other: CompletionLogprobs) {
+        self.tokens.extend(other.tokens);
+        self.token_logprobs.extend(other.token_logprobs);
+        self.top_logprobs.extend(other.top_logprobs);
+        self.text_offset.extend(other.text_offset);
+    }
 }
 
 /// `GET /v1/models`.

@@ -110,6 +110,7 @@ impl MemoryGenerator {
                     token_id,
                     finish_reason,
                     logprobs: None,
+                    prompt_logprobs: Vec::new(),
                 }));
                 if finish_reason.is_some() {
                     ended = true;

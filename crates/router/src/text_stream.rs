@@ -43,6 +43,8 @@ pub(crate) struct TextStream {
     record: RequestRecord,
     /// Log-probabilities of the tokens since the last [`TextStream::take_logprobs`].
     logprobs: Vec<(u32, TokenLogprobs)>,
+    /// Those of prompt tokens 2.., when the request asked for them (with the first token).
+    prompt_logprobs: Vec<TokenLogprobs>,
     /// The request's stop token ids (EOS aside), and the last token generated.
     stop_token_ids: Vec<u32>,
     last_token: Option<u32>,
@@ -70,6 +72,7 @@ impl TextStream {
             queued: VecDeque::new(),
             record,
             logprobs: Vec::new(),
+            prompt_logprobs: Vec::new(),
             stop_token_ids,
             last_token: None,
             include_stop_str: false,
@@ -110,6 +113,9 @@ impl TextStream {
             self.record.token();
             if let Some(lp) = token.logprobs {
                 self.logprobs.push((token.token_id, lp));
+            }
+            if !token.prompt_logprobs.is_empty() {
+                self.prompt_logprobs = token.prompt_logprobs;
             }
             let delta = match self.detokenizer.push(token.token_id) {
                 Ok(delta) => delta,
@@ -186,6 +192,12 @@ impl TextStream {
     /// behind the text returned so far, and at the end every remaining one.
     pub(crate) fn take_logprobs(&mut self) -> Vec<(u32, TokenLogprobs)> {
         std::mem::take(&mut self.logprobs)
+    }
+
+    /// The log-probabilities of prompt tokens 2.. (`prompt_logprobs`), once the first token
+    /// came; empty before, after the first take, or when not asked for.
+    pub(crate) fn take_prompt_logprobs(&mut self) -> Vec<TokenLogprobs> {
+        std::mem::take(&mut self.prompt_logprobs)
     }
 
     /// Records `err` as the outcome and stops.

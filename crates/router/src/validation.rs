@@ -227,12 +227,9 @@ pub fn prepare_completion_batch(
         Some(v) => Some(logprob_count(v, "logprobs")?),
     };
     let echo = request.echo == Some(true);
-    if echo && common.sampling.logprobs.is_some() {
-        return Err(ApiError::invalid(
-            "`echo` with `logprobs` (the prompt's log-probabilities) is not supported yet; \
-             `echo` alone is",
-            Some("echo"),
-        ));
+    if echo {
+        // The echoed prompt's tokens come with theirs (the first token's is null).
+        common.sampling.prompt_logprobs = common.sampling.logprobs;
     }
     if request.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
         return Err(ApiError::invalid(

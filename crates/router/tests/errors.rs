@@ -170,12 +170,6 @@ async fn bad_requests_get_json_errors_then_a_good_one_succeeds() {
         ),
         (
             COMPLETIONS,
-            json!({"prompt": "x", "echo": true, "logprobs": 1}),
-            400,
-            Some("echo"),
-        ),
-        (
-            COMPLETIONS,
             json!({"prompt": "x", "stop_token_ids": [4096]}),
             400,
             Some("stop_token_ids"),

@@ -27,6 +27,8 @@ pub struct Prefilled {
     pub handoff: Handoff,
     /// The first tokens of the prompt's other choices, in order (empty for one).
     pub others: Vec<tandem_engine::Sampled>,
+    /// The log-probabilities of prompt tokens 2.., when asked for.
+    pub prompt_logprobs: Vec<TokenLogprobs>,
 }
 
 /// One generated token as the service forwards it.
@@ -38,6 +40,9 @@ pub struct Token {
     pub finish: Option<FinishReason>,
     /// Its log-probabilities, when asked for.
     pub logprobs: Option<TokenLogprobs>,
+    /// On the first token of a request whose prompt this engine computed, when asked
+    /// for: the log-probabilities of prompt tokens 2..
+    pub prompt_logprobs: Vec<TokenLogprobs>,
 }
 
 /// Token events of a decoding or generating request.
@@ -47,20 +52,28 @@ pub struct TokenEvents(UnboundedReceiver<EngineEvent>);
 impl TokenEvents {
     /// The next token, or why there is none (the engine failed or dropped the request).
     pub async fn recv(&mut self) -> Result<Token> {
-        match self.0.recv().await {
-            Some(EngineEvent::Token {
-                token_id,
-                finish,
-                logprobs,
-            }) => Ok(Token {
-                token_id,
-                finish,
-                logprobs,
-            }),
-            Some(EngineEvent::Failed(e)) => Err(Error::Engine(e)),
-            Some(EngineEvent::Prefilled { .. }) | None => {
-                Err(Error::Engine(tandem_engine::Error::Stopped))
-            }
+        let mut prompt_logprobs = Vec::new();
+        loop {
+            return match self.0.recv().await {
+                Some(EngineEvent::PromptLogprobs(scored)) => {
+                    prompt_logprobs = scored;
+                    continue;
+                }
+                Some(EngineEvent::Token {
+                    token_id,
+                    finish,
+                    logprobs,
+                }) => Ok(Token {
+                    token_id,
+                    finish,
+                    logprobs,
+                    prompt_logprobs,
+                }),
+                Some(EngineEvent::Failed(e)) => Err(Error::Engine(e)),
+                Some(EngineEvent::Prefilled { .. }) | None => {
+                    Err(Error::Engine(tandem_engine::Error::Stopped))
+                }
+            };
         }
     }
 }
@@ -187,12 +200,14 @@ impl WorkerEngine {
                 logprobs,
                 handoff,
                 others,
+                prompt_logprobs,
             }) => Ok(Prefilled {
                 first_token,
                 finish,
                 logprobs,
                 handoff,
                 others,
+                prompt_logprobs,
             }),
             Some(EngineEvent::Failed(e)) => Err(Error::Engine(e)),
             _ => Err(Error::Engine(tandem_engine::Error::Stopped)),

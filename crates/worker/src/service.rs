@@ -274,6 +274,7 @@ fn sampling_from(p: Option<pb::SamplingParams>) -> SamplingParams {
         min_p: p.min_p,
         min_tokens: p.min_tokens,
         logprobs: p.logprobs,
+        prompt_logprobs: p.prompt_logprobs,
         resumed: p.resumed,
         constraint: p.constraint.and_then(|c| {
             use pb::output_constraint::Kind;
@@ -448,6 +449,7 @@ impl Shared {
             logprobs,
             handoff,
             others,
+            prompt_logprobs,
         } = match (&self.sender, target.lease_ms) {
             (Some(sender), ms) if ms > 0 => {
                 // Tell the decode worker, at a third of its lease, that this prefill is still
@@ -544,8 +546,10 @@ impl Shared {
                     finish_reason: finish_to_pb(o.finish),
                     logprobs: o.logprobs.map(logprobs_to_pb),
                     choice: j as u32 + 1,
+                    prompt_logprobs: Vec::new(),
                 })
                 .collect(),
+            prompt_logprobs: prompt_logprobs.into_iter().map(logprobs_to_pb).collect(),
         })
     }
 
@@ -658,12 +662,14 @@ impl Shared {
                 token_id,
                 finish,
                 logprobs,
+                prompt_logprobs,
             } = event?;
             let msg = wrap(pb::TokenEvent {
                 token_id,
                 finish_reason: finish_to_pb(finish),
                 logprobs: logprobs.map(logprobs_to_pb),
                 choice: choice as u32,
+                prompt_logprobs: prompt_logprobs.into_iter().map(logprobs_to_pb).collect(),
             });
             if tx.send(Ok(msg)).await.is_err() {
                 return self.note_cancelled();

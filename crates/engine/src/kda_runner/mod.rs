@@ -76,6 +76,7 @@ impl KdaServed {
             layout,
             kv: None,
             state_handoff: Some(state_handoff_size(c, layout)),
+            score_rows: 0,
         };
         let pools = Pools {
             kv: None,

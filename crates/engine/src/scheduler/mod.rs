@@ -105,6 +105,9 @@ pub enum EngineEvent {
         /// Its log-probabilities, when the request asked for them.
         logprobs: Option<TokenLogprobs>,
     },
+    /// The log-probabilities of prompt tokens 2.. (the request's `prompt_logprobs`), once
+    /// its prompt is computed: right before its first token (each choice's).
+    PromptLogprobs(Vec<TokenLogprobs>),
     /// Prefill role: the prompt is computed.
     Prefilled {
         /// The sampled first token.
@@ -117,6 +120,8 @@ pub enum EngineEvent {
         handoff: Handoff,
         /// The first tokens of the prompt's other choices, in order (empty for one).
         others: Vec<Sampled>,
+        /// The log-probabilities of prompt tokens 2.., when the request asked for them.
+        prompt_logprobs: Vec<TokenLogprobs>,
     },
     /// The request failed inside the engine (it holds nothing any more).
     Failed(Error),
@@ -161,6 +166,8 @@ struct Seq {
     /// The prompt's other choices (n > 1), each started as a sequence of its own once
     /// the prompt is computed, sharing its cache.
     followers: Vec<Follower>,
+    /// `prompt_logprobs`: those of the prompt tokens computed so far (after the first).
+    scored: Vec<TokenLogprobs>,
 }
 
 /// Another choice of a sequence's prompt, waiting for the prompt.
@@ -229,6 +236,7 @@ impl Seq {
             failure: f.failure,
             tx: f.tx,
             followers: Vec::new(),
+            scored: self.scored.clone(),
         }
     }
 
@@ -360,6 +368,7 @@ impl Engine {
                 let pools = model.pools();
                 let _ = ready_tx.send(Ok((model.info(), pools.clone(), model.handoff_spec())));
                 let mut worker = Worker {
+                    score_rows: model.info().score_rows,
                     model,
                     sampled: Vec::with_capacity(config.max_running),
                     logprobs: Vec::with_capacity(config.max_running),
@@ -478,6 +487,12 @@ impl Engine {
                 prompt.len()
             )));
         }
+        if params.prompt_logprobs.is_some() && self.info.score_rows == 0 {
+            return Err(Error::InvalidRequest(format!(
+                "prompt log-probabilities are not available for this model ({})",
+                self.info.family
+            )));
+        }
         if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= self.info.vocab_size) {
             return Err(Error::InvalidRequest(format!(
                 "token id {bad} is outside the vocabulary"
@@ -511,6 +526,7 @@ impl Engine {
             failure: None,
             tx,
             followers: Vec::new(),
+            scored: Vec::new(),
         };
         let mut forks = Vec::new();
         match kind {

@@ -16,6 +16,8 @@ use tokio::sync::mpsc::unbounded_channel;
 
 pub(super) struct Worker<M: ServedModel> {
     pub(super) model: M,
+    /// Logits rows a step may score prompt tokens on (`ServedInfo::score_rows`).
+    pub(super) score_rows: usize,
     pub(super) sampled: Vec<u32>,
     pub(super) logprobs: Vec<Option<TokenLogprobs>>,
     pub(super) config: EngineConfig,
@@ -83,10 +85,12 @@ impl<M: ServedModel> Worker<M> {
 
     fn admit(&mut self) {
         self.waiting.retain(|s| !s.abandoned());
+        // Rows a step may sample: a prompt still computing counts its choices waiting to fork.
+        let mut rows: usize = self.running.iter().map(|s| 1 + s.followers.len()).sum();
         while let Some(mut seq) = self.waiting.pop_front() {
             // A prompt's choices all run: admit them together.
             let width = 1 + seq.followers.len();
-            if !self.running.is_empty() && self.running.len() + width > self.config.max_running {
+            if !self.running.is_empty() && rows + width > self.config.max_running {
                 self.waiting.push_front(seq);
                 break;
             }
@@ -128,6 +132,7 @@ impl<M: ServedModel> Worker<M> {
                 seq.fail(e);
                 continue;
             }
+            rows += width;
             if seq.cached == seq.prompt_len {
                 // A decode: its choices start now, each from the token sampled for it.
                 let followers = std::mem::take(&mut seq.followers);
@@ -224,15 +229,34 @@ impl<M: ServedModel> Worker<M> {
             .collect();
         prompts.sort_by_key(|&i| self.running[i].tokens.len() - self.running[i].cached);
         let mut left = prompts.len();
+        // Prompt log-probabilities: (sequence, row, the prompt token it scores, alternatives),
+        // on logits rows after the sampled ones.
+        let mut scores: Vec<(usize, usize, u32, u32)> = Vec::new();
         for i in prompts {
             let seq = &self.running[i];
             if budget == 0 && !in_batch.is_empty() {
                 break;
             }
             let remaining = seq.tokens.len() - seq.cached;
-            let n = remaining.min((budget / left).max(1));
+            let mut n = remaining.min((budget / left).max(1));
             left -= 1;
             let Some(r) = &seq.reservation else { continue };
+            if let Some(top) = seq.params.prompt_logprobs {
+                // Each row but the prompt's last (which samples) scores the next token; a
+                // chunk takes no more of them than the step has left.
+                let scoring = (seq.prompt_len - 1).saturating_sub(seq.cached);
+                let free = self.score_rows - scores.len();
+                if n.min(scoring) > free {
+                    n = free;
+                }
+                if n == 0 {
+                    continue;
+                }
+                let start = batch.num_tokens();
+                for p in seq.cached..(seq.cached + n).min(seq.prompt_len - 1) {
+                    scores.push((i, start + p - seq.cached, seq.tokens[p + 1], top));
+                }
+            }
             let done = seq.cached + n == seq.tokens.len();
             r.push_to(
                 &mut batch,
@@ -253,6 +277,9 @@ impl<M: ServedModel> Worker<M> {
         if batch.num_tokens() == 0 {
             return;
         }
+        batch
+            .logits_rows
+            .extend(scores.iter().map(|&(_, row, _, _)| row));
         // Structured outputs: the masks of the rows about to sample, computed on a second
         // thread while the forward pass runs (they need only the tokens so far).
         let stepped = if self.running.iter().all(|seq| seq.constraint.is_none()) {
@@ -299,17 +326,7 @@ impl<M: ServedModel> Worker<M> {
         if let Err(e) = stepped {
             // A failed rank (or metadata that does not fit, which the limits rule out) fails
             // every request in flight rather than leaving them waiting.
-            tracing::error!(error = %e, "engine step failed; failing the requests in flight");
-            let mut failed: Vec<Seq> = self.running.drain(..).collect();
-            failed.extend(self.waiting.drain(..).map(|b| *b));
-            for seq in &mut failed {
-                self.release(seq, false);
-                seq.fail(Error::Collective(format!("the engine step failed: {e}")));
-            }
-            let mut s = self.stats.lock();
-            s.running = 0;
-            s.waiting = 0;
-            return;
+            return self.fail_all(&e);
         }
         // Sample: one row per sequence whose prompt is complete, in batch order, and one
         // more for each choice following it.
@@ -329,6 +346,18 @@ impl<M: ServedModel> Worker<M> {
         self.model
             .sample(&sampling, &mut self.sampled, &mut self.logprobs);
         drop(sampling);
+        if !scores.is_empty() {
+            let first = batch.logits_rows.len() - scores.len();
+            let targets: Vec<(u32, u32)> = scores.iter().map(|&(_, _, t, top)| (t, top)).collect();
+            match self.model.score(first, &targets) {
+                Ok(scored) => {
+                    for (&(i, ..), lp) in scores.iter().zip(scored) {
+                        self.running[i].scored.push(lp);
+                    }
+                }
+                Err(e) => return self.fail_all(&e),
+            }
+        }
         let sampled = std::mem::take(&mut self.sampled);
         let mut logprobs = std::mem::take(&mut self.logprobs);
         let mut rows = sampled
@@ -397,6 +426,20 @@ impl<M: ServedModel> Worker<M> {
 }
 
 impl<M: ServedModel> Worker<M> {
+    /// A step failed (`e`): every request in flight fails rather than waiting.
+    fn fail_all(&mut self, e: &Error) {
+        tracing::error!(error = %e, "engine step failed; failing the requests in flight");
+        let mut failed: Vec<Seq> = self.running.drain(..).collect();
+        failed.extend(self.waiting.drain(..).map(|b| *b));
+        for seq in &mut failed {
+            self.release(seq, false);
+            seq.fail(Error::Collective(format!("the engine step failed: {e}")));
+        }
+        let mut s = self.stats.lock();
+        s.running = 0;
+        s.waiting = 0;
+    }
+
     /// Running sequence `i` sampled `token`: it takes it, and its caller hears of it (a
     /// prefill's with the prompt's state and its other choices' first tokens, `others`); one
     /// that ends is let go and listed in `finished`.
@@ -441,6 +484,7 @@ impl<M: ServedModel> Worker<M> {
                     logprobs: token_logprobs,
                     handoff,
                     others,
+                    prompt_logprobs: std::mem::take(&mut seq.scored),
                 },
                 Err(e) => {
                     tracing::error!(error = %e, "exporting a prompt's state failed");
@@ -449,6 +493,10 @@ impl<M: ServedModel> Worker<M> {
             };
             let _ = seq.tx.send(event);
             return;
+        }
+        if !seq.scored.is_empty() {
+            let scored = std::mem::take(&mut seq.scored);
+            let _ = seq.tx.send(EngineEvent::PromptLogprobs(scored));
         }
         let event = EngineEvent::Token {
             token_id: token,
@@ -507,5 +555,6 @@ fn placeholder() -> Seq {
         failure: None,
         tx,
         followers: Vec::new(),
+        scored: Vec::new(),
     }
 }
