@@ -150,6 +150,12 @@ fn run_case(mut prefill_args: Vec<String>, mut decode_args: Vec<String>) {
             let eos_trimmed: Vec<u64> = want.clone(); // t2 is not a special token of this tokenizer, so it shows in the text
             assert_eq!(got, eos_trimmed, "P/D tokens differ from the single-process run ({text:?})");
         }
+        // A KDA hybrid does not score prompts: `echo` with `logprobs` is a clear 400.
+        let body = json!({"model": "test-model", "prompt": prompts[0], "max_tokens": 2, "echo": true, "logprobs": 1});
+        let resp = c.post(format!("{url}/v1/completions")).json(&body).send().await.unwrap();
+        assert_eq!(resp.status(), 400);
+        let err: Value = resp.json().await.unwrap();
+        assert!(err["error"]["message"].as_str().is_some_and(|m| m.contains("prompt log-probabilities")), "{err}");
         let w = tandem_e2e::workers_when_idle(&c, &url).await;
         let workers = w["workers"].as_array().unwrap();
         assert!(tandem_e2e::pools_full(&w, Some(8)), "state slots not returned: {w}");
