@@ -22,9 +22,141 @@ fn tool_calls_validate_stream_round_trip_and_pd_equals_one_process() {
         router_args: template,
         ..ClusterOptions::default()
     });
-    let script = format!(
+    python(&script(&pd.url, &one.url, 64), &pd);
+    // SmolLM2's own template has no tools: said so, not ignored.
+    let plain = Cluster::start(ClusterOptions {
+        pd_pair: false,
+        aggregated: true,
+        ..ClusterOptions::default()
+    });
+    rt().block_on(async {
+        let c = reqwest::Client::new();
+        for url in [&pd.url, &one.url] {
+            let workers = tandem_e2e::workers_when_idle(&c, url).await;
+            assert!(tandem_e2e::pools_full(&workers, None), "{workers}");
+        }
+        let r = c
+            .post(format!("{}/v1/chat/completions", plain.url))
+            .json(
+                &serde_json::json!({"messages": [{"role": "user", "content": "hi"}],
+                "tools": [{"type": "function", "function": {"name": "f"}}]}),
+            )
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 400);
+        let body: serde_json::Value = r.json().await.unwrap();
+        assert!(
+            body["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("does not support tools"),
+            "{body}"
+        );
+    });
+}
+
+/// A KDA-hybrid checkpoint (the public tiny Kimi-Linear one) whose chat template speaks Kimi
+/// K2's tool-call markers: the same checks as SmolLM2's, through KDA state handoffs.
+#[test]
+fn kda_hybrid_tool_calls_with_a_kimi_template_validate_and_pd_equals_one_process() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("kimi-tools");
+    kimi_tiny_with_byte_tokenizer(&dir);
+    let options = ClusterOptions {
+        kv_blocks: 256,
+        model: Some(dir),
+        ..ClusterOptions::default()
+    };
+    let pd = Cluster::start(options.clone());
+    let one = Cluster::start(ClusterOptions {
+        pd_pair: false,
+        aggregated: true,
+        ..options
+    });
+    python(&script(&pd.url, &one.url, 320), &pd);
+    rt().block_on(async {
+        let c = reqwest::Client::new();
+        for url in [&pd.url, &one.url] {
+            let workers = tandem_e2e::workers_when_idle(&c, url).await;
+            assert!(tandem_e2e::pools_full(&workers, None), "{workers}");
+        }
+    });
+}
+
+/// The tiny Kimi-Linear checkpoint (vocabulary 512) with a byte-level tokenizer (ids 0..255
+/// are the bytes, so any text, JSON included, has tokens) and a chat template in Kimi K2's
+/// shape: tools declared in a system turn, calls as
+/// `<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:I<|tool_call_argument_begin|>
+/// ARGS<|tool_call_end|>…<|tool_calls_section_end|>`, results in `tool` turns.
+fn kimi_tiny_with_byte_tokenizer(dir: &std::path::Path) {
+    let reference = tandem_testkit::shared_dir().join("reference/kimi_tiny");
+    std::fs::create_dir_all(dir).unwrap();
+    for f in ["config.json", "model.safetensors", "generation_config.json"] {
+        std::fs::copy(reference.join(f), dir.join(f)).unwrap();
+    }
+    // Byte-level BPE without merges: each byte is the printable character GPT-2's byte map
+    // gives it (printable ASCII and Latin-1 stand for themselves, the rest from U+0100 on).
+    let mut next = 256u32;
+    let vocab: serde_json::Map<String, serde_json::Value> = (0u32..256)
+        .map(|b| {
+            let printable = (33..=126).contains(&b) || (161..=172).contains(&b) || b >= 174;
+            let c = if printable {
+                char::from_u32(b).unwrap()
+            } else {
+                next += 1;
+                char::from_u32(next - 1).unwrap()
+            };
+            (c.to_string(), serde_json::json!(b))
+        })
+        .collect();
+    let byte_level = serde_json::json!({"type": "ByteLevel", "add_prefix_space": false,
+        "trim_offsets": true, "use_regex": true});
+    let tokenizer = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+        "normalizer": null, "pre_tokenizer": byte_level, "post_processor": null,
+        "decoder": byte_level,
+        "model": {"type": "BPE", "dropout": null, "unk_token": null,
+                  "continuing_subword_prefix": null, "end_of_word_suffix": null,
+                  "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+                  "vocab": vocab, "merges": []}
+    });
+    std::fs::write(dir.join("tokenizer.json"), tokenizer.to_string()).unwrap();
+    let template = r#"
+{%- if tools -%}
+<|im_system|>tool_declare<|im_middle|>{{ tools | tojson }}<|im_end|>
+{%- endif -%}
+{%- for message in messages -%}
+{%- if message.role == 'tool' -%}
+<|im_system|>tool<|im_middle|>## Return of {{ message.tool_call_id }}
+{{ message.content }}<|im_end|>
+{%- elif message.role == 'assistant' -%}
+<|im_assistant|>assistant<|im_middle|>{{ message.content or '' }}
+{%- if message.tool_calls -%}
+<|tool_calls_section_begin|>
+{%- for call in message.tool_calls -%}
+<|tool_call_begin|>{{ call.id }}<|tool_call_argument_begin|>{{ call.function.arguments | tojson }}<|tool_call_end|>
+{%- endfor -%}
+<|tool_calls_section_end|>
+{%- endif -%}
+<|im_end|>
+{%- else -%}
+<|im_{{ message.role }}|>{{ message.role }}<|im_middle|>{{ message.content }}<|im_end|>
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"#;
+    let config = serde_json::json!({"chat_template": template, "eos_token": "\u{0102}",
+        "bos_token": "\u{0101}", "add_bos_token": false, "model_max_length": 4096});
+    std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).unwrap();
+}
+
+/// The official client's checks against a P/D cluster (`pd`) and a one-process one (`one`)
+/// serving the same model with a template that knows tools; answers of up to `max_tokens`.
+fn script(pd: &str, one: &str, max_tokens: u32) -> String {
+    format!(
         r##"
 import json, openai, jsonschema
+MODEL = openai.OpenAI(base_url="{pd}/v1", api_key="unused").models.list().data[0].id
 WEATHER = {{"type": "object", "properties": {{"city": {{"type": "string", "maxLength": 16}},
     "unit": {{"enum": ["celsius", "fahrenheit"]}}}}, "required": ["city", "unit"], "additionalProperties": False}}
 TIME = {{"type": "object", "properties": {{"zone": {{"type": "string", "maxLength": 12}}}}, "required": ["zone"],
@@ -38,8 +170,8 @@ ASK = [{{"role": "user", "content": "What is the weather in Paris right now?"}}]
 
 def ask(url, stream, messages=ASK, **kw):
     c = openai.OpenAI(base_url=url + "/v1", api_key="unused")
-    r = c.chat.completions.create(model="smollm2-135m-instruct", messages=messages, tools=TOOLS,
-                                  max_tokens=64, stream=stream, **kw)
+    r = c.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS,
+                                  max_tokens={max_tokens}, stream=stream, **kw)
     if not stream:
         m = r.choices[0].message
         calls = [(t.function.name, t.function.arguments, t.id) for t in (m.tool_calls or [])]
@@ -129,45 +261,11 @@ for tools, choice, says in [
         (TOOLS, {{"type": "function", "function": {{"name": "nope"}}}}, "tool_choice"),
         (TOOLS, "sometimes", "tool_choice")]:
     try:
-        c.chat.completions.create(model="smollm2-135m-instruct", messages=ASK, tools=tools, tool_choice=choice)
+        c.chat.completions.create(model=MODEL, messages=ASK, tools=tools, tool_choice=choice)
         raise SystemExit(f"{{tools}} {{choice}} was accepted")
     except openai.BadRequestError as e:
         assert e.body["param"] == says, e.body
         print("refused:", e.body["message"])
-"##,
-        pd = pd.url,
-        one = one.url
-    );
-    python(&script, &pd);
-    // SmolLM2's own template has no tools: said so, not ignored.
-    let plain = Cluster::start(ClusterOptions {
-        pd_pair: false,
-        aggregated: true,
-        ..ClusterOptions::default()
-    });
-    rt().block_on(async {
-        let c = reqwest::Client::new();
-        for url in [&pd.url, &one.url] {
-            let workers = tandem_e2e::workers_when_idle(&c, url).await;
-            assert!(tandem_e2e::pools_full(&workers, None), "{workers}");
-        }
-        let r = c
-            .post(format!("{}/v1/chat/completions", plain.url))
-            .json(
-                &serde_json::json!({"messages": [{"role": "user", "content": "hi"}],
-                "tools": [{"type": "function", "function": {"name": "f"}}]}),
-            )
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(r.status(), 400);
-        let body: serde_json::Value = r.json().await.unwrap();
-        assert!(
-            body["error"]["message"]
-                .as_str()
-                .unwrap()
-                .contains("does not support tools"),
-            "{body}"
-        );
-    });
+"##
+    )
 }
