@@ -60,9 +60,21 @@ fn tool_calls_validate_stream_round_trip_and_pd_equals_one_process() {
 /// K2's tool-call markers: the same checks as SmolLM2's, through KDA state handoffs.
 #[test]
 fn kda_hybrid_tool_calls_with_a_kimi_template_validate_and_pd_equals_one_process() {
+    kda_hybrid_tool_calls("kimi_tiny", KIMI_TEMPLATE);
+}
+
+/// The same checkpoint with a template in GLM-4.5's `<arg_key>`/`<arg_value>` call shape.
+/// (The tiny GLM-5-style reference serves 256 tokens, its indexer's exact top-k, too few for
+/// these prompts at a byte a token.)
+#[test]
+fn kda_hybrid_tool_calls_with_a_glm_template_validate_and_pd_equals_one_process() {
+    kda_hybrid_tool_calls("kimi_tiny", GLM_TEMPLATE);
+}
+
+fn kda_hybrid_tool_calls(reference: &str, template: &str) {
     let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("kimi-tools");
-    kimi_tiny_with_byte_tokenizer(&dir);
+    let dir = tmp.path().join(format!("{reference}-tools"));
+    kda_tiny_with_byte_tokenizer(reference, template, &dir);
     let options = ClusterOptions {
         kv_blocks: 256,
         model: Some(dir),
@@ -84,13 +96,67 @@ fn kda_hybrid_tool_calls_with_a_kimi_template_validate_and_pd_equals_one_process
     });
 }
 
-/// The tiny Kimi-Linear checkpoint (vocabulary 512) with a byte-level tokenizer (ids 0..255
-/// are the bytes, so any text, JSON included, has tokens) and a chat template in Kimi K2's
-/// shape: tools declared in a system turn, calls as
-/// `<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:I<|tool_call_argument_begin|>
-/// ARGS<|tool_call_end|>…<|tool_calls_section_end|>`, results in `tool` turns.
-fn kimi_tiny_with_byte_tokenizer(dir: &std::path::Path) {
-    let reference = tandem_testkit::shared_dir().join("reference/kimi_tiny");
+/// A chat template in Kimi K2's shape: tools declared in a system turn, calls as
+/// `<|tool_calls_section_begin|><|tool_call_begin|>ID<|tool_call_argument_begin|>ARGS
+/// <|tool_call_end|>…<|tool_calls_section_end|>`, results in `tool` turns.
+const KIMI_TEMPLATE: &str = r#"
+{%- if tools -%}
+<|im_system|>tool_declare<|im_middle|>{{ tools | tojson }}<|im_end|>
+{%- endif -%}
+{%- for message in messages -%}
+{%- if message.role == 'tool' -%}
+<|im_system|>tool<|im_middle|>## Return of {{ message.tool_call_id }}
+{{ message.content }}<|im_end|>
+{%- elif message.role == 'assistant' -%}
+<|im_assistant|>assistant<|im_middle|>{{ message.content or '' }}
+{%- if message.tool_calls -%}
+<|tool_calls_section_begin|>
+{%- for call in message.tool_calls -%}
+<|tool_call_begin|>{{ call.id }}<|tool_call_argument_begin|>{{ call.function.arguments | tojson }}<|tool_call_end|>
+{%- endfor -%}
+<|tool_calls_section_end|>
+{%- endif -%}
+<|im_end|>
+{%- else -%}
+<|im_{{ message.role }}|>{{ message.role }}<|im_middle|>{{ message.content }}<|im_end|>
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"#;
+
+/// A chat template in GLM-4.5's shape: calls as `<tool_call>NAME<arg_key>K</arg_key>
+/// <arg_value>V</arg_value>…</tool_call>`, results as observations.
+const GLM_TEMPLATE: &str = r#"
+{%- if tools -%}
+<|system|>
+# Tools
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}Call a function as <tool_call>NAME<arg_key>KEY</arg_key><arg_value>VALUE</arg_value></tool_call>.
+{%- endif -%}
+{%- for message in messages -%}
+{%- if message.role == 'tool' -%}
+<|observation|><tool_response>{{ message.content }}</tool_response>
+{%- elif message.role == 'assistant' -%}
+<|assistant|>{{ message.content or '' }}
+{%- for call in message.tool_calls or [] -%}
+<tool_call>{{ call.function.name }}
+{%- for key, value in call.function.arguments.items() -%}
+<arg_key>{{ key }}</arg_key><arg_value>{{ value if value is string else value | tojson }}</arg_value>
+{%- endfor -%}
+</tool_call>
+{%- endfor -%}
+{%- else -%}
+<|{{ message.role }}|>{{ message.content }}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}<|assistant|>{%- endif -%}"#;
+
+/// Reference checkpoint `reference` (a tiny KDA hybrid, vocabulary 512, EOS 2) with a
+/// byte-level tokenizer (ids 0..255 are the bytes, so any text, JSON included, has tokens)
+/// and chat template `template`.
+fn kda_tiny_with_byte_tokenizer(reference: &str, template: &str, dir: &std::path::Path) {
+    let reference = tandem_testkit::shared_dir()
+        .join("reference")
+        .join(reference);
     std::fs::create_dir_all(dir).unwrap();
     for f in ["config.json", "model.safetensors", "generation_config.json"] {
         std::fs::copy(reference.join(f), dir.join(f)).unwrap();
@@ -122,29 +188,6 @@ fn kimi_tiny_with_byte_tokenizer(dir: &std::path::Path) {
                   "vocab": vocab, "merges": []}
     });
     std::fs::write(dir.join("tokenizer.json"), tokenizer.to_string()).unwrap();
-    let template = r#"
-{%- if tools -%}
-<|im_system|>tool_declare<|im_middle|>{{ tools | tojson }}<|im_end|>
-{%- endif -%}
-{%- for message in messages -%}
-{%- if message.role == 'tool' -%}
-<|im_system|>tool<|im_middle|>## Return of {{ message.tool_call_id }}
-{{ message.content }}<|im_end|>
-{%- elif message.role == 'assistant' -%}
-<|im_assistant|>assistant<|im_middle|>{{ message.content or '' }}
-{%- if message.tool_calls -%}
-<|tool_calls_section_begin|>
-{%- for call in message.tool_calls -%}
-<|tool_call_begin|>{{ call.id }}<|tool_call_argument_begin|>{{ call.function.arguments | tojson }}<|tool_call_end|>
-{%- endfor -%}
-<|tool_calls_section_end|>
-{%- endif -%}
-<|im_end|>
-{%- else -%}
-<|im_{{ message.role }}|>{{ message.role }}<|im_middle|>{{ message.content }}<|im_end|>
-{%- endif -%}
-{%- endfor -%}
-{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"#;
     let config = serde_json::json!({"chat_template": template, "eos_token": "\u{0102}",
         "bos_token": "\u{0101}", "add_bos_token": false, "model_max_length": 4096});
     std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).unwrap();

@@ -27,6 +27,9 @@ pub enum ToolFormat {
     /// Kimi K2 / Kimi-Linear: `<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:I
     /// <|tool_call_argument_begin|>{…}<|tool_call_end|>…<|tool_calls_section_end|>`.
     KimiK2,
+    /// GLM-4.5 and later (GLM-4-MoE): `<tool_call>NAME<arg_key>K</arg_key><arg_value>V
+    /// </arg_value>…</tool_call>`, each value JSON where it reads as JSON, else a string.
+    Glm,
 }
 
 impl ToolFormat {
@@ -35,6 +38,8 @@ impl ToolFormat {
     pub fn detect(template_source: &str) -> Option<Self> {
         if template_source.contains("<|tool_call_begin|>") {
             Some(Self::KimiK2)
+        } else if template_source.contains("<arg_key>") {
+            Some(Self::Glm)
         } else if template_source.contains("<tool_call>") {
             Some(Self::Hermes)
         } else {
@@ -45,7 +50,7 @@ impl ToolFormat {
     /// Where a call starts and ends in the text; markers that only group calls (dropped).
     fn markup(self) -> Markup {
         match self {
-            Self::Hermes => Markup {
+            Self::Hermes | Self::Glm => Markup {
                 open: "<tool_call>",
                 close: "</tool_call>",
                 dropped: &[],
@@ -85,6 +90,25 @@ impl ToolFormat {
                 serde_json::from_str::<Value>(arguments).ok()?;
                 (!name.is_empty())
                     .then(|| (Some(id.to_owned()), name.to_owned(), arguments.to_owned()))
+            }
+            Self::Glm => {
+                let (name, mut rest) = body
+                    .split_once("<arg_key>")
+                    .map_or((body, ""), |(n, r)| (n, r));
+                let name = name.trim();
+                let mut arguments = Map::new();
+                while !rest.is_empty() {
+                    let (key, after) = rest.split_once("</arg_key>")?;
+                    let (_, after) = after.split_once("<arg_value>")?;
+                    let (value, after) = after.split_once("</arg_value>")?;
+                    let value = value.trim();
+                    let value = serde_json::from_str(value)
+                        .unwrap_or_else(|_| Value::String(value.to_owned()));
+                    arguments.insert(key.trim().to_owned(), value);
+                    rest = after.split_once("<arg_key>").map_or("", |(_, r)| r);
+                }
+                let valid = !name.is_empty() && !name.contains(char::is_whitespace);
+                valid.then(|| (None, name.to_owned(), Value::Object(arguments).to_string()))
             }
         }
     }

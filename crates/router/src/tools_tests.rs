@@ -319,3 +319,39 @@ fn message_calls_reach_templates_with_parsed_arguments() {
         .to_string()
         .contains("not JSON"));
 }
+
+#[test]
+fn glm_calls_read_their_key_value_arguments() {
+    let text = "Looking it up. <tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Oslo</arg_value>\n\
+                <arg_key>days</arg_key><arg_value>3</arg_value>\n</tool_call><tool_call>get_time</tool_call>";
+    for step in [1, 5, 1000] {
+        let (content, calls) = gather(read(ToolMode::Auto(ToolFormat::Glm), text, step));
+        assert_eq!(content.as_deref(), Some("Looking it up."), "step {step}");
+        let got: Vec<(&str, Value)> = calls
+            .iter()
+            .map(|c| {
+                (
+                    c.function.name.as_str(),
+                    serde_json::from_str(&c.function.arguments).expect("JSON arguments"),
+                )
+            })
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                ("get_weather", json!({"city": "Oslo", "days": 3})),
+                ("get_time", json!({}))
+            ],
+            "step {step}"
+        );
+    }
+    // A body that is not a call (no name, or a broken pair) stays text.
+    let broken = "<tool_call><arg_key>city</arg_key></tool_call>";
+    let (content, calls) = gather(read(ToolMode::Auto(ToolFormat::Glm), broken, 1000));
+    assert!(calls.is_empty(), "{calls:?}");
+    assert_eq!(content.as_deref(), Some(broken));
+    assert_eq!(
+        ToolFormat::detect("{{ '<tool_call>' + tc.name }}<arg_key>{{ k }}</arg_key>"),
+        Some(ToolFormat::Glm)
+    );
+}
