@@ -250,6 +250,48 @@ fn choices_of_one_prompt_on_cuda_equal_each_seed_alone() {
     assert_eq!(free, total, "blocks leaked");
 }
 
+/// Prompt log-probabilities (`echo` with `logprobs`) on the device, scored on logits rows
+/// beside the sampled ones over several chunks (`max_running` 4: four rows a step), equal the
+/// CPU engine's.
+#[test]
+fn prompt_logprobs_on_cuda_match_the_cpu_engine() {
+    let Some(g) = gpu() else { return };
+    let dir = synth("tiny");
+    let config = EngineConfig {
+        max_running: 4,
+        ..EngineConfig::default()
+    };
+    let cuda = Engine::start(
+        LlamaModel::load(dir.path(), g, DType::F32).expect("load"),
+        config.clone(),
+    );
+    let cpu = Engine::start(
+        LlamaModel::load(dir.path(), tandem_engine::CpuBackend::new(), DType::F32).expect("load"),
+        config,
+    );
+    let prompt: Vec<u32> = (0..30u32).map(|i| (i * 29) % 400 + 3).collect();
+    let params = SamplingParams {
+        prompt_logprobs: Some(3),
+        ..SamplingParams::greedy(4)
+    };
+    let scored = |e: &Engine| {
+        let mut rx = e
+            .submit(prompt.clone(), params.clone(), SeqKind::Generate)
+            .expect("submitted");
+        match rx.blocking_recv() {
+            Some(EngineEvent::PromptLogprobs(lps)) => lps,
+            other => panic!("expected the prompt's log-probabilities, got {other:?}"),
+        }
+    };
+    let (a, b) = (scored(&cuda), scored(&cpu));
+    assert_eq!(a.len(), prompt.len() - 1);
+    for (x, y) in a.iter().zip(&b) {
+        assert!((x.logprob - y.logprob).abs() < 1e-3, "{x:?} vs {y:?}");
+        assert_eq!(x.top.len(), 3);
+        assert_eq!(x.top[0].0, y.top[0].0);
+    }
+}
+
 /// SmolLM2's tokenizer: `TANDEM_TEST_TOKENIZER` (the GPU bundle sets it), else the pulled
 /// model's.
 fn smollm2_tokenizer() -> Option<std::path::PathBuf> {
