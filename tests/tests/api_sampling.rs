@@ -33,6 +33,15 @@ fn pd_and_one() -> (Cluster, Cluster) {
     (pd, one)
 }
 
+/// Two lists of log-probabilities of the same tokens agree (P/D against one process).
+fn close(a: &Value, b: &Value) -> bool {
+    let (a, b) = (a.as_array().unwrap(), b.as_array().unwrap());
+    a.len() == b.len()
+        && a.iter()
+            .zip(b)
+            .all(|(a, b)| (a.as_f64().unwrap() - b.as_f64().unwrap()).abs() < 1e-3)
+}
+
 fn text(v: &Value) -> String {
     v["choices"][0]["text"].as_str().expect("text").to_string()
 }
@@ -209,13 +218,12 @@ fn logprobs_follow_openai_shapes_and_pd_equals_one_process() {
             }
             got.push(lp["token_logprobs"].clone());
         }
-        let close = got[0]
-            .as_array()
-            .unwrap()
-            .iter()
-            .zip(got[1].as_array().unwrap())
-            .all(|(a, b)| (a.as_f64().unwrap() - b.as_f64().unwrap()).abs() < 1e-3);
-        assert!(close, "P/D {} vs one process {}", got[0], got[1]);
+        assert!(
+            close(&got[0], &got[1]),
+            "P/D {} vs one process {}",
+            got[0],
+            got[1]
+        );
         // `echo` with `logprobs`: the prompt's tokens first (the first one's null), computed
         // by the prefill worker on P/D; the same as one process, and the answer's entries the
         // same as without `echo`.
@@ -256,13 +264,12 @@ fn logprobs_follow_openai_shapes_and_pd_equals_one_process() {
             );
             echoed.push(Value::from(entries[1..prompt_tokens].to_vec()));
         }
-        let close = echoed[0]
-            .as_array()
-            .unwrap()
-            .iter()
-            .zip(echoed[1].as_array().unwrap())
-            .all(|(a, b)| (a.as_f64().unwrap() - b.as_f64().unwrap()).abs() < 1e-3);
-        assert!(close, "P/D {} vs one process {}", echoed[0], echoed[1]);
+        assert!(
+            close(&echoed[0], &echoed[1]),
+            "P/D {} vs one process {}",
+            echoed[0],
+            echoed[1]
+        );
         for url in [&pd_url, &one_url] {
             let workers = tandem_e2e::workers_when_idle(&c, url).await;
             assert!(tandem_e2e::pools_full(&workers, None), "{workers}");

@@ -766,20 +766,12 @@ impl Shape {
                 vec![self.chunk(delta, &[], None, None)]
             }
             Endpoint::Completions => match self.echo.borrow_mut().take() {
-                Some(prompt) => vec![json_event(&Completion {
-                    id: self.id.clone(),
-                    object: "text_completion",
-                    created: self.created,
-                    model: self.model.clone(),
-                    system_fingerprint: SYSTEM_FINGERPRINT,
-                    choices: vec![CompletionChoice {
-                        index: self.index,
-                        text: prompt,
-                        logprobs: self.echo_logprobs(scored),
-                        finish_reason: None,
-                        stop_reason: None,
-                    }],
-                    usage: self.include_usage.then_some(None),
+                Some(prompt) => vec![self.completion_chunk(CompletionChoice {
+                    index: self.index,
+                    text: prompt,
+                    logprobs: self.echo_logprobs(scored),
+                    finish_reason: None,
+                    stop_reason: None,
                 })],
                 None => Vec::new(),
             },
@@ -874,24 +866,29 @@ impl Shape {
                 }],
                 usage,
             }),
-            Endpoint::Completions => json_event(&Completion {
-                id: self.id.clone(),
-                object: "text_completion",
-                created: self.created,
-                model: self.model.clone(),
-                system_fingerprint: SYSTEM_FINGERPRINT,
-                choices: vec![CompletionChoice {
-                    index: self.index,
-                    text: delta.content.unwrap_or_default(),
-                    logprobs: self
-                        .completion_logprobs(logprobs)
-                        .filter(|_| some(logprobs)),
-                    finish_reason,
-                    stop_reason,
-                }],
-                usage,
+            Endpoint::Completions => self.completion_chunk(CompletionChoice {
+                index: self.index,
+                text: delta.content.unwrap_or_default(),
+                logprobs: self
+                    .completion_logprobs(logprobs)
+                    .filter(|_| some(logprobs)),
+                finish_reason,
+                stop_reason,
             }),
         }
+    }
+
+    /// A completions stream's chunk of `choice`.
+    fn completion_chunk(&self, choice: CompletionChoice) -> Event {
+        json_event(&Completion {
+            id: self.id.clone(),
+            object: "text_completion",
+            created: self.created,
+            model: self.model.clone(),
+            system_fingerprint: SYSTEM_FINGERPRINT,
+            choices: vec![choice],
+            usage: self.include_usage.then_some(None),
+        })
     }
 
     /// The final `usage` chunk (`choices: []`).
