@@ -171,7 +171,18 @@ try:
     raise SystemExit("presence_penalty 3 was accepted")
 except openai.BadRequestError as e:
     assert "presence_penalty" in str(e), e
-print("ok", repr(a))
+# n = 3 with a seed: three distinct samples, the same again; best_of = 3 picks one of them.
+c = openai.OpenAI(base_url="{pd}/v1", api_key="unused")
+ask = dict(model="smollm2-135m-instruct", prompt="Once upon a time", max_tokens=8, temperature=1.0, seed=5)
+three = c.completions.create(n=3, **ask)
+texts = [ch.text for ch in three.choices]
+assert [ch.index for ch in three.choices] == [0, 1, 2] and len(set(texts)) > 1, three
+assert [ch.text for ch in c.completions.create(n=3, **ask).choices] == texts
+alone = c.completions.create(**ask)
+assert three.usage.prompt_tokens == alone.usage.prompt_tokens, (three.usage, alone.usage)
+best = c.completions.create(n=1, best_of=3, **ask)
+assert len(best.choices) == 1 and best.choices[0].text in texts, (best, texts)
+print("ok", repr(a), texts)
 "#,
         pd = pd.url,
         one = one.url
