@@ -42,6 +42,16 @@ fn close(a: &Value, b: &Value) -> bool {
             .all(|(a, b)| (a.as_f64().unwrap() - b.as_f64().unwrap()).abs() < 1e-3)
 }
 
+/// Every choice's text, in order.
+fn texts(v: &Value) -> Vec<String> {
+    v["choices"]
+        .as_array()
+        .expect("choices")
+        .iter()
+        .map(|c| c["text"].as_str().unwrap_or_default().to_string())
+        .collect()
+}
+
 fn text(v: &Value) -> String {
     v["choices"][0]["text"].as_str().expect("text").to_string()
 }
@@ -109,14 +119,6 @@ fn sampling_controls_change_the_output_and_pd_equals_one_process() {
         }
         // n = 3 with a seed: three reproducible samples, the same through P/D and one process.
         let three = json!({"n": 3, "seed": 11, "temperature": 1.3, "max_tokens": 12});
-        let texts = |v: &Value| -> Vec<String> {
-            v["choices"]
-                .as_array()
-                .expect("choices")
-                .iter()
-                .map(|c| c["text"].as_str().unwrap_or_default().to_string())
-                .collect()
-        };
         let a = complete(&c, &pd_url, three.clone()).await;
         let b = complete(&c, &one_url, three.clone()).await;
         let again = complete(&c, &pd_url, three.clone()).await;
@@ -450,14 +452,6 @@ fn n_choices_share_one_prefill_and_each_equals_its_seed_alone() {
         let body = |n: u32, seed: u64| {
             json!({"prompt": prompt, "n": n, "seed": seed, "temperature": 1.1,
                    "max_tokens": 10, "ignore_eos": true})
-        };
-        let texts = |v: &Value| -> Vec<String> {
-            v["choices"]
-                .as_array()
-                .expect("choices")
-                .iter()
-                .map(|c| c["text"].as_str().unwrap_or_default().to_string())
-                .collect()
         };
         let mut answers = Vec::new();
         for (url, worker) in [(&pd_url, &prefill), (&one_url, &aggregated)] {

@@ -73,13 +73,7 @@ struct Sequence {
     greedy: Vec<u32>,
 }
 
-fn ids(v: &serde_json::Value) -> Vec<u32> {
-    v.as_array()
-        .expect("id list")
-        .iter()
-        .map(|x| u32::try_from(x.as_u64().expect("id")).expect("id fits u32"))
-        .collect()
-}
+use tandem_testkit::ids;
 
 fn argmax(v: &[f32]) -> u32 {
     let best = v

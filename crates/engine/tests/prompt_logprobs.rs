@@ -10,13 +10,7 @@ use tandem_engine::kda_hybrid::KdaHybridModel;
 use tandem_engine::kda_runner::{KdaModel, KdaServed};
 use tandem_engine::{CpuBackend, DType, Engine, EngineConfig, EngineEvent, LlamaModel, SeqKind};
 
-fn ids(v: &serde_json::Value) -> Vec<u32> {
-    v.as_array()
-        .expect("id list")
-        .iter()
-        .map(|x| x.as_u64().expect("id") as u32)
-        .collect()
-}
+use tandem_testkit::ids;
 
 fn smollm2(max_running: usize) -> Engine {
     let dir = tandem_testkit::smollm2_dir();

@@ -6,13 +6,7 @@ use tandem_engine::{
     CpuBackend, DType, Engine, EngineConfig, EngineEvent, KvCache, LlamaModel, SeqKind,
 };
 
-fn ids(v: &serde_json::Value) -> Vec<u32> {
-    v.as_array()
-        .expect("id list")
-        .iter()
-        .map(|x| x.as_u64().expect("id") as u32)
-        .collect()
-}
+use tandem_testkit::ids;
 
 fn generate(engine: &Engine, prompt: Vec<u32>, max_tokens: u32) -> Vec<u32> {
     let rx = engine

@@ -44,6 +44,18 @@ pub fn shared_dir() -> PathBuf {
     panic!("shared/ reference folder not found next to the repository; set TANDEM_SHARED_DIR")
 }
 
+/// A JSON list of token ids (as the reference files write them).
+///
+/// # Panics
+/// If `v` is not a list of non-negative integers.
+pub fn ids(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array()
+        .expect("id list")
+        .iter()
+        .map(|x| u32::try_from(x.as_u64().expect("id")).expect("id fits u32"))
+        .collect()
+}
+
 /// `shared/reference/smollm2/greedy.json`, parsed.
 pub fn smollm2_greedy_reference() -> serde_json::Value {
     let path = shared_dir().join("reference/smollm2/greedy.json");

@@ -184,6 +184,33 @@ struct Follower {
 }
 
 impl Seq {
+    /// A sequence of `tokens` (the prompt's first `prompt_len`) that holds nothing yet.
+    fn new(
+        tokens: Vec<u32>,
+        prompt_len: usize,
+        params: SamplingParams,
+        eos_ids: Vec<u32>,
+        prefill_only: bool,
+        tx: UnboundedSender<EngineEvent>,
+    ) -> Self {
+        Seq {
+            tokens,
+            prompt_len,
+            stop_ids: stop_ids(&params, &eos_ids),
+            eos_ids,
+            params,
+            prefill_only,
+            cached: 0,
+            reservation: None,
+            import: None,
+            constraint: None,
+            failure: None,
+            tx,
+            followers: Vec::new(),
+            scored: Vec::new(),
+        }
+    }
+
     /// The sampling row of this sequence (or of a choice following it: its `params`,
     /// `stop_ids` and grammar) for its next token.
     fn sample_row<'a>(
@@ -512,22 +539,9 @@ impl Engine {
         let params = choices.next().expect("checked: one choice at least");
         let (tx, rx) = unbounded_channel();
         let mut receivers = vec![rx];
-        let mut seq = Seq {
-            tokens: prompt,
-            prompt_len,
-            stop_ids: stop_ids(&params, &self.info.eos_ids),
-            eos_ids: self.info.eos_ids.clone(),
-            params,
-            prefill_only: matches!(kind, SeqKind::Prefill),
-            cached: 0,
-            reservation: None,
-            import: None,
-            constraint: None,
-            failure: None,
-            tx,
-            followers: Vec::new(),
-            scored: Vec::new(),
-        };
+        let prefill_only = matches!(kind, SeqKind::Prefill);
+        let eos_ids = self.info.eos_ids.clone();
+        let mut seq = Seq::new(prompt, prompt_len, params, eos_ids, prefill_only, tx);
         let mut forks = Vec::new();
         match kind {
             SeqKind::Decode {

@@ -541,20 +541,12 @@ impl Follower {
 /// at the end of the step.
 fn placeholder() -> Seq {
     let (tx, _) = unbounded_channel();
-    Seq {
-        tokens: Vec::new(),
-        prompt_len: 0,
-        params: SamplingParams::greedy(1),
-        stop_ids: Vec::new(),
-        eos_ids: Vec::new(),
-        prefill_only: false,
-        cached: 0,
-        reservation: None,
-        import: None,
-        constraint: None,
-        failure: None,
+    Seq::new(
+        Vec::new(),
+        0,
+        SamplingParams::greedy(1),
+        Vec::new(),
+        false,
         tx,
-        followers: Vec::new(),
-        scored: Vec::new(),
-    }
+    )
 }

@@ -294,13 +294,16 @@ impl Shape {
                 vec![self.chunk(delta, &[], None, None)]
             }
             Endpoint::Completions => match self.echo.borrow_mut().take() {
-                Some(prompt) => vec![self.completion_chunk(CompletionChoice {
-                    index: self.index,
-                    text: prompt,
-                    logprobs: self.echo_logprobs(scored),
-                    finish_reason: None,
-                    stop_reason: None,
-                })],
+                Some(prompt) => vec![self.completion_chunk(
+                    vec![CompletionChoice {
+                        index: self.index,
+                        text: prompt,
+                        logprobs: self.echo_logprobs(scored),
+                        finish_reason: None,
+                        stop_reason: None,
+                    }],
+                    self.include_usage.then_some(None),
+                )],
                 None => Vec::new(),
             },
         }
@@ -402,28 +405,35 @@ impl Shape {
                 }],
                 usage,
             }),
-            Endpoint::Completions => self.completion_chunk(CompletionChoice {
-                index: self.index,
-                text: delta.content.unwrap_or_default(),
-                logprobs: self
-                    .completion_logprobs(logprobs)
-                    .filter(|_| some(logprobs)),
-                finish_reason,
-                stop_reason,
-            }),
+            Endpoint::Completions => self.completion_chunk(
+                vec![CompletionChoice {
+                    index: self.index,
+                    text: delta.content.unwrap_or_default(),
+                    logprobs: self
+                        .completion_logprobs(logprobs)
+                        .filter(|_| some(logprobs)),
+                    finish_reason,
+                    stop_reason,
+                }],
+                usage,
+            ),
         }
     }
 
-    /// A completions stream's chunk of `choice`.
-    pub(super) fn completion_chunk(&self, choice: CompletionChoice) -> Event {
+    /// A completions stream's chunk of `choices` with `usage` (`Some(None)`: `null`).
+    pub(super) fn completion_chunk(
+        &self,
+        choices: Vec<CompletionChoice>,
+        usage: Option<Option<Usage>>,
+    ) -> Event {
         json_event(&Completion {
             id: self.id.clone(),
             object: "text_completion",
             created: self.created,
             model: self.model.clone(),
             system_fingerprint: SYSTEM_FINGERPRINT,
-            choices: vec![choice],
-            usage: self.include_usage.then_some(None),
+            choices,
+            usage,
         })
     }
 
@@ -440,15 +450,7 @@ impl Shape {
                 choices: Vec::new(),
                 usage,
             }),
-            Endpoint::Completions => json_event(&Completion {
-                id: self.id.clone(),
-                object: "text_completion",
-                created: self.created,
-                model: self.model.clone(),
-                system_fingerprint: SYSTEM_FINGERPRINT,
-                choices: Vec::new(),
-                usage,
-            }),
+            Endpoint::Completions => self.completion_chunk(Vec::new(), usage),
         }
     }
 }
