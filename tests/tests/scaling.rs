@@ -442,3 +442,66 @@ fn the_in_flight_table_shows_a_stream_while_it_runs_and_forgets_it_after() {
         assert_eq!(table["count"], 0, "{table}");
     });
 }
+
+/// The only decode worker dies and a new one registers a few seconds later (a restart, a
+/// rescheduled pod): requests that arrive in between wait for it (`retry.outage_wait`, on by
+/// default) and are answered with the fault-free text, streamed and whole, instead of failing
+/// with "no workers".
+#[test]
+fn requests_sent_while_the_only_decode_worker_is_down_are_served_when_one_is_back() {
+    let mut cluster = Cluster::start(ClusterOptions {
+        discovery: true,
+        ..ClusterOptions::default()
+    });
+    let url = cluster.url.clone();
+    let runtime = rt();
+    let c = reqwest::Client::new();
+    let expected = runtime.block_on(fault_free(&c, &url, "The weather today", 8));
+    cluster.signal("decode", "KILL");
+    cluster.wait_exit("decode", Duration::from_secs(30));
+    let waiting: Vec<_> = [false, true]
+        .into_iter()
+        .map(|stream| {
+            let (c, url) = (c.clone(), url.clone());
+            runtime.spawn(async move {
+                let resp = c
+                    .post(format!("{url}/v1/completions"))
+                    .json(&completion("The weather today", 8, stream))
+                    .send()
+                    .await
+                    .unwrap();
+                let status = resp.status().as_u16();
+                (status, text_of(resp, stream).await)
+            })
+        })
+        .collect();
+    // Both requests are waiting before the replacement starts (the router says so once per
+    // request), so they cannot have been served by it without waiting.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while cluster
+        .log("router")
+        .matches("waiting for one to come back")
+        .count()
+        < 2
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the requests did not wait for a worker:\n{}",
+            cluster.log("router")
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    cluster.add_worker("decode-back", "decode");
+    for (i, w) in waiting.into_iter().enumerate() {
+        let (status, text) = runtime.block_on(w).unwrap();
+        assert_eq!(status, 200, "request {i}:\n{}", cluster.log("router"));
+        assert_eq!(text.as_deref(), Some(expected.as_str()), "request {i}");
+    }
+    assert!(
+        cluster
+            .log("router")
+            .contains("a worker is back: the request goes on"),
+        "{}",
+        cluster.log("router")
+    );
+}

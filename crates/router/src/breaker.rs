@@ -91,6 +91,15 @@ impl Breaker {
         };
     }
 
+    /// The worker answers again (its health check) at `now`: an open breaker lets the next
+    /// request through as a probe instead of waiting out its cooldown.
+    pub fn on_recovered(&mut self, now: Instant) {
+        if self.open_until.is_some() {
+            self.open_until = Some(now);
+            self.probing = false;
+        }
+    }
+
     /// A request was routed here but never reached the worker (the other leg failed first):
     /// a pending probe is withdrawn so the next request probes again.
     pub fn on_untested(&mut self) {
@@ -160,6 +169,26 @@ mod tests {
         b.on_failure(ErrorClass::Unavailable, again, p);
         b.on_failure(ErrorClass::Unavailable, again, p);
         assert_eq!(b.ejections(), 2, "the count outlives a success");
+    }
+
+    #[test]
+    fn a_recovered_worker_is_probed_before_its_cooldown_ends() {
+        let policy = BreakerPolicy {
+            threshold: 1,
+            cooldown: Duration::from_secs(60),
+        };
+        let t0 = Instant::now();
+        let mut b = Breaker::default();
+        b.on_recovered(t0);
+        assert_eq!(b.admit(t0), Admit::Yes, "a closed breaker stays closed");
+        b.on_failure(ErrorClass::Unavailable, t0, policy);
+        assert_eq!(b.admit(t0), Admit::No);
+        let t1 = t0 + Duration::from_secs(1);
+        b.on_recovered(t1);
+        assert_eq!(b.admit(t1), Admit::Probe, "one request probes at once");
+        assert_eq!(b.admit(t1), Admit::No, "and only one");
+        b.on_success();
+        assert_eq!(b.admit(t1), Admit::Yes);
     }
 
     #[test]

@@ -104,6 +104,13 @@ pub struct RetryConfig {
     /// Moves to another pair a request may make after its stream broke mid-generation
     /// (0: none; the stream then ends with the error).
     pub migration_limit: u32,
+    /// How long a request whose attempts found no worker to serve it (every one
+    /// unreachable or ejected, or none listed) waits for one to come back, e.g. the only
+    /// decode worker restarting, before it fails (0: it fails at once). Bounded by
+    /// `timeouts.request`; keep it below `timeouts.inter_token` so a stream that migrates
+    /// during an outage keeps its pace limit.
+    #[serde(with = "humantime_serde")]
+    pub outage_wait: Duration,
 }
 
 impl Default for RetryConfig {
@@ -112,6 +119,7 @@ impl Default for RetryConfig {
             attempts: 3,
             backoff: Duration::from_millis(50),
             migration_limit: 3,
+            outage_wait: crate::pd::DEFAULT_OUTAGE_WAIT,
         }
     }
 }

@@ -156,6 +156,7 @@ pub async fn run_from_config(
                 attempts: config.retry.attempts,
                 backoff: config.retry.backoff,
                 migration_limit: config.retry.migration_limit,
+                outage_wait: config.retry.outage_wait,
             },
         )
         .with_timeouts(config.timeouts)

@@ -10,7 +10,7 @@ use crate::generator::{
 };
 use crate::legs::{try_aggregated, try_pair, Budget, Leg};
 pub use crate::workers::{classify_status, Pools, WorkerHandle};
-use crate::workers::{Outcome, LOAD_RELEASED};
+use crate::workers::{Outcome, LOAD_RELEASED, WORKERS_CHANGED};
 use futures::StreamExt;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
@@ -26,6 +26,10 @@ pub struct RetryPolicy {
     pub backoff: Duration,
     /// Moves after tokens were streamed (see `resuming`).
     pub migration_limit: u32,
+    /// How long a request whose attempts all found no worker to serve it (unreachable,
+    /// ejected, or none listed) waits for one to come back before it fails (zero: it
+    /// fails at once); within the request's deadline.
+    pub outage_wait: Duration,
 }
 
 impl Default for RetryPolicy {
@@ -34,9 +38,14 @@ impl Default for RetryPolicy {
             attempts: 3,
             backoff: Duration::from_millis(50),
             migration_limit: 3,
+            outage_wait: DEFAULT_OUTAGE_WAIT,
         }
     }
 }
+
+/// The default [`RetryPolicy::outage_wait`]: long enough for a restarted worker to load a
+/// small model, below the default inter-token limit (a migrating stream waits too).
+pub const DEFAULT_OUTAGE_WAIT: Duration = Duration::from_secs(20);
 
 /// Generator that runs each request on a prefill worker and a decode worker.
 #[derive(Debug)]
@@ -212,6 +221,7 @@ impl PdGenerator {
             Ok(mut p) => *p = pools,
             Err(e) => *e.into_inner() = pools,
         }
+        WORKERS_CHANGED.notify_waiters();
     }
 
     /// Keeps the pools equal to what `discovery` reports, until the source goes away.
@@ -248,12 +258,16 @@ impl PdGenerator {
                 list.iter().map(move |w| async move {
                     let stats = match tokio::time::timeout(interval, w.stats()).await {
                         Ok(Ok(s)) => {
+                            w.set_reachable(true);
                             w.set_draining(s.draining);
                             w.kv_free
                                 .store(u64::from(s.kv_blocks_free), Ordering::Relaxed);
                             Some(s)
                         }
-                        _ => None,
+                        _ => {
+                            w.set_reachable(false);
+                            None
+                        }
                     };
                     crate::pool_metrics::WorkerSample {
                         role,
@@ -321,10 +335,8 @@ impl PdGenerator {
         n: u32,
     ) -> Result<Vec<TokenStream>, GenerateError> {
         let base = self.next.fetch_add(1, Ordering::Relaxed);
-        let routes = self.pools().routes();
-        if routes == 0 {
-            return Err(no_workers());
-        }
+        // No route now may still become one while the request waits out an outage.
+        let routes = self.pools().routes().max(1);
         let mut cursor = Cursor {
             pi: base,
             di: base,
@@ -366,9 +378,11 @@ impl PdGenerator {
             .collect())
     }
 
-    /// Attempts until one yields the first token of each of `n` choices (or the retry
-    /// budget, a non-retryable error or the request deadline ends it), moving `cursor`
-    /// past the routes that failed.
+    /// Rounds of [`PdGenerator::attempts`] until one yields the first token of each of `n`
+    /// choices. A round that found no worker able to serve (every attempt unavailable, or
+    /// no route listed) is followed by a wait for the worker set to change, for up to
+    /// [`RetryPolicy::outage_wait`] in all: a request arriving while the only worker of a
+    /// pool restarts is served when it is back, not lost.
     async fn first_streams(
         &self,
         req: &ValidGenerateRequest,
@@ -377,10 +391,68 @@ impl PdGenerator {
         deadline: tokio::time::Instant,
         tracker: &crate::inflight::Tracker,
     ) -> Result<Vec<TokenStream>, GenerateError> {
+        let started = tokio::time::Instant::now();
+        let give_up = (started + self.retry.outage_wait).min(deadline);
+        let mut waited = false;
+        loop {
+            // Registered before the round, so a change during it is not missed.
+            let changed = WORKERS_CHANGED.notified();
+            // The pools as they are now: a migration after a scale change sees the new ones.
+            let pools = self.pools();
+            let result = self
+                .attempts(&pools, req, n, cursor, deadline, tracker)
+                .await;
+            let e = match result {
+                Ok(streams) => {
+                    if waited {
+                        tracing::info!(request = %req.id, waited = ?started.elapsed(),
+                            "a worker is back: the request goes on");
+                    }
+                    return Ok(streams);
+                }
+                Err(e) => e,
+            };
+            let now = tokio::time::Instant::now();
+            if e.class != ErrorClass::Unavailable || now >= give_up {
+                return Err(if waited {
+                    GenerateError::new(
+                        e.class,
+                        format!(
+                            "{} (no worker came back within {:?})",
+                            e.message,
+                            started.elapsed()
+                        ),
+                    )
+                } else {
+                    e
+                });
+            }
+            if !waited {
+                tracing::warn!(request = %req.id, error = %e.message,
+                    wait = ?give_up.saturating_duration_since(now),
+                    "no worker could serve the request; waiting for one to come back");
+                waited = true;
+            }
+            // A worker answering its health check again (or the set changing) wakes the
+            // wait; a round at least every second covers workers back without a check.
+            let _ = tokio::time::timeout_at(give_up.min(now + OUTAGE_RECHECK), changed).await;
+        }
+    }
+
+    /// Attempts until one yields the first token of each of `n` choices (or the retry
+    /// budget, a non-retryable error or the request deadline ends it), moving `cursor`
+    /// past the routes that failed.
+    async fn attempts(
+        &self,
+        pools: &Pools,
+        req: &ValidGenerateRequest,
+        n: u32,
+        cursor: &mut Cursor,
+        deadline: tokio::time::Instant,
+        tracker: &crate::inflight::Tracker,
+    ) -> Result<Vec<TokenStream>, GenerateError> {
         let mut last = no_workers();
         let t = self.timeouts;
-        // The pools as they are now: a migration after a scale change sees the new ones.
-        let pools = self.pools();
         let routes = pools.routes();
         if routes == 0 {
             return Err(last);
@@ -423,7 +495,7 @@ impl PdGenerator {
                         class = e.class.as_str(), error = %e.message, "aggregated attempt failed");
                 })
             } else {
-                let Some((p, d)) = self.pick(&pools, cursor.pi, cursor.di, &req.prompt_token_ids)
+                let Some((p, d)) = self.pick(pools, cursor.pi, cursor.di, &req.prompt_token_ids)
                 else {
                     break;
                 };
@@ -483,6 +555,9 @@ impl PdGenerator {
         Err(last)
     }
 }
+
+/// The longest a request waiting out an outage goes without trying again.
+const OUTAGE_RECHECK: Duration = Duration::from_secs(1);
 
 /// Where a request's next attempt goes: round-robin positions per pool and route.
 #[derive(Clone, Copy, Debug)]

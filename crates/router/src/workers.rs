@@ -77,6 +77,8 @@ pub struct WorkerHandle {
     /// Set while the worker drains (its stats or its discovery record say so): it gets no
     /// new requests.
     pub(crate) draining: Arc<AtomicBool>,
+    /// Whether the worker answered its last health check.
+    reachable: Arc<AtomicBool>,
     /// Requests this router has on the worker now (a prefill call, a decode stream).
     pub(crate) load: Arc<AtomicUsize>,
     /// Free KV blocks at its last stats.
@@ -96,6 +98,10 @@ impl Drop for LoadClaim {
 
 /// Woken whenever a claim on any worker ends: requests waiting for room look again.
 pub(crate) static LOAD_RELEASED: tokio::sync::Notify = tokio::sync::Notify::const_new();
+
+/// Woken when a worker answers its health check again after failing it, or the worker set
+/// changes: requests waiting out an outage try again.
+pub(crate) static WORKERS_CHANGED: tokio::sync::Notify = tokio::sync::Notify::const_new();
 
 /// What an attempt says about one worker it was routed to.
 #[derive(Clone, Copy, Debug)]
@@ -151,6 +157,7 @@ impl WorkerHandle {
             dp_load: Arc::new(Mutex::new(None)),
             breaker: Arc::new(Mutex::new(crate::breaker::Breaker::default())),
             draining: Arc::new(AtomicBool::new(false)),
+            reachable: Arc::new(AtomicBool::new(true)),
             load: Arc::new(AtomicUsize::new(0)),
             kv_free: Arc::new(std::sync::atomic::AtomicU64::new(0)),
         })
@@ -178,6 +185,29 @@ impl WorkerHandle {
     /// Whether the worker drains (no new requests go to it).
     pub fn is_draining(&self) -> bool {
         self.draining.load(Ordering::Relaxed)
+    }
+
+    /// Whether the worker answered its last health check (true until one fails).
+    pub fn is_reachable(&self) -> bool {
+        self.reachable.load(Ordering::Relaxed)
+    }
+
+    /// Records a health check's outcome. A worker answering again after failing is let
+    /// back at once (an open breaker takes its next request as the probe) and requests
+    /// waiting out an outage are woken.
+    pub(crate) fn set_reachable(&self, reachable: bool) {
+        if self.reachable.swap(reachable, Ordering::Relaxed) == reachable {
+            return;
+        }
+        if reachable {
+            tracing::info!(worker = %self.id, "worker answers its health check again");
+            if let Ok(mut b) = self.breaker.lock() {
+                b.on_recovered(std::time::Instant::now());
+            }
+            WORKERS_CHANGED.notify_waiters();
+        } else {
+            tracing::warn!(worker = %self.id, "worker does not answer its health check");
+        }
     }
 
     /// Marks the worker draining or not.
