@@ -24,7 +24,13 @@ strip "$OUT"/bin/*
 SMOL="${TANDEM_HOME:-$HOME/.cache/tandem}/models/smollm2-135m-instruct"
 mkdir -p "$OUT/tokenizer"
 cp "$SMOL"/tokenizer.json "$SMOL"/tokenizer_config.json "$OUT/tokenizer/"
-cp scripts/gpu/run.sh scripts/gpu/hf_compare.py scripts/gpu/profile.sh scripts/gpu/profile_prefill.sh scripts/gpu/profile_decode.sh scripts/gpu/ab_prefill_block16.sh "$OUT/"
+cp scripts/gpu/*.sh scripts/gpu/*.py "$OUT/"
+# The tiny KDA-hybrid references (checkpoints and transformers outputs) the CUDA tests read.
+SHARED="${TANDEM_SHARED_DIR:-../shared}"
+for m in kimi_tiny glm5_tiny; do
+  mkdir -p "$OUT/shared/reference/$m"
+  cp "$SHARED/reference/$m"/{config.json,generation_config.json,model.safetensors,reference.json,reference_tensors.safetensors} "$OUT/shared/reference/$m/"
+done
 # The kernels' source, for A/B variants made from it there (TANDEM_CUDA_KERNELS_FILE).
 cp crates/cuda/src/kernels.cu "$OUT/"
 du -sh "$OUT"

@@ -11,6 +11,8 @@ export TANDEM_REQUIRE_GPU=1
 export TANDEM_TEST_TOKENIZER="${TANDEM_TEST_TOKENIZER:-$HERE/tokenizer/tokenizer.json}"
 export TANDEM_LOG="${TANDEM_LOG:-warn}"
 export TANDEM_CACHE_DIR="${TANDEM_CACHE_DIR:-/tmp/tandem-cache}"
+# The reference checkpoints bundle.sh copied (KDA-hybrid tests and phase_kda).
+export TANDEM_SHARED_DIR="${TANDEM_SHARED_DIR:-$HERE/shared}"
 MODELS=/tmp/tandem-models
 status=0
 
@@ -121,13 +123,73 @@ PY
   done
 }
 
+# KDA hybrids: one layer's delta rule against fla's Triton kernels in the same call (fla-core
+# from .whl, carried), then the tiny Kimi-Linear checkpoint (shared/reference/kimi_tiny, with a
+# word-level tokenizer: "tN" is id N) served through the router on every device pair, each
+# answer compared with a single-process CPU run.
+phase_kda() {
+  "$BIN/tandem" bench kda --device cuda:0 --json "$OUT/kda-tandem.json" || status=1
+  local whl site=/tmp/fla-site
+  whl=$(ls "$HERE"/../.whl/fla_core-*.whl 2>/dev/null | head -1)
+  if [ -n "$whl" ]; then
+    python3 -m pip install -q --no-index --no-deps --target "$site" "$whl" >/dev/null 2>&1
+    PYTHONPATH="$site" python3 "$HERE/fla_kda.py" "$OUT/kda-fla.json" "$OUT/kda-tandem.json" || status=1
+  else
+    echo "fla-core wheel not carried (.whl/): no fla comparison"
+  fi
+  local d="$MODELS/kimi_tiny" port=8111
+  mkdir -p "$d"
+  cp "$TANDEM_SHARED_DIR"/reference/kimi_tiny/{config.json,model.safetensors,generation_config.json} "$d/"
+  python3 - "$d" <<'PY'
+import json, sys
+d = sys.argv[1]
+vocab = {f"t{i}": i for i in range(512)}
+json.dump({"version": "1.0", "truncation": None, "padding": None, "added_tokens": [],
+           "normalizer": None, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": None,
+           "decoder": None, "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "t0"}},
+          open(f"{d}/tokenizer.json", "w"))
+json.dump({"chat_template": "{% for m in messages %}{{ m['content'] }} {% endfor %}",
+           "eos_token": "t2", "bos_token": "t1", "add_bos_token": False, "model_max_length": 4096},
+          open(f"{d}/tokenizer_config.json", "w"))
+PY
+  local ids="9,40,7,300,12,5,77,1,250,64,3" prompt="t9 t40 t7 t300 t12 t5 t77 t1 t250 t64 t3"
+  "$BIN/tandem" generate --model "$d" --device cpu --token-ids "$ids" --max-tokens 12 --json > "$OUT/kda-cpu.json" || status=1
+  "$BIN/tandem" generate --model "$d" --device cuda:0 --token-ids "$ids" --max-tokens 12 --json > "$OUT/kda-cuda.json" || status=1
+  echo "generate cpu:    $(cat "$OUT/kda-cpu.json")"
+  echo "generate cuda:0: $(cat "$OUT/kda-cuda.json")"
+  for pair in "cuda:0 cuda:0" "cpu cuda:0" "cuda:0 cpu"; do
+    set -- $pair
+    port=$((port + 1))
+    "$BIN/tandem" run --model "$d" --prefill-device "$1" --decode-device "$2" \
+      --port "$port" > "$OUT/kda-run-$port.log" 2>&1 &
+    local pid=$!
+    for _ in $(seq 1 120); do curl -sf "localhost:$port/ready" >/dev/null && break; sleep 1; done
+    curl -s "localhost:$port/v1/completions" -H 'Content-Type: application/json' \
+      -d "{\"model\": \"kimi_tiny\", \"prompt\": \"$prompt\", \"max_tokens\": 12, \"temperature\": 0, \"ignore_eos\": true}" > "$OUT/kda-pd-$port.json"
+    kill "$pid"; wait "$pid" 2>/dev/null
+    python3 - "$OUT/kda-cpu.json" "$OUT/kda-pd-$port.json" "$1" "$2" <<'PY' || status=1
+import json, sys
+want = json.load(open(sys.argv[1]))["text"].split()
+try:
+    got = json.load(open(sys.argv[2]))["choices"][0]["text"].split()
+except Exception as e:
+    print(f"KDA P {sys.argv[3]} -> D {sys.argv[4]}: no answer ({e}): {open(sys.argv[2]).read()[:300]}")
+    sys.exit(1)
+same = got == want
+print(f"KDA P {sys.argv[3]} -> D {sys.argv[4]} through the router: {'same tokens' if same else 'DIFFERENT'}: {' '.join(got)}")
+sys.exit(0 if same else 1)
+PY
+  done
+}
+
 case "${1:-tests}" in
   tests) phase_tests ;;
   bench) phase_bench ;;
   gemv) phase_gemv ;;
   hf) phase_hf ;;
   pd) phase_pd ;;
-  all) phase_tests; phase_bench; phase_hf; phase_pd ;;
-  *) echo "usage: run.sh tests|bench|hf|pd|all"; exit 2 ;;
+  kda) phase_kda ;;
+  all) phase_tests; phase_bench; phase_hf; phase_pd; phase_kda ;;
+  *) echo "usage: run.sh tests|bench|gemv|hf|pd|kda|all"; exit 2 ;;
 esac
 exit $status

@@ -69,8 +69,17 @@ pub enum BenchCommand {
         #[arg(long, default_value_t = 790.0)]
         gemm_peak_tflop_s: f64,
     },
-    /// KDA projections fused vs unfused, KDA-hybrid decode step, chunked vs recurrent.
-    Kda,
+    /// KDA projections fused vs unfused, KDA-hybrid decode step, chunked vs recurrent; with
+    /// `--device cuda[:N]`, one KDA layer's delta rule (32 heads x 128) on that device:
+    /// chunked prefill at 2k / 8k / 32k tokens and recurrent decode at 1 / 32 / 128 sequences.
+    Kda {
+        /// Where the delta rule runs (`cpu`: the CPU figures above).
+        #[arg(long, value_parser = crate::device::parse, default_value = "cpu")]
+        device: crate::device::Device,
+        /// Write the device figures as JSON here too.
+        #[arg(long)]
+        json: Option<std::path::PathBuf>,
+    },
     /// Constrained decoding (structured outputs) per-token cost against the decode step,
     /// JSON mode and a nested schema, batch 1 and batched.
     Structured {
@@ -160,7 +169,10 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
             };
             engine_bench(&model, &workload, dtype, json)
         }
-        BenchCommand::Kda => crate::bench_kda::run(),
+        BenchCommand::Kda { device, json } => match device {
+            crate::device::Device::Cpu => crate::bench_kda::run(),
+            device => crate::bench_kda::run_device(device, json.as_deref()),
+        },
         BenchCommand::Structured {
             model,
             max_tokens,

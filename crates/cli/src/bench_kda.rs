@@ -2,11 +2,15 @@
 //! the chunked vs recurrent delta rule at prefill length — each figure as a ratio against a
 //! baseline measured in the same run.
 
+use crate::device::WithBackend;
 use anyhow::Result;
 use std::time::Instant;
 use tandem_engine::backend::host::matmul_raw;
+use tandem_engine::backend::hybrid::{DeltaForm, DeltaInputs};
+use tandem_engine::backend::HybridOps;
 use tandem_engine::kda_hybrid::delta_rule::{chunked, recurrent, DeltaRuleInputs};
-use tandem_engine::kda_hybrid::{KdaForm, KdaHybridModel};
+use tandem_engine::kda_hybrid::{KdaForm, KdaHybridModel, LoadOptions};
+use tandem_engine::{DType, HostTensor, Tensor};
 
 /// Median seconds of `reps` runs of `f`.
 fn time(reps: usize, mut f: impl FnMut()) -> f64 {
@@ -224,5 +228,207 @@ pub fn run() -> Result<()> {
         tokens as f64 / r,
         r / c
     );
+    Ok(())
+}
+
+/// One KDA layer's delta rule on a device: chunked prefill of one sequence at several lengths
+/// and recurrent decode of several sequences, one token each.
+struct DeviceDeltaRule {
+    heads: usize,
+    head_dim: usize,
+    prefill: Vec<usize>,
+    decode: Vec<usize>,
+    /// KDA-hybrid presets whose whole decode step is timed too.
+    step_presets: Vec<&'static str>,
+    step_batches: Vec<usize>,
+}
+
+/// Median seconds of one decode step of `batch` requests stepping together (each after a
+/// `context`-token prompt), over `reps` steps (after one warm-up).
+fn batch_step_time<B: HybridOps>(
+    model: &KdaHybridModel<B>,
+    batch: usize,
+    context: u32,
+    reps: usize,
+) -> f64 {
+    let mut states: Vec<_> = (0..batch).map(|_| model.new_state()).collect();
+    for (i, state) in states.iter_mut().enumerate() {
+        let prompt: Vec<u32> = (0..context).map(|j| 3 + j * 7 + i as u32).collect();
+        model.prefill(&prompt, state);
+    }
+    let mut ids: Vec<u32> = (0..batch as u32).map(|i| 5 + i).collect();
+    time(reps, || {
+        let next: Vec<[u32; 1]> = ids.iter().map(|&id| [id]).collect();
+        let next: Vec<&[u32]> = next.iter().map(|a| a.as_slice()).collect();
+        let mut refs: Vec<_> = states.iter_mut().collect();
+        // The logits come back to the host: the step is complete when this returns.
+        let logits = model.extend_batch(&next, &mut refs, KdaForm::Recurrent);
+        for (id, l) in ids.iter_mut().zip(&logits) {
+            *id = tandem_engine::sampling::argmax(l);
+        }
+    })
+}
+
+/// Device inputs of the delta rule for `tokens` tokens, shaped as the model feeds them:
+/// l2-normalised q (scaled by `D^-1/2`) and k, log-decays in `(-0.1, 0)`, β in `(0, 0.5)`.
+fn device_inputs<B: HybridOps>(
+    b: &B,
+    tokens: usize,
+    heads: usize,
+    d: usize,
+) -> Result<[Tensor<B>; 5]> {
+    let n = tokens * heads * d;
+    let unit = |v: Vec<f32>, scale: f32| -> Vec<f32> {
+        v.chunks_exact(d)
+            .flat_map(|c| {
+                let s = c.iter().map(|x| x * x).sum::<f32>().sqrt().max(1e-6);
+                c.iter().map(move |x| x / s * scale).collect::<Vec<_>>()
+            })
+            .collect()
+    };
+    let q = unit(pseudo(n, 1), 1.0 / (d as f32).sqrt());
+    let k = unit(pseudo(n, 2), 1.0);
+    let v = pseudo(n, 3);
+    let g: Vec<f32> = pseudo(n, 4)
+        .iter()
+        .map(|x| -0.05 * (x + 1.0) - 1e-3)
+        .collect();
+    let beta: Vec<f32> = pseudo(tokens * heads, 5)
+        .iter()
+        .map(|x| 0.25 + 0.25 * x)
+        .collect();
+    let up = |shape: &[usize], v: Vec<f32>| -> Result<Tensor<B>> {
+        Ok(b.upload(&HostTensor::from_f32(shape, v)?))
+    };
+    Ok([
+        up(&[tokens, heads, d], q)?,
+        up(&[tokens, heads, d], k)?,
+        up(&[tokens, heads, d], v)?,
+        up(&[tokens, heads, d], g)?,
+        up(&[tokens, heads], beta)?,
+    ])
+}
+
+/// Median seconds of `reps` device runs of `f` (each waited for), after one warm-up.
+fn device_time<B: HybridOps>(b: &B, reps: usize, mut f: impl FnMut()) -> f64 {
+    time(reps, || {
+        f();
+        b.synchronize();
+    })
+}
+
+impl WithBackend for DeviceDeltaRule {
+    type Out = serde_json::Value;
+
+    fn run<B: HybridOps>(self, b: B) -> Result<serde_json::Value> {
+        let (h, d) = (self.heads, self.head_dim);
+        println!(
+            "KDA delta rule on {}: one layer of {h} heads x {d} (f32 activations and state)",
+            b.name()
+        );
+        let mut prefill = Vec::new();
+        for &t in &self.prefill {
+            let [q, k, v, g, beta] = device_inputs(&b, t, h, d)?;
+            let inputs = || DeltaInputs {
+                q: &q,
+                k: &k,
+                v: &v,
+                g: &g,
+                beta: &beta,
+                heads: h,
+                head_dim: d,
+            };
+            let mut state = b.zeros(DType::F32, &[h, d, d]);
+            let mut out = b.zeros(DType::F32, &[t, h, d]);
+            // One sequence of all `t` rows.
+            let whole = 0..t;
+            let whole = std::slice::from_ref(&whole);
+            let secs = device_time(&b, 5, || {
+                b.delta_rule(
+                    inputs(),
+                    whole,
+                    &[DeltaForm::Chunked],
+                    &mut [&mut state],
+                    &mut out,
+                );
+            });
+            println!(
+                "  chunked prefill {t:>6} tokens {:>9.3} ms ({:>10.0} tok/s)",
+                secs * 1e3,
+                t as f64 / secs
+            );
+            prefill.push(serde_json::json!({"tokens": t, "ms": secs * 1e3}));
+        }
+        let mut decode = Vec::new();
+        for &n in &self.decode {
+            let [q, k, v, g, beta] = device_inputs(&b, n, h, d)?;
+            let inputs = || DeltaInputs {
+                q: &q,
+                k: &k,
+                v: &v,
+                g: &g,
+                beta: &beta,
+                heads: h,
+                head_dim: d,
+            };
+            let seqs: Vec<_> = (0..n).map(|i| i..i + 1).collect();
+            let forms = vec![DeltaForm::Recurrent; n];
+            let mut states: Vec<_> = (0..n).map(|_| b.zeros(DType::F32, &[h, d, d])).collect();
+            let mut out = b.zeros(DType::F32, &[n, h, d]);
+            let secs = device_time(&b, 50, || {
+                let mut refs: Vec<_> = states.iter_mut().collect();
+                b.delta_rule(inputs(), &seqs, &forms, &mut refs, &mut out);
+            });
+            // Each step reads and writes every sequence's whole state once.
+            let bytes = (2 * n * h * d * d * 4) as f64;
+            println!(
+                "  recurrent decode {n:>4} sequences {:>9.1} us   state traffic {:>6.2} TB/s",
+                secs * 1e6,
+                bytes / secs / 1e12
+            );
+            decode.push(
+                serde_json::json!({"sequences": n, "us": secs * 1e6, "tb_s": bytes / secs / 1e12}),
+            );
+        }
+        let mut steps = Vec::new();
+        for preset in &self.step_presets {
+            eprintln!("  synthesising and loading KDA-hybrid preset {preset} (bf16)…");
+            let dir = tempfile::tempdir()?;
+            tandem_model::synth::synth_kda_hybrid(preset, dir.path(), false, 1)?;
+            let options = LoadOptions {
+                dtype: DType::BF16,
+                ..LoadOptions::default()
+            };
+            let model = KdaHybridModel::load_on(b.clone(), dir.path(), &options)?;
+            for &batch in &self.step_batches {
+                let secs = batch_step_time(&model, batch, 16, 8);
+                println!(
+                    "  preset {preset:<6} decode step, batch {batch:>3} (16-token contexts) {:>8.2} ms ({:>8.1} tok/s)",
+                    secs * 1e3,
+                    batch as f64 / secs
+                );
+                steps.push(serde_json::json!({"preset": preset, "batch": batch, "ms": secs * 1e3}));
+            }
+        }
+        Ok(serde_json::json!({
+            "device": b.name(), "heads": h, "head_dim": d,
+            "chunked_prefill": prefill, "recurrent_decode": decode, "decode_steps": steps,
+        }))
+    }
+}
+
+/// `tandem bench kda --device cuda[:N]`: the delta rule of one 32 x 128 KDA layer on the device.
+pub fn run_device(device: crate::device::Device, json: Option<&std::path::Path>) -> Result<()> {
+    let report = device.run(DeviceDeltaRule {
+        heads: 32,
+        head_dim: 128,
+        prefill: vec![2048, 8192, 32768],
+        decode: vec![1, 32, 128],
+        step_presets: vec!["medium", "1b"],
+        step_batches: vec![1, 32, 128],
+    })?;
+    if let Some(path) = json {
+        std::fs::write(path, serde_json::to_string_pretty(&report)?)?;
+    }
     Ok(())
 }

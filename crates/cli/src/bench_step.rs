@@ -9,7 +9,7 @@ use std::path::Path;
 use std::time::Instant;
 use tandem_core::{BlockId, SamplingParams};
 use tandem_engine::batch::ForwardBatch;
-use tandem_engine::{KvCache, LlamaModel, Ops, StepLimits, StepMeta};
+use tandem_engine::{KvCache, LlamaModel, StepLimits, StepMeta};
 
 /// What to time.
 pub struct StepBench<'a> {
@@ -39,7 +39,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 impl WithBackend for StepBench<'_> {
     type Out = serde_json::Value;
 
-    fn run<B: Ops>(self, backend: B) -> Result<serde_json::Value> {
+    fn run<B: tandem_engine::backend::HybridOps>(self, backend: B) -> Result<serde_json::Value> {
         let name = backend.name();
         eprintln!("loading {} on {name}…", self.dir.display());
         let model = LlamaModel::load(self.dir, backend, self.dtype.dtype())?;

@@ -2,7 +2,8 @@
 //! over the backend; [`Device::run`] opens the device and calls a [`WithBackend`] body with it.
 
 use anyhow::{anyhow, Result};
-use tandem_engine::{CpuBackend, Ops};
+use tandem_engine::backend::HybridOps;
+use tandem_engine::CpuBackend;
 
 /// A device named on the command line.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -38,7 +39,7 @@ pub trait WithBackend {
     /// What it produces.
     type Out;
     /// Runs on `backend`.
-    fn run<B: Ops>(self, backend: B) -> Result<Self::Out>;
+    fn run<B: HybridOps>(self, backend: B) -> Result<Self::Out>;
 }
 
 impl Device {
@@ -51,17 +52,6 @@ impl Device {
                     .map_err(|e| anyhow!("--device cuda:{n}: {e}"))?;
                 body.run(backend)
             }
-        }
-    }
-
-    /// Refuses a model family whose operations this device does not run yet.
-    pub fn check_kda(self) -> Result<()> {
-        match self {
-            Device::Cpu => Ok(()),
-            Device::Cuda(_) => Err(anyhow!(
-                "KDA-hybrid models do not run on CUDA yet (the CUDA backend does not implement \
-                 the hybrid operations: delta rule, short conv, MLA, MoE); use --device cpu"
-            )),
         }
     }
 }

@@ -4,9 +4,11 @@
 use anyhow::{bail, Context, Result};
 use std::path::Path;
 use tandem_core::BlockId;
+use tandem_engine::backend::HybridOps;
 use tandem_engine::batch::ForwardBatch;
-use tandem_engine::kda_hybrid::{KdaForm, KdaHybridModel, LoadOptions, ShardedKdaHybrid};
-use tandem_engine::{DType, KvCache, LlamaModel, Ops};
+use tandem_engine::kda_hybrid::LoadOptions;
+use tandem_engine::kda_runner::KdaModel;
+use tandem_engine::{DType, KvCache, LlamaModel};
 
 /// The families the engine runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -117,117 +119,90 @@ pub fn llama_tp(layout: LayoutArgs, device: crate::device::Device) -> Result<usi
     Ok(l.tp())
 }
 
-/// A KDA-hybrid model on one rank or sharded over a layout (ranks are threads here). Every
-/// attention-DP group runs the same sequence; group 0's result is reported and the others
-/// must agree with it.
-enum KdaRunner {
-    Single(Box<KdaHybridModel>),
-    Sharded(ShardedKdaHybrid),
+/// A computation over a loaded KDA-hybrid model, written once for every backend.
+pub trait WithKdaModel {
+    /// What it produces.
+    type Out;
+    /// Runs on `model`.
+    fn run<B: HybridOps>(self, model: KdaModel<B>) -> Result<Self::Out>;
 }
 
-impl KdaRunner {
-    fn load(dir: &Path, layout: LayoutArgs, lora: Option<&Path>, dtype: DType) -> Result<Self> {
-        let l = checked_layout(layout)?;
-        let options = LoadOptions {
-            lora: lora.map(Path::to_path_buf),
-            dtype,
-            ..LoadOptions::default()
-        };
-        Ok(if l.tp() == 1 {
-            KdaRunner::Single(Box::new(KdaHybridModel::load_with(dir, &options)?))
-        } else {
-            KdaRunner::Sharded(
-                ShardedKdaHybrid::load_with(
-                    dir,
-                    l,
-                    &options,
-                    tandem_topology::ShardBy::AttentionTp,
-                )
-                .map_err(|e| anyhow::anyhow!("{e}"))?,
-            )
-        })
-    }
+/// Loads a KDA-hybrid checkpoint for a layout on the backend it is given, then runs `body`.
+struct LoadKda<'a, W> {
+    dir: &'a Path,
+    layout: tandem_topology::Layout,
+    options: LoadOptions,
+    body: W,
+}
 
-    fn vocab(&self) -> usize {
-        match self {
-            KdaRunner::Single(m) => m.config().vocab_size,
-            KdaRunner::Sharded(s) => s
-                .rank(tandem_topology::Rank(0))
-                .map_or(0, |m| m.config().vocab_size),
-        }
+impl<W: WithKdaModel> crate::device::WithBackend for LoadKda<'_, W> {
+    type Out = W::Out;
+    fn run<B: HybridOps>(self, backend: B) -> Result<W::Out> {
+        let model = KdaModel::load_on(
+            |_| Ok(backend.clone()),
+            self.dir,
+            self.layout,
+            &self.options,
+        )
+        .with_context(|| format!("loading {}", self.dir.display()))?;
+        tracing::info!(backend = %tandem_engine::Backend::name(&backend), layout = %self.layout, "model loaded");
+        self.body.run(model)
     }
+}
 
-    fn validate(&self, ids: &[u32]) -> Result<()> {
-        match self {
-            KdaRunner::Single(m) => Ok(m.validate_tokens(ids)?),
-            KdaRunner::Sharded(s) => match s.rank(tandem_topology::Rank(0)) {
-                Some(m) => Ok(m.validate_tokens(ids)?),
-                None => bail!("layout has no ranks"),
-            },
-        }
+/// Loads the KDA-hybrid checkpoint `dir` for `layout` on `device` (`lora` merged, weights in
+/// `dtype`) and runs `body` on it. A layout of several ranks runs on CPU ranks only for now.
+pub fn run_kda<W: WithKdaModel>(
+    dir: &Path,
+    layout: LayoutArgs,
+    lora: Option<&Path>,
+    dtype: DType,
+    device: crate::device::Device,
+    body: W,
+) -> Result<W::Out> {
+    let layout = checked_layout(layout)?;
+    if layout.tp() > 1 && device != crate::device::Device::Cpu {
+        bail!(
+            "--tp {} on {device}: GPU tensor parallelism needs the NCCL communicator, which is \
+             not built yet (CPU ranks: --device cpu)",
+            layout.tp()
+        );
     }
+    let options = LoadOptions {
+        lora: lora.map(Path::to_path_buf),
+        dtype,
+        ..LoadOptions::default()
+    };
+    device.run(LoadKda {
+        dir,
+        layout,
+        options,
+        body,
+    })
+}
 
-    fn groups_agree(out: Vec<Vec<f32>>) -> Result<Vec<f32>> {
-        let first = out.first().cloned().unwrap_or_default();
-        for (g, o) in out.iter().enumerate().skip(1) {
-            let diff = o
-                .iter()
-                .zip(&first)
-                .map(|(a, b)| (a - b).abs())
-                .fold(0.0f32, f32::max);
-            if diff > 1e-3 {
-                bail!("attention-DP group {g} disagrees with group 0 by {diff}");
-            }
-        }
-        Ok(first)
+/// Logits of a full forward of a KDA-hybrid model, and its vocabulary size.
+struct KdaLogits<'a>(&'a [u32]);
+
+impl WithKdaModel for KdaLogits<'_> {
+    type Out = (Vec<f32>, usize);
+    fn run<B: HybridOps>(self, model: KdaModel<B>) -> Result<Self::Out> {
+        model.validate_tokens(self.0)?;
+        Ok((model.forward_full(self.0)?, model.config().vocab_size))
     }
+}
 
-    fn full(&self, ids: &[u32]) -> Result<Vec<f32>> {
-        match self {
-            KdaRunner::Single(m) => Ok(m.forward_full(ids)),
-            KdaRunner::Sharded(s) => {
-                let seqs = vec![ids.to_vec(); s.layout().dp()];
-                Self::groups_agree(s.forward_full(&seqs).map_err(|e| anyhow::anyhow!("{e}"))?)
-            }
-        }
-    }
+/// Greedy generation of a KDA-hybrid model.
+struct KdaGreedy<'a> {
+    prompt: &'a [u32],
+    max_tokens: u32,
+    eos: Vec<u32>,
+}
 
-    fn greedy(&self, prompt: &[u32], max_tokens: u32, eos: &[u32]) -> Result<Vec<u32>> {
-        let mut out = Vec::new();
-        match self {
-            KdaRunner::Single(m) => {
-                let mut state = m.new_state();
-                let mut logits = m.prefill(prompt, &mut state);
-                while out.len() < max_tokens as usize {
-                    let id = tandem_engine::sampling::argmax(&logits);
-                    out.push(id);
-                    if eos.contains(&id) {
-                        break;
-                    }
-                    logits = m.decode_step(id, &mut state);
-                }
-            }
-            KdaRunner::Sharded(s) => {
-                let dp = s.layout().dp();
-                let mut states = s.new_states();
-                let step = |ids: Vec<u32>, states: &mut Vec<_>, form| -> Result<Vec<f32>> {
-                    let out = s
-                        .extend(&vec![ids; dp], states, form, false)
-                        .map_err(|e| anyhow::anyhow!("{e}"))?;
-                    Self::groups_agree(out)
-                };
-                let mut logits = step(prompt.to_vec(), &mut states, KdaForm::Chunked)?;
-                while out.len() < max_tokens as usize {
-                    let id = tandem_engine::sampling::argmax(&logits);
-                    out.push(id);
-                    if eos.contains(&id) {
-                        break;
-                    }
-                    logits = step(vec![id], &mut states, KdaForm::Recurrent)?;
-                }
-            }
-        }
-        Ok(out)
+impl WithKdaModel for KdaGreedy<'_> {
+    type Out = Vec<u32>;
+    fn run<B: HybridOps>(self, model: KdaModel<B>) -> Result<Vec<u32>> {
+        Ok(model.greedy(self.prompt, self.max_tokens as usize, &self.eos)?)
     }
 }
 
@@ -244,12 +219,7 @@ pub fn logits(
             1 => device.run(LlamaLogits { dir, ids, dtype })?,
             tp => llama_logits_tp(dir, ids, dtype, tp)?,
         },
-        Family::KdaHybrid => {
-            device.check_kda()?;
-            let runner = KdaRunner::load(dir, layout, None, dtype.dtype())?;
-            runner.validate(ids)?;
-            (runner.full(ids)?, runner.vocab())
-        }
+        Family::KdaHybrid => run_kda(dir, layout, None, dtype.dtype(), device, KdaLogits(ids))?,
     };
     Ok(flat.chunks_exact(vocab).map(<[f32]>::to_vec).collect())
 }
@@ -292,7 +262,7 @@ struct LlamaLogits<'a> {
 
 impl crate::device::WithBackend for LlamaLogits<'_> {
     type Out = (Vec<f32>, usize);
-    fn run<B: Ops>(self, backend: B) -> Result<(Vec<f32>, usize)> {
+    fn run<B: tandem_engine::backend::HybridOps>(self, backend: B) -> Result<(Vec<f32>, usize)> {
         let ids = self.ids;
         let model = LlamaModel::load(self.dir, backend, self.dtype.dtype())?;
         let vocab = model.config().vocab_size;
@@ -318,8 +288,12 @@ pub fn generate_kda(
     layout: LayoutArgs,
     lora: Option<&Path>,
     dtype: DType,
+    device: crate::device::Device,
 ) -> Result<Vec<u32>> {
-    let runner = KdaRunner::load(dir, layout, lora, dtype)?;
-    runner.validate(prompt)?;
-    runner.greedy(prompt, max_tokens, &eos_ids(dir)?)
+    let body = KdaGreedy {
+        prompt,
+        max_tokens,
+        eos: eos_ids(dir)?,
+    };
+    run_kda(dir, layout, lora, dtype, device, body)
 }

@@ -17,7 +17,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 use std::path::PathBuf;
 use std::time::Duration;
 use tandem_core::SamplingParams;
-use tandem_engine::{DType, Engine, EngineConfig, LlamaModel, Ops, SeqKind};
+use tandem_engine::{DType, Engine, EngineConfig, LlamaModel, SeqKind};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -260,7 +260,7 @@ impl EngineArgs {
         struct Start<'a>(&'a EngineArgs, &'a std::path::Path);
         impl device::WithBackend for Start<'_> {
             type Out = Engine;
-            fn run<B: Ops>(self, backend: B) -> Result<Engine> {
+            fn run<B: tandem_engine::backend::HybridOps>(self, backend: B) -> Result<Engine> {
                 let Start(args, dir) = self;
                 let model = LlamaModel::load(dir, backend, args.dtype.dtype())
                     .with_context(|| format!("loading {}", dir.display()))?;
@@ -301,23 +301,36 @@ impl EngineArgs {
                 self.start_llama(&dir)?.into()
             }
             eval::Family::KdaHybrid => {
-                self.device.check_kda()?;
-                let layout = eval::checked_layout(self.layout)?;
-                let options = tandem_engine::kda_hybrid::LoadOptions {
-                    lora: self.lora.clone(),
-                    dtype: self.dtype.dtype(),
-                    ..Default::default()
-                };
-                let model = tandem_engine::kda_runner::KdaModel::load_with(&dir, layout, &options)
-                    .with_context(|| format!("loading {}", dir.display()))?;
-                let exact = model.config().mla.indexer.map(|ix| ix.topk);
-                let context = eval::context_length(&dir, exact)?;
-                let eos = eval::eos_ids(&dir)?;
-                let config = EngineConfig {
-                    state_slots: self.state_slots,
-                    ..self.engine_config(&dir)
-                };
-                tandem_engine::kda_runner::KdaServed::start(model, config, eos, context)?.into()
+                struct StartKda<'a>(&'a EngineArgs, &'a std::path::Path);
+                impl eval::WithKdaModel for StartKda<'_> {
+                    type Out = Engine;
+                    fn run<B: tandem_engine::backend::HybridOps>(
+                        self,
+                        model: tandem_engine::kda_runner::KdaModel<B>,
+                    ) -> Result<Engine> {
+                        let StartKda(args, dir) = self;
+                        let exact = model.config().mla.indexer.map(|ix| ix.topk);
+                        let context = eval::context_length(dir, exact)?;
+                        let eos = eval::eos_ids(dir)?;
+                        let config = EngineConfig {
+                            state_slots: args.state_slots,
+                            ..args.engine_config(dir)
+                        };
+                        Ok(tandem_engine::kda_runner::KdaServed::start(
+                            model, config, eos, context,
+                        )?)
+                    }
+                }
+                let (lora, dtype) = (self.lora.as_deref(), self.dtype.dtype());
+                eval::run_kda(
+                    &dir,
+                    self.layout,
+                    lora,
+                    dtype,
+                    self.device,
+                    StartKda(self, &dir),
+                )?
+                .into()
             }
         })
     }
@@ -717,7 +730,6 @@ fn generate(args: GenerateArgs) -> Result<()> {
         }
     };
     if eval::family(&dir)? == eval::Family::KdaHybrid {
-        args.device.check_kda()?;
         let ids = eval::generate_kda(
             &dir,
             &prompt,
@@ -725,6 +737,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
             args.layout,
             args.lora.as_deref(),
             args.dtype.dtype(),
+            args.device,
         )?;
         let text = decode(&ids)?;
         if args.json {

@@ -852,6 +852,254 @@ __device__ void gemv_norm_impl(const float* x, const float* norm, float eps, int
     }
 GEMV(1) GEMV(2) GEMV(3) GEMV(4) GEMV(5) GEMV(6) GEMV(7) GEMV(8)
 
+// ---- one- and two-row matmul through a shared-memory ring (Hopper bulk copies) -------------
+//
+// The same products as the GEMVs above for R <= 2 rows, with the weights streamed into a ring
+// of shared-memory stages by bulk copies (`cp.async.bulk`, completion counted in bytes on an
+// mbarrier per stage) instead of through registers: the bytes a block has in flight are the
+// ring's (64 KiB), not what its registers hold. One block per SM owns a contiguous range of
+// output features, so a stage (up to 8 whole features, P weight rows each) is one copy per
+// row set. The ring is filled before `pdl_start`: a GEMV launched behind attention or another
+// GEMV streams its first 96 KiB per SM (all of a 2048 × 2048 o_proj on 132 SMs) while the
+// kernel ahead finishes. Threads split a stage into one group per feature; a group's warps
+// each sum a stripe of the feature's chunks and their partials are added in warp order
+// (deterministic). EPI as in `gemv_step`.
+
+#define BULK_WARPS 8
+
+__device__ __forceinline__ unsigned shared_addr(const void* p) {
+    return (unsigned)__cvta_generic_to_shared(p);
+}
+
+__device__ __forceinline__ void mbar_init(unsigned long long* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_addr(bar)) : "memory");
+#endif
+}
+
+// Makes the barriers' initialisation visible to the bulk-copy (async) proxy.
+__device__ __forceinline__ void mbar_init_fence() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+}
+
+// The one arrival of a stage's phase, which then completes when `bytes` have landed.
+__device__ __forceinline__ void mbar_expect(unsigned long long* bar, unsigned bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(shared_addr(bar)), "r"(bytes)
+                 : "memory");
+#endif
+}
+
+// Waits for the phase of parity `parity` to complete.
+__device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    unsigned done = 0;
+    while (!done) {
+        asm volatile(
+            "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+            " selp.u32 %0, 1, 0, p;\n}"
+            : "=r"(done)
+            : "r"(shared_addr(bar)), "r"(parity)
+            : "memory");
+    }
+#endif
+}
+
+// `bytes` (a multiple of 16, both ends 16-byte aligned) global → shared, counted on `bar`.
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                     shared_addr(dst)),
+                 "l"(src), "r"(bytes), "r"(shared_addr(bar))
+                 : "memory");
+#endif
+}
+
+// Dynamic shared memory: `stages` stages of `per_stage` features (P rows of K bf16 each);
+// `per_stage` is 1, 2, 4 or 8. A thread sums the same chunks of every feature (chunk lt + j·G
+// of its group of G threads, at most BULK_CHUNKS of them: `BulkPlan` keeps to that), so it
+// holds those chunks of the activation rows (RMSNorm-ed when `norm` is given) in registers.
+#define BULK_CHUNKS 8
+template <int R, int P, int EPI>
+__device__ void bulk_gemv_impl(const float* x, const float* norm, float eps, int K, const __nv_bfloat16* W,
+                               int items, int per_stage, int stages, float* out, int accumulate) {
+    constexpr int J = BULK_CHUNKS;
+    extern __shared__ float4 s_ring4[];
+    unsigned char* ring = reinterpret_cast<unsigned char*>(s_ring4);
+    __shared__ __align__(8) unsigned long long bars[8];
+    __shared__ float red[2][BULK_WARPS][P][R];
+    __shared__ float s_ss[BULK_WARPS][R];
+    const int row_bytes = K * 2, stage_bytes = per_stage * P * row_bytes;
+    const int f0 = (int)((long)blockIdx.x * items / gridDim.x);
+    const int f1 = (int)((long)(blockIdx.x + 1) * items / gridDim.x);
+    const int n_stages = (f1 - f0 + per_stage - 1) / per_stage;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+
+    // Stage `s` of this block's features into ring slot `slot`.
+    auto issue = [&](int s, int slot) {
+        int first = f0 + s * per_stage, n = min(per_stage, f1 - first);
+        unsigned bytes = (unsigned)(n * row_bytes);
+        mbar_expect(&bars[slot], bytes * P);
+        unsigned char* dst = ring + (long)slot * stage_bytes;
+        #pragma unroll
+        for (int p = 0; p < P; ++p)
+            bulk_copy(dst + (long)p * per_stage * row_bytes, W + ((long)p * items + first) * K, bytes, &bars[slot]);
+    };
+    if (tid == 0) {
+        for (int i = 0; i < stages; ++i) mbar_init(&bars[i]);
+        mbar_init_fence();
+        for (int s = 0; s < min(stages, n_stages); ++s) issue(s, s);
+    }
+    pdl_start();
+
+    const int group_threads = BULK_WARPS * 32 / per_stage, grp = tid / group_threads, lt = tid % group_threads;
+    const int chunks = K >> 3, group_warps = group_threads / 32, w0 = grp * group_warps;
+    // This thread's chunks of the activation rows, all loads issued together.
+    float xr[R][J][8];
+    float ss[R];
+    #pragma unroll
+    for (int r = 0; r < R; ++r) ss[r] = 0.0f;
+    #pragma unroll
+    for (int j = 0; j < J; ++j) {
+        int c = lt + j * group_threads;
+        #pragma unroll
+        for (int r = 0; r < R; ++r) {
+            float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f), e = a;
+            if (c < chunks) {
+                const float4* xp = reinterpret_cast<const float4*>(x + (long)r * K + c * 8);
+                a = xp[0];
+                e = xp[1];
+            }
+            float v[8] = {a.x, a.y, a.z, a.w, e.x, e.y, e.z, e.w};
+            #pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                xr[r][j][i] = v[i];
+                ss[r] += v[i] * v[i];
+            }
+        }
+    }
+    if (norm != nullptr) {
+        // Every group covers each row once, in the same pattern: each adds its own warps'
+        // sums of squares (in warp order), so every group gets the same bits.
+        #pragma unroll
+        for (int r = 0; r < R; ++r) {
+            float t = warp_sum(ss[r]);
+            if (lane == 0) s_ss[warp][r] = t;
+        }
+        __syncthreads();
+        #pragma unroll
+        for (int r = 0; r < R; ++r) {
+            float t = 0.0f;
+            for (int w = 0; w < group_warps; ++w) t += s_ss[w0 + w][r];
+            ss[r] = rsqrtf(t / (float)K + eps);
+        }
+        #pragma unroll
+        for (int j = 0; j < J; ++j) {
+            int c = lt + j * group_threads;
+            if (c < chunks) {
+                const float4* np = reinterpret_cast<const float4*>(norm + c * 8);
+                float4 a = np[0], e = np[1];
+                float g[8] = {a.x, a.y, a.z, a.w, e.x, e.y, e.z, e.w};
+                #pragma unroll
+                for (int r = 0; r < R; ++r)
+                    #pragma unroll
+                    for (int i = 0; i < 8; ++i) xr[r][j][i] = xr[r][j][i] * ss[r] * g[i];
+            }
+        }
+    }
+    __syncthreads();  // also publishes the barriers' initialisation to every thread
+
+    int slot = 0;
+    unsigned phase = 0;
+    for (int s = 0; s < n_stages; ++s) {
+        int first = f0 + s * per_stage, n = min(per_stage, f1 - first);
+        bool leader = lt == 0 && grp < n;
+        // The residual this feature adds to, loaded while the stage is summed.
+        float prev[R];
+        #pragma unroll
+        for (int r = 0; r < R; ++r)
+            prev[r] = EPI == 0 && accumulate && leader ? out[(long)r * items + first + grp] : 0.0f;
+        mbar_wait(&bars[slot], phase);
+        float acc[P][R];
+        #pragma unroll
+        for (int p = 0; p < P; ++p)
+            #pragma unroll
+            for (int r = 0; r < R; ++r) acc[p][r] = 0.0f;
+        if (grp < n) {
+            const uint4* stage = reinterpret_cast<const uint4*>(ring + (long)slot * stage_bytes);
+            #pragma unroll
+            for (int p = 0; p < P; ++p) {
+                const uint4* wrow = stage + (long)(p * per_stage + grp) * chunks;
+                #pragma unroll
+                for (int j = 0; j < J; ++j) {
+                    int c = lt + j * group_threads;
+                    if (c < chunks) {
+                        float w[8];
+                        unpack16<__nv_bfloat16>(wrow[c], w);
+                        #pragma unroll
+                        for (int r = 0; r < R; ++r)
+                            #pragma unroll
+                            for (int i = 0; i < 8; ++i) acc[p][r] += xr[r][j][i] * w[i];
+                    }
+                }
+            }
+        }
+        #pragma unroll
+        for (int p = 0; p < P; ++p)
+            #pragma unroll
+            for (int r = 0; r < R; ++r) {
+                float v = warp_sum(acc[p][r]);
+                if (lane == 0) red[s & 1][warp][p][r] = v;
+            }
+        __syncthreads();  // the slot is read and the partials are written
+        if (tid == 0 && s + stages < n_stages) {
+            // The threads' reads of the slot are ordered before the copy that overwrites it.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+            issue(s + stages, slot);
+        }
+        if (leader) {
+            int item = first + grp;
+            #pragma unroll
+            for (int r = 0; r < R; ++r) {
+                float t[P];
+                #pragma unroll
+                for (int p = 0; p < P; ++p) {
+                    t[p] = 0.0f;
+                    for (int w = 0; w < group_warps; ++w) t[p] += red[s & 1][w0 + w][p][r];
+                }
+                long at = (long)r * items + item;
+                if constexpr (EPI == 1) {
+                    out[at] = t[0] / (1.0f + expf(-t[0])) * t[P - 1];
+                } else {
+                    out[at] = prev[r] + t[0];
+                }
+            }
+        }
+        if (++slot == stages) {
+            slot = 0;
+            phase ^= 1u;
+        }
+    }
+}
+
+#define BULK_GEMV(R) \
+    extern "C" __global__ void __launch_bounds__(BULK_WARPS * 32, 1) bulk_gemv_bf16_##R( \
+            const float* x, const float* norm, float eps, int K, const __nv_bfloat16* W, int N, \
+            int per_stage, int stages, float* out, int accumulate) { \
+        bulk_gemv_impl<R, 1, 0>(x, norm, eps, K, W, N, per_stage, stages, out, accumulate); \
+    } \
+    extern "C" __global__ void __launch_bounds__(BULK_WARPS * 32, 1) bulk_gemv_silu_bf16_##R( \
+            const float* x, const float* norm, float eps, int K, const __nv_bfloat16* W, int width, \
+            int per_stage, int stages, float* out) { \
+        bulk_gemv_impl<R, 2, 1>(x, norm, eps, K, W, width, per_stage, stages, out, 0); \
+    }
+BULK_GEMV(1) BULK_GEMV(2)
+
 // ---- sampling ------------------------------------------------------------------------------
 //
 // One block of 1024 threads per logits row. params[4 * row ..] = temperature, top_k (as bits),
@@ -1293,3 +1541,320 @@ PREFILL_ATTENTION(64, 0, )
 PREFILL_ATTENTION(128, 0, )
 PREFILL_ATTENTION(64, 16, _b16)
 PREFILL_ATTENTION(128, 16, _b16)
+
+// ---- KDA-hybrid family (HybridOps, hybrid.rs) ----------------------------------------------
+//
+// The formulas are shared/specs/kda.md's and the CPU backend's (cpu_hybrid.rs), in the same
+// order of operations where that is cheap (sums in ascending index, `1 / sqrtf`, `expf`), so
+// the two backends differ by f32 rounding only.
+
+__device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+// torch's softplus (beta 1, linear above 20).
+__device__ __forceinline__ float softplus_f(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+
+// One sequence of a step for the per-sequence kernels (short_conv, delta_rule): the address of
+// its state (a conv window or a delta-rule state), its first row in the step and its rows.
+// `SeqEntry` in hybrid.rs writes these; empty sequences are left out of the table.
+struct SeqEntry {
+    unsigned long long state;
+    unsigned long long first;
+    unsigned long long rows;
+};
+
+// `rows × width` values from src at `src_at` (rows `src_stride` apart) to dst at `dst_at`.
+extern "C" __global__ void copy_block(const float* src, long src_at, int src_stride, float* dst, long dst_at,
+                                      int dst_stride, int rows, int width) {
+    pdl_start();
+    long t = blockIdx.x * (long)blockDim.x + threadIdx.x;
+    if (t >= (long)rows * width) return;
+    long r = t / width;
+    int i = (int)(t % width);
+    dst[dst_at + r * dst_stride + i] = src[src_at + r * src_stride + i];
+}
+
+extern "C" __global__ void add_assign(float* y, const float* x, long n) {
+    pdl_start();
+    long t = blockIdx.x * (long)blockDim.x + threadIdx.x;
+    if (t < n) y[t] += x[t];
+}
+
+extern "C" __global__ void sigmoid_in_place(float* x, long n) {
+    pdl_start();
+    long t = blockIdx.x * (long)blockDim.x + threadIdx.x;
+    if (t < n) x[t] = sigmoid_f(x[t]);
+}
+
+// One block per row of `dim`: x = x / sqrt(mean(x²) + eps) (· w when w is not null).
+template <typename T>
+__device__ void rms_norm_in_place_impl(float* x, int dim, const T* w, float eps) {
+    pdl_start();
+    __shared__ float shared[32];
+    float* xr = x + (long)blockIdx.x * dim;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) ss += xr[i] * xr[i];
+    ss = block_sum(ss, shared);
+    float r = 1.0f / sqrtf(ss / (float)dim + eps);
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) xr[i] = w ? xr[i] * r * load_f(w, i) : xr[i] * r;
+}
+extern "C" __global__ void rms_norm_in_place_f32(float* x, int dim, const float* w, float eps) {
+    rms_norm_in_place_impl(x, dim, w, eps);
+}
+extern "C" __global__ void rms_norm_in_place_bf16(float* x, int dim, const __nv_bfloat16* w, float eps) {
+    rms_norm_in_place_impl(x, dim, w, eps);
+}
+
+// One block per row of `dim`: LayerNorm with weight and bias (two passes over the row).
+extern "C" __global__ void layer_norm_in_place(float* x, int dim, const float* w, const float* b, float eps) {
+    pdl_start();
+    __shared__ float shared[32];
+    float* xr = x + (long)blockIdx.x * dim;
+    float sum = 0.0f;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) sum += xr[i];
+    float mean = block_sum(sum, shared) / (float)dim;
+    float var = 0.0f;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) var += (xr[i] - mean) * (xr[i] - mean);
+    float rs = 1.0f / sqrtf(block_sum(var, shared) / (float)dim + eps);
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) xr[i] = (xr[i] - mean) * rs * w[i] + b[i];
+}
+
+// One block per row of `dim`: x = x · scale / sqrt(Σx² + 1e-6).
+extern "C" __global__ void l2_norm_in_place(float* x, int dim, float scale) {
+    pdl_start();
+    __shared__ float shared[32];
+    float* xr = x + (long)blockIdx.x * dim;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) ss += xr[i] * xr[i];
+    float r = scale / sqrtf(block_sum(ss, shared) + 1e-6f);
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) xr[i] *= r;
+}
+
+// KDA's log-decay in place over `rows` rows of `p` channels: f + dt_bias becomes
+// -a_h softplus(f), or with `bounded` lower_bound · sigmoid(a_h f); a_h = a[channel / head_dim].
+extern "C" __global__ void kda_decay(float* f, long rows, int p, const float* a, const float* dt_bias,
+                                     int head_dim, int bounded, float lower_bound) {
+    pdl_start();
+    long t = blockIdx.x * (long)blockDim.x + threadIdx.x;
+    if (t >= rows * p) return;
+    int c = (int)(t % p);
+    float x = f[t] + dt_bias[c], ah = a[c / head_dim];
+    f[t] = bounded ? lower_bound * sigmoid_f(ah * x) : -ah * softplus_f(x);
+}
+
+// KDA's output norm over head rows of `dim` (one block each): RMSNorm(o; w) · sigmoid(gate).
+template <typename T>
+__device__ void gated_rms_norm_impl(float* o, const float* gate, const T* w, int dim, float eps) {
+    pdl_start();
+    __shared__ float shared[32];
+    long at = (long)blockIdx.x * dim;
+    float* orow = o + at;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) ss += orow[i] * orow[i];
+    float r = 1.0f / sqrtf(block_sum(ss, shared) / (float)dim + eps);
+    for (int i = threadIdx.x; i < dim; i += blockDim.x)
+        orow[i] = orow[i] * r * load_f(w, i) * sigmoid_f(gate[at + i]);
+}
+extern "C" __global__ void gated_rms_norm_f32(float* o, const float* gate, const float* w, int dim, float eps) {
+    gated_rms_norm_impl(o, gate, w, dim, eps);
+}
+extern "C" __global__ void gated_rms_norm_bf16(float* o, const float* gate, const __nv_bfloat16* w, int dim,
+                                               float eps) {
+    gated_rms_norm_impl(o, gate, w, dim, eps);
+}
+
+// silu(gate) · up over rows of [gate | up] (each `inter` wide); with `clamp`, the gate is
+// capped at `limit` and up clamped to [-limit, limit] first.
+extern "C" __global__ void swiglu(const float* gate_up, long rows, int inter, int clamp, float limit, float* out) {
+    pdl_start();
+    long t = blockIdx.x * (long)blockDim.x + threadIdx.x;
+    if (t >= rows * inter) return;
+    long row = t / inter;
+    int i = (int)(t % inter);
+    float g = gate_up[row * 2 * inter + i], u = gate_up[row * 2 * inter + inter + i];
+    if (clamp) {
+        g = fminf(g, limit);
+        u = fminf(fmaxf(u, -limit), limit);
+    }
+    out[t] = g * sigmoid_f(g) * u;
+}
+
+// y[rows[i]] += weights[i] · src[i] for one expert's rows (distinct: no two blocks share a row).
+extern "C" __global__ void scatter_add_rows(float* y, const float* src, const u32* rows, const float* weights,
+                                            int dim) {
+    pdl_start();
+    long i = blockIdx.x;
+    long dst = (long)rows[i] * dim;
+    float w = weights[i];
+    for (int c = threadIdx.x; c < dim; c += blockDim.x) y[dst + c] += w * src[i * dim + c];
+}
+
+// mHC residual streams: `n` copies of each row, their merge and their mean. A stream count
+// is at most HC_MAX_STREAMS (a thread keeps one column of every stream in registers).
+#define HC_MAX_STREAMS 8
+
+extern "C" __global__ void hc_expand(const float* x, long rows, int n, int hidden, float* out) {
+    pdl_start();
+    long t = blockIdx.x * (long)blockDim.x + threadIdx.x;
+    if (t >= rows * n * hidden) return;
+    out[t] = x[t / ((long)n * hidden) * hidden + t % hidden];
+}
+
+// New stream j = post_j · y + Σ_m comb[m][j] · old stream m, in place: a thread per (row, column).
+extern "C" __global__ void hc_merge(float* streams, const float* y, const float* post, const float* comb,
+                                    long rows, int n, int hidden) {
+    pdl_start();
+    long t = blockIdx.x * (long)blockDim.x + threadIdx.x;
+    if (t >= rows * hidden) return;
+    long row = t / hidden;
+    int i = (int)(t % hidden);
+    float* s = streams + row * n * hidden + i;
+    const float* c = comb + row * n * n;
+    float old[HC_MAX_STREAMS];
+    #pragma unroll
+    for (int m = 0; m < HC_MAX_STREAMS; ++m) old[m] = m < n ? s[(long)m * hidden] : 0.0f;
+    float yv = y[row * hidden + i];
+    #pragma unroll
+    for (int j = 0; j < HC_MAX_STREAMS; ++j) {
+        if (j >= n) break;
+        float v = post[row * n + j] * yv;
+        #pragma unroll
+        for (int m = 0; m < HC_MAX_STREAMS; ++m)
+            if (m < n) v += c[m * n + j] * old[m];
+        s[(long)j * hidden] = v;
+    }
+}
+
+extern "C" __global__ void hc_mean(const float* streams, long rows, int n, int hidden, float* out) {
+    pdl_start();
+    long t = blockIdx.x * (long)blockDim.x + threadIdx.x;
+    if (t >= rows * hidden) return;
+    long row = t / hidden;
+    int i = (int)(t % hidden);
+    const float* s = streams + row * n * hidden + i;
+    float sum = 0.0f;
+    for (int m = 0; m < n; ++m) sum += s[(long)m * hidden];
+    out[t] = sum / (float)n;
+}
+
+// Depthwise causal convolution (width w <= CONV_MAX_W) + SiLU of each sequence's rows of `pre`
+// `[T, p]`, continuing from its window (`[p, w-1]`, oldest first; `SeqEntry::state`). A thread
+// per (channel, sequence, chunk of CONV_CHUNK rows) slides the last w-1 inputs through
+// registers; the chunk-0 thread of a channel, the only one that reads its window (w-1 <
+// CONV_CHUNK), advances the window after reading it, in place in ascending order (new value j
+// comes from old value rows + j > j, or from `pre`).
+#define CONV_MAX_W 8
+#define CONV_CHUNK 16
+
+template <typename T>
+__device__ void short_conv_impl(const float* pre, const SeqEntry* seqs, const T* weight, int p, int w,
+                                float* out) {
+    pdl_start();
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    SeqEntry e = seqs[blockIdx.y];
+    long n = (long)e.rows, first = (long)e.first, start = (long)blockIdx.z * CONV_CHUNK;
+    if (c >= p || start >= n) return;
+    float* window = reinterpret_cast<float*>(e.state) + (long)c * (w - 1);
+    int hist = w - 1;
+    // ext[i]: the window's values, then the sequence's rows.
+    float wt[CONV_MAX_W], h[CONV_MAX_W];
+    #pragma unroll
+    for (int j = 0; j < CONV_MAX_W; ++j) {
+        wt[j] = j < hist ? load_f(weight, (long)c * w + j) : 0.0f;
+        long i = start + j;
+        h[j] = j >= hist ? 0.0f : i < hist ? window[i] : pre[(first + i - hist) * p + c];
+    }
+    float w_last = load_f(weight, (long)c * w + hist);
+    long end = min(n, start + CONV_CHUNK);
+    for (long t = start; t < end; ++t) {
+        float x = pre[(first + t) * p + c];
+        float acc = 0.0f;
+        #pragma unroll
+        for (int j = 0; j < CONV_MAX_W; ++j)
+            if (j < hist) acc += wt[j] * h[j];
+        acc += w_last * x;
+        #pragma unroll
+        for (int j = 0; j < CONV_MAX_W - 1; ++j)
+            if (j + 1 < hist) h[j] = h[j + 1];
+        #pragma unroll
+        for (int j = 0; j < CONV_MAX_W; ++j)
+            if (j == hist - 1) h[j] = x;
+        out[(first + t) * p + c] = acc * sigmoid_f(acc);
+    }
+    if (blockIdx.z == 0) {
+        for (int j = 0; j < hist; ++j) {
+            long i = n + j;
+            window[j] = i < hist ? window[i] : pre[(first + i - hist) * p + c];
+        }
+    }
+}
+extern "C" __global__ void short_conv_f32(const float* pre, const SeqEntry* seqs, const float* weight, int p,
+                                          int w, float* out) {
+    short_conv_impl(pre, seqs, weight, p, w, out);
+}
+extern "C" __global__ void short_conv_bf16(const float* pre, const SeqEntry* seqs, const __nv_bfloat16* weight,
+                                           int p, int w, float* out) {
+    short_conv_impl(pre, seqs, weight, p, w, out);
+}
+
+// The gated delta rule in its recurrent form, for heads of width D: a block of DELTA_COLS(D)
+// threads per (sequence, head, slice of V columns). Each thread keeps one V column of the
+// head's `[K, V]` state (K = D values) in registers from the first token of its sequence to
+// the last, so the state is read and written once per launch; a token's k, q and decay
+// exp(g) are staged in shared memory for the block. Per token, with S the column:
+//   S ← exp(g) ⊙ S,  u = β (v_j − S·k),  S ← S + k u,  o_j = S·q.
+// Both DeltaForms run this (hybrid.rs says why).
+#define DELTA_COLS(D) ((D) < 32 ? (D) : 32)
+
+template <int D>
+__device__ void delta_rule_impl(const float* q, const float* k, const float* v, const float* g,
+                                const float* beta, int heads, const SeqEntry* seqs, float* out) {
+    constexpr int COLS = DELTA_COLS(D), PER = D / COLS;
+    __shared__ float sk[D], sq[D], sd[D];
+    pdl_start();
+    SeqEntry e = seqs[blockIdx.x];
+    int h = blockIdx.y, j = blockIdx.z * COLS + threadIdx.x;
+    float* state = reinterpret_cast<float*>(e.state) + (long)h * D * D + j;
+    float s[D];
+    #pragma unroll
+    for (int kk = 0; kk < D; ++kk) s[kk] = state[(long)kk * D];
+    long hd = (long)heads * D, last = (long)(e.first + e.rows);
+    for (long t = (long)e.first; t < last; ++t) {
+        long base = t * hd + (long)h * D;
+        __syncthreads();  // the previous token's reads of sk, sq, sd are done
+        #pragma unroll
+        for (int r = 0; r < PER; ++r) {
+            int i = threadIdx.x + r * COLS;
+            sk[i] = k[base + i];
+            sq[i] = q[base + i];
+            sd[i] = expf(g[base + i]);
+        }
+        __syncthreads();
+        float b = beta[t * heads + h], vj = v[base + j];
+        float sk_dot = 0.0f;
+        #pragma unroll
+        for (int kk = 0; kk < D; ++kk) {
+            s[kk] *= sd[kk];
+            sk_dot += s[kk] * sk[kk];
+        }
+        float u = b * (vj - sk_dot), o = 0.0f;
+        #pragma unroll
+        for (int kk = 0; kk < D; ++kk) {
+            s[kk] += sk[kk] * u;
+            o += sq[kk] * s[kk];
+        }
+        out[base + j] = o;
+    }
+    #pragma unroll
+    for (int kk = 0; kk < D; ++kk) state[(long)kk * D] = s[kk];
+}
+
+#define DELTA_RULE(D) \
+    extern "C" __global__ void __launch_bounds__(DELTA_COLS(D)) delta_rule_d##D( \
+            const float* q, const float* k, const float* v, const float* g, const float* beta, int heads, \
+            const SeqEntry* seqs, float* out) { \
+        delta_rule_impl<D>(q, k, v, g, beta, heads, seqs, out); \
+    }
+DELTA_RULE(16)
+DELTA_RULE(32)
+DELTA_RULE(64)
+DELTA_RULE(128)

@@ -1,5 +1,6 @@
 //! tandem's CUDA backend: [`CudaBackend`] implements the engine's [`Backend`] and [`Ops`]
-//! traits, so the model code the CPU runs is the code the GPU runs. It owns one context and
+//! traits (and [`HybridOps`] for the KDA-hybrid family), so the model code the CPU runs is the
+//! code the GPU runs. It owns one context and
 //! one non-default stream per device; every operation is queued on that stream and only
 //! downloads, sampling and [`Backend::synchronize`] wait for it.
 //!
@@ -17,6 +18,7 @@
 //!
 //! [`Backend`]: tandem_engine::Backend
 //! [`Ops`]: tandem_engine::Ops
+//! [`HybridOps`]: tandem_engine::backend::HybridOps
 //! [`Backend::synchronize`]: tandem_engine::Backend::synchronize
 
 /// NVRTC compilation of the kernels with an on-disk cache.
@@ -27,6 +29,8 @@ mod env;
 mod gemm;
 /// Decode steps captured as CUDA graphs and replayed.
 pub mod graph;
+/// The KDA-hybrid family's operations (`HybridOps`), with MLA and MoE routing on the host.
+mod hybrid;
 mod ops;
 /// Tensor-core attention for prompt-shaped steps.
 mod prefill;

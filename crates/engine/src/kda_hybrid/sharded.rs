@@ -20,8 +20,9 @@ use super::config::{FfnKind, KdaHybridConfig};
 use super::kda::KdaForm;
 use super::loading::{LoadOptions, RankShard};
 use super::model::{open_checkpoint, KdaHybridModel, KdaHybridState, RankCollectives};
+use crate::backend::hybrid::HybridOps;
 use crate::backend::CpuBackend;
-use crate::tensor::Tensor;
+use crate::tensor::{HostTensor, Tensor};
 use std::path::Path;
 use std::time::Duration;
 use tandem_topology::shard::expert_range;
@@ -80,54 +81,72 @@ pub fn model_shape(config: &KdaHybridConfig) -> ModelShape {
     }
 }
 
-/// A model sharded over a layout, one [`KdaHybridModel`] per rank.
+/// A model sharded over a layout, one [`KdaHybridModel`] per rank, on backend `B` (each rank
+/// its own handle: a stream per rank where ranks share a device).
 #[derive(Debug)]
-pub struct ShardedKdaHybrid {
+pub struct ShardedKdaHybrid<B: HybridOps = CpuBackend> {
     layout: Layout,
-    ranks: Vec<KdaHybridModel>,
+    ranks: Vec<KdaHybridModel<B>>,
     groups: Vec<RankGroups<InProcessCommunicator>>,
 }
 
-/// One rank's collectives.
+/// One rank's collectives. The ranks are threads of this process: values go through host
+/// memory (a download, the in-process collective, an upload; on the CPU two copies), which
+/// is also how ranks sharing one GPU meet until a device communicator (NCCL) joins them.
 struct RankComm<'a> {
     layout: Layout,
     groups: &'a RankGroups<InProcessCommunicator>,
 }
 
-impl RankCollectives<CpuBackend> for RankComm<'_> {
+/// Host values of a device tensor, and the tensor's shape.
+fn host_values<B: HybridOps>(backend: &B, t: &Tensor<B>) -> (Vec<usize>, Vec<f32>) {
+    let host = backend.download(t);
+    (host.shape().to_vec(), host.to_f32_vec())
+}
+
+/// An f32 tensor of `shape` holding `values` on `backend`.
+fn device_values<B: HybridOps>(backend: &B, shape: &[usize], values: Vec<f32>) -> Tensor<B> {
+    backend.upload(&HostTensor::from_f32(shape, values).expect("values sized to their shape"))
+}
+
+impl<B: HybridOps> RankCollectives<B> for RankComm<'_> {
     fn attn_all_reduce(
         &self,
-        _: &CpuBackend,
-        buf: &mut Tensor<CpuBackend>,
+        backend: &B,
+        buf: &mut Tensor<B>,
         n: usize,
     ) -> tandem_topology::Result<()> {
         if self.layout.attn_tp() > 1 {
-            self.groups
-                .attn_tp
-                .all_reduce_sum(&mut buf.f32s_mut()[..n])?;
+            let (shape, mut v) = host_values(backend, buf);
+            self.groups.attn_tp.all_reduce_sum(&mut v[..n])?;
+            let sum = HostTensor::from_f32(&shape, v).expect("values sized to their shape");
+            backend
+                .overwrite(buf, &sum)
+                .expect("a tensor takes back values of its own shape");
         }
         Ok(())
     }
 
     fn ffn(
         &self,
-        _: &CpuBackend,
-        x: &Tensor<CpuBackend>,
+        backend: &B,
+        x: &Tensor<B>,
         rows: usize,
         hidden: usize,
-        f: &dyn Fn(&Tensor<CpuBackend>, usize) -> Tensor<CpuBackend>,
-    ) -> tandem_topology::Result<Tensor<CpuBackend>> {
+        f: &dyn Fn(&Tensor<B>, usize) -> Tensor<B>,
+    ) -> tandem_topology::Result<Tensor<B>> {
         let (tp, dp, a) = (self.layout.tp(), self.layout.dp(), self.layout.attn_tp());
         if tp == 1 {
             return Ok(f(x, rows));
         }
-        let x = &x.f32s()[..rows * hidden];
+        let (_, mut x) = host_values(backend, x);
+        x.truncate(rows * hidden);
         // Every rank of a group holds the group's tokens; take one copy per group (from its
         // attention-TP rank 0), in group order.
         let (all, own) = if dp == 1 {
-            (x.to_vec(), 0..rows)
+            (x, 0..rows)
         } else {
-            let recv = self.groups.tp.all_to_all(vec![x.to_vec(); tp])?;
+            let recv = self.groups.tp.all_to_all(vec![x; tp])?;
             let mut all = Vec::new();
             let mut own = 0..0;
             for g in 0..dp {
@@ -140,10 +159,12 @@ impl RankCollectives<CpuBackend> for RankComm<'_> {
             (all, own)
         };
         let total = all.len() / hidden;
-        let mut y = f(&Tensor::from_f32s(&[total, hidden], all), total);
-        let y = &mut y.f32s_mut()[..total * hidden];
+        let y = f(&device_values(backend, &[total, hidden], all), total);
+        let (_, mut y) = host_values(backend, &y);
+        let y = &mut y[..total * hidden];
         self.groups.tp.all_reduce_sum(y)?;
-        Ok(Tensor::from_f32s(
+        Ok(device_values(
+            backend,
             &[rows, hidden],
             y[own.start * hidden..own.end * hidden].to_vec(),
         ))
@@ -165,6 +186,26 @@ impl ShardedKdaHybrid {
         options: &LoadOptions,
         kda_shard_by: ShardBy,
     ) -> ShardResult<Self> {
+        Self::load_on(
+            |_| Ok(CpuBackend::new()),
+            dir,
+            layout,
+            options,
+            kda_shard_by,
+        )
+    }
+}
+
+impl<B: HybridOps> ShardedKdaHybrid<B> {
+    /// [`ShardedKdaHybrid::load_with`] with each rank on the backend `backend(rank)` opens
+    /// (ranks may share a device, each with a stream of its own).
+    pub fn load_on(
+        mut backend: impl FnMut(Rank) -> crate::Result<B>,
+        dir: &Path,
+        layout: Layout,
+        options: &LoadOptions,
+        kda_shard_by: ShardBy,
+    ) -> ShardResult<Self> {
         let (config, mut ck, fusion) = open_checkpoint(dir, options)?;
         layout.validate_for(&model_shape(&config))?;
         let mut ranks = Vec::with_capacity(layout.tp());
@@ -179,7 +220,7 @@ impl ShardedKdaHybrid {
                 log: rank == Rank(0),
             };
             ranks.push(KdaHybridModel::build(
-                CpuBackend::new(),
+                backend(rank)?,
                 config.clone(),
                 &mut ck,
                 &rs,
@@ -204,7 +245,14 @@ impl ShardedKdaHybrid {
             .first()
             .map(|r| r.options().clone())
             .unwrap_or_default();
-        let fresh = Self::load_with(dir, self.layout, &options, ShardBy::AttentionTp)?;
+        let backends: Vec<B> = self.ranks.iter().map(|r| r.backend().clone()).collect();
+        let fresh = Self::load_on(
+            |r| Ok(backends[r.0].clone()),
+            dir,
+            self.layout,
+            &options,
+            ShardBy::AttentionTp,
+        )?;
         for (old, new) in self.ranks.iter_mut().zip(fresh.ranks) {
             old.adopt(new);
         }
@@ -224,13 +272,13 @@ impl ShardedKdaHybrid {
     }
 
     /// Rank `r`'s model (its shard).
-    pub fn rank(&self, r: Rank) -> Option<&KdaHybridModel> {
+    pub fn rank(&self, r: Rank) -> Option<&KdaHybridModel<B>> {
         self.ranks.get(r.0)
     }
 
     /// Fresh per-request states, one per rank (each covers that rank's heads; rank `r`
     /// serves attention-DP group `r / A`).
-    pub fn new_states(&self) -> Vec<KdaHybridState> {
+    pub fn new_states(&self) -> Vec<KdaHybridState<B>> {
         self.ranks.iter().map(KdaHybridModel::new_state).collect()
     }
 
@@ -245,13 +293,13 @@ impl ShardedKdaHybrid {
     pub fn extend(
         &self,
         ids: &[Vec<u32>],
-        states: &mut [KdaHybridState],
+        states: &mut [KdaHybridState<B>],
         form: KdaForm,
         all_logits: bool,
     ) -> ShardResult<Vec<Vec<f32>>> {
         self.check_counts(ids.len(), states.len())?;
         let batches: Vec<Vec<Vec<u32>>> = ids.iter().map(|s| vec![s.clone()]).collect();
-        let mut per_rank: Vec<Vec<KdaHybridState>> =
+        let mut per_rank: Vec<Vec<KdaHybridState<B>>> =
             states.iter_mut().map(|s| vec![std::mem::take(s)]).collect();
         let out = self.extend_batch(&batches, &mut per_rank, form, all_logits);
         for (state, mut back) in states.iter_mut().zip(per_rank) {
@@ -286,7 +334,7 @@ impl ShardedKdaHybrid {
     pub fn extend_batch(
         &self,
         ids: &[Vec<Vec<u32>>],
-        states: &mut [Vec<KdaHybridState>],
+        states: &mut [Vec<KdaHybridState<B>>],
         form: KdaForm,
         all_logits: bool,
     ) -> ShardResult<Vec<Vec<Vec<f32>>>> {
@@ -331,7 +379,7 @@ impl ShardedKdaHybrid {
                         .stack_size(16 << 20)
                         .spawn_scoped(scope, move || {
                             let mut trace = None;
-                            let mut refs: Vec<&mut KdaHybridState> = state.iter_mut().collect();
+                            let mut refs: Vec<&mut KdaHybridState<B>> = state.iter_mut().collect();
                             model.run(
                                 &group_ids,
                                 &mut refs,

@@ -21,7 +21,9 @@ pub mod state_io;
 pub use model::KdaModel;
 
 use self::slots::{bind_latents, latent_sets, reset_state};
-use self::state_io::{encode_group, import_group, on_scratch, KdaHandoffSpec};
+use self::state_io::{encode_group, host_copy, import_group, KdaHandoffSpec};
+use crate::backend::hybrid::HybridOps;
+use crate::backend::CpuBackend;
 use crate::batch::ForwardBatch;
 use crate::handoff::Handoff;
 use crate::kda_hybrid::{KdaHybridState, LatentPool};
@@ -33,22 +35,24 @@ use crate::{Error, Result};
 use std::sync::Arc;
 use tandem_core::TokenLogprobs;
 
-/// A KDA-hybrid model as the engine serves it: the model, every group's state slots, the
-/// latent pool, and the last step's logits rows.
-pub struct KdaServed {
-    model: KdaModel,
+/// A KDA-hybrid model as the engine serves it on backend `B`: the model, every group's
+/// state slots, the latent pool, and the last step's logits rows.
+pub struct KdaServed<B: HybridOps = CpuBackend> {
+    model: KdaModel<B>,
     /// `[group][slot]`: the slot's state on each rank of the group.
-    slots: Vec<Vec<Vec<KdaHybridState>>>,
+    slots: Vec<Vec<Vec<KdaHybridState<B>>>>,
+    /// `[group]`: the backend of each rank of the group (the one its states live on).
+    backends: Vec<Vec<B>>,
     pools: Pools,
     info: ServedInfo,
     logits: Vec<Vec<f32>>,
 }
 
-impl KdaServed {
+impl<B: HybridOps> KdaServed<B> {
     /// Serves `model` with `config.state_slots` slots per attention-DP group and a latent
     /// pool of `config.num_blocks` blocks; `eos` ends generation, `max_context` bounds it.
     pub fn new(
-        mut model: KdaModel,
+        mut model: KdaModel<B>,
         config: &EngineConfig,
         eos: Vec<u32>,
         max_context: usize,
@@ -57,7 +61,8 @@ impl KdaServed {
         model.set_latent_pool(&latents);
         let layout = model.layout();
         let dp = layout.dp();
-        let slots: Vec<Vec<Vec<KdaHybridState>>> = (0..dp)
+        let backends = (0..dp).map(|g| model.group_backends(g)).collect();
+        let slots: Vec<Vec<Vec<KdaHybridState<B>>>> = (0..dp)
             .map(|_| {
                 (0..config.state_slots)
                     .map(|_| model.group_states())
@@ -89,6 +94,7 @@ impl KdaServed {
         Self {
             model,
             slots,
+            backends,
             pools,
             info,
             logits: Vec::new(),
@@ -97,7 +103,7 @@ impl KdaServed {
 
     /// Starts the engine for `model` (see [`KdaServed::new`]).
     pub fn start(
-        model: KdaModel,
+        model: KdaModel<B>,
         config: EngineConfig,
         eos: Vec<u32>,
         max_context: usize,
@@ -106,11 +112,25 @@ impl KdaServed {
         Engine::start_served(move || Ok(Self::new(model, &c, eos, max_context)), config)
     }
 
-    fn slot_states(&mut self, slot: StateSlot) -> Result<&mut Vec<KdaHybridState>> {
+    fn slot_states(&mut self, slot: StateSlot) -> Result<&mut Vec<KdaHybridState<B>>> {
         self.slots
             .get_mut(slot.group)
             .and_then(|g| g.get_mut(slot.index))
             .ok_or_else(|| Error::InvalidRequest(format!("no state slot {slot:?}")))
+    }
+
+    /// A slot's states and the backends they live on.
+    fn slot(&mut self, slot: StateSlot) -> Result<(&mut Vec<KdaHybridState<B>>, &[B])> {
+        let backends = self
+            .backends
+            .get(slot.group)
+            .ok_or_else(|| Error::InvalidRequest(format!("no state slot {slot:?}")))?;
+        let states = self
+            .slots
+            .get_mut(slot.group)
+            .and_then(|g| g.get_mut(slot.index))
+            .ok_or_else(|| Error::InvalidRequest(format!("no state slot {slot:?}")))?;
+        Ok((states, backends))
     }
 }
 
@@ -142,7 +162,7 @@ fn no_slot() -> Error {
     Error::InvalidRequest("the reservation holds no state slot".into())
 }
 
-impl ServedModel for KdaServed {
+impl<B: HybridOps> ServedModel for KdaServed<B> {
     fn info(&self) -> ServedInfo {
         self.info.clone()
     }
@@ -152,7 +172,8 @@ impl ServedModel for KdaServed {
     }
 
     fn handoff_spec(&self) -> Arc<dyn HandoffSpec> {
-        let template = on_scratch(self.model.group_states().swap_remove(0));
+        let fresh = self.model.group_states().swap_remove(0);
+        let template = host_copy(self.model.rank0().backend(), &fresh);
         Arc::new(KdaHandoffSpec {
             layout: self.info.layout,
             config: self.model.config().clone(),
@@ -216,8 +237,10 @@ impl ServedModel for KdaServed {
     fn begin(&mut self, r: &mut Reservation) -> Result<()> {
         let slot = r.slot().ok_or_else(no_slot)?;
         let tokens = r.tokens();
-        let states = self.slot_states(slot)?;
-        states.iter_mut().for_each(reset_state);
+        let (states, backends) = self.slot(slot)?;
+        for (st, b) in states.iter_mut().zip(backends) {
+            reset_state(b, st)?;
+        }
         match r.latent_claim() {
             Some(claim) => bind_latents(states, tokens, claim),
             None => Ok(()),
@@ -225,8 +248,12 @@ impl ServedModel for KdaServed {
     }
 
     fn end(&mut self, r: &Reservation) {
-        if let Some(states) = r.slot().and_then(|s| self.slot_states(s).ok()) {
-            states.iter_mut().for_each(reset_state);
+        if let Some((states, backends)) = r.slot().and_then(|s| self.slot(s).ok()) {
+            for (st, b) in states.iter_mut().zip(backends) {
+                if let Err(e) = reset_state(b, st) {
+                    tracing::error!(error = %e, "zeroing a released state slot failed");
+                }
+            }
         }
     }
 
@@ -234,12 +261,14 @@ impl ServedModel for KdaServed {
         let head_dim = self.model.config().kda.head_dim;
         let layout = self.info.layout;
         let slot = r.slot().ok_or_else(no_slot)?;
-        Ok(encode_group(layout, self.slot_states(slot)?, head_dim))
+        let (states, backends) = self.slot(slot)?;
+        Ok(encode_group(backends, layout, states, head_dim))
     }
 
     fn import(&mut self, r: &Reservation, prompt_len: usize, h: &Handoff) -> Result<()> {
         let slot = r.slot().ok_or_else(no_slot)?;
-        import_group(h, self.slot_states(slot)?, prompt_len)
+        let (states, backends) = self.slot(slot)?;
+        import_group(backends, h, states, prompt_len)
     }
 
     fn refresh(&mut self, dir: &std::path::Path) -> Result<()> {
@@ -315,7 +344,12 @@ mod tests {
         let mut work = vec![(0, vec![5u32, 9, 33, 7, 120, 64, 3], model.group_states())];
         model.step(&mut work).expect("prefill");
         let states = &work[0].2;
-        let h = encode_group(layout, states, model.config().kda.head_dim);
+        let h = encode_group(
+            &model.group_backends(0),
+            layout,
+            states,
+            model.config().kda.head_dim,
+        );
         h.check_sizes().expect("the manifest describes the body");
         let latents: Vec<_> = h
             .segments
@@ -372,7 +406,12 @@ mod tests {
                 let prompt = vec![5u32, 9, 33, 7, 120, 64, 3, 11, 2];
                 let mut work = vec![(0, prompt.clone(), model.group_states())];
                 model.step(&mut work).expect("prefill");
-                let h = encode_group(layout, &work[0].2, model.config().kda.head_dim);
+                let h = encode_group(
+                    &model.group_backends(0),
+                    layout,
+                    &work[0].2,
+                    model.config().kda.head_dim,
+                );
                 let served = KdaServed::new(model, &config(2, 64), vec![2], 4096);
                 let size = served.info().state_handoff.expect("a state handoff");
                 assert_eq!(h.body.len(), size.body_bytes(prompt.len()), "{name} tp{tp}");

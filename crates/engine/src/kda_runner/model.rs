@@ -2,6 +2,8 @@
 //! as threads, behind one step function that advances a batch of requests on every
 //! attention-DP group.
 
+use crate::backend::hybrid::HybridOps;
+use crate::backend::CpuBackend;
 use crate::kda_hybrid::{
     KdaForm, KdaHybridConfig, KdaHybridModel, KdaHybridState, LatentPool, LoadOptions,
     ShardedKdaHybrid,
@@ -9,13 +11,18 @@ use crate::kda_hybrid::{
 use crate::{Error, Result};
 use tandem_topology::{Layout, Rank, ShardBy};
 
-/// The model on one rank or sharded over a layout (ranks are threads of this process).
+/// One step's work item: `(attention-DP group, token ids, the request's state on each rank
+/// of the group)`.
+pub(crate) type WorkItem<B> = (usize, Vec<u32>, Vec<KdaHybridState<B>>);
+
+/// The model on one rank or sharded over a layout (ranks are threads of this process), on
+/// backend `B`.
 #[derive(Debug)]
-pub enum KdaModel {
+pub enum KdaModel<B: HybridOps = CpuBackend> {
     /// tp = 1.
-    Single(Box<KdaHybridModel>),
+    Single(Box<KdaHybridModel<B>>),
     /// tp > 1.
-    Sharded(ShardedKdaHybrid),
+    Sharded(ShardedKdaHybrid<B>),
 }
 
 impl KdaModel {
@@ -35,12 +42,28 @@ impl KdaModel {
 
     /// Loads `dir` for `layout` with explicit [`LoadOptions`] (LoRA, weight dtype).
     pub fn load_with(dir: &std::path::Path, layout: Layout, options: &LoadOptions) -> Result<Self> {
-        let options = options.clone();
+        Self::load_on(|_| Ok(CpuBackend::new()), dir, layout, options)
+    }
+}
+
+impl<B: HybridOps> KdaModel<B> {
+    /// [`KdaModel::load_with`] with each rank on the backend `backend(rank)` opens (ranks
+    /// may share a device).
+    pub fn load_on(
+        mut backend: impl FnMut(Rank) -> Result<B>,
+        dir: &std::path::Path,
+        layout: Layout,
+        options: &LoadOptions,
+    ) -> Result<Self> {
         Ok(if layout.tp() == 1 {
-            KdaModel::Single(Box::new(KdaHybridModel::load_with(dir, &options)?))
+            KdaModel::Single(Box::new(KdaHybridModel::load_on(
+                backend(Rank(0))?,
+                dir,
+                options,
+            )?))
         } else {
             KdaModel::Sharded(
-                ShardedKdaHybrid::load_with(dir, layout, &options, ShardBy::AttentionTp)
+                ShardedKdaHybrid::load_on(backend, dir, layout, options, ShardBy::AttentionTp)
                     .map_err(|e| Error::InvalidRequest(format!("layout {layout}: {e}")))?,
             )
         })
@@ -73,7 +96,8 @@ impl KdaModel {
         }
     }
 
-    fn rank0(&self) -> &KdaHybridModel {
+    /// Rank 0's model (its backend, config and handoff shapes stand for every rank's).
+    pub(crate) fn rank0(&self) -> &KdaHybridModel<B> {
         match self {
             KdaModel::Single(m) => m,
             KdaModel::Sharded(s) => s.rank(Rank(0)).expect("a layout has rank 0"),
@@ -85,8 +109,23 @@ impl KdaModel {
         self.rank0().config()
     }
 
+    /// The backends of attention-DP group `group`'s ranks, in attention-TP order (where its
+    /// states live).
+    pub(crate) fn group_backends(&self, group: usize) -> Vec<B> {
+        match self {
+            KdaModel::Single(m) => vec![m.backend().clone()],
+            KdaModel::Sharded(s) => {
+                let a = s.layout().attn_tp();
+                (group * a..(group + 1) * a)
+                    .filter_map(|r| s.rank(Rank(r)))
+                    .map(|m| m.backend().clone())
+                    .collect()
+            }
+        }
+    }
+
     /// Fresh states for one attention-DP group's ranks.
-    pub(crate) fn group_states(&self) -> Vec<KdaHybridState> {
+    pub(crate) fn group_states(&self) -> Vec<KdaHybridState<B>> {
         match self {
             KdaModel::Single(m) => vec![m.new_state()],
             KdaModel::Sharded(s) => {
@@ -100,15 +139,12 @@ impl KdaModel {
     /// is `(group, ids, that request's states on the group's ranks)`. A group's requests share
     /// its GEMMs; a group with no request still joins the step's collectives. Returns each
     /// work item's last-position logits.
-    pub(crate) fn step(
-        &self,
-        work: &mut [(usize, Vec<u32>, Vec<KdaHybridState>)],
-    ) -> Result<Vec<Vec<f32>>> {
+    pub(crate) fn step(&self, work: &mut [WorkItem<B>]) -> Result<Vec<Vec<f32>>> {
         // Decodes run the recurrent form, prompt chunks the chunked one, in the same step.
         let form = KdaForm::Auto;
         match self {
             KdaModel::Single(m) => {
-                let (ids, mut states): (Vec<&[u32]>, Vec<&mut KdaHybridState>) = work
+                let (ids, mut states): (Vec<&[u32]>, Vec<&mut KdaHybridState<B>>) = work
                     .iter_mut()
                     .map(|(_, ids, st)| (ids.as_slice(), &mut st[0]))
                     .unzip();
@@ -117,7 +153,7 @@ impl KdaModel {
             KdaModel::Sharded(s) => {
                 let (dp, a) = (s.layout().dp(), s.layout().attn_tp());
                 let mut ids: Vec<Vec<Vec<u32>>> = vec![Vec::new(); dp];
-                let mut states: Vec<Vec<KdaHybridState>> =
+                let mut states: Vec<Vec<KdaHybridState<B>>> =
                     (0..s.layout().tp()).map(|_| Vec::new()).collect();
                 // Where each work item sits: (group, index within the group's batch).
                 let mut place = Vec::with_capacity(work.len());
@@ -144,4 +180,78 @@ impl KdaModel {
             }
         }
     }
+}
+
+/// Single-request runs over every attention-DP group at once (`tandem eval logits`,
+/// `tandem generate`): each group runs the same sequence, group 0's result is returned and
+/// the others must agree with it.
+impl<B: HybridOps> KdaModel<B> {
+    /// Checks that every id is inside the vocabulary.
+    pub fn validate_tokens(&self, ids: &[u32]) -> Result<()> {
+        self.rank0().validate_tokens(ids)
+    }
+
+    /// Logits `[T, vocab]` of one pass over `ids` (chunked delta rule).
+    pub fn forward_full(&self, ids: &[u32]) -> Result<Vec<f32>> {
+        match self {
+            KdaModel::Single(m) => Ok(m.forward_full(ids)),
+            KdaModel::Sharded(s) => {
+                let seqs = vec![ids.to_vec(); s.layout().dp()];
+                groups_agree(s.forward_full(&seqs).map_err(sharded)?)
+            }
+        }
+    }
+
+    /// Greedy continuation of `prompt`: up to `max_tokens` ids, ending at one of `eos`
+    /// (included). The prompt runs chunked, each new token recurrent.
+    pub fn greedy(&self, prompt: &[u32], max_tokens: usize, eos: &[u32]) -> Result<Vec<u32>> {
+        self.validate_tokens(prompt)?;
+        let dp = self.layout().dp();
+        let mut states = match self {
+            KdaModel::Single(m) => vec![m.new_state()],
+            KdaModel::Sharded(s) => s.new_states(),
+        };
+        let step = |ids: &[u32], states: &mut Vec<KdaHybridState<B>>, form| -> Result<Vec<f32>> {
+            match self {
+                KdaModel::Single(m) => Ok(m.extend(ids, &mut states[0], form, false)),
+                KdaModel::Sharded(s) => groups_agree(
+                    s.extend(&vec![ids.to_vec(); dp], states, form, false)
+                        .map_err(sharded)?,
+                ),
+            }
+        };
+        let mut out = Vec::new();
+        let mut logits = step(prompt, &mut states, KdaForm::Chunked)?;
+        while out.len() < max_tokens {
+            let id = crate::sampling::argmax(&logits);
+            out.push(id);
+            if eos.contains(&id) {
+                break;
+            }
+            logits = step(&[id], &mut states, KdaForm::Recurrent)?;
+        }
+        Ok(out)
+    }
+}
+
+fn sharded(e: crate::kda_hybrid::ShardError) -> Error {
+    Error::InvalidRequest(format!("sharded run failed: {e}"))
+}
+
+/// Group 0's output, once every group's agrees with it (within f32 rounding).
+fn groups_agree(out: Vec<Vec<f32>>) -> Result<Vec<f32>> {
+    let first = out.first().cloned().unwrap_or_default();
+    for (g, o) in out.iter().enumerate().skip(1) {
+        let diff = o
+            .iter()
+            .zip(&first)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        if diff > 1e-3 {
+            return Err(Error::InvalidRequest(format!(
+                "attention-DP group {g} disagrees with group 0 by {diff}"
+            )));
+        }
+    }
+    Ok(first)
 }

@@ -2,13 +2,15 @@
 //! (one state per rank of the group per slot) and reused, zeroed, request after request; a
 //! request's MLA latent blocks are bound from the claim its reservation made.
 
+use crate::backend::Ops;
 use crate::kda_hybrid::latent_pool::Claim;
 use crate::kda_hybrid::{KdaHybridState, LayerState};
+use crate::tensor::HostTensor;
 use crate::{Error, Result};
 
-/// Zeroes a state for its next request: KDA state and conv windows to 0, MLA latents (and
-/// their blocks) released.
-pub(crate) fn reset_state(st: &mut KdaHybridState) {
+/// Zeroes a state for its next request: KDA state and conv windows to 0 (in place: the
+/// buffers keep their addresses), MLA latents (and their blocks) released.
+pub(crate) fn reset_state<B: Ops>(backend: &B, st: &mut KdaHybridState<B>) -> Result<()> {
     st.tokens = 0;
     for layer in &mut st.layers {
         match layer {
@@ -19,7 +21,8 @@ pub(crate) fn reset_state(st: &mut KdaHybridState) {
                     &mut k.conv.k,
                     &mut k.conv.v,
                 ] {
-                    v.f32s_mut().fill(0.0);
+                    let zeros = HostTensor::from_f32(v.shape(), vec![0.0; v.len()])?;
+                    backend.overwrite(v, &zeros)?;
                 }
             }
             LayerState::Mla(m) => {
@@ -32,12 +35,13 @@ pub(crate) fn reset_state(st: &mut KdaHybridState) {
             }
         }
     }
+    Ok(())
 }
 
 /// Binds the latent blocks `tokens` tokens need in every MLA layer of `states` out of
 /// `claim` (made for exactly that by the reservation).
-pub(crate) fn bind_latents(
-    states: &mut [KdaHybridState],
+pub(crate) fn bind_latents<B: Ops>(
+    states: &mut [KdaHybridState<B>],
     tokens: usize,
     claim: &mut Claim,
 ) -> Result<()> {
@@ -57,7 +61,7 @@ pub(crate) fn bind_latents(
 
 /// Latent row sets one request of `states` (a group's fresh states) fills: every MLA
 /// layer's latent and rope rows of non-zero width, on every rank of the group.
-pub(crate) fn latent_sets(states: &[KdaHybridState]) -> usize {
+pub(crate) fn latent_sets<B: Ops>(states: &[KdaHybridState<B>]) -> usize {
     states
         .iter()
         .flat_map(|st| &st.layers)

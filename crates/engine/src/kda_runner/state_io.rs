@@ -4,23 +4,30 @@
 //! every segment is checked against the receiving model and the state resharded to the
 //! decode group's ranks.
 
+use crate::backend::{CpuBackend, Ops};
 use crate::handoff::{Handoff, SegmentKind, SegmentReader};
 use crate::kda_hybrid::sharded::model_shape;
 use crate::kda_hybrid::{
-    apply_transfer_plan, KdaHybridConfig, KdaHybridState, LatentPool, LayerState,
+    apply_transfer_plan, ConvWindow, KdaHybridConfig, KdaHybridState, KdaState, LatentPool,
+    LayerState, MlaState,
 };
 use crate::served::{HandoffSpec, Reservation};
 use crate::tensor::{DType, HostTensor};
 use crate::{Error, Result};
 use tandem_topology::{Layout, TransferPlan};
 
-/// The handoff of one attention-DP group's states (`states[k]` on attention-TP rank `k`)
-/// sent from `layout`; `head_dim` shapes the KDA state segments.
-pub(crate) fn encode_group(layout: Layout, states: &[KdaHybridState], head_dim: usize) -> Handoff {
+/// The handoff of one attention-DP group's states (`states[k]` on attention-TP rank `k`, on
+/// `backends[k]`) sent from `layout`; `head_dim` shapes the KDA state segments.
+pub(crate) fn encode_group<B: Ops>(
+    backends: &[B],
+    layout: Layout,
+    states: &[KdaHybridState<B>],
+    head_dim: usize,
+) -> Handoff {
     let mut h = Handoff::default();
     let dims = vec![layout.tp() as u32, layout.dp() as u32, layout.ep() as u32];
     h.push(SegmentKind::Layout, 0, 0, &HostTensor::from_u32(dims));
-    for (k, st) in states.iter().enumerate() {
+    for (k, (st, backend)) in states.iter().zip(backends).enumerate() {
         for (li, layer) in st.layers.iter().enumerate() {
             match layer {
                 LayerState::Kda(s) => {
@@ -30,10 +37,13 @@ pub(crate) fn encode_group(layout: Layout, states: &[KdaHybridState], head_dim: 
                         li,
                         k,
                         &[heads, head_dim, head_dim],
-                        s.recurrent.f32s(),
+                        &backend.download(&s.recurrent).to_f32_vec(),
                     );
                     let w = s.conv.q.len();
-                    let conv = s.conv.to_stacked();
+                    let conv: Vec<f32> = [&s.conv.q, &s.conv.k, &s.conv.v]
+                        .into_iter()
+                        .flat_map(|t| backend.download(t).to_f32_vec())
+                        .collect();
                     h.push_f32(SegmentKind::KdaConv, li, k, &[3, w], &conv);
                 }
                 // MLA latents are replicated across attention TP: only rank 0 sends them.
@@ -75,23 +85,28 @@ fn read_layout(r: &mut SegmentReader<'_>) -> Result<Layout> {
 /// Fills `states` (one per attention-TP rank of the sending group, shaped like the
 /// sender's) from the rest of a handoff for `tokens` prompt tokens, checking each segment;
 /// every rank gets its replica of rank 0's MLA latents. MLA rows keep the blocks they hold.
-fn read_group(
+fn read_group<B: Ops>(
+    backends: &[B],
     r: &mut SegmentReader<'_>,
-    states: &mut [KdaHybridState],
+    states: &mut [KdaHybridState<B>],
     tokens: usize,
 ) -> Result<()> {
-    for (k, st) in states.iter_mut().enumerate() {
+    for (k, (st, backend)) in states.iter_mut().zip(backends).enumerate() {
+        // Overwritten in place: the state's buffers keep their addresses.
+        let put = |t: &mut crate::tensor::Tensor<B>, values: &[f32]| -> Result<()> {
+            backend.overwrite(t, &HostTensor::from_f32(t.shape(), values.to_vec())?)
+        };
         st.tokens = tokens;
         for (li, layer) in st.layers.iter_mut().enumerate() {
             match layer {
                 LayerState::Kda(s) => {
                     let rec = r.f32s(SegmentKind::KdaRecurrent, li, k, Some(s.recurrent.len()))?;
-                    s.recurrent.f32s_mut().copy_from_slice(&rec);
+                    put(&mut s.recurrent, &rec)?;
                     let w = s.conv.q.len();
                     let conv = r.f32s(SegmentKind::KdaConv, li, k, Some(3 * w))?;
-                    s.conv.q.f32s_mut().copy_from_slice(&conv[..w]);
-                    s.conv.k.f32s_mut().copy_from_slice(&conv[w..2 * w]);
-                    s.conv.v.f32s_mut().copy_from_slice(&conv[2 * w..]);
+                    put(&mut s.conv.q, &conv[..w])?;
+                    put(&mut s.conv.k, &conv[w..2 * w])?;
+                    put(&mut s.conv.v, &conv[2 * w..])?;
                 }
                 LayerState::Mla(m) if k == 0 => {
                     for (kind, rows) in [
@@ -129,15 +144,53 @@ fn read_group(
 
 /// Writes a handoff already in this group's layout (see [`KdaHandoffSpec`]) into the
 /// group's slot states.
-pub(crate) fn import_group(
+pub(crate) fn import_group<B: Ops>(
+    backends: &[B],
     h: &Handoff,
-    states: &mut [KdaHybridState],
+    states: &mut [KdaHybridState<B>],
     tokens: usize,
 ) -> Result<()> {
     let mut r = SegmentReader::new(h)?;
     read_layout(&mut r)?;
-    read_group(&mut r, states, tokens)?;
+    read_group(backends, &mut r, states, tokens)?;
     r.finish()
+}
+
+/// The CPU backend for each of `n` host states.
+fn host_backends(n: usize) -> Vec<CpuBackend> {
+    vec![CpuBackend::new(); n]
+}
+
+/// A host (CPU) copy of a state on `backend`, its MLA latent rows on a scratch pool (see
+/// [`on_scratch`]): what handoff templates and resharding work on.
+pub(crate) fn host_copy<B: Ops>(backend: &B, st: &KdaHybridState<B>) -> KdaHybridState {
+    let host = |t: &crate::tensor::Tensor<B>| {
+        crate::tensor::Tensor::from_f32s(t.shape(), backend.download(t).to_f32_vec())
+    };
+    let scratch = LatentPool::default();
+    let layers = st
+        .layers
+        .iter()
+        .map(|layer| match layer {
+            LayerState::Kda(k) => LayerState::Kda(KdaState {
+                recurrent: host(&k.recurrent),
+                conv: ConvWindow {
+                    q: host(&k.conv.q),
+                    k: host(&k.conv.k),
+                    v: host(&k.conv.v),
+                },
+            }),
+            LayerState::Mla(m) => LayerState::Mla(MlaState {
+                kv_latent: m.kv_latent.copy_into(&scratch),
+                k_rope: m.k_rope.copy_into(&scratch),
+                indexer: m.indexer.clone(),
+            }),
+        })
+        .collect();
+    KdaHybridState {
+        layers,
+        tokens: st.tokens,
+    }
 }
 
 /// `st` with its MLA latent rows on a scratch pool of their own: received and template
@@ -208,7 +261,7 @@ impl KdaHandoffSpec {
         let a_from = prefill.attn_tp();
         let template = rescale_template(&self.template, decode.attn_tp(), a_from)?;
         let mut received = vec![template.clone(); a_from];
-        read_group(&mut r, &mut received, tokens)?;
+        read_group(&host_backends(a_from), &mut r, &mut received, tokens)?;
         r.finish()?;
         if a_from == decode.attn_tp() && decode.dp() == 1 {
             return Ok(received);
@@ -234,6 +287,11 @@ impl HandoffSpec for KdaHandoffSpec {
     fn prepare(&self, h: Handoff, tokens: usize, reservation: &Reservation) -> Result<Handoff> {
         let group = reservation.group();
         let states = self.receive(&h, tokens, group)?;
-        Ok(encode_group(self.layout, &states, self.config.kda.head_dim))
+        Ok(encode_group(
+            &host_backends(states.len()),
+            self.layout,
+            &states,
+            self.config.kda.head_dim,
+        ))
     }
 }

@@ -1,0 +1,694 @@
+//! The [`HybridOps`] half of the traits, for the KDA-hybrid family (Kimi-Linear, GLM-5.3-Flash):
+//! KDA's gates, short convolution, delta rule and gated norm, the clamped SwiGLU, the MoE
+//! scatter, the mHC residual streams and strided copies, each one kernel launch on the
+//! backend's stream (kernels.cu, "KDA-hybrid family") that never waits for the device.
+//!
+//! The per-sequence operations — the short convolution and the delta rule — receive each
+//! sequence's window or state as a tensor of its own. Rather than one launch per sequence
+//! (which a decode batch of many sequences would pay for in launch overhead), each call
+//! uploads a table of the step's non-empty sequences ([`SeqEntry`]: state address, first row,
+//! rows) into a scratch buffer on the stream and makes one launch over it. The upload is
+//! stream-ordered, so a later call reusing the buffer cannot change what an earlier launch
+//! reads.
+//!
+//! Four operations run on the host for now: MoE routing (its result, [`ExpertRows`], is a host
+//! structure), the mHC collapse, and MLA's append and attention (their caches, [`MlaState`],
+//! are host rows). Each downloads its inputs, runs the CPU backend's body and writes its
+//! outputs back ([`CudaBackend::on_host`], [`CudaBackend::write_back`]), so each one
+//! synchronises the stream: they are the next kernels to write, MLA first (after its cache
+//! moves into device blocks).
+
+use crate::device::{check, Arg as A, CudaBackend};
+use crate::ops::{flat_cfg, need, ptr, rows_cfg, threads_for, T};
+use cudarc::driver::LaunchConfig;
+use std::sync::Once;
+use tandem_engine::backend::hybrid::{
+    At, DeltaForm, DeltaInputs, ExpertRows, HcParams, HybridOps, MlaDims, Seqs,
+};
+use tandem_engine::kda_hybrid::{KdaGate, MlaState, MoeConfig};
+use tandem_engine::{Backend, CpuBackend, DType, Tensor};
+
+/// Head widths the delta-rule kernel is built for (`delta_rule_d*` in kernels.cu).
+pub(crate) const DELTA_HEAD_DIMS: [usize; 4] = [16, 32, 64, 128];
+/// The widest short convolution the kernel takes (`CONV_MAX_W` in kernels.cu).
+const CONV_MAX_W: usize = 8;
+/// Rows one thread of the short convolution walks (`CONV_CHUNK` in kernels.cu).
+const CONV_CHUNK: usize = 16;
+/// Streams the mHC merge keeps in registers (`HC_MAX_STREAMS` in kernels.cu).
+const HC_MAX_STREAMS: usize = 8;
+
+/// Logs, once per process, that some of the family's operations run on the host.
+static HOST_FALLBACK_NOTICE: Once = Once::new();
+
+/// One non-empty sequence of a per-sequence launch (`SeqEntry` in kernels.cu).
+#[derive(Clone, Copy, Debug)]
+struct SeqEntry {
+    /// Device address of its window or state.
+    state: u64,
+    /// Its first row in the step.
+    first: usize,
+    /// Its rows.
+    rows: usize,
+}
+
+impl HybridOps for CudaBackend {
+    /// The recurrent form: both forms run the same kernel here (the token loop of
+    /// [`HybridOps::delta_rule`]), so a prompt asks for the one that names what runs.
+    fn prompt_form(&self) -> DeltaForm {
+        DeltaForm::Recurrent
+    }
+
+    fn copy_block(&self, src: &T, from: At, dst: &mut T, to: At, rows: usize, width: usize) {
+        if rows == 0 || width == 0 {
+            return;
+        }
+        let end = |at: At| (at.row + rows - 1) * at.stride + at.col + width;
+        need(src, DType::F32, end(from), "copy_block source");
+        need(dst, DType::F32, end(to), "copy_block destination");
+        let (src_at, dst_at) = (
+            (from.row * from.stride + from.col) as i64,
+            (to.row * to.stride + to.col) as i64,
+        );
+        self.launch(
+            &self.inner.kernels.copy_block,
+            flat_cfg(rows * width),
+            &[
+                A::from(ptr(src)),
+                A::from(src_at),
+                A::from(from.stride as i32),
+                A::from(ptr(dst)),
+                A::from(dst_at),
+                A::from(to.stride as i32),
+                A::from(rows as i32),
+                A::from(width as i32),
+            ],
+        );
+    }
+
+    fn add_assign(&self, y: &mut T, x: &T, n: usize) {
+        if n == 0 {
+            return;
+        }
+        need(y, DType::F32, n, "add_assign output");
+        need(x, DType::F32, n, "add_assign input");
+        self.launch(
+            &self.inner.kernels.add_assign,
+            flat_cfg(n),
+            &[A::from(ptr(y)), A::from(ptr(x)), A::from(n as i64)],
+        );
+    }
+
+    fn rms_norm_in_place(&self, x: &mut T, rows: usize, dim: usize, weight: Option<&T>, eps: f32) {
+        if rows == 0 {
+            return;
+        }
+        need(x, DType::F32, rows * dim, "rms_norm_in_place input");
+        let (f, w) = match weight {
+            None => (&self.inner.kernels.rms_norm_in_place_f32, 0),
+            Some(w) => {
+                assert!(w.len() >= dim, "rms_norm_in_place weight: fewer than {dim}");
+                (self.rms_norm_in_place_kernel(w), ptr(w))
+            }
+        };
+        self.launch(
+            f,
+            rows_cfg(rows, threads_for(dim).min(1024)),
+            &[
+                A::from(ptr(x)),
+                A::from(dim as i32),
+                A::from(w),
+                A::from(eps),
+            ],
+        );
+    }
+
+    fn layer_norm_in_place(&self, x: &mut T, rows: usize, weight: &T, bias: &T, eps: f32) {
+        let dim = weight.len();
+        if rows == 0 {
+            return;
+        }
+        need(x, DType::F32, rows * dim, "layer_norm_in_place input");
+        need(weight, DType::F32, dim, "layer_norm_in_place weight");
+        need(bias, DType::F32, dim, "layer_norm_in_place bias");
+        self.launch(
+            &self.inner.kernels.layer_norm_in_place,
+            rows_cfg(rows, threads_for(dim).min(1024)),
+            &[
+                A::from(ptr(x)),
+                A::from(dim as i32),
+                A::from(ptr(weight)),
+                A::from(ptr(bias)),
+                A::from(eps),
+            ],
+        );
+    }
+
+    fn l2_norm_in_place(&self, x: &mut T, rows: usize, dim: usize, scale: f32) {
+        if rows == 0 {
+            return;
+        }
+        need(x, DType::F32, rows * dim, "l2_norm_in_place input");
+        self.launch(
+            &self.inner.kernels.l2_norm_in_place,
+            rows_cfg(rows, threads_for(dim).min(1024)),
+            &[A::from(ptr(x)), A::from(dim as i32), A::from(scale)],
+        );
+    }
+
+    fn sigmoid_in_place(&self, x: &mut T, n: usize) {
+        if n == 0 {
+            return;
+        }
+        need(x, DType::F32, n, "sigmoid_in_place input");
+        self.launch(
+            &self.inner.kernels.sigmoid_in_place,
+            flat_cfg(n),
+            &[A::from(ptr(x)), A::from(n as i64)],
+        );
+    }
+
+    fn kda_decay(
+        &self,
+        f: &mut T,
+        rows: usize,
+        a: &T,
+        dt_bias: &T,
+        head_dim: usize,
+        gate: KdaGate,
+    ) {
+        let p = dt_bias.len();
+        if rows == 0 || p == 0 {
+            return;
+        }
+        need(f, DType::F32, rows * p, "kda_decay input");
+        need(dt_bias, DType::F32, p, "kda_decay dt_bias");
+        need(a, DType::F32, p.div_ceil(head_dim), "kda_decay a");
+        let (bounded, lower_bound) = match gate {
+            KdaGate::Softplus => (0i32, 0.0f32),
+            KdaGate::LowerBound(lb) => (1, lb),
+        };
+        self.launch(
+            &self.inner.kernels.kda_decay,
+            flat_cfg(rows * p),
+            &[
+                A::from(ptr(f)),
+                A::from(rows as i64),
+                A::from(p as i32),
+                A::from(ptr(a)),
+                A::from(ptr(dt_bias)),
+                A::from(head_dim as i32),
+                A::from(bounded),
+                A::from(lower_bound),
+            ],
+        );
+    }
+
+    /// One launch over every sequence: a thread per (channel, sequence, chunk of rows); the
+    /// windows' addresses travel in the sequence table.
+    fn short_conv(
+        &self,
+        pre: &T,
+        seqs: &Seqs,
+        windows: &mut [&mut T],
+        weight: &T,
+        p: usize,
+        w: usize,
+        out: &mut T,
+    ) {
+        assert_eq!(
+            seqs.len(),
+            windows.len(),
+            "short_conv: one window per sequence"
+        );
+        assert!(
+            (1..=CONV_MAX_W).contains(&w),
+            "the CUDA short convolution takes widths 1..={CONV_MAX_W}, not {w}"
+        );
+        let rows = seqs.iter().map(|s| s.end).max().unwrap_or(0);
+        need(pre, DType::F32, rows * p, "short_conv input");
+        need(out, DType::F32, rows * p, "short_conv output");
+        assert!(
+            weight.len() >= p * w,
+            "short_conv weight: fewer than {p} × {w}"
+        );
+        let entries: Vec<SeqEntry> = seqs
+            .iter()
+            .zip(windows.iter())
+            .filter(|(s, _)| !s.is_empty())
+            .map(|(s, window)| {
+                need(window, DType::F32, p * (w - 1), "short_conv window");
+                SeqEntry {
+                    state: ptr(window),
+                    first: s.start,
+                    rows: s.len(),
+                }
+            })
+            .collect();
+        let Some(longest) = entries.iter().map(|e| e.rows).max() else {
+            return;
+        };
+        let f = match weight.dtype() {
+            DType::F32 => &self.inner.kernels.short_conv_f32,
+            DType::BF16 => &self.inner.kernels.short_conv_bf16,
+            other => panic!("CUDA short_conv weights are f32 or bf16, not {other}"),
+        };
+        let chunks = longest.div_ceil(CONV_CHUNK);
+        assert!(
+            entries.len() <= 65_535 && chunks <= 65_535,
+            "short_conv: {} sequences of up to {longest} rows exceed the grid",
+            entries.len()
+        );
+        let table = self.seq_table(&entries);
+        let cfg = LaunchConfig {
+            grid_dim: (p.div_ceil(256) as u32, entries.len() as u32, chunks as u32),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        self.launch(
+            f,
+            cfg,
+            &[
+                A::from(ptr(pre)),
+                A::from(table),
+                A::from(ptr(weight)),
+                A::from(p as i32),
+                A::from(w as i32),
+                A::from(ptr(out)),
+            ],
+        );
+    }
+
+    /// One launch over every sequence, whatever its form: a block per (sequence, head, slice
+    /// of 32 V columns) walks the sequence's tokens with the state in registers (the
+    /// recurrent form; kernels.cu). The chunked form runs the same kernel for now — its
+    /// result is the same to f32 rounding, and a tensor-core chunked kernel is what would
+    /// make long prompts faster — so `forms` does not change what runs.
+    fn delta_rule(
+        &self,
+        inputs: DeltaInputs<'_, Self>,
+        seqs: &Seqs,
+        forms: &[DeltaForm],
+        states: &mut [&mut T],
+        out: &mut T,
+    ) {
+        let (h, d) = (inputs.heads, inputs.head_dim);
+        assert_eq!(
+            seqs.len(),
+            states.len(),
+            "delta_rule: one state per sequence"
+        );
+        assert_eq!(seqs.len(), forms.len(), "delta_rule: one form per sequence");
+        let rows = seqs.iter().map(|s| s.end).max().unwrap_or(0);
+        for (x, name) in [
+            (inputs.q, "delta_rule q"),
+            (inputs.k, "delta_rule k"),
+            (inputs.v, "delta_rule v"),
+            (inputs.g, "delta_rule g"),
+        ] {
+            need(x, DType::F32, rows * h * d, name);
+        }
+        need(inputs.beta, DType::F32, rows * h, "delta_rule beta");
+        need(out, DType::F32, rows * h * d, "delta_rule output");
+        let k = &self.inner.kernels;
+        let f = match d {
+            16 => &k.delta_rule_d16,
+            32 => &k.delta_rule_d32,
+            64 => &k.delta_rule_d64,
+            128 => &k.delta_rule_d128,
+            _ => {
+                panic!("the CUDA delta rule is built for head widths {DELTA_HEAD_DIMS:?}, not {d}")
+            }
+        };
+        let entries: Vec<SeqEntry> = seqs
+            .iter()
+            .zip(states.iter())
+            .filter(|(s, _)| !s.is_empty())
+            .map(|(s, state)| {
+                need(state, DType::F32, h * d * d, "delta_rule state");
+                SeqEntry {
+                    state: ptr(state),
+                    first: s.start,
+                    rows: s.len(),
+                }
+            })
+            .collect();
+        if entries.is_empty() {
+            return;
+        }
+        let table = self.seq_table(&entries);
+        let cols = d.min(32);
+        let cfg = LaunchConfig {
+            grid_dim: (entries.len() as u32, h as u32, (d / cols) as u32),
+            block_dim: (cols as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        self.launch(
+            f,
+            cfg,
+            &[
+                A::from(ptr(inputs.q)),
+                A::from(ptr(inputs.k)),
+                A::from(ptr(inputs.v)),
+                A::from(ptr(inputs.g)),
+                A::from(ptr(inputs.beta)),
+                A::from(h as i32),
+                A::from(table),
+                A::from(ptr(out)),
+            ],
+        );
+    }
+
+    fn gated_rms_norm(
+        &self,
+        o: &mut T,
+        gate: &T,
+        weight: &T,
+        rows: usize,
+        width: usize,
+        dim: usize,
+        eps: f32,
+    ) {
+        if rows == 0 {
+            return;
+        }
+        assert!(
+            width.is_multiple_of(dim),
+            "gated_rms_norm: width {width} is not a multiple of {dim}"
+        );
+        need(o, DType::F32, rows * width, "gated_rms_norm input");
+        need(gate, DType::F32, rows * width, "gated_rms_norm gate");
+        assert!(
+            weight.len() >= dim,
+            "gated_rms_norm weight: fewer than {dim}"
+        );
+        let f = match weight.dtype() {
+            DType::F32 => &self.inner.kernels.gated_rms_norm_f32,
+            DType::BF16 => &self.inner.kernels.gated_rms_norm_bf16,
+            other => panic!("CUDA gated_rms_norm weights are f32 or bf16, not {other}"),
+        };
+        self.launch(
+            f,
+            rows_cfg(rows * width / dim, threads_for(dim).min(1024)),
+            &[
+                A::from(ptr(o)),
+                A::from(ptr(gate)),
+                A::from(ptr(weight)),
+                A::from(dim as i32),
+                A::from(eps),
+            ],
+        );
+    }
+
+    fn swiglu(&self, gate_up: &T, rows: usize, inter: usize, limit: Option<f32>, out: &mut T) {
+        if rows == 0 {
+            return;
+        }
+        need(gate_up, DType::F32, rows * 2 * inter, "swiglu input");
+        need(out, DType::F32, rows * inter, "swiglu output");
+        let (clamp, l) = match limit {
+            None => (0i32, 0.0f32),
+            Some(l) => (1, l),
+        };
+        self.launch(
+            &self.inner.kernels.swiglu,
+            flat_cfg(rows * inter),
+            &[
+                A::from(ptr(gate_up)),
+                A::from(rows as i64),
+                A::from(inter as i32),
+                A::from(clamp),
+                A::from(l),
+                A::from(ptr(out)),
+            ],
+        );
+    }
+
+    /// Host fallback: the routing decisions are a host structure the model iterates over.
+    fn route_experts(&self, logits: &T, rows: usize, bias: &T, cfg: &MoeConfig) -> Vec<ExpertRows> {
+        self.note_host_fallback();
+        let cpu = CpuBackend::new();
+        cpu.route_experts(&self.on_host(logits), rows, &self.on_host(bias), cfg)
+    }
+
+    /// The expert's rows and weights travel in the scratch table; a block per row (the rows
+    /// of one expert are distinct, so no two blocks add into the same row).
+    fn scatter_add_rows(&self, y: &mut T, src: &T, expert: &ExpertRows, dim: usize) {
+        let n = expert.rows.len();
+        assert_eq!(
+            n,
+            expert.weights.len(),
+            "scatter_add_rows: a weight per row"
+        );
+        let Some(&last) = expert.rows.iter().max() else {
+            return;
+        };
+        need(src, DType::F32, n * dim, "scatter_add_rows source");
+        need(
+            y,
+            DType::F32,
+            (last as usize + 1) * dim,
+            "scatter_add_rows output",
+        );
+        let mut bytes = Vec::with_capacity(8 * n);
+        bytes.extend(expert.rows.iter().flat_map(|r| r.to_le_bytes()));
+        bytes.extend(expert.weights.iter().flat_map(|w| w.to_le_bytes()));
+        let table = self.upload_table(&bytes);
+        self.launch(
+            &self.inner.kernels.scatter_add_rows,
+            rows_cfg(n, threads_for(dim).min(256)),
+            &[
+                A::from(ptr(y)),
+                A::from(ptr(src)),
+                A::from(table),
+                A::from(table + 4 * n as u64),
+                A::from(dim as i32),
+            ],
+        );
+    }
+
+    fn hc_expand(&self, x: &T, rows: usize, n: usize, hidden: usize, out: &mut T) {
+        if rows == 0 {
+            return;
+        }
+        need(x, DType::F32, rows * hidden, "hc_expand input");
+        need(out, DType::F32, rows * n * hidden, "hc_expand output");
+        self.launch(
+            &self.inner.kernels.hc_expand,
+            flat_cfg(rows * n * hidden),
+            &[
+                A::from(ptr(x)),
+                A::from(rows as i64),
+                A::from(n as i32),
+                A::from(hidden as i32),
+                A::from(ptr(out)),
+            ],
+        );
+    }
+
+    /// Host fallback: the per-token Sinkhorn normalisation has no kernel yet.
+    fn hc_collapse(
+        &self,
+        streams: &T,
+        logits: &T,
+        hc: HcParams<'_, Self>,
+        rows: usize,
+        hidden: usize,
+        x: &mut T,
+        post: &mut T,
+        comb: &mut T,
+    ) {
+        self.note_host_fallback();
+        let cpu = CpuBackend::new();
+        let (base, scale) = (self.on_host(hc.base), self.on_host(hc.scale));
+        let params = HcParams {
+            base: &base,
+            scale: &scale,
+            streams: hc.streams,
+            sinkhorn_iters: hc.sinkhorn_iters,
+            eps: hc.eps,
+        };
+        let (mut hx, mut hpost, mut hcomb) =
+            (self.on_host(x), self.on_host(post), self.on_host(comb));
+        cpu.hc_collapse(
+            &self.on_host(streams),
+            &self.on_host(logits),
+            params,
+            rows,
+            hidden,
+            &mut hx,
+            &mut hpost,
+            &mut hcomb,
+        );
+        self.write_back(x, &hx);
+        self.write_back(post, &hpost);
+        self.write_back(comb, &hcomb);
+    }
+
+    fn hc_merge(
+        &self,
+        streams: &mut T,
+        y: &T,
+        post: &T,
+        comb: &T,
+        rows: usize,
+        n: usize,
+        hidden: usize,
+    ) {
+        if rows == 0 {
+            return;
+        }
+        assert!(
+            n <= HC_MAX_STREAMS,
+            "the CUDA mHC merge takes up to {HC_MAX_STREAMS} streams, not {n}"
+        );
+        need(streams, DType::F32, rows * n * hidden, "hc_merge streams");
+        need(y, DType::F32, rows * hidden, "hc_merge input");
+        need(post, DType::F32, rows * n, "hc_merge post");
+        need(comb, DType::F32, rows * n * n, "hc_merge comb");
+        self.launch(
+            &self.inner.kernels.hc_merge,
+            flat_cfg(rows * hidden),
+            &[
+                A::from(ptr(streams)),
+                A::from(ptr(y)),
+                A::from(ptr(post)),
+                A::from(ptr(comb)),
+                A::from(rows as i64),
+                A::from(n as i32),
+                A::from(hidden as i32),
+            ],
+        );
+    }
+
+    fn hc_mean(&self, streams: &T, rows: usize, n: usize, hidden: usize, out: &mut T) {
+        if rows == 0 {
+            return;
+        }
+        need(streams, DType::F32, rows * n * hidden, "hc_mean streams");
+        need(out, DType::F32, rows * hidden, "hc_mean output");
+        self.launch(
+            &self.inner.kernels.hc_mean,
+            flat_cfg(rows * hidden),
+            &[
+                A::from(ptr(streams)),
+                A::from(rows as i64),
+                A::from(n as i32),
+                A::from(hidden as i32),
+                A::from(ptr(out)),
+            ],
+        );
+    }
+
+    /// Host fallback: the caches are host rows ([`MlaState`]).
+    fn mla_append(
+        &self,
+        ckv: &T,
+        seqs: &Seqs,
+        states: &mut [&mut MlaState],
+        norm: &T,
+        dims: MlaDims,
+        eps: f32,
+        indexer: Option<(&T, &T, usize, usize)>,
+    ) {
+        self.note_host_fallback();
+        let cpu = CpuBackend::new();
+        let indexer =
+            indexer.map(|(keys, gate, kw, gw)| (self.on_host(keys), self.on_host(gate), kw, gw));
+        cpu.mla_append(
+            &self.on_host(ckv),
+            seqs,
+            states,
+            &self.on_host(norm),
+            dims,
+            eps,
+            indexer.as_ref().map(|(k, g, kw, gw)| (k, g, *kw, *gw)),
+        );
+    }
+
+    /// Host fallback: the caches are host rows ([`MlaState`]), and `kv_b` is downloaded on
+    /// every call.
+    fn mla_attention(
+        &self,
+        q: &T,
+        seqs: &Seqs,
+        states: &[&MlaState],
+        kv_b: &T,
+        dims: MlaDims,
+        out: &mut T,
+    ) {
+        self.note_host_fallback();
+        let cpu = CpuBackend::new();
+        let mut host_out = self.on_host(out);
+        cpu.mla_attention(
+            &self.on_host(q),
+            seqs,
+            states,
+            &self.on_host(kv_b),
+            dims,
+            &mut host_out,
+        );
+        self.write_back(out, &host_out);
+    }
+}
+
+impl CudaBackend {
+    /// The in-place RMSNorm kernel for a weight's dtype.
+    fn rms_norm_in_place_kernel(&self, w: &T) -> &cudarc::driver::CudaFunction {
+        match w.dtype() {
+            DType::F32 => &self.inner.kernels.rms_norm_in_place_f32,
+            DType::BF16 => &self.inner.kernels.rms_norm_in_place_bf16,
+            other => panic!("CUDA rms_norm_in_place weights are f32 or bf16, not {other}"),
+        }
+    }
+
+    /// `entries` as the kernels' `SeqEntry` table, uploaded; returns its device address.
+    fn seq_table(&self, entries: &[SeqEntry]) -> u64 {
+        let bytes: Vec<u8> = entries
+            .iter()
+            .flat_map(|e| [e.state, e.first as u64, e.rows as u64])
+            .flat_map(u64::to_le_bytes)
+            .collect();
+        self.upload_table(&bytes)
+    }
+
+    /// Copies `bytes` into the hybrid operations' scratch table on the stream and returns its
+    /// address. Launches queued earlier read the previous contents: the copy runs after them.
+    fn upload_table(&self, bytes: &[u8]) -> u64 {
+        let mut scratch = self.inner.scratch.lock();
+        let s = &mut *scratch;
+        let at = self.ensure(&mut s.retired, &mut s.hybrid_table, bytes.len());
+        if let Some(buf) = s.hybrid_table.as_mut() {
+            self.htod(buf, bytes);
+        }
+        at
+    }
+
+    /// A device tensor's values as an f32 (or u32) CPU tensor, for the host fallbacks. Waits
+    /// for the stream.
+    fn on_host(&self, t: &T) -> Tensor<CpuBackend> {
+        let host = self.download(t);
+        let host = if host.dtype().is_float() && host.dtype() != DType::F32 {
+            check(host.to_dtype(DType::F32), "host fallback conversion to f32")
+        } else {
+            host
+        };
+        CpuBackend::new().upload(&host)
+    }
+
+    /// Writes a host fallback's result over the device tensor it was made from (whole: the
+    /// rows the operation left alone go back unchanged).
+    fn write_back(&self, dst: &mut T, src: &Tensor<CpuBackend>) {
+        let host = CpuBackend::new().download(src);
+        check(self.overwrite(dst, &host), "host fallback write-back");
+    }
+
+    fn note_host_fallback(&self) {
+        HOST_FALLBACK_NOTICE.call_once(|| {
+            tracing::info!(
+                device = %self.name(),
+                "KDA-hybrid MLA (append, attention), mHC collapse and MoE routing run on the \
+                 host: each call waits for the GPU and copies its tensors both ways"
+            );
+        });
+    }
+}

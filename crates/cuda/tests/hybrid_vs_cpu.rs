@@ -1,0 +1,594 @@
+//! Every operation of the KDA-hybrid family ([`HybridOps`]) on CUDA against the CPU backend on
+//! the same inputs: steps of several sequences of different lengths (one token, a few, more
+//! than one 64-token chunk, an empty one), the state each sequence carries after the call as
+//! well as the output, and weights in bf16 where the kernels read them in bf16. Without a
+//! usable GPU each test prints why and passes (`make test-gpu` runs these on one).
+
+mod common;
+use common::gpu;
+
+use std::ops::Range;
+use tandem_cuda::CudaBackend;
+use tandem_engine::backend::hybrid::{
+    At, DeltaForm, DeltaInputs, ExpertRows, HcParams, HybridOps, MlaDims,
+};
+use tandem_engine::kda_hybrid::{KdaGate, LatentPool, MlaState, MoeConfig, PagedRows};
+use tandem_engine::{Backend, CpuBackend, DType, HostTensor, Tensor};
+
+type C = CpuBackend;
+type G = CudaBackend;
+
+/// Rows of the sequences of a step: one token, a few, one chunk and a bit, an empty one, two
+/// chunks and a bit.
+const SEGMENTS: [usize; 5] = [1, 3, 70, 0, 130];
+
+fn seqs() -> Vec<Range<usize>> {
+    let mut at = 0;
+    SEGMENTS
+        .iter()
+        .map(|&n| {
+            at += n;
+            at - n..at
+        })
+        .collect()
+}
+
+fn noise(seed: u64, n: usize) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+/// `data` rounded to bf16 and back: what the CPU sees of a weight the GPU reads in bf16.
+fn bf16_rounded(data: &[f32]) -> Vec<f32> {
+    data.iter()
+        .map(|&v| half::bf16::from_f32(v).to_f32())
+        .collect()
+}
+
+/// The same f32 values on both devices.
+fn both(c: &C, g: &G, shape: &[usize], data: Vec<f32>) -> (Tensor<C>, Tensor<G>) {
+    let t = HostTensor::from_f32(shape, data).expect("shape matches");
+    (c.upload(&t), g.upload(&t))
+}
+
+/// A weight: f32 on the CPU (its bf16-rounded values for `DType::BF16`), `dtype` on the GPU.
+fn weight(c: &C, g: &G, shape: &[usize], data: Vec<f32>, dtype: DType) -> (Tensor<C>, Tensor<G>) {
+    let cpu = match dtype {
+        DType::BF16 => bf16_rounded(&data),
+        _ => data.clone(),
+    };
+    let host = HostTensor::from_f32(shape, data).expect("shape matches");
+    let gpu = g.upload(&host.to_dtype(dtype).expect("float dtype"));
+    let cpu = c.upload(&HostTensor::from_f32(shape, cpu).expect("shape matches"));
+    (cpu, gpu)
+}
+
+fn values<B: Backend>(b: &B, t: &Tensor<B>) -> Vec<f32> {
+    b.download(t).to_f32_vec()
+}
+
+/// Asserts `max |cpu − cuda| ≤ tol · max |cpu|` and prints it.
+fn close(what: &str, cpu: &[f32], cuda: &[f32], tol: f32) {
+    assert_eq!(cpu.len(), cuda.len(), "{what}: lengths");
+    let scale = cpu.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
+    let worst = cpu
+        .iter()
+        .zip(cuda)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0f32, f32::max);
+    println!("{what}: max |diff| = {worst:.3e} (scale {scale:.3e}, tolerance {tol:.0e})");
+    assert!(
+        worst <= tol * scale && worst.is_finite(),
+        "{what}: max |cpu - cuda| = {worst} (scale {scale}, tolerance {tol})"
+    );
+}
+
+fn close_tensors(what: &str, c: &C, tc: &Tensor<C>, g: &G, tg: &Tensor<G>, tol: f32) {
+    close(what, &values(c, tc), &values(g, tg), tol);
+}
+
+/// Rows `[n, dim]` of noise scaled to unit L2 norm, then by `scale` (the delta rule's q, k).
+fn unit_rows(seed: u64, n: usize, dim: usize, scale: f32) -> Vec<f32> {
+    let mut x = noise(seed, n * dim);
+    for row in x.chunks_exact_mut(dim) {
+        let r = scale / row.iter().map(|v| v * v).sum::<f32>().sqrt();
+        row.iter_mut().for_each(|v| *v *= r);
+    }
+    x
+}
+
+#[test]
+fn row_operations_match_the_cpu() {
+    let Some(g) = gpu() else { return };
+    let c = CpuBackend::new();
+    let (rows, dim) = (37, 160);
+    let n = rows * dim;
+
+    // copy_block: a column block of one activation into another at an offset.
+    let (src_c, src_g) = both(&c, &g, &[rows, dim], noise(1, n));
+    let (mut dst_c, mut dst_g) = both(&c, &g, &[rows + 2, 64], noise(2, (rows + 2) * 64));
+    let (from, to) = (
+        At {
+            row: 3,
+            col: 17,
+            stride: dim,
+        },
+        At {
+            row: 1,
+            col: 5,
+            stride: 64,
+        },
+    );
+    c.copy_block(&src_c, from, &mut dst_c, to, rows - 4, 40);
+    g.copy_block(&src_g, from, &mut dst_g, to, rows - 4, 40);
+    close_tensors("copy_block", &c, &dst_c, &g, &dst_g, 0.0);
+
+    let (mut y_c, mut y_g) = both(&c, &g, &[n], noise(3, n));
+    c.add_assign(&mut y_c, &src_c, n - 7);
+    g.add_assign(&mut y_g, &src_g, n - 7);
+    close_tensors("add_assign", &c, &y_c, &g, &y_g, 0.0);
+
+    let (mut s_c, mut s_g) = both(&c, &g, &[n], noise(4, n).iter().map(|v| 8.0 * v).collect());
+    c.sigmoid_in_place(&mut s_c, n - 3);
+    g.sigmoid_in_place(&mut s_g, n - 3);
+    close_tensors("sigmoid_in_place", &c, &s_c, &g, &s_g, 1e-6);
+
+    for dtype in [None, Some(DType::F32), Some(DType::BF16)] {
+        let (mut x_c, mut x_g) = both(&c, &g, &[rows, dim], noise(5, n));
+        let w = dtype.map(|d| weight(&c, &g, &[dim], noise(6, dim), d));
+        c.rms_norm_in_place(&mut x_c, rows, dim, w.as_ref().map(|w| &w.0), 1e-6);
+        g.rms_norm_in_place(&mut x_g, rows, dim, w.as_ref().map(|w| &w.1), 1e-6);
+        close_tensors(
+            &format!("rms_norm_in_place (weight {dtype:?})"),
+            &c,
+            &x_c,
+            &g,
+            &x_g,
+            1e-5,
+        );
+    }
+
+    let (mut x_c, mut x_g) = both(&c, &g, &[rows, dim], noise(7, n));
+    let (w_c, w_g) = both(&c, &g, &[dim], noise(8, dim));
+    let (b_c, b_g) = both(&c, &g, &[dim], noise(9, dim));
+    c.layer_norm_in_place(&mut x_c, rows - 1, &w_c, &b_c, 1e-6);
+    g.layer_norm_in_place(&mut x_g, rows - 1, &w_g, &b_g, 1e-6);
+    close_tensors("layer_norm_in_place", &c, &x_c, &g, &x_g, 1e-5);
+
+    let (mut x_c, mut x_g) = both(&c, &g, &[rows * 5, 32], noise(10, n));
+    c.l2_norm_in_place(&mut x_c, rows * 5, 32, 0.125);
+    g.l2_norm_in_place(&mut x_g, rows * 5, 32, 0.125);
+    close_tensors("l2_norm_in_place", &c, &x_c, &g, &x_g, 1e-6);
+
+    // KDA's output norm: heads of 32 over rows of 160, weight f32 or bf16.
+    for dtype in [DType::F32, DType::BF16] {
+        let (mut o_c, mut o_g) = both(&c, &g, &[rows, dim], noise(11, n));
+        let (gate_c, gate_g) = both(&c, &g, &[rows, dim], noise(12, n));
+        let (w_c, w_g) = weight(&c, &g, &[32], noise(13, 32), dtype);
+        c.gated_rms_norm(&mut o_c, &gate_c, &w_c, rows, dim, 32, 1e-5);
+        g.gated_rms_norm(&mut o_g, &gate_g, &w_g, rows, dim, 32, 1e-5);
+        close_tensors(
+            &format!("gated_rms_norm (weight {dtype})"),
+            &c,
+            &o_c,
+            &g,
+            &o_g,
+            1e-5,
+        );
+    }
+
+    let inter = 80;
+    let gu: Vec<f32> = noise(14, rows * 2 * inter)
+        .iter()
+        .map(|v| 12.0 * v)
+        .collect();
+    let (gu_c, gu_g) = both(&c, &g, &[rows, 2 * inter], gu);
+    for limit in [None, Some(7.0)] {
+        let (mut a_c, mut a_g) = (
+            c.zeros(DType::F32, &[rows, inter]),
+            g.zeros(DType::F32, &[rows, inter]),
+        );
+        c.swiglu(&gu_c, rows, inter, limit, &mut a_c);
+        g.swiglu(&gu_g, rows, inter, limit, &mut a_g);
+        close_tensors(
+            &format!("swiglu (limit {limit:?})"),
+            &c,
+            &a_c,
+            &g,
+            &a_g,
+            1e-6,
+        );
+    }
+}
+
+#[test]
+fn kda_decay_matches_the_cpu_for_both_gates() {
+    let Some(g) = gpu() else { return };
+    let c = CpuBackend::new();
+    let (rows, heads, d) = (41, 4, 32);
+    let p = heads * d;
+    let a: Vec<f32> = noise(1, heads).iter().map(|v| (0.5 * v).exp()).collect();
+    let (a_c, a_g) = both(&c, &g, &[heads], a);
+    let (dt_c, dt_g) = both(&c, &g, &[p], noise(2, p));
+    // Logits up to ±25 reach softplus's linear branch.
+    let f: Vec<f32> = noise(3, rows * p).iter().map(|v| 25.0 * v).collect();
+    for gate in [KdaGate::Softplus, KdaGate::LowerBound(-5.0)] {
+        let (mut f_c, mut f_g) = both(&c, &g, &[rows, p], f.clone());
+        c.kda_decay(&mut f_c, rows, &a_c, &dt_c, d, gate);
+        g.kda_decay(&mut f_g, rows, &a_g, &dt_g, d, gate);
+        close_tensors(&format!("kda_decay {gate:?}"), &c, &f_c, &g, &f_g, 1e-6);
+    }
+}
+
+#[test]
+fn short_conv_matches_the_cpu_over_sequences_of_different_lengths() {
+    let Some(g) = gpu() else { return };
+    let c = CpuBackend::new();
+    let (p, w) = (96, 4);
+    let seqs = seqs();
+    let rows: usize = SEGMENTS.iter().sum();
+    let (pre_c, pre_g) = both(&c, &g, &[rows, p], noise(1, rows * p));
+    for dtype in [DType::F32, DType::BF16] {
+        let (w_c, w_g) = weight(&c, &g, &[p, w], noise(2, p * w), dtype);
+        let windows: Vec<(Tensor<C>, Tensor<G>)> = (0..seqs.len())
+            .map(|i| both(&c, &g, &[p, w - 1], noise(10 + i as u64, p * (w - 1))))
+            .collect();
+        let (mut win_c, mut win_g): (Vec<Tensor<C>>, Vec<Tensor<G>>) = windows.into_iter().unzip();
+        let (mut out_c, mut out_g) = (
+            c.zeros(DType::F32, &[rows, p]),
+            g.zeros(DType::F32, &[rows, p]),
+        );
+        let mut refs_c: Vec<&mut Tensor<C>> = win_c.iter_mut().collect();
+        let mut refs_g: Vec<&mut Tensor<G>> = win_g.iter_mut().collect();
+        c.short_conv(&pre_c, &seqs, &mut refs_c, &w_c, p, w, &mut out_c);
+        g.short_conv(&pre_g, &seqs, &mut refs_g, &w_g, p, w, &mut out_g);
+        close_tensors(
+            &format!("short_conv output (weight {dtype})"),
+            &c,
+            &out_c,
+            &g,
+            &out_g,
+            1e-5,
+        );
+        for (i, (wc, wg)) in win_c.iter().zip(&win_g).enumerate() {
+            close_tensors(
+                &format!("short_conv window of sequence {i} ({} rows)", SEGMENTS[i]),
+                &c,
+                wc,
+                &g,
+                wg,
+                0.0,
+            );
+        }
+    }
+}
+
+fn five<T>(v: Vec<T>) -> [T; 5] {
+    match v.try_into() {
+        Ok(a) => a,
+        Err(_) => unreachable!("q, k, v, g and beta"),
+    }
+}
+
+/// Inputs of the delta rule for `rows` tokens of `h` heads of width `d`, on both devices.
+struct DeltaCase {
+    cpu: [Tensor<C>; 5],
+    gpu: [Tensor<G>; 5],
+    states: Vec<Vec<f32>>,
+}
+
+impl DeltaCase {
+    fn new(c: &C, g: &G, h: usize, d: usize, seed: u64) -> Self {
+        let rows: usize = SEGMENTS.iter().sum();
+        let n = rows * h * d;
+        let q = unit_rows(seed, rows * h, d, 1.0 / (d as f32).sqrt());
+        let k = unit_rows(seed + 1, rows * h, d, 1.0);
+        let v = noise(seed + 2, n);
+        // Decays from none to strong (e^-4 per token).
+        let gates: Vec<f32> = noise(seed + 3, n)
+            .iter()
+            .map(|x| -2.0 * (x + 1.0))
+            .collect();
+        let beta: Vec<f32> = noise(seed + 4, rows * h)
+            .iter()
+            .map(|x| 0.5 + 0.45 * x)
+            .collect();
+        let parts = [
+            (vec![rows, h, d], q),
+            (vec![rows, h, d], k),
+            (vec![rows, h, d], v),
+            (vec![rows, h, d], gates),
+            (vec![rows, h], beta),
+        ];
+        let mut cpu = Vec::new();
+        let mut gpu = Vec::new();
+        for (shape, data) in parts {
+            let (tc, tg) = both(c, g, &shape, data);
+            cpu.push(tc);
+            gpu.push(tg);
+        }
+        let states = (0..SEGMENTS.len())
+            .map(|i| noise(seed + 20 + i as u64, h * d * d))
+            .collect();
+        Self {
+            cpu: five(cpu),
+            gpu: five(gpu),
+            states,
+        }
+    }
+
+    /// Runs `form` for every sequence on `b` from the case's states; returns `o` and the states.
+    fn run<B: HybridOps>(
+        b: &B,
+        inputs: &[Tensor<B>; 5],
+        states: &[Vec<f32>],
+        h: usize,
+        d: usize,
+        form: DeltaForm,
+    ) -> (Vec<f32>, Vec<Vec<f32>>) {
+        let rows: usize = SEGMENTS.iter().sum();
+        let mut st: Vec<Tensor<B>> = states
+            .iter()
+            .map(|s| b.upload(&HostTensor::from_f32(&[h, d, d], s.clone()).expect("shape")))
+            .collect();
+        let mut refs: Vec<&mut Tensor<B>> = st.iter_mut().collect();
+        let mut out = b.zeros(DType::F32, &[rows, h, d]);
+        let [q, k, v, g, beta] = inputs;
+        let delta = DeltaInputs {
+            q,
+            k,
+            v,
+            g,
+            beta,
+            heads: h,
+            head_dim: d,
+        };
+        let forms = vec![form; SEGMENTS.len()];
+        b.delta_rule(delta, &seqs(), &forms, &mut refs, &mut out);
+        (values(b, &out), st.iter().map(|s| values(b, s)).collect())
+    }
+}
+
+#[test]
+fn delta_rule_matches_the_cpu_in_both_forms() {
+    let Some(g) = gpu() else { return };
+    let c = CpuBackend::new();
+    for (h, d) in [(2, 16), (3, 32), (2, 64), (2, 128)] {
+        let case = DeltaCase::new(&c, &g, h, d, 100 + d as u64);
+        for form in [DeltaForm::Recurrent, DeltaForm::Chunked] {
+            let (o_c, s_c) = DeltaCase::run(&c, &case.cpu, &case.states, h, d, form);
+            let (o_g, s_g) = DeltaCase::run(&g, &case.gpu, &case.states, h, d, form);
+            close(
+                &format!("delta_rule {form:?} H{h} D{d} output"),
+                &o_c,
+                &o_g,
+                1e-4,
+            );
+            for (i, (sc, sg)) in s_c.iter().zip(&s_g).enumerate() {
+                close(
+                    &format!(
+                        "delta_rule {form:?} H{h} D{d} state of sequence {i} ({} rows)",
+                        SEGMENTS[i]
+                    ),
+                    sc,
+                    sg,
+                    1e-4,
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn cuda_chunked_delta_rule_equals_cuda_recurrent() {
+    let Some(g) = gpu() else { return };
+    let c = CpuBackend::new();
+    let (h, d) = (4, 64);
+    let case = DeltaCase::new(&c, &g, h, d, 7);
+    let (o_r, s_r) = DeltaCase::run(&g, &case.gpu, &case.states, h, d, DeltaForm::Recurrent);
+    let (o_c, s_c) = DeltaCase::run(&g, &case.gpu, &case.states, h, d, DeltaForm::Chunked);
+    close(
+        "cuda delta_rule chunked vs recurrent output",
+        &o_r,
+        &o_c,
+        1e-5,
+    );
+    for (i, (r, k)) in s_r.iter().zip(&s_c).enumerate() {
+        close(
+            &format!("cuda delta_rule chunked vs recurrent state {i}"),
+            r,
+            k,
+            1e-5,
+        );
+    }
+}
+
+#[test]
+fn moe_and_hyper_connection_operations_match_the_cpu() {
+    let Some(g) = gpu() else { return };
+    let c = CpuBackend::new();
+    let (rows, experts, hidden) = (29, 16, 96);
+
+    // Routing (a host fallback): the same experts, rows and weights.
+    let cfg = MoeConfig {
+        num_experts: experts,
+        experts_per_token: 4,
+        num_shared_experts: 1,
+        intermediate_size: 32,
+        routed_scaling_factor: 2.5,
+        renormalize: true,
+        num_groups: 4,
+        topk_groups: 2,
+    };
+    let (l_c, l_g) = both(&c, &g, &[rows, experts], noise(1, rows * experts));
+    // A small bias, so that the scores, not the bias, decide most choices.
+    let bias: Vec<f32> = noise(2, experts).iter().map(|v| 0.05 * v).collect();
+    let (b_c, b_g) = both(&c, &g, &[experts], bias);
+    let routed_c = c.route_experts(&l_c, rows, &b_c, &cfg);
+    let routed_g = g.route_experts(&l_g, rows, &b_g, &cfg);
+    assert_eq!(routed_c.len(), routed_g.len(), "route_experts: experts");
+    let chosen: usize = routed_c.iter().map(|e| e.rows.len()).sum();
+    assert_eq!(
+        chosen,
+        rows * cfg.experts_per_token,
+        "route_experts: choices"
+    );
+    for (e, (rc, rg)) in routed_c.iter().zip(&routed_g).enumerate() {
+        assert_eq!(rc.rows, rg.rows, "route_experts: rows of expert {e}");
+        close(
+            &format!("route_experts weights of expert {e}"),
+            &rc.weights,
+            &rg.weights,
+            1e-6,
+        );
+    }
+
+    // scatter_add_rows of one expert's outputs.
+    let expert = ExpertRows {
+        rows: vec![0, 3, 4, 17, 28],
+        weights: vec![0.25, -1.5, 0.75, 2.0, 0.125],
+    };
+    let (src_c, src_g) = both(&c, &g, &[5, hidden], noise(3, 5 * hidden));
+    let (mut y_c, mut y_g) = both(&c, &g, &[rows, hidden], noise(4, rows * hidden));
+    c.scatter_add_rows(&mut y_c, &src_c, &expert, hidden);
+    g.scatter_add_rows(&mut y_g, &src_g, &expert, hidden);
+    close_tensors("scatter_add_rows", &c, &y_c, &g, &y_g, 1e-6);
+    g.scatter_add_rows(&mut y_g, &src_g, &ExpertRows::default(), hidden);
+    close_tensors("scatter_add_rows of no rows", &c, &y_c, &g, &y_g, 1e-6);
+
+    // mHC: expand, collapse (a host fallback), merge, mean.
+    let n = 4;
+    let (x_c, x_g) = both(&c, &g, &[rows, hidden], noise(5, rows * hidden));
+    let (mut st_c, mut st_g) = (
+        c.zeros(DType::F32, &[rows, n, hidden]),
+        g.zeros(DType::F32, &[rows, n, hidden]),
+    );
+    c.hc_expand(&x_c, rows, n, hidden, &mut st_c);
+    g.hc_expand(&x_g, rows, n, hidden, &mut st_g);
+    close_tensors("hc_expand", &c, &st_c, &g, &st_g, 0.0);
+    // Streams that differ from each other for the rest.
+    let (mut st_c, mut st_g) = both(&c, &g, &[rows, n, hidden], noise(6, rows * n * hidden));
+
+    let width = (2 + n) * n;
+    let (lg_c, lg_g) = both(&c, &g, &[rows, width], noise(7, rows * width));
+    let (base_c, base_g) = both(&c, &g, &[width], noise(8, width));
+    let (scale_c, scale_g) = both(&c, &g, &[3], vec![0.5, 1.5, 2.0]);
+    let hc_c = HcParams {
+        base: &base_c,
+        scale: &scale_c,
+        streams: n,
+        sinkhorn_iters: 5,
+        eps: 1e-6,
+    };
+    let hc_g = HcParams {
+        base: &base_g,
+        scale: &scale_g,
+        streams: n,
+        sinkhorn_iters: 5,
+        eps: 1e-6,
+    };
+    let mut outs_c = [
+        c.zeros(DType::F32, &[rows, hidden]),
+        c.zeros(DType::F32, &[rows, n]),
+        c.zeros(DType::F32, &[rows, n, n]),
+    ];
+    let mut outs_g = [
+        g.zeros(DType::F32, &[rows, hidden]),
+        g.zeros(DType::F32, &[rows, n]),
+        g.zeros(DType::F32, &[rows, n, n]),
+    ];
+    {
+        let [x, post, comb] = &mut outs_c;
+        c.hc_collapse(&st_c, &lg_c, hc_c, rows, hidden, x, post, comb);
+        let [x, post, comb] = &mut outs_g;
+        g.hc_collapse(&st_g, &lg_g, hc_g, rows, hidden, x, post, comb);
+    }
+    for (name, (tc, tg)) in ["x", "post", "comb"].iter().zip(outs_c.iter().zip(&outs_g)) {
+        close_tensors(&format!("hc_collapse {name}"), &c, tc, &g, tg, 1e-5);
+    }
+
+    let (y_c, y_g) = both(&c, &g, &[rows, hidden], noise(9, rows * hidden));
+    let [_, post_c, comb_c] = &outs_c;
+    let [_, post_g, comb_g] = &outs_g;
+    c.hc_merge(&mut st_c, &y_c, post_c, comb_c, rows, n, hidden);
+    g.hc_merge(&mut st_g, &y_g, post_g, comb_g, rows, n, hidden);
+    close_tensors("hc_merge", &c, &st_c, &g, &st_g, 1e-5);
+
+    let (mut m_c, mut m_g) = (
+        c.zeros(DType::F32, &[rows, hidden]),
+        g.zeros(DType::F32, &[rows, hidden]),
+    );
+    c.hc_mean(&st_c, rows, n, hidden, &mut m_c);
+    g.hc_mean(&st_g, rows, n, hidden, &mut m_g);
+    close_tensors("hc_mean", &c, &m_c, &g, &m_g, 1e-5);
+}
+
+#[test]
+fn mla_host_fallbacks_match_the_cpu() {
+    let Some(g) = gpu() else { return };
+    let c = CpuBackend::new();
+    let dims = MlaDims {
+        heads: 4,
+        rank: 64,
+        nope: 32,
+        rope: 16,
+        v_head: 32,
+    };
+    let MlaDims {
+        heads: h,
+        rank: r,
+        nope: dn,
+        rope: dr,
+        v_head: dv,
+    } = dims;
+    let seqs = seqs();
+    let rows: usize = SEGMENTS.iter().sum();
+    let state = || MlaState {
+        kv_latent: PagedRows::new(r, LatentPool::default()),
+        k_rope: PagedRows::new(dr, LatentPool::default()),
+        indexer: None,
+    };
+    let mut states_c: Vec<MlaState> = SEGMENTS.iter().map(|_| state()).collect();
+    let mut states_g: Vec<MlaState> = SEGMENTS.iter().map(|_| state()).collect();
+    let (ckv_c, ckv_g) = both(&c, &g, &[rows, r + dr], noise(1, rows * (r + dr)));
+    let (norm_c, norm_g) = both(&c, &g, &[r], noise(2, r));
+    {
+        let mut refs: Vec<&mut MlaState> = states_c.iter_mut().collect();
+        c.mla_append(&ckv_c, &seqs, &mut refs, &norm_c, dims, 1e-6, None);
+        let mut refs: Vec<&mut MlaState> = states_g.iter_mut().collect();
+        g.mla_append(&ckv_g, &seqs, &mut refs, &norm_g, dims, 1e-6, None);
+    }
+    for (i, (sc, sg)) in states_c.iter().zip(&states_g).enumerate() {
+        close(
+            &format!("mla_append latents of sequence {i}"),
+            &sc.kv_latent.to_vec(),
+            &sg.kv_latent.to_vec(),
+            0.0,
+        );
+        close(
+            &format!("mla_append rope slots of sequence {i}"),
+            &sc.k_rope.to_vec(),
+            &sg.k_rope.to_vec(),
+            0.0,
+        );
+    }
+
+    let (q_c, q_g) = both(&c, &g, &[rows, h, dn + dr], noise(3, rows * h * (dn + dr)));
+    let (kvb_c, kvb_g) = both(&c, &g, &[h * (dn + dv), r], noise(4, h * (dn + dv) * r));
+    let (mut o_c, mut o_g) = (
+        c.zeros(DType::F32, &[rows, h * dv]),
+        g.zeros(DType::F32, &[rows, h * dv]),
+    );
+    let refs_c: Vec<&MlaState> = states_c.iter().collect();
+    let refs_g: Vec<&MlaState> = states_g.iter().collect();
+    c.mla_attention(&q_c, &seqs, &refs_c, &kvb_c, dims, &mut o_c);
+    g.mla_attention(&q_g, &seqs, &refs_g, &kvb_g, dims, &mut o_g);
+    close_tensors("mla_attention", &c, &o_c, &g, &o_g, 0.0);
+}

@@ -1,0 +1,243 @@
+//! KDA-hybrid models (Kimi-Linear, GLM-5.3-Flash style) on CUDA: the public tiny checkpoints
+//! against their transformers references (logits at every position, greedy steps), the CPU
+//! backend on the same weights in bf16, and the engine's P/D handoff between devices (CPU →
+//! GPU, GPU → CPU, GPU → GPU) equal to one process. Skips without a usable GPU.
+
+mod common;
+use common::gpu;
+
+use tandem_core::SamplingParams;
+use tandem_cuda::CudaBackend;
+use tandem_engine::backend::HybridOps;
+use tandem_engine::kda_hybrid::{KdaHybridModel, LoadOptions};
+use tandem_engine::kda_runner::{KdaModel, KdaServed};
+use tandem_engine::{blocking_tokens, CpuBackend, DType, Engine, EngineConfig, EngineEvent};
+use tandem_engine::{Handoff, SeqKind};
+use tandem_testkit::max_abs_diff;
+
+const MODELS: [&str; 2] = ["kimi_tiny", "glm5_tiny"];
+
+fn reference_dir(name: &str) -> std::path::PathBuf {
+    tandem_testkit::shared_dir().join("reference").join(name)
+}
+
+fn reference(name: &str) -> serde_json::Value {
+    let text = std::fs::read_to_string(reference_dir(name).join("reference.json"))
+        .expect("reference.json");
+    serde_json::from_str(&text).expect("reference.json parses")
+}
+
+fn load<B: HybridOps>(backend: B, name: &str, dtype: DType) -> KdaHybridModel<B> {
+    let options = LoadOptions {
+        dtype,
+        ..LoadOptions::default()
+    };
+    KdaHybridModel::load_on(backend, &reference_dir(name), &options).expect("load")
+}
+
+fn rows(v: &serde_json::Value) -> Vec<f32> {
+    v.as_array()
+        .expect("rows")
+        .iter()
+        .flat_map(|r| r.as_array().expect("a row").iter())
+        .map(|x| x.as_f64().expect("a number") as f32)
+        .collect()
+}
+
+/// f32 weights on the GPU against transformers' f32 run: every position's logits and the
+/// greedy continuation (prefill chunked, then one recurrent step per token).
+#[test]
+fn tiny_checkpoints_match_transformers_on_the_gpu() {
+    let Some(g) = gpu() else { return };
+    for name in MODELS {
+        let model = load(g.clone(), name, DType::F32);
+        let r = reference(name);
+        for seq in r["sequences"].as_array().expect("sequences") {
+            let ids = tandem_testkit::ids(&seq["input_ids"]);
+            let want = rows(&seq["logits"]);
+            let got = model.forward_full(&ids);
+            let diff = max_abs_diff(&got, &want);
+            eprintln!(
+                "{name} {}: max |logit - transformers| = {diff}",
+                seq["name"]
+            );
+            assert!(
+                diff < 2e-3,
+                "{name} {}: logits differ by {diff}",
+                seq["name"]
+            );
+            let greedy = &seq["greedy"];
+            let want_ids = tandem_testkit::ids(&greedy["generated_ids"]);
+            let want_steps = rows(&greedy["step_logits"]);
+            let vocab = want_steps.len() / want_ids.len();
+            let mut state = model.new_state();
+            let mut logits = model.prefill(&ids, &mut state);
+            let mut got_ids = Vec::new();
+            let mut worst = 0.0f32;
+            for (step, want_row) in want_steps.chunks_exact(vocab).enumerate() {
+                worst = worst.max(max_abs_diff(&logits, want_row));
+                let id = tandem_engine::sampling::argmax(&logits);
+                got_ids.push(id);
+                if step + 1 < want_ids.len() {
+                    logits = model.decode_step(id, &mut state);
+                }
+            }
+            eprintln!(
+                "{name} {}: greedy step logits max |diff| = {worst}",
+                seq["name"]
+            );
+            assert_eq!(got_ids, want_ids, "{name} {}: greedy ids", seq["name"]);
+            assert!(
+                worst < 2e-3,
+                "{name} {}: step logits differ by {worst}",
+                seq["name"]
+            );
+        }
+    }
+}
+
+/// bf16 weights: the GPU's products round activations to bf16 above the GEMV row counts (as
+/// transformers' bf16 run does), where the CPU keeps them f32 for the model's matrices, and a
+/// rounding can flip an MoE routing choice; so the GPU in bf16 is held to the CPU's f32 model
+/// by its greedy choice at every position whose f32 top-2 margin is clear, not by logits.
+#[test]
+fn bf16_weights_pick_the_f32_models_tokens() {
+    let Some(g) = gpu() else { return };
+    for name in MODELS {
+        let cpu = load(CpuBackend::new(), name, DType::F32);
+        let cuda = load(g.clone(), name, DType::BF16);
+        let vocab = cpu.config().vocab_size;
+        let ids: Vec<u32> = (0..70u32).map(|i| 3 + (i * 37) % 400).collect();
+        let (a, b) = (cpu.forward_full(&ids), cuda.forward_full(&ids));
+        let diff = max_abs_diff(&a, &b);
+        let (mut clear, mut same) = (0, 0);
+        for (ra, rb) in a.chunks_exact(vocab).zip(b.chunks_exact(vocab)) {
+            let mut sorted = ra.to_vec();
+            sorted.sort_by(|x, y| y.total_cmp(x));
+            if sorted[0] - sorted[1] > 0.5 {
+                clear += 1;
+                same += usize::from(
+                    tandem_engine::sampling::argmax(ra) == tandem_engine::sampling::argmax(rb),
+                );
+            }
+        }
+        eprintln!(
+            "{name} bf16 vs f32: greedy equal at {same}/{clear} clear positions, max |logit diff| {diff}"
+        );
+        assert!(
+            clear >= 20,
+            "{name}: too few clear positions ({clear}) to judge"
+        );
+        assert!(
+            same * 10 >= clear * 9,
+            "{name} bf16: greedy equal at only {same}/{clear} clear positions"
+        );
+    }
+}
+
+/// Greedy tokens of one process: prefill, then `n - 1` recurrent steps.
+fn steps<B: HybridOps>(model: &KdaHybridModel<B>, prompt: &[u32], n: usize) -> Vec<u32> {
+    let mut st = model.new_state();
+    let mut logits = model.prefill(prompt, &mut st);
+    (0..n)
+        .map(|_| {
+            let t = tandem_engine::sampling::argmax(&logits);
+            logits = model.decode_step(t, &mut st);
+            t
+        })
+        .collect()
+}
+
+fn engine<B: HybridOps>(backend: B, name: &str) -> Engine {
+    let model = KdaModel::Single(Box::new(load(backend, name, DType::F32)));
+    let config = EngineConfig {
+        num_blocks: 64,
+        state_slots: 4,
+        ..EngineConfig::default()
+    };
+    KdaServed::start(model, config, vec![2], 4096).expect("start")
+}
+
+fn greedy(n: u32) -> SamplingParams {
+    SamplingParams {
+        ignore_eos: true,
+        ..SamplingParams::greedy(n)
+    }
+}
+
+fn prefill(p: &Engine, prompt: &[u32], n: u32) -> (u32, Handoff) {
+    let rx = p
+        .submit(prompt.to_vec(), greedy(n), SeqKind::Prefill)
+        .expect("prefill");
+    match blocking_first(rx) {
+        Some(EngineEvent::Prefilled {
+            first_token,
+            finish: None,
+            handoff,
+            ..
+        }) => (first_token, handoff),
+        other => panic!("no prefill event: {other:?}"),
+    }
+}
+
+fn blocking_first(
+    mut rx: tokio::sync::mpsc::UnboundedReceiver<EngineEvent>,
+) -> Option<EngineEvent> {
+    rx.blocking_recv()
+}
+
+fn decode(d: &Engine, prompt: &[u32], n: u32, first_token: u32, handoff: Handoff) -> Vec<u32> {
+    let reservation = d.reserve(prompt.len() + n as usize).expect("reserve");
+    let rx = d
+        .submit(
+            prompt.to_vec(),
+            greedy(n),
+            SeqKind::Decode {
+                reservation,
+                handoff,
+                first_token,
+                forks: Vec::new(),
+            },
+        )
+        .expect("decode");
+    let mut got = vec![first_token];
+    got.extend(blocking_tokens(rx));
+    got
+}
+
+/// The KDA state and MLA latents a prefill engine hands off continue on a decode engine on
+/// another device (CPU → GPU, GPU → CPU) or the same one (GPU → GPU) to the tokens of one
+/// CPU process; aggregated on the GPU too; slots and latent blocks come back.
+#[test]
+fn pd_handoffs_between_devices_equal_one_process() {
+    let Some(g) = gpu() else { return };
+    let name = "kimi_tiny";
+    let prompt: Vec<u32> = vec![9, 40, 7, 300, 12, 5, 77, 1, 250, 64, 3];
+    let n = 8;
+    let want = steps(
+        &load(CpuBackend::new(), name, DType::F32),
+        &prompt,
+        n as usize,
+    );
+    let cpu = engine(CpuBackend::new(), name);
+    let gpu_p = engine(g.clone(), name);
+    let gpu_d = engine(CudaBackend::clone(&g), name);
+    for (label, p, d) in [
+        ("cpu -> gpu", &cpu, &gpu_d),
+        ("gpu -> cpu", &gpu_p, &cpu),
+        ("gpu -> gpu", &gpu_p, &gpu_d),
+    ] {
+        let (first, handoff) = prefill(p, &prompt, n);
+        assert_eq!(decode(d, &prompt, n, first, handoff), want, "{label}");
+    }
+    let all = blocking_tokens(
+        gpu_d
+            .submit(prompt.clone(), greedy(n), SeqKind::Generate)
+            .expect("generate"),
+    );
+    assert_eq!(all, want, "aggregated on the GPU");
+    for e in [&cpu, &gpu_p, &gpu_d] {
+        assert_eq!(e.pools().free_slots(), vec![4], "slots back");
+        assert_eq!(e.pools().paged_blocks(), (64, 64), "latent blocks back");
+    }
+}
