@@ -138,20 +138,21 @@ struct LoadKda<'a, W> {
 impl<W: WithKdaModel> crate::device::WithBackend for LoadKda<'_, W> {
     type Out = W::Out;
     fn run<B: HybridOps>(self, backend: B) -> Result<W::Out> {
-        let model = KdaModel::load_on(
-            |_| Ok(backend.clone()),
-            self.dir,
-            self.layout,
-            &self.options,
-        )
-        .with_context(|| format!("loading {}", self.dir.display()))?;
+        // Rank 0 on the device opened; every other rank on a stream of its own there.
+        let rank_backend = |r: tandem_topology::Rank| match r.0 {
+            0 => Ok(backend.clone()),
+            _ => backend.new_stream(),
+        };
+        let model = KdaModel::load_on(rank_backend, self.dir, self.layout, &self.options)
+            .with_context(|| format!("loading {}", self.dir.display()))?;
         tracing::info!(backend = %tandem_engine::Backend::name(&backend), layout = %self.layout, "model loaded");
         self.body.run(model)
     }
 }
 
 /// Loads the KDA-hybrid checkpoint `dir` for `layout` on `device` (`lora` merged, weights in
-/// `dtype`) and runs `body` on it. A layout of several ranks runs on CPU ranks only for now.
+/// `dtype`) and runs `body` on it. A layout's ranks are threads of this process; on a GPU they
+/// share the one device, a stream each, and meet through host memory (no NCCL yet).
 pub fn run_kda<W: WithKdaModel>(
     dir: &Path,
     layout: LayoutArgs,
@@ -161,13 +162,6 @@ pub fn run_kda<W: WithKdaModel>(
     body: W,
 ) -> Result<W::Out> {
     let layout = checked_layout(layout)?;
-    if layout.tp() > 1 && device != crate::device::Device::Cpu {
-        bail!(
-            "--tp {} on {device}: GPU tensor parallelism needs the NCCL communicator, which is \
-             not built yet (CPU ranks: --device cpu)",
-            layout.tp()
-        );
-    }
     let options = LoadOptions {
         lora: lora.map(Path::to_path_buf),
         dtype,

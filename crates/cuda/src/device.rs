@@ -686,6 +686,13 @@ impl Backend for CudaBackend {
         )
     }
 
+    /// A second backend on the same device: its own stream, cuBLAS handle, scratch buffers
+    /// and module (the kernels come from the on-disk cache), so a rank thread never shares
+    /// a stream's scratch with another.
+    fn new_stream(&self) -> tandem_engine::Result<Self> {
+        Self::new(self.inner.ordinal).map_err(|e| tandem_engine::Error::Device(e.to_string()))
+    }
+
     fn zeros(&self, dtype: DType, shape: &[usize]) -> Tensor<Self> {
         let n: usize = shape.iter().product();
         Tensor::from_storage(self.alloc(n * dtype.size()), dtype, shape)

@@ -12,8 +12,9 @@ use tandem_engine::backend::HybridOps;
 use tandem_engine::kda_hybrid::{KdaHybridModel, LoadOptions};
 use tandem_engine::kda_runner::{KdaModel, KdaServed};
 use tandem_engine::{blocking_tokens, CpuBackend, DType, Engine, EngineConfig, EngineEvent};
-use tandem_engine::{Handoff, SeqKind};
+use tandem_engine::{Backend, Handoff, SeqKind};
 use tandem_testkit::max_abs_diff;
+use tandem_topology::{Layout, Rank};
 
 const MODELS: [&str; 2] = ["kimi_tiny", "glm5_tiny"];
 
@@ -240,4 +241,90 @@ fn pd_handoffs_between_devices_equal_one_process() {
         assert_eq!(e.pools().free_slots(), vec![4], "slots back");
         assert_eq!(e.pools().paged_blocks(), (64, 64), "latent blocks back");
     }
+}
+
+/// Layouts whose ranks share the one GPU (a thread and a stream each, collectives through host
+/// memory) equal one rank: tp2, tp2 × dp2, tp4 × dp2 with ep2 and tp4 × dp4 with ep2 — every
+/// attention-DP group's logits (the groups must agree) and the greedy continuation.
+#[test]
+fn layouts_sharing_one_gpu_equal_one_rank() {
+    let Some(g) = gpu() else { return };
+    let ids: Vec<u32> = vec![5, 9, 33, 7, 120, 64, 3, 11, 2, 40];
+    for name in MODELS {
+        let one = load(g.clone(), name, DType::F32);
+        let want = one.forward_full(&ids);
+        let want_greedy = steps(&one, &ids, 8);
+        for (tp, dp, ep) in [(2, 1, 1), (2, 2, 1), (4, 2, 2), (4, 4, 2)] {
+            let layout = Layout::new(tp, dp, ep).expect("layout");
+            let ranks = |r: Rank| match r.0 {
+                0 => Ok(g.clone()),
+                _ => g.new_stream(),
+            };
+            let model =
+                KdaModel::load_on(ranks, &reference_dir(name), layout, &LoadOptions::default())
+                    .expect("load the layout");
+            let got = model.forward_full(&ids).expect("forward");
+            let diff = max_abs_diff(&got, &want);
+            eprintln!("{name} {layout} on one GPU: max |logit - tp1| = {diff}");
+            assert!(
+                diff < 1e-3,
+                "{name} {layout}: logits differ from tp1 by {diff}"
+            );
+            let greedy = model.greedy(&ids, 8, &[]).expect("greedy");
+            assert_eq!(greedy, want_greedy, "{name} {layout}: greedy");
+        }
+    }
+}
+
+/// P/D between layouts on the one GPU: a tp4 × dp2 prefill engine hands off to a tp2 × dp2
+/// decode engine's second group (the state resharded from 2 to 1 attention-TP ranks), and the
+/// tokens are one process's.
+#[test]
+fn pd_between_layouts_on_one_gpu_equals_one_process() {
+    let Some(g) = gpu() else { return };
+    let name = "kimi_tiny";
+    let prompt: Vec<u32> = vec![9, 40, 7, 18, 250, 6, 91];
+    let n = 6;
+    let want = steps(
+        &load(CpuBackend::new(), name, DType::F32),
+        &prompt,
+        n as usize,
+    );
+    let start = |tp, dp| {
+        let ranks = |r: Rank| match r.0 {
+            0 => Ok(g.clone()),
+            _ => g.new_stream(),
+        };
+        let layout = Layout::new(tp, dp, 1).expect("layout");
+        let model = KdaModel::load_on(ranks, &reference_dir(name), layout, &LoadOptions::default())
+            .expect("load");
+        let config = EngineConfig {
+            num_blocks: 128,
+            state_slots: 2,
+            ..EngineConfig::default()
+        };
+        KdaServed::start(model, config, vec![2], 4096).expect("start")
+    };
+    let (p, d) = (start(4, 2), start(2, 2));
+    let (first_token, handoff) = prefill(&p, &prompt, n);
+    let reservation = d
+        .reserve_on(prompt.len() + n as usize, Some(1))
+        .expect("a slot on group 1");
+    let rx = d
+        .submit(
+            prompt.clone(),
+            greedy(n),
+            SeqKind::Decode {
+                reservation,
+                handoff,
+                first_token,
+                forks: Vec::new(),
+            },
+        )
+        .expect("decode");
+    let mut got = vec![first_token];
+    got.extend(blocking_tokens(rx));
+    assert_eq!(got, want, "tp4 x dp2 -> tp2 x dp2 on one GPU");
+    assert_eq!(d.pools().free_slots(), vec![2, 2], "decode slots back");
+    assert_eq!(p.pools().free_slots(), vec![2, 2], "prefill slots back");
 }

@@ -86,6 +86,9 @@ pub enum Error {
     /// A collective between tensor-parallel ranks failed (a peer died or timed out).
     #[error("collective between ranks failed: {0}")]
     Collective(String),
+    /// The device could not be opened or failed.
+    #[error("device: {0}")]
+    Device(String),
 }
 
 impl Error {
@@ -100,6 +103,7 @@ impl Error {
             Error::InvalidRequest(m) => Error::InvalidRequest(m.clone()),
             Error::Stopped => Error::Stopped,
             Error::Collective(m) => Error::Collective(m.clone()),
+            Error::Device(m) => Error::Device(m.clone()),
             other => Error::Weights(other.to_string()),
         }
     }
@@ -111,9 +115,11 @@ impl Error {
             Error::CapacityExhausted { .. } => ErrorClass::CapacityExhausted,
             Error::InvalidRequest(_) => ErrorClass::InvalidRequest,
             Error::Stopped => ErrorClass::Unavailable,
-            Error::Model(_) | Error::Weights(_) | Error::Io { .. } | Error::Collective(_) => {
-                ErrorClass::Internal
-            }
+            Error::Model(_)
+            | Error::Weights(_)
+            | Error::Io { .. }
+            | Error::Collective(_)
+            | Error::Device(_) => ErrorClass::Internal,
         }
     }
 }

@@ -89,6 +89,12 @@ pub trait Backend: Clone + Send + Sync + Sized + 'static {
 
     /// Short name for logs (`cpu (avx512, 2 threads)`, `cuda:0`).
     fn name(&self) -> String;
+    /// Another handle on the same device with a stream (and scratch buffers) of its own, for
+    /// another thread's work: a rank of a layout whose ranks share the device. The CPU has no
+    /// streams: a clone.
+    fn new_stream(&self) -> Result<Self> {
+        Ok(self.clone())
+    }
     /// A zero-filled tensor.
     fn zeros(&self, dtype: DType, shape: &[usize]) -> Tensor<Self>;
     /// Copies host data to the device.
