@@ -105,8 +105,9 @@ pub struct RetryConfig {
     /// (0: none; the stream then ends with the error).
     pub migration_limit: u32,
     /// How long a request whose attempts found no worker to serve it (every one
-    /// unreachable or ejected, or none listed) waits for one to come back, e.g. the only
-    /// decode worker restarting, before it fails (0: it fails at once). Bounded by
+    /// unreachable, ejected or its transfer broken, or none listed) keeps trying, a round of
+    /// `attempts` at least every second or as soon as a worker comes back (e.g. the only
+    /// decode worker restarting), before it fails (0: it fails after one round). Bounded by
     /// `timeouts.request`; keep it below `timeouts.inter_token` so a stream that migrates
     /// during an outage keeps its pace limit.
     #[serde(with = "humantime_serde")]

@@ -379,10 +379,11 @@ impl PdGenerator {
     }
 
     /// Rounds of [`PdGenerator::attempts`] until one yields the first token of each of `n`
-    /// choices. A round that found no worker able to serve (every attempt unavailable, or
-    /// no route listed) is followed by a wait for the worker set to change, for up to
-    /// [`RetryPolicy::outage_wait`] in all: a request arriving while the only worker of a
-    /// pool restarts is served when it is back, not lost.
+    /// choices. A round that found no worker able to serve (every attempt unavailable or its
+    /// transfer broken, or no route listed) is followed by a wait for the worker set to change
+    /// (at most a second), then another round, for up to [`RetryPolicy::outage_wait`] in all:
+    /// a request arriving while the only worker of a pool restarts is served when it is back,
+    /// and one whose attempts all met injected faults tries again instead of being lost.
     async fn first_streams(
         &self,
         req: &ValidGenerateRequest,
@@ -413,7 +414,7 @@ impl PdGenerator {
                 Err(e) => e,
             };
             let now = tokio::time::Instant::now();
-            if e.class != ErrorClass::Unavailable || now >= give_up {
+            if !waits_out(e.class) || now >= give_up {
                 return Err(if waited {
                     GenerateError::new(
                         e.class,
@@ -558,6 +559,14 @@ impl PdGenerator {
 
 /// The longest a request waiting out an outage goes without trying again.
 const OUTAGE_RECHECK: Duration = Duration::from_secs(1);
+
+/// Whether a round of attempts that ended with `class` is followed by another (within
+/// [`RetryPolicy::outage_wait`]): no worker reachable, or every transfer broke — faults of the
+/// network or of workers that pass. A full pool answers at once (503 with Retry-After), and
+/// the client's own errors are never retried.
+fn waits_out(class: ErrorClass) -> bool {
+    matches!(class, ErrorClass::Unavailable | ErrorClass::TransferFailed)
+}
 
 /// Where a request's next attempt goes: round-robin positions per pool and route.
 #[derive(Clone, Copy, Debug)]
