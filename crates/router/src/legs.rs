@@ -5,77 +5,29 @@
 use crate::generator::{GenerateError, GeneratedToken, TokenStream, ValidGenerateRequest};
 use crate::workers::{classify_status, WorkerHandle};
 use futures::StreamExt;
-use tandem_core::{ErrorClass, FinishReason};
+use tandem_core::{ErrorClass, TokenLogprobs};
+use tandem_proto::convert::finish_from_wire;
 use tandem_proto::v1 as pb;
-
-pub(crate) fn finish_from_pb(v: i32) -> Option<FinishReason> {
-    match pb::FinishReason::try_from(v) {
-        Ok(pb::FinishReason::Stop) => Some(FinishReason::Stop),
-        Ok(pb::FinishReason::Length) => Some(FinishReason::Length),
-        _ => None,
-    }
-}
-
-fn logprobs_from_pb(l: pb::Logprobs) -> tandem_core::TokenLogprobs {
-    tandem_core::TokenLogprobs {
-        logprob: l.logprob,
-        top: l.top.into_iter().map(|t| (t.token_id, t.logprob)).collect(),
-    }
-}
 
 /// `req` on the wire, asking for `choices` choices of its prompt (seeds `seed`, `seed + 1`, …).
 pub(crate) fn to_pb(req: &ValidGenerateRequest, choices: u32) -> pb::GenerateRequest {
-    let s = &req.sampling;
     pb::GenerateRequest {
         request_id: req.id.0.clone(),
         prompt_token_ids: req.prompt_token_ids.clone(),
         choices,
-        sampling: Some(pb::SamplingParams {
-            temperature: s.temperature,
-            top_k: s.top_k,
-            top_p: s.top_p,
-            seed: s.seed,
-            max_tokens: s.max_tokens,
-            stop_token_ids: s.stop_token_ids.clone(),
-            ignore_eos: s.ignore_eos,
-            presence_penalty: s.presence_penalty,
-            frequency_penalty: s.frequency_penalty,
-            repetition_penalty: s.repetition_penalty,
-            min_p: s.min_p,
-            min_tokens: s.min_tokens,
-            logprobs: s.logprobs,
-            prompt_logprobs: s.prompt_logprobs,
-            resumed: s.resumed,
-            constraint: s.constraint.as_ref().map(constraint_to_wire),
-            logit_bias: s
-                .logit_bias
-                .iter()
-                .map(|&(token_id, bias)| pb::LogitBias { token_id, bias })
-                .collect(),
-        }),
-    }
-}
-
-fn constraint_to_wire(c: &tandem_core::OutputConstraint) -> pb::OutputConstraint {
-    use pb::output_constraint::Kind;
-    use tandem_core::OutputConstraint as C;
-    pb::OutputConstraint {
-        kind: Some(match c {
-            C::JsonObject => Kind::JsonObject(true),
-            C::JsonSchema(schema) => Kind::JsonSchema(schema.clone()),
-        }),
+        sampling: Some(pb::SamplingParams::from(&req.sampling)),
     }
 }
 
 fn token_from_pb(t: pb::TokenEvent) -> GeneratedToken {
     GeneratedToken {
         token_id: t.token_id,
-        finish_reason: finish_from_pb(t.finish_reason),
-        logprobs: t.logprobs.map(logprobs_from_pb),
+        finish_reason: finish_from_wire(t.finish_reason),
+        logprobs: t.logprobs.map(TokenLogprobs::from),
         prompt_logprobs: t
             .prompt_logprobs
             .into_iter()
-            .map(logprobs_from_pb)
+            .map(TokenLogprobs::from)
             .collect(),
     }
 }
@@ -328,12 +280,12 @@ pub(crate) async fn try_pair(
     let prompt_logprobs: Vec<_> = first
         .prompt_logprobs
         .into_iter()
-        .map(logprobs_from_pb)
+        .map(TokenLogprobs::from)
         .collect();
     let firsts: Vec<GeneratedToken> = std::iter::once(GeneratedToken {
         token_id: first.first_token_id,
-        finish_reason: finish_from_pb(first.finish_reason),
-        logprobs: first.first_logprobs.map(logprobs_from_pb),
+        finish_reason: finish_from_wire(first.finish_reason),
+        logprobs: first.first_logprobs.map(TokenLogprobs::from),
         prompt_logprobs: Vec::new(),
     })
     .chain(first.other_choices.into_iter().map(token_from_pb))

@@ -9,9 +9,10 @@ use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
-use tandem_core::{FinishReason, OutputConstraint, SamplingParams};
+use tandem_core::SamplingParams;
 use tandem_kv::landing::{LandingArena, LandingWriter};
 use tandem_kv::{UcxReceiver, UcxSender};
+use tandem_proto::convert::finish_to_wire;
 use tandem_proto::v1 as pb;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
@@ -254,43 +255,6 @@ async fn dispatch_incoming(
     }
 }
 
-fn sampling_from(p: Option<pb::SamplingParams>) -> SamplingParams {
-    let p = p.unwrap_or_default();
-    SamplingParams {
-        temperature: p.temperature,
-        top_k: p.top_k,
-        top_p: if p.top_p <= 0.0 { 1.0 } else { p.top_p },
-        seed: p.seed,
-        max_tokens: p.max_tokens,
-        stop_token_ids: p.stop_token_ids,
-        ignore_eos: p.ignore_eos,
-        presence_penalty: p.presence_penalty,
-        frequency_penalty: p.frequency_penalty,
-        repetition_penalty: if p.repetition_penalty <= 0.0 {
-            1.0
-        } else {
-            p.repetition_penalty
-        },
-        min_p: p.min_p,
-        min_tokens: p.min_tokens,
-        logprobs: p.logprobs,
-        prompt_logprobs: p.prompt_logprobs,
-        resumed: p.resumed,
-        constraint: p.constraint.and_then(|c| {
-            use pb::output_constraint::Kind;
-            match c.kind? {
-                Kind::JsonObject(_) => Some(OutputConstraint::JsonObject),
-                Kind::JsonSchema(schema) => Some(OutputConstraint::JsonSchema(schema)),
-            }
-        }),
-        logit_bias: p
-            .logit_bias
-            .into_iter()
-            .map(|b| (b.token_id, b.bias))
-            .collect(),
-    }
-}
-
 /// The caller's deadline (`grpc-timeout`: at most 8 digits and a unit, H M S m u n) as an
 /// instant, if it sent one. The server enforces it for unary calls; streams end here.
 fn grpc_deadline(meta: &tonic::metadata::MetadataMap) -> Option<tokio::time::Instant> {
@@ -326,25 +290,6 @@ async fn until(
     }
 }
 
-fn logprobs_to_pb(l: tandem_core::TokenLogprobs) -> pb::Logprobs {
-    pb::Logprobs {
-        logprob: l.logprob,
-        top: l
-            .top
-            .into_iter()
-            .map(|(token_id, logprob)| pb::TopLogprob { token_id, logprob })
-            .collect(),
-    }
-}
-
-fn finish_to_pb(f: Option<FinishReason>) -> i32 {
-    match f {
-        None => pb::FinishReason::Unspecified as i32,
-        Some(FinishReason::Stop) => pb::FinishReason::Stop as i32,
-        Some(FinishReason::Length) => pb::FinishReason::Length as i32,
-    }
-}
-
 impl Shared {
     /// Counts a decode request dropped because its caller went away; called before the
     /// request's resources are released, so whoever sees them free also sees the count.
@@ -372,7 +317,7 @@ impl Shared {
         req: Option<pb::GenerateRequest>,
     ) -> Result<(Vec<u32>, Vec<SamplingParams>)> {
         let req = req.ok_or_else(|| Error::InvalidRequest("missing request".into()))?;
-        let params = sampling_from(req.sampling);
+        let params = SamplingParams::from(req.sampling.unwrap_or_default());
         if req.choices > MAX_CHOICES {
             return Err(Error::InvalidRequest(format!(
                 "{} choices exceed the {MAX_CHOICES} one request may ask for",
@@ -536,20 +481,23 @@ impl Shared {
             first_token_id: first_token,
             prompt_tokens: prompt_len as u32,
             kv_bytes_sent: sent,
-            finish_reason: finish_to_pb(finish),
-            first_logprobs: logprobs.map(logprobs_to_pb),
+            finish_reason: finish_to_wire(finish),
+            first_logprobs: logprobs.map(pb::Logprobs::from),
             other_choices: others
                 .into_iter()
                 .enumerate()
                 .map(|(j, o)| pb::TokenEvent {
                     token_id: o.token,
-                    finish_reason: finish_to_pb(o.finish),
-                    logprobs: o.logprobs.map(logprobs_to_pb),
+                    finish_reason: finish_to_wire(o.finish),
+                    logprobs: o.logprobs.map(pb::Logprobs::from),
                     choice: j as u32 + 1,
                     prompt_logprobs: Vec::new(),
                 })
                 .collect(),
-            prompt_logprobs: prompt_logprobs.into_iter().map(logprobs_to_pb).collect(),
+            prompt_logprobs: prompt_logprobs
+                .into_iter()
+                .map(pb::Logprobs::from)
+                .collect(),
         })
     }
 
@@ -666,10 +614,13 @@ impl Shared {
             } = event?;
             let msg = wrap(pb::TokenEvent {
                 token_id,
-                finish_reason: finish_to_pb(finish),
-                logprobs: logprobs.map(logprobs_to_pb),
+                finish_reason: finish_to_wire(finish),
+                logprobs: logprobs.map(pb::Logprobs::from),
                 choice: choice as u32,
-                prompt_logprobs: prompt_logprobs.into_iter().map(logprobs_to_pb).collect(),
+                prompt_logprobs: prompt_logprobs
+                    .into_iter()
+                    .map(pb::Logprobs::from)
+                    .collect(),
             });
             if tx.send(Ok(msg)).await.is_err() {
                 return self.note_cancelled();
