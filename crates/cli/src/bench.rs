@@ -134,6 +134,20 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
         } => {
             if device != crate::device::Device::Cpu {
                 let dir = crate::models::resolve(&model)?;
+                if crate::eval::family(&dir)? == crate::eval::Family::KdaHybrid {
+                    let report = device.run(crate::bench_kda::KdaSteps {
+                        dir: &dir,
+                        dtype: dtype.dtype(),
+                        batches: step_batches,
+                        context: step_context,
+                        prefill: step_prefill,
+                        steps: 8,
+                    })?;
+                    if let Some(path) = json {
+                        std::fs::write(&path, serde_json::to_string_pretty(&report)?)?;
+                    }
+                    return Ok(());
+                }
                 let report = device.run(crate::bench_step::StepBench {
                     dir: &dir,
                     dtype,

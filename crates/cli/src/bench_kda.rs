@@ -432,3 +432,73 @@ pub fn run_device(device: crate::device::Device, json: Option<&std::path::Path>)
     }
     Ok(())
 }
+
+/// `tandem bench engine --device cuda[:N]` on a KDA-hybrid checkpoint: decode steps of
+/// several batch sizes (each request after a `context`-token prompt) and one prefill.
+pub struct KdaSteps<'a> {
+    /// Model directory.
+    pub dir: &'a std::path::Path,
+    /// Weights dtype.
+    pub dtype: DType,
+    /// Decode batch sizes.
+    pub batches: Vec<usize>,
+    /// Prompt tokens of each decoding request.
+    pub context: usize,
+    /// Prompt length of the prefill figure (0: none).
+    pub prefill: usize,
+    /// Timed decode steps per batch size.
+    pub steps: usize,
+}
+
+impl WithBackend for KdaSteps<'_> {
+    type Out = serde_json::Value;
+
+    fn run<B: HybridOps>(self, b: B) -> Result<serde_json::Value> {
+        let name = b.name();
+        eprintln!("loading {} on {name}…", self.dir.display());
+        let options = LoadOptions {
+            dtype: self.dtype,
+            ..LoadOptions::default()
+        };
+        let model = KdaHybridModel::load_on(b, self.dir, &options)?;
+        println!(
+            "step benchmark: {} {} on {name} (KDA hybrid; MLA and MoE routing on the host)",
+            self.dir.display(),
+            self.dtype
+        );
+        let mut decode = Vec::new();
+        for &batch in &self.batches {
+            let secs = batch_step_time(&model, batch, self.context as u32, self.steps);
+            println!(
+                "  decode batch {batch:>4} (context {}): {:>8.3} ms/step {:>10.0} tok/s",
+                self.context,
+                secs * 1e3,
+                batch as f64 / secs
+            );
+            decode.push(
+                serde_json::json!({"batch": batch, "ms": secs * 1e3, "tok_s": batch as f64 / secs}),
+            );
+        }
+        let mut prefill = serde_json::Value::Null;
+        if self.prefill > 0 {
+            let ids: Vec<u32> = (0..self.prefill as u32)
+                .map(|i| 3 + (i * 37) % 900)
+                .collect();
+            model.validate_tokens(&ids)?;
+            let secs = time(3, || {
+                let mut state = model.new_state();
+                std::hint::black_box(model.extend(&ids, &mut state, KdaForm::Auto, false));
+            });
+            println!(
+                "  prefill {} tokens: {:>8.1} ms {:>10.0} tok/s",
+                self.prefill,
+                secs * 1e3,
+                self.prefill as f64 / secs
+            );
+            prefill = serde_json::json!({"tokens": self.prefill, "ms": secs * 1e3});
+        }
+        Ok(
+            serde_json::json!({"device": name, "family": "kda_hybrid", "decode": decode, "prefill": prefill}),
+        )
+    }
+}

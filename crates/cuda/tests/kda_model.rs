@@ -328,3 +328,43 @@ fn pd_between_layouts_on_one_gpu_equals_one_process() {
     assert_eq!(d.pools().free_slots(), vec![2, 2], "decode slots back");
     assert_eq!(p.pools().free_slots(), vec![2, 2], "prefill slots back");
 }
+
+/// A block-FP8 checkpoint (128 × 128 scales; KDA projections kept BF16, as GLM-5.3-Flash
+/// ships them) serves on the GPU in bf16 (dequantised at load) and picks the CPU's f32 tokens
+/// at the positions whose margin is clear.
+#[test]
+fn a_block_fp8_checkpoint_runs_on_the_gpu() {
+    let Some(g) = gpu() else { return };
+    let dir = tempfile::tempdir().expect("temp dir");
+    tandem_model::synth::synth_kda_hybrid("tiny", dir.path(), true, 7).expect("synth fp8");
+    let options = |dtype| LoadOptions {
+        dtype,
+        ..LoadOptions::default()
+    };
+    let cpu = KdaHybridModel::load_on(CpuBackend::new(), dir.path(), &options(DType::F32))
+        .expect("cpu load");
+    let cuda = KdaHybridModel::load_on(g, dir.path(), &options(DType::BF16)).expect("cuda load");
+    let vocab = cpu.config().vocab_size;
+    let ids: Vec<u32> = (0..48u32).map(|i| 3 + (i * 53) % 500).collect();
+    let (a, b) = (cpu.forward_full(&ids), cuda.forward_full(&ids));
+    let (mut clear, mut same) = (0, 0);
+    for (ra, rb) in a.chunks_exact(vocab).zip(b.chunks_exact(vocab)) {
+        let mut sorted = ra.to_vec();
+        sorted.sort_by(|x, y| y.total_cmp(x));
+        if sorted[0] - sorted[1] > 0.1 * sorted[0].abs().max(1.0) {
+            clear += 1;
+            same += usize::from(
+                tandem_engine::sampling::argmax(ra) == tandem_engine::sampling::argmax(rb),
+            );
+        }
+    }
+    eprintln!(
+        "fp8 tiny on the GPU (bf16) vs the CPU (f32): greedy equal at {same}/{clear} clear positions, max |logit diff| {}",
+        max_abs_diff(&a, &b)
+    );
+    assert!(clear >= 10, "too few clear positions ({clear}) to judge");
+    assert!(
+        same * 10 >= clear * 9,
+        "greedy equal at only {same}/{clear}"
+    );
+}

@@ -111,6 +111,13 @@ impl Checkpoint {
                 tensors.insert(name, (view.shape().to_vec(), data));
             }
         }
+        if !fp8.is_empty() {
+            tracing::info!(
+                matrices = fp8.len(),
+                "block-FP8 weights dequantised at load: they run in the model's dtype (no FP8 \
+                 products for KDA-hybrid models yet)"
+            );
+        }
         for (name, shape, data) in
             crate::fp8_weights::dequantize(fp8, block, |scale| tensors.remove(scale).map(|t| t.1))?
         {
