@@ -115,6 +115,7 @@ kernels!(
     delta_rule_d32,
     delta_rule_d64,
     delta_rule_d128,
+    delta_rule_d128_q2,
 );
 
 /// The fewest tokens of a step that takes the tensor-core prefill attention.

@@ -30,6 +30,9 @@ use tandem_engine::{Backend, CpuBackend, DType, Tensor};
 
 /// Head widths the delta-rule kernel is built for (`delta_rule_d*` in kernels.cu).
 pub(crate) const DELTA_HEAD_DIMS: [usize; 4] = [16, 32, 64, 128];
+/// Steps of fewer sequences than this take the delta-rule kernel with more warps per head
+/// (`delta_rule_d128_q2`).
+const FEW_SEQUENCES: usize = 8;
 /// The widest short convolution the kernel takes (`CONV_MAX_W` in kernels.cu).
 const CONV_MAX_W: usize = 8;
 /// Rows one thread of the short convolution walks (`CONV_CHUNK` in kernels.cu).
@@ -279,10 +282,11 @@ impl HybridOps for CudaBackend {
     }
 
     /// One launch over every sequence, whatever its form: a block per (sequence, head, slice
-    /// of 32 V columns) walks the sequence's tokens with the state in registers (the
-    /// recurrent form; kernels.cu). The chunked form runs the same kernel for now — its
-    /// result is the same to f32 rounding, and a tensor-core chunked kernel is what would
-    /// make long prompts faster — so `forms` does not change what runs.
+    /// of V columns) walks the sequence's tokens with the state in registers, each warp
+    /// owning a few columns across all of K (the recurrent form; kernels.cu). The chunked
+    /// form runs the same kernel for now — its result is the same to f32 rounding, and a
+    /// tensor-core chunked kernel is what would make long prompts faster — so `forms` does
+    /// not change what runs.
     fn delta_rule(
         &self,
         inputs: DeltaInputs<'_, Self>,
@@ -309,16 +313,6 @@ impl HybridOps for CudaBackend {
         }
         need(inputs.beta, DType::F32, rows * h, "delta_rule beta");
         need(out, DType::F32, rows * h * d, "delta_rule output");
-        let k = &self.inner.kernels;
-        let f = match d {
-            16 => &k.delta_rule_d16,
-            32 => &k.delta_rule_d32,
-            64 => &k.delta_rule_d64,
-            128 => &k.delta_rule_d128,
-            _ => {
-                panic!("the CUDA delta rule is built for head widths {DELTA_HEAD_DIMS:?}, not {d}")
-            }
-        };
         let entries: Vec<SeqEntry> = seqs
             .iter()
             .zip(states.iter())
@@ -332,14 +326,15 @@ impl HybridOps for CudaBackend {
                 }
             })
             .collect();
+        let (f, quads) = self.delta_rule_kernel(d, entries.len());
         if entries.is_empty() {
             return;
         }
+        let (warps, slices) = delta_rule_shape(d, quads);
         let table = self.seq_table(&entries);
-        let cols = d.min(32);
         let cfg = LaunchConfig {
-            grid_dim: (entries.len() as u32, h as u32, (d / cols) as u32),
-            block_dim: (cols as u32, 1, 1),
+            grid_dim: (entries.len() as u32, h as u32, slices as u32),
+            block_dim: (32 * warps as u32, 1, 1),
             shared_mem_bytes: 0,
         };
         self.launch(
@@ -631,7 +626,38 @@ impl HybridOps for CudaBackend {
     }
 }
 
+/// A delta-rule kernel's warps per block and blocks per head for `quads` column quads per row
+/// group (`DeltaShape` in kernels.cu): a warp owns `4 · quads` columns, a block up to 4 warps.
+fn delta_rule_shape(d: usize, quads: usize) -> (usize, usize) {
+    let columns = 4 * quads;
+    let warps = (d / columns).min(4);
+    (warps, d / (columns * warps))
+}
+
 impl CudaBackend {
+    /// The delta-rule kernel for heads of width `d` over `sequences` sequences, and its column
+    /// quads per row group (`VQ` in kernels.cu). Measured on an H200 (32 heads x 128): with
+    /// 4 quads, 32 and 128 decoding sequences take 54 and 171 us against 62 and 207 us with 2;
+    /// one prefilling sequence (32768 tokens) takes 22.2 ms with 2 quads against 26.2 ms with
+    /// 4, its 128 blocks of 4 warps filling more of the device than 64.
+    fn delta_rule_kernel(
+        &self,
+        d: usize,
+        sequences: usize,
+    ) -> (&cudarc::driver::CudaFunction, usize) {
+        let k = &self.inner.kernels;
+        match d {
+            16 => (&k.delta_rule_d16, 4),
+            32 => (&k.delta_rule_d32, 4),
+            64 => (&k.delta_rule_d64, 4),
+            128 if sequences < FEW_SEQUENCES => (&k.delta_rule_d128_q2, 2),
+            128 => (&k.delta_rule_d128, 4),
+            _ => {
+                panic!("the CUDA delta rule is built for head widths {DELTA_HEAD_DIMS:?}, not {d}")
+            }
+        }
+    }
+
     /// The in-place RMSNorm kernel for a weight's dtype.
     fn rms_norm_in_place_kernel(&self, w: &T) -> &cudarc::driver::CudaFunction {
         match w.dtype() {

@@ -1796,65 +1796,135 @@ extern "C" __global__ void short_conv_bf16(const float* pre, const SeqEntry* seq
     short_conv_impl(pre, seqs, weight, p, w, out);
 }
 
-// The gated delta rule in its recurrent form, for heads of width D: a block of DELTA_COLS(D)
-// threads per (sequence, head, slice of V columns). Each thread keeps one V column of the
-// head's `[K, V]` state (K = D values) in registers from the first token of its sequence to
-// the last, so the state is read and written once per launch; a token's k, q and decay
-// exp(g) are staged in shared memory for the block. Per token, with S the column:
-//   S ← exp(g) ⊙ S,  u = β (v_j − S·k),  S ← S + k u,  o_j = S·q.
+// The gated delta rule in its recurrent form, for heads of width D (the K and V widths). Per
+// token, with S the head's `[K, V]` state and j a V column:
+//   S ← exp(g) ⊙ S (rows scaled),  u_j = β (v_j − Σ_k S_kj k_k),  S ← S + k uᵀ,  o_j = Σ_k q_k S_kj.
+// A warp owns CW = 4·VQ columns of one head's state across every row: its lanes form a grid of
+// KG = 32 / VQ row groups × VQ column quads, each lane keeping R = D / KG consecutive rows of 4
+// columns in registers (float4s) from the first token of its sequence to the last, so the
+// state is read and written once per launch with 16-byte accesses. The two sums over K are a
+// lane's R terms and then a butterfly over the KG row groups (`__shfl_xor_sync`, which leaves
+// the same bits in every lane), so warps never wait for each other. A lane reads its rows of k,
+// q and g itself (vector loads), one token ahead of the one it computes. A block is WARPS warps
+// side by side in V; the grid is (sequence, head, slice of WARPS·CW columns). VQ trades warps
+// per head (parallelism at a few sequences) against a warp's contiguous run per row (VQ × 16
+// bytes).
 // Both DeltaForms run this (hybrid.rs says why).
-#define DELTA_COLS(D) ((D) < 32 ? (D) : 32)
+template <int D, int VQ>
+struct DeltaShape {
+    static constexpr int KG = 32 / VQ, R = D / KG, CW = 4 * VQ;
+    static constexpr int WARPS = D / CW < 4 ? D / CW : 4;
+    static_assert(KG <= D && D % KG == 0 && CW <= D, "head width too narrow for VQ");
+};
 
-template <int D>
-__device__ void delta_rule_impl(const float* q, const float* k, const float* v, const float* g,
-                                const float* beta, int heads, const SeqEntry* seqs, float* out) {
-    constexpr int COLS = DELTA_COLS(D), PER = D / COLS;
-    __shared__ float sk[D], sq[D], sd[D];
-    pdl_start();
-    SeqEntry e = seqs[blockIdx.x];
-    int h = blockIdx.y, j = blockIdx.z * COLS + threadIdx.x;
-    float* state = reinterpret_cast<float*>(e.state) + (long)h * D * D + j;
-    float s[D];
-    #pragma unroll
-    for (int kk = 0; kk < D; ++kk) s[kk] = state[(long)kk * D];
-    long hd = (long)heads * D, last = (long)(e.first + e.rows);
-    for (long t = (long)e.first; t < last; ++t) {
-        long base = t * hd + (long)h * D;
-        __syncthreads();  // the previous token's reads of sk, sq, sd are done
+// `N` consecutive floats from `p` (16-byte aligned when N is a multiple of 4, 8-byte when even).
+template <int N>
+__device__ __forceinline__ void load_run(const float* __restrict__ p, float* x) {
+    if (N % 4 == 0) {
         #pragma unroll
-        for (int r = 0; r < PER; ++r) {
-            int i = threadIdx.x + r * COLS;
-            sk[i] = k[base + i];
-            sq[i] = q[base + i];
-            sd[i] = expf(g[base + i]);
+        for (int i = 0; i < N; i += 4) {
+            float4 t = __ldg(reinterpret_cast<const float4*>(p + i));
+            x[i] = t.x, x[i + 1] = t.y, x[i + 2] = t.z, x[i + 3] = t.w;
         }
-        __syncthreads();
-        float b = beta[t * heads + h], vj = v[base + j];
-        float sk_dot = 0.0f;
+    } else if (N % 2 == 0) {
         #pragma unroll
-        for (int kk = 0; kk < D; ++kk) {
-            s[kk] *= sd[kk];
-            sk_dot += s[kk] * sk[kk];
+        for (int i = 0; i < N; i += 2) {
+            float2 t = __ldg(reinterpret_cast<const float2*>(p + i));
+            x[i] = t.x, x[i + 1] = t.y;
         }
-        float u = b * (vj - sk_dot), o = 0.0f;
+    } else {
         #pragma unroll
-        for (int kk = 0; kk < D; ++kk) {
-            s[kk] += sk[kk] * u;
-            o += sq[kk] * s[kk];
-        }
-        out[base + j] = o;
+        for (int i = 0; i < N; ++i) x[i] = __ldg(p + i);
     }
-    #pragma unroll
-    for (int kk = 0; kk < D; ++kk) state[(long)kk * D] = s[kk];
 }
 
-#define DELTA_RULE(D) \
-    extern "C" __global__ void __launch_bounds__(DELTA_COLS(D)) delta_rule_d##D( \
+// One token's inputs as a lane of the delta rule needs them: its R rows of k, q and g, its
+// four columns of v, and β.
+template <int R>
+struct DeltaToken {
+    float k[R], q[R], g[R];
+    float4 v;
+    float beta;
+    __device__ __forceinline__ void load(const float* q_, const float* k_, const float* v_, const float* g_,
+                                         const float* beta_, long base, long bh, int row0, int col0) {
+        load_run<R>(k_ + base + row0, k);
+        load_run<R>(q_ + base + row0, q);
+        load_run<R>(g_ + base + row0, g);
+        v = __ldg(reinterpret_cast<const float4*>(v_ + base + col0));
+        beta = __ldg(beta_ + bh);
+    }
+};
+
+template <int VQ>
+__device__ __forceinline__ float4 sum_row_groups(float4 x) {
+    #pragma unroll
+    for (int o = VQ; o < 32; o <<= 1) {
+        x.x += __shfl_xor_sync(0xffffffffu, x.x, o);
+        x.y += __shfl_xor_sync(0xffffffffu, x.y, o);
+        x.z += __shfl_xor_sync(0xffffffffu, x.z, o);
+        x.w += __shfl_xor_sync(0xffffffffu, x.w, o);
+    }
+    return x;
+}
+
+template <int D, int VQ>
+__device__ void delta_rule_impl(const float* __restrict__ q, const float* __restrict__ k,
+                                const float* __restrict__ v, const float* __restrict__ g,
+                                const float* __restrict__ beta, int heads, const SeqEntry* seqs,
+                                float* __restrict__ out) {
+    using S = DeltaShape<D, VQ>;
+    constexpr int R = S::R;
+    pdl_start();
+    const SeqEntry e = seqs[blockIdx.x];
+    const int h = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int kg = lane / VQ, row0 = kg * R;
+    const int col0 = (blockIdx.z * S::WARPS + warp) * S::CW + (lane % VQ) * 4;
+    float* state = reinterpret_cast<float*>(e.state) + (long)h * D * D + (long)row0 * D + col0;
+    float4 s[R];
+    #pragma unroll
+    for (int r = 0; r < R; ++r) s[r] = *reinterpret_cast<const float4*>(state + (long)r * D);
+    const long hd = (long)heads * D, first = (long)e.first, last = first + (long)e.rows;
+    DeltaToken<R> cur, next;
+    cur.load(q, k, v, g, beta, first * hd + (long)h * D, first * heads + h, row0, col0);
+    for (long t = first; t < last; ++t) {
+        const long base = t * hd + (long)h * D;
+        if (t + 1 < last) next.load(q, k, v, g, beta, base + hd, (t + 1) * heads + h, row0, col0);
+        float4 p = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        #pragma unroll
+        for (int r = 0; r < R; ++r) {
+            float d = expf(cur.g[r]), kr = cur.k[r];
+            s[r].x *= d, s[r].y *= d, s[r].z *= d, s[r].w *= d;
+            p.x += s[r].x * kr, p.y += s[r].y * kr, p.z += s[r].z * kr, p.w += s[r].w * kr;
+        }
+        p = sum_row_groups<VQ>(p);
+        const float b = cur.beta;
+        const float4 u = make_float4(b * (cur.v.x - p.x), b * (cur.v.y - p.y), b * (cur.v.z - p.z),
+                                     b * (cur.v.w - p.w));
+        float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        #pragma unroll
+        for (int r = 0; r < R; ++r) {
+            float kr = cur.k[r], qr = cur.q[r];
+            s[r].x += kr * u.x, s[r].y += kr * u.y, s[r].z += kr * u.z, s[r].w += kr * u.w;
+            o.x += qr * s[r].x, o.y += qr * s[r].y, o.z += qr * s[r].z, o.w += qr * s[r].w;
+        }
+        o = sum_row_groups<VQ>(o);
+        if (kg == 0) *reinterpret_cast<float4*>(out + base + col0) = o;
+        cur = next;
+    }
+    #pragma unroll
+    for (int r = 0; r < R; ++r) *reinterpret_cast<float4*>(state + (long)r * D) = s[r];
+}
+
+#define DELTA_RULE(NAME, D, VQ) \
+    extern "C" __global__ void __launch_bounds__(DeltaShape<D, VQ>::WARPS * 32) NAME( \
             const float* q, const float* k, const float* v, const float* g, const float* beta, int heads, \
             const SeqEntry* seqs, float* out) { \
-        delta_rule_impl<D>(q, k, v, g, beta, heads, seqs, out); \
+        delta_rule_impl<D, VQ>(q, k, v, g, beta, heads, seqs, out); \
     }
-DELTA_RULE(16)
-DELTA_RULE(32)
-DELTA_RULE(64)
-DELTA_RULE(128)
+DELTA_RULE(delta_rule_d16, 16, 4)
+DELTA_RULE(delta_rule_d32, 32, 4)
+DELTA_RULE(delta_rule_d64, 64, 4)
+DELTA_RULE(delta_rule_d128, 128, 4)
+// Twice the warps per head, for steps of a few sequences (hybrid.rs picks).
+DELTA_RULE(delta_rule_d128_q2, 128, 2)
+

@@ -22,9 +22,16 @@ type G = CudaBackend;
 /// chunks and a bit.
 const SEGMENTS: [usize; 5] = [1, 3, 70, 0, 130];
 
+/// A decode step: nine sequences of one token each (the delta rule's decode kernels).
+const DECODE_SEGMENTS: [usize; 9] = [1; 9];
+
 fn seqs() -> Vec<Range<usize>> {
+    seqs_of(&SEGMENTS)
+}
+
+fn seqs_of(segments: &[usize]) -> Vec<Range<usize>> {
     let mut at = 0;
-    SEGMENTS
+    segments
         .iter()
         .map(|&n| {
             at += n;
@@ -282,11 +289,17 @@ struct DeltaCase {
     cpu: [Tensor<C>; 5],
     gpu: [Tensor<G>; 5],
     states: Vec<Vec<f32>>,
+    segments: &'static [usize],
 }
 
 impl DeltaCase {
     fn new(c: &C, g: &G, h: usize, d: usize, seed: u64) -> Self {
-        let rows: usize = SEGMENTS.iter().sum();
+        Self::of(c, g, &SEGMENTS, h, d, seed)
+    }
+
+    /// Inputs for sequences of `segments` rows.
+    fn of(c: &C, g: &G, segments: &'static [usize], h: usize, d: usize, seed: u64) -> Self {
+        let rows: usize = segments.iter().sum();
         let n = rows * h * d;
         let q = unit_rows(seed, rows * h, d, 1.0 / (d as f32).sqrt());
         let k = unit_rows(seed + 1, rows * h, d, 1.0);
@@ -314,13 +327,14 @@ impl DeltaCase {
             cpu.push(tc);
             gpu.push(tg);
         }
-        let states = (0..SEGMENTS.len())
+        let states = (0..segments.len())
             .map(|i| noise(seed + 20 + i as u64, h * d * d))
             .collect();
         Self {
             cpu: five(cpu),
             gpu: five(gpu),
             states,
+            segments,
         }
     }
 
@@ -333,7 +347,20 @@ impl DeltaCase {
         d: usize,
         form: DeltaForm,
     ) -> (Vec<f32>, Vec<Vec<f32>>) {
-        let rows: usize = SEGMENTS.iter().sum();
+        Self::run_of(b, &SEGMENTS, inputs, states, h, d, form)
+    }
+
+    /// [`DeltaCase::run`] for sequences of `segments` rows.
+    fn run_of<B: HybridOps>(
+        b: &B,
+        segments: &[usize],
+        inputs: &[Tensor<B>; 5],
+        states: &[Vec<f32>],
+        h: usize,
+        d: usize,
+        form: DeltaForm,
+    ) -> (Vec<f32>, Vec<Vec<f32>>) {
+        let rows: usize = segments.iter().sum();
         let mut st: Vec<Tensor<B>> = states
             .iter()
             .map(|s| b.upload(&HostTensor::from_f32(&[h, d, d], s.clone()).expect("shape")))
@@ -350,8 +377,8 @@ impl DeltaCase {
             heads: h,
             head_dim: d,
         };
-        let forms = vec![form; SEGMENTS.len()];
-        b.delta_rule(delta, &seqs(), &forms, &mut refs, &mut out);
+        let forms = vec![form; segments.len()];
+        b.delta_rule(delta, &seqs_of(segments), &forms, &mut refs, &mut out);
         (values(b, &out), st.iter().map(|s| values(b, s)).collect())
     }
 }
@@ -382,6 +409,32 @@ fn delta_rule_matches_the_cpu_in_both_forms() {
                     1e-4,
                 );
             }
+        }
+    }
+}
+
+#[test]
+fn delta_rule_decode_step_matches_the_cpu() {
+    let Some(g) = gpu() else { return };
+    let c = CpuBackend::new();
+    for (h, d) in [(2, 16), (3, 32), (2, 64), (3, 128)] {
+        let case = DeltaCase::of(&c, &g, &DECODE_SEGMENTS, h, d, 300 + d as u64);
+        let form = DeltaForm::Recurrent;
+        let (o_c, s_c) = DeltaCase::run_of(&c, case.segments, &case.cpu, &case.states, h, d, form);
+        let (o_g, s_g) = DeltaCase::run_of(&g, case.segments, &case.gpu, &case.states, h, d, form);
+        close(
+            &format!("delta_rule decode H{h} D{d} output"),
+            &o_c,
+            &o_g,
+            1e-4,
+        );
+        for (i, (sc, sg)) in s_c.iter().zip(&s_g).enumerate() {
+            close(
+                &format!("delta_rule decode H{h} D{d} state of sequence {i}"),
+                sc,
+                sg,
+                1e-4,
+            );
         }
     }
 }
