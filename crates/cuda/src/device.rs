@@ -83,10 +83,6 @@ kernels!(
     gemv_norm_silu_bf16_6,
     gemv_norm_silu_bf16_7,
     gemv_norm_silu_bf16_8,
-    bulk_gemv_bf16_1,
-    bulk_gemv_bf16_2,
-    bulk_gemv_silu_bf16_1,
-    bulk_gemv_silu_bf16_2,
     pdl_probe,
     argmax_partial,
     sample_rows,
@@ -122,8 +118,6 @@ kernels!(
 pub(crate) const PREFILL_TILE: usize = 64;
 /// Dynamic shared memory the RMSNorm-fused GEMVs may use for their normalised rows.
 const GEMV_SMEM: usize = 96 << 10;
-/// Dynamic shared memory the bulk-copy GEMVs may use (their ring).
-const BULK_GEMV_SMEM: usize = 96 << 10;
 
 /// Query heads per KV head the attention kernels are built for (1..=this).
 pub(crate) const MAX_GROUP: usize = 8;
@@ -207,8 +201,6 @@ pub(crate) struct Inner {
     pub(crate) sms: usize,
     /// Dynamic shared memory the RMSNorm-fused GEMVs may take.
     pub(crate) gemv_smem: usize,
-    /// Dynamic shared memory the bulk-copy GEMVs may take (0: they are not used here).
-    pub(crate) bulk_gemv_smem: usize,
     /// Row counts up to this take the GEMV kernels for bf16 weights.
     pub(crate) gemv_rows: usize,
     /// GEMV blocks per SM (0: a warp per feature).
@@ -279,23 +271,6 @@ impl CudaBackend {
         self
     }
 
-    /// This backend with one- and two-row bf16 products on the bulk-copy GEMVs instead of the
-    /// register-streaming ones (what `TANDEM_CUDA_BULK_GEMV=1` does), where the device has them
-    /// (Hopper on). Only a backend not yet cloned can be changed.
-    pub fn with_bulk_gemv(mut self) -> Self {
-        if let Some(inner) = Arc::get_mut(&mut self.inner) {
-            if inner.arch.0 >= 9 {
-                inner.bulk_gemv_smem = bulk_gemv_shared_memory(&inner.kernels);
-            }
-        }
-        self
-    }
-
-    /// Whether one- and two-row bf16 products take the bulk-copy GEMVs here.
-    pub fn bulk_gemv(&self) -> bool {
-        self.inner.bulk_gemv_smem > 0
-    }
-
     /// Opens device `ordinal`: creates a stream, a cuBLAS handle and compiles (or loads
     /// cached) kernels for its architecture.
     pub fn new(ordinal: usize) -> Result<Self> {
@@ -348,11 +323,6 @@ impl CudaBackend {
             cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
         )? as usize;
         let gemv_smem = gemv_shared_memory(&kernels);
-        let bulk_gemv_smem = if arch.0 >= 9 && crate::env::bulk_gemv() {
-            bulk_gemv_shared_memory(&kernels)
-        } else {
-            0
-        };
         let pdl = crate::env::programmatic_launches() && arch.0 >= 9 && {
             match probe_programmatic_launches(&ctx, &stream, &kernels.pdl_probe) {
                 Ok(()) => true,
@@ -362,7 +332,7 @@ impl CudaBackend {
                 }
             }
         };
-        tracing::debug!(sms, gemv_smem, bulk_gemv_smem, pdl, "CUDA device ready");
+        tracing::debug!(sms, gemv_smem, pdl, "CUDA device ready");
         Ok(Self {
             inner: Arc::new(Inner {
                 ordinal,
@@ -377,7 +347,6 @@ impl CudaBackend {
                 scratch: Mutex::new(Scratch::default()),
                 sms,
                 gemv_smem,
-                bulk_gemv_smem,
                 gemv_rows: crate::env::gemv_rows(),
                 gemv_blocks_per_sm: crate::env::gemv_blocks_per_sm(),
                 attention_blocks_per_sm: crate::env::attention_blocks_per_sm(),
@@ -561,26 +530,6 @@ fn gemv_shared_memory(k: &Kernels) -> usize {
         GEMV_SMEM
     } else {
         48 << 10
-    }
-}
-
-/// Lets the bulk-copy GEMVs (Hopper on) take [`BULK_GEMV_SMEM`] of dynamic shared memory; 0
-/// where the device refuses (the register-streaming GEMVs serve instead).
-fn bulk_gemv_shared_memory(k: &Kernels) -> usize {
-    use cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_DYNAMIC;
-    let all = [
-        &k.bulk_gemv_bf16_1,
-        &k.bulk_gemv_bf16_2,
-        &k.bulk_gemv_silu_bf16_1,
-        &k.bulk_gemv_silu_bf16_2,
-    ];
-    let ok = all
-        .iter()
-        .all(|f| f.set_attribute(MAX_DYNAMIC, BULK_GEMV_SMEM as i32).is_ok());
-    if ok {
-        BULK_GEMV_SMEM
-    } else {
-        0
     }
 }
 

@@ -21,13 +21,6 @@ pub(crate) fn gemv_rows() -> usize {
 /// at 3 and 2.5× at 8.
 const DEFAULT_GEMV_ROWS: usize = 2;
 
-/// `TANDEM_CUDA_BULK_GEMV=1` (Hopper on): one- and two-row products over bf16 weights fill a
-/// shared-memory ring by bulk copies instead of streaming their weights through registers.
-/// Off by default: measured 1.5× slower at one and two rows on an H200 (docs/benchmarks.md).
-pub(crate) fn bulk_gemv() -> bool {
-    std::env::var("TANDEM_CUDA_BULK_GEMV").is_ok_and(|v| v == "1")
-}
-
 /// `TANDEM_CUDA_GEMV_BLOCKS_PER_SM=N` (default 2): GEMV grids of at most N blocks per SM,
 /// each warp taking several features; 0: one warp per feature.
 pub(crate) fn gemv_blocks_per_sm() -> usize {

@@ -71,19 +71,6 @@ impl CudaBackend {
 
     /// The GEMV kernel: f32 activations (up to 8 rows), bf16 weights.
     pub(crate) fn gemv_bf16(&self, p: Product) {
-        if let Some(plan) = self.bulk_plan(p.rows, p.k, 1) {
-            let kn = &self.inner.kernels;
-            let f = if p.rows == 1 {
-                &kn.bulk_gemv_bf16_1
-            } else {
-                &kn.bulk_gemv_bf16_2
-            };
-            let args = plan.args(p.x, 0, 0.0, p.w, p.n, p.out);
-            let mut all = args.to_vec();
-            all.push(A::from(i32::from(p.accumulate)));
-            self.launch(f, self.bulk_cfg(p.n, plan), &all);
-            return;
-        }
         let kn = &self.inner.kernels;
         let f = match p.rows {
             1 => &kn.gemv_bf16_1,
@@ -179,21 +166,6 @@ impl CudaBackend {
             &kn.gemv_norm_silu_bf16_7,
             &kn.gemv_norm_silu_bf16_8,
         ];
-        if let Some(plan) = self.bulk_plan(rows, k, if silu { 2 } else { 1 }) {
-            let f = match (silu, rows) {
-                (false, 1) => &kn.bulk_gemv_bf16_1,
-                (false, _) => &kn.bulk_gemv_bf16_2,
-                (true, 1) => &kn.bulk_gemv_silu_bf16_1,
-                (true, _) => &kn.bulk_gemv_silu_bf16_2,
-            };
-            let args = plan.args(ptr(x), ptr(norm), eps, ptr(&w.weight), items, ptr(out));
-            let mut all = args.to_vec();
-            if !silu {
-                all.push(A::from(0i32));
-            }
-            self.launch(f, self.bulk_cfg(items, plan), &all);
-            return;
-        }
         let f = if silu { gated } else { plain }[rows.clamp(1, 8) - 1];
         let (k32, n32) = (k as i32, items as i32);
         self.launch(
@@ -211,90 +183,6 @@ impl CudaBackend {
         );
     }
 }
-
-/// How a bulk-copy GEMV (kernels.cu) streams a matrix: `per_stage` features (1, 2, 4 or 8) of
-/// `rows_per_item` weight rows a ring stage, `stages` stages (2..=8).
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub(crate) struct BulkPlan {
-    pub(crate) k: usize,
-    pub(crate) per_stage: usize,
-    pub(crate) stages: usize,
-    /// Dynamic shared memory: the ring.
-    pub(crate) smem: usize,
-}
-
-/// Bytes of the bulk GEMVs' ring (what a block has in flight) and the most a stage aims at.
-const BULK_RING: usize = 96 << 10;
-const BULK_STAGE: usize = 16 << 10;
-/// Chunks of 8 columns one thread of a feature's group sums at most (`BULK_CHUNKS`).
-const BULK_CHUNKS: usize = 8;
-
-impl BulkPlan {
-    /// The plan for rows of width `k` and `rows_per_item` (1, or 2 for a gate/up pair) weight
-    /// rows a feature, within `smem_limit` bytes; `None` where a feature does not fit two
-    /// stages of the ring or its threads would sum more than [`BULK_CHUNKS`] chunks each.
-    pub(crate) fn new(k: usize, rows_per_item: usize, smem_limit: usize) -> Option<Self> {
-        let item = rows_per_item * k * 2;
-        if !k.is_multiple_of(8) || item == 0 || 2 * item > BULK_RING {
-            return None;
-        }
-        let mut per_stage = 1;
-        while per_stage < 8 && 2 * per_stage * item <= BULK_STAGE {
-            per_stage *= 2;
-        }
-        let group_threads = BULK_WARPS * 32 / per_stage;
-        if (k / 8).div_ceil(group_threads) > BULK_CHUNKS {
-            return None;
-        }
-        let stage = per_stage * item;
-        let stages = (BULK_RING / stage).min(8);
-        let smem = stages * stage;
-        (smem <= smem_limit).then_some(Self {
-            k,
-            per_stage,
-            stages,
-            smem,
-        })
-    }
-
-    /// The kernels' leading arguments: x, norm (0: none), eps, K, W, N, per_stage, stages, out.
-    fn args(self, x: u64, norm: u64, eps: f32, w: u64, n: usize, out: u64) -> [A; 9] {
-        [
-            A::from(x),
-            A::from(norm),
-            A::from(eps),
-            A::from(self.k as i32),
-            A::from(w),
-            A::from(n as i32),
-            A::from(self.per_stage as i32),
-            A::from(self.stages as i32),
-            A::from(out),
-        ]
-    }
-}
-
-impl CudaBackend {
-    /// The bulk-copy GEMV's plan for this product, where it serves: one or two rows, a device
-    /// that has the kernels (Hopper on, unless `TANDEM_CUDA_BULK_GEMV=0`).
-    fn bulk_plan(&self, rows: usize, k: usize, rows_per_item: usize) -> Option<BulkPlan> {
-        if !(1..=2).contains(&rows) || self.inner.bulk_gemv_smem == 0 {
-            return None;
-        }
-        BulkPlan::new(k, rows_per_item, self.inner.bulk_gemv_smem)
-    }
-
-    /// One block per SM (fewer for fewer features), each streaming a contiguous range.
-    fn bulk_cfg(&self, items: usize, plan: BulkPlan) -> LaunchConfig {
-        LaunchConfig {
-            grid_dim: (items.min(self.inner.sms).max(1) as u32, 1, 1),
-            block_dim: ((BULK_WARPS * 32) as u32, 1, 1),
-            shared_mem_bytes: plan.smem as u32,
-        }
-    }
-}
-
-/// Warps of a bulk-copy GEMV block (`BULK_WARPS` in kernels.cu).
-const BULK_WARPS: usize = 8;
 
 /// Items per warp for a GEMV grid of about `blocks_per_sm` blocks per SM: what the largest such
 /// grid needs (rounded up), unless rounding down (a few more blocks, which SMs that finish
@@ -317,27 +205,6 @@ fn gemv_items_per_warp(items: usize, blocks_per_sm: usize, sms: usize) -> usize 
 #[cfg(test)]
 mod tests {
     use super::gemv_items_per_warp;
-
-    #[test]
-    fn bulk_plans_fill_the_ring_with_whole_features() {
-        use super::BulkPlan;
-        let limit = 160 << 10;
-        let plan = |k, p| BulkPlan::new(k, p, limit).map(|b| (b.per_stage, b.stages, b.smem));
-        // 1B shapes: QKV / o_proj (K 2048), gate/up pairs, down (K 8192, one 16 KiB row).
-        assert_eq!(plan(2048, 1), Some((4, 6, 96 << 10)));
-        assert_eq!(plan(2048, 2), Some((2, 6, 96 << 10)));
-        assert_eq!(plan(8192, 1), Some((1, 6, 96 << 10)));
-        // 8B's down_proj (K 14336): one 28 KiB row a stage, three stages, 7 chunks a thread.
-        assert_eq!(plan(14_336, 1), Some((1, 3, 3 * 28_672)));
-        // SmolLM2's 576-wide rows: 8 features a stage, 8 stages.
-        assert_eq!(plan(576, 1), Some((8, 8, 8 * 8 * 1152)));
-        // Past 8 chunks a thread, past half the ring, a width not of 16-byte chunks, or past
-        // the limit: none.
-        assert_eq!(plan(16_392, 1), None);
-        assert_eq!(plan(32_768, 1), None);
-        assert_eq!(plan(2044, 1), None);
-        assert_eq!(BulkPlan::new(2048, 1, 64 << 10), None);
-    }
 
     #[test]
     fn gemv_grid_balances_the_busiest_sm() {
