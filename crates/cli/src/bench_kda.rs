@@ -317,6 +317,39 @@ fn device_time<B: HybridOps>(b: &B, reps: usize, mut f: impl FnMut()) -> f64 {
     })
 }
 
+/// Median seconds of the delta rule over the rows `seqs` (each its own sequence and state) in
+/// `form`, `reps` timed calls; `heads` × `d` per token.
+fn delta_time<B: HybridOps>(
+    b: &B,
+    seqs: &[std::ops::Range<usize>],
+    form: DeltaForm,
+    reps: usize,
+    heads: usize,
+    d: usize,
+) -> Result<f64> {
+    let tokens = seqs.last().map_or(0, |r| r.end);
+    let [q, k, v, g, beta] = device_inputs(b, tokens, heads, d)?;
+    let inputs = DeltaInputs {
+        q: &q,
+        k: &k,
+        v: &v,
+        g: &g,
+        beta: &beta,
+        heads,
+        head_dim: d,
+    };
+    let forms = vec![form; seqs.len()];
+    let mut states: Vec<_> = seqs
+        .iter()
+        .map(|_| b.zeros(DType::F32, &[heads, d, d]))
+        .collect();
+    let mut out = b.zeros(DType::F32, &[tokens, heads, d]);
+    Ok(device_time(b, reps, || {
+        let mut refs: Vec<_> = states.iter_mut().collect();
+        b.delta_rule(DeltaInputs { ..inputs }, seqs, &forms, &mut refs, &mut out);
+    }))
+}
+
 impl WithBackend for DeviceDeltaRule {
     type Out = serde_json::Value;
 
@@ -328,30 +361,15 @@ impl WithBackend for DeviceDeltaRule {
         );
         let mut prefill = Vec::new();
         for &t in &self.prefill {
-            let [q, k, v, g, beta] = device_inputs(&b, t, h, d)?;
-            let inputs = || DeltaInputs {
-                q: &q,
-                k: &k,
-                v: &v,
-                g: &g,
-                beta: &beta,
-                heads: h,
-                head_dim: d,
-            };
-            let mut state = b.zeros(DType::F32, &[h, d, d]);
-            let mut out = b.zeros(DType::F32, &[t, h, d]);
             // One sequence of all `t` rows.
-            let whole = 0..t;
-            let whole = std::slice::from_ref(&whole);
-            let secs = device_time(&b, 5, || {
-                b.delta_rule(
-                    inputs(),
-                    whole,
-                    &[DeltaForm::Chunked],
-                    &mut [&mut state],
-                    &mut out,
-                );
-            });
+            let secs = delta_time(
+                &b,
+                std::slice::from_ref(&(0..t)),
+                DeltaForm::Chunked,
+                5,
+                h,
+                d,
+            )?;
             println!(
                 "  chunked prefill {t:>6} tokens {:>9.3} ms ({:>10.0} tok/s)",
                 secs * 1e3,
@@ -361,24 +379,9 @@ impl WithBackend for DeviceDeltaRule {
         }
         let mut decode = Vec::new();
         for &n in &self.decode {
-            let [q, k, v, g, beta] = device_inputs(&b, n, h, d)?;
-            let inputs = || DeltaInputs {
-                q: &q,
-                k: &k,
-                v: &v,
-                g: &g,
-                beta: &beta,
-                heads: h,
-                head_dim: d,
-            };
+            // `n` sequences of one token each.
             let seqs: Vec<_> = (0..n).map(|i| i..i + 1).collect();
-            let forms = vec![DeltaForm::Recurrent; n];
-            let mut states: Vec<_> = (0..n).map(|_| b.zeros(DType::F32, &[h, d, d])).collect();
-            let mut out = b.zeros(DType::F32, &[n, h, d]);
-            let secs = device_time(&b, 50, || {
-                let mut refs: Vec<_> = states.iter_mut().collect();
-                b.delta_rule(inputs(), &seqs, &forms, &mut refs, &mut out);
-            });
+            let secs = delta_time(&b, &seqs, DeltaForm::Recurrent, 50, h, d)?;
             // Each step reads and writes every sequence's whole state once.
             let bytes = (2 * n * h * d * d * 4) as f64;
             println!(
@@ -500,5 +503,48 @@ impl WithBackend for KdaSteps<'_> {
         Ok(
             serde_json::json!({"device": name, "family": "kda_hybrid", "decode": decode, "prefill": prefill}),
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The device benchmarks' bodies are written once for every backend: on the CPU, at toy
+    /// sizes, they time what they say (one prefill sequence, several decode sequences, whole
+    /// decode steps of a tiny checkpoint) and report every figure.
+    #[test]
+    fn device_benchmarks_run_on_any_backend() {
+        let cpu = tandem_engine::CpuBackend::new();
+        let report = DeviceDeltaRule {
+            heads: 2,
+            head_dim: 16,
+            prefill: vec![70],
+            decode: vec![3],
+            step_presets: vec!["tiny"],
+            step_batches: vec![2],
+        }
+        .run(cpu.clone())
+        .expect("delta rule figures");
+        assert_eq!(report["chunked_prefill"][0]["tokens"], 70);
+        assert_eq!(report["recurrent_decode"][0]["sequences"], 3);
+        assert!(report["recurrent_decode"][0]["us"]
+            .as_f64()
+            .is_some_and(|us| us > 0.0));
+        assert_eq!(report["decode_steps"][0]["batch"], 2);
+        let dir = tempfile::tempdir().expect("temp dir");
+        tandem_model::synth::synth_kda_hybrid("tiny", dir.path(), false, 3).expect("synth");
+        let steps = KdaSteps {
+            dir: dir.path(),
+            dtype: DType::F32,
+            batches: vec![1, 2],
+            context: 4,
+            prefill: 9,
+            steps: 2,
+        }
+        .run(cpu)
+        .expect("step figures");
+        assert_eq!(steps["decode"].as_array().map(Vec::len), Some(2));
+        assert_eq!(steps["prefill"]["tokens"], 9);
     }
 }
