@@ -475,22 +475,18 @@ fn requests_sent_while_the_only_decode_worker_is_down_are_served_when_one_is_bac
             })
         })
         .collect();
-    // Both requests are waiting before the replacement starts (the router says so once per
-    // request), so they cannot have been served by it without waiting.
+    // Both requests are in flight (waiting: nothing can serve them) before the replacement
+    // starts, so they cannot have been served by it without waiting.
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while cluster
-        .log("router")
-        .matches("waiting for one to come back")
-        .count()
-        < 2
-    {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the requests did not wait for a worker:\n{}",
-            cluster.log("router")
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    runtime.block_on(async {
+        while in_flight(&c, &url).await["count"] != 2 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the requests did not wait for a worker:\n{}",
+                cluster.log("router")
+            );
+        }
+    });
     cluster.add_worker("decode-back", "decode");
     for (i, w) in waiting.into_iter().enumerate() {
         let (status, text) = runtime.block_on(w).unwrap();

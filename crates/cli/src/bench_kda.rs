@@ -137,28 +137,38 @@ fn prefill_times(preset: &str, tokens: usize) -> Result<(f64, f64)> {
     ))
 }
 
-fn delta_rule(tokens: usize, heads: usize, d: usize) -> (f64, f64) {
+/// The delta rule's inputs for `tokens` tokens of `heads` × `d`, shaped as the model feeds
+/// them: l2-normalised q (scaled by `D^-1/2`) and k, log-decays in `(-0.1, 0)`, β in
+/// `(0, 0.5)`; `[q, k, v, g, beta]`.
+fn delta_inputs(tokens: usize, heads: usize, d: usize) -> [Vec<f32>; 5] {
     let n = tokens * heads * d;
-    let unit = |v: Vec<f32>| -> Vec<f32> {
+    let unit = |v: Vec<f32>, scale: f32| -> Vec<f32> {
         v.chunks_exact(d)
             .flat_map(|c| {
                 let s = c.iter().map(|x| x * x).sum::<f32>().sqrt().max(1e-6);
-                c.iter().map(move |x| x / s).collect::<Vec<_>>()
+                c.iter().map(move |x| x / s * scale).collect::<Vec<_>>()
             })
             .collect()
     };
-    let scale = 1.0 / (d as f32).sqrt();
-    let q: Vec<f32> = unit(pseudo(n, 1)).iter().map(|x| x * scale).collect();
-    let k = unit(pseudo(n, 2));
-    let v = pseudo(n, 3);
-    let g: Vec<f32> = pseudo(n, 4)
+    let g = pseudo(n, 4)
         .iter()
-        .map(|x| -0.05 * (x + 1.0) - 0.001)
+        .map(|x| -0.05 * (x + 1.0) - 1e-3)
         .collect();
-    let beta: Vec<f32> = pseudo(tokens * heads, 5)
+    let beta = pseudo(tokens * heads, 5)
         .iter()
         .map(|x| 0.25 + 0.25 * x)
         .collect();
+    [
+        unit(pseudo(n, 1), 1.0 / (d as f32).sqrt()),
+        unit(pseudo(n, 2), 1.0),
+        pseudo(n, 3),
+        g,
+        beta,
+    ]
+}
+
+fn delta_rule(tokens: usize, heads: usize, d: usize) -> (f64, f64) {
+    let [q, k, v, g, beta] = delta_inputs(tokens, heads, d);
     let inp = DeltaRuleInputs {
         q: &q,
         k: &k,
@@ -269,34 +279,14 @@ fn batch_step_time<B: HybridOps>(
     })
 }
 
-/// Device inputs of the delta rule for `tokens` tokens, shaped as the model feeds them:
-/// l2-normalised q (scaled by `D^-1/2`) and k, log-decays in `(-0.1, 0)`, β in `(0, 0.5)`.
+/// [`delta_inputs`] on the device.
 fn device_inputs<B: HybridOps>(
     b: &B,
     tokens: usize,
     heads: usize,
     d: usize,
 ) -> Result<[Tensor<B>; 5]> {
-    let n = tokens * heads * d;
-    let unit = |v: Vec<f32>, scale: f32| -> Vec<f32> {
-        v.chunks_exact(d)
-            .flat_map(|c| {
-                let s = c.iter().map(|x| x * x).sum::<f32>().sqrt().max(1e-6);
-                c.iter().map(move |x| x / s * scale).collect::<Vec<_>>()
-            })
-            .collect()
-    };
-    let q = unit(pseudo(n, 1), 1.0 / (d as f32).sqrt());
-    let k = unit(pseudo(n, 2), 1.0);
-    let v = pseudo(n, 3);
-    let g: Vec<f32> = pseudo(n, 4)
-        .iter()
-        .map(|x| -0.05 * (x + 1.0) - 1e-3)
-        .collect();
-    let beta: Vec<f32> = pseudo(tokens * heads, 5)
-        .iter()
-        .map(|x| 0.25 + 0.25 * x)
-        .collect();
+    let [q, k, v, g, beta] = delta_inputs(tokens, heads, d);
     let up = |shape: &[usize], v: Vec<f32>| -> Result<Tensor<B>> {
         Ok(b.upload(&HostTensor::from_f32(shape, v)?))
     };

@@ -136,6 +136,17 @@ fn bf16_weights_pick_the_f32_models_tokens() {
     }
 }
 
+/// Checkpoint `name` in f32 over `layout`, every rank on the one GPU (rank 0 on `g`, the
+/// others each on a stream of its own).
+fn on_one_gpu(g: &CudaBackend, name: &str, layout: Layout) -> KdaModel<CudaBackend> {
+    let ranks = |r: Rank| match r.0 {
+        0 => Ok(g.clone()),
+        _ => g.new_stream(),
+    };
+    KdaModel::load_on(ranks, &reference_dir(name), layout, &LoadOptions::default())
+        .expect("load the layout")
+}
+
 /// Greedy tokens of one process: prefill, then `n - 1` recurrent steps.
 fn steps<B: HybridOps>(model: &KdaHybridModel<B>, prompt: &[u32], n: usize) -> Vec<u32> {
     let mut st = model.new_state();
@@ -256,13 +267,7 @@ fn layouts_sharing_one_gpu_equal_one_rank() {
         let want_greedy = steps(&one, &ids, 8);
         for (tp, dp, ep) in [(2, 1, 1), (2, 2, 1), (4, 2, 2), (4, 4, 2)] {
             let layout = Layout::new(tp, dp, ep).expect("layout");
-            let ranks = |r: Rank| match r.0 {
-                0 => Ok(g.clone()),
-                _ => g.new_stream(),
-            };
-            let model =
-                KdaModel::load_on(ranks, &reference_dir(name), layout, &LoadOptions::default())
-                    .expect("load the layout");
+            let model = on_one_gpu(&g, name, layout);
             let got = model.forward_full(&ids).expect("forward");
             let diff = max_abs_diff(&got, &want);
             eprintln!("{name} {layout} on one GPU: max |logit - tp1| = {diff}");
@@ -291,13 +296,7 @@ fn pd_between_layouts_on_one_gpu_equals_one_process() {
         n as usize,
     );
     let start = |tp, dp| {
-        let ranks = |r: Rank| match r.0 {
-            0 => Ok(g.clone()),
-            _ => g.new_stream(),
-        };
-        let layout = Layout::new(tp, dp, 1).expect("layout");
-        let model = KdaModel::load_on(ranks, &reference_dir(name), layout, &LoadOptions::default())
-            .expect("load");
+        let model = on_one_gpu(&g, name, Layout::new(tp, dp, 1).expect("layout"));
         let config = EngineConfig {
             num_blocks: 128,
             state_slots: 2,

@@ -1,0 +1,240 @@
+//! Tests of the P/D generator: routing, retries, outage rounds, migration.
+
+use super::*;
+use crate::workers::{LoadClaim, ERROR_CLASS_HEADER};
+
+fn handles(prefix: &str, n: usize) -> Vec<WorkerHandle> {
+    (0..n)
+        .map(|i| {
+            // Lazily connected: nothing listens, nothing is dialled by these tests.
+            WorkerHandle::new(WorkerId(format!("{prefix}-{i}")), "http://127.0.0.1:9")
+                .expect("address")
+        })
+        .collect()
+}
+
+#[test]
+fn statuses_no_worker_classified_are_transport_failures_and_retried() {
+    // What tonic makes of a sidecar's HTTP 502 with a text body.
+    let e = classify_status(tonic::Status::internal(
+        "protocol error: received message with invalid compression flag: 99",
+    ));
+    assert_eq!(e.class, ErrorClass::Unavailable);
+    assert!(e.class.is_retryable());
+    assert!(
+        !e.message.contains("compression"),
+        "transport details leak: {}",
+        e.message
+    );
+    // A worker's own classification wins.
+    let mut s = tonic::Status::internal("engine failed");
+    s.metadata_mut()
+        .insert(ERROR_CLASS_HEADER, "internal".parse().expect("ascii"));
+    assert_eq!(classify_status(s).class, ErrorClass::Internal);
+    assert_eq!(
+        classify_status(tonic::Status::invalid_argument("bad")).class,
+        ErrorClass::InvalidRequest
+    );
+    // A stream cancelled by a reset connection, not by the worker.
+    assert_eq!(
+        classify_status(tonic::Status::cancelled("h2 protocol error")).class,
+        ErrorClass::Unavailable
+    );
+    let mut s = tonic::Status::cancelled("client went away");
+    s.metadata_mut()
+        .insert(ERROR_CLASS_HEADER, "cancelled".parse().expect("ascii"));
+    assert_eq!(classify_status(s).class, ErrorClass::Cancelled);
+}
+
+#[tokio::test]
+async fn an_ejected_worker_is_skipped_until_its_cooldown_ends() {
+    let policy = crate::breaker::BreakerPolicy {
+        threshold: 2,
+        cooldown: Duration::from_secs(3600),
+    };
+    let pd = PdGenerator::new(handles("p", 1), handles("d", 2), RetryPolicy::default())
+        .with_breaker(policy);
+    let pools = pd.pools();
+    let (_, d) = pd.pick(&pools, 0, 0, &[]).expect("pair");
+    assert_eq!(d.id.0, "d-0");
+    for _ in 0..2 {
+        pools.decode[0].report(Outcome::Failed(ErrorClass::Unavailable), policy);
+    }
+    assert!(pools.decode[0].is_ejected());
+    for start in 0..4 {
+        let (_, d) = pd.pick(&pools, 0, start, &[]).expect("pair");
+        assert_eq!(
+            d.id.0, "d-1",
+            "start {start}: the ejected worker was chosen"
+        );
+    }
+    // A bad request is the client's fault: it never ejects a worker.
+    for _ in 0..5 {
+        pools.decode[1].report(Outcome::Failed(ErrorClass::InvalidRequest), policy);
+    }
+    assert!(!pools.decode[1].is_ejected());
+    // With every worker ejected, requests still go somewhere (and fail or probe there).
+    for _ in 0..2 {
+        pools.decode[1].report(Outcome::Failed(ErrorClass::Unavailable), policy);
+    }
+    assert!(pd.pick(&pools, 0, 1, &[]).is_some());
+}
+
+#[tokio::test]
+async fn a_full_pool_holds_requests_until_a_claim_ends_or_the_queue_timeout() {
+    let admission = |queue_ms| crate::config::AdmissionConfig {
+        max_in_flight_per_worker: 1,
+        queue_timeout: Duration::from_millis(queue_ms),
+    };
+    let pd = Arc::new(
+        PdGenerator::new(handles("p", 1), handles("d", 2), RetryPolicy::default())
+            .with_admission(admission(0)),
+    );
+    let pools = pd.pools();
+    assert!(pd.admit().await.is_ok(), "empty pools have room");
+    let a = pools.decode[0].claim();
+    assert!(pd.admit().await.is_ok(), "d-1 still has room");
+    let (_, d) = pd.pick(&pools, 0, 0, &[]).expect("pair");
+    assert_eq!(d.id.0, "d-1", "a worker at its limit is not picked");
+    let b = pools.decode[1].claim();
+    let e = pd.admit().await.expect_err("both decode workers are full");
+    assert_eq!(e.class, ErrorClass::Unavailable);
+    assert!(
+        e.message.contains("max_in_flight_per_worker"),
+        "{}",
+        e.message
+    );
+    drop((a, b));
+    // With a queue, the request waits for the next release.
+    let pd = Arc::new(
+        PdGenerator::new(handles("p", 1), handles("d", 1), RetryPolicy::default())
+            .with_admission(admission(60_000)),
+    );
+    let full = pd.pools().decode[0].claim();
+    let queued = {
+        let pd = pd.clone();
+        tokio::spawn(async move { pd.admit().await })
+    };
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+    assert!(!queued.is_finished(), "admitted although the pool is full");
+    drop(full);
+    assert!(queued.await.expect("task").is_ok());
+}
+
+#[tokio::test]
+async fn power_of_two_and_cache_aware_route_by_load_and_prefix() {
+    let pd = PdGenerator::new(handles("p", 2), handles("d", 2), RetryPolicy::default())
+        .with_policy(crate::policy::Policy::PowerOfTwo);
+    let pools = pd.pools();
+    // d-0 carries three streams of this router's: with two workers both are always
+    // drawn, and the idle one wins every time.
+    let busy: Vec<LoadClaim> = (0..3).map(|_| pools.decode[0].claim()).collect();
+    for start in 0..8 {
+        let (_, d) = pd.pick(&pools, start, start, &[]).expect("pair");
+        assert_eq!(d.id.0, "d-1", "start {start}");
+    }
+    drop(busy);
+    assert_eq!(pools.decode[0].load(), 0, "claims are released");
+
+    let pd = PdGenerator::new(handles("p", 3), handles("d", 1), RetryPolicy::default())
+        .with_policy(crate::policy::Policy::CacheAware { balance: 2 });
+    let pools = pd.pools();
+    let prompt: Vec<u32> = (0..80).collect();
+    let (first, _) = pd.pick(&pools, 0, 0, &prompt).expect("pair");
+    // The same prompt (or one sharing its prefix) goes back to the same worker from
+    // any round-robin position...
+    let mut longer = prompt.clone();
+    longer.extend(500..540);
+    for start in 0..6 {
+        let (p, _) = pd.pick(&pools, start, 0, &longer).expect("pair");
+        assert_eq!(p.id, first.id, "start {start}");
+    }
+    // ...until that worker is too much busier than the others.
+    let owner = pools
+        .prefill
+        .iter()
+        .find(|w| w.id == first.id)
+        .expect("known");
+    let busy: Vec<LoadClaim> = (0..3).map(|_| owner.claim()).collect();
+    let (p, _) = pd.pick(&pools, 0, 0, &prompt).expect("pair");
+    assert_ne!(p.id, first.id, "balance wins over the cache hit");
+    drop(busy);
+}
+
+fn record(
+    id: &str,
+    role: tandem_discovery::WorkerRole,
+    draining: bool,
+) -> tandem_discovery::WorkerRecord {
+    tandem_discovery::WorkerRecord {
+        id: id.into(),
+        role,
+        address: format!("http://127.0.0.{}:9", id.len()),
+        layout: String::new(),
+        model_id: String::new(),
+        capacity: 0,
+        state: if draining {
+            tandem_discovery::WorkerState::Draining
+        } else {
+            tandem_discovery::WorkerState::Active
+        },
+    }
+}
+
+#[tokio::test]
+async fn discovered_workers_join_leave_and_drain_keeping_the_handles_of_known_ones() {
+    use tandem_discovery::{WorkerRole, WorkerSet};
+    let pd = PdGenerator::new(Vec::new(), Vec::new(), RetryPolicy::default());
+    assert_eq!(pd.pools().routes(), 0, "nothing to route to yet");
+    let set = |records: Vec<tandem_discovery::WorkerRecord>| WorkerSet {
+        workers: records.into_iter().map(|r| (r.id.clone(), r)).collect(),
+        revision: 1,
+    };
+    pd.set_workers(&set(vec![
+        record("p", WorkerRole::Prefill, false),
+        record("d0", WorkerRole::Decode, false),
+    ]));
+    let first = pd.pools();
+    assert_eq!(first.routes(), 1);
+    first.decode[0].report(
+        Outcome::Failed(ErrorClass::Unavailable),
+        crate::breaker::BreakerPolicy::default(),
+    );
+    // A scale-up: d1 joins; d0 keeps its handle (the failure it had is still counted).
+    pd.set_workers(&set(vec![
+        record("p", WorkerRole::Prefill, false),
+        record("d0", WorkerRole::Decode, false),
+        record("d1", WorkerRole::Decode, false),
+        record("both", WorkerRole::Both, false),
+    ]));
+    let second = pd.pools();
+    assert_eq!(second.decode.len(), 2);
+    assert_eq!(second.routes(), 2, "the pairs and one aggregated worker");
+    assert!(Arc::ptr_eq(
+        &second.decode[0].breaker,
+        &first.decode[0].breaker
+    ));
+    // d0 drains: it stays listed but is never picked.
+    pd.set_workers(&set(vec![
+        record("p", WorkerRole::Prefill, false),
+        record("d0", WorkerRole::Decode, true),
+        record("d1", WorkerRole::Decode, false),
+    ]));
+    let third = pd.pools();
+    assert_eq!(third.decode[0].state(), "draining");
+    for start in 0..4 {
+        let (_, d) = pd.pick(&third, 0, start, &[]).expect("pair");
+        assert_eq!(d.id.0, "d1", "start {start}: a draining worker was chosen");
+    }
+    // d0 leaves.
+    pd.set_workers(&set(vec![
+        record("p", WorkerRole::Prefill, false),
+        record("d1", WorkerRole::Decode, false),
+    ]));
+    let ids: Vec<String> = pd.workers().into_iter().map(|w| w.id.0).collect();
+    assert_eq!(ids, ["p", "d1"]);
+    // Running requests keep the pools they started with.
+    assert_eq!(third.decode.len(), 2);
+}
