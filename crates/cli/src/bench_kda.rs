@@ -455,7 +455,7 @@ impl WithBackend for KdaSteps<'_> {
         };
         let model = KdaHybridModel::load_on(b, self.dir, &options)?;
         println!(
-            "step benchmark: {} {} on {name} (KDA hybrid; MLA and MoE routing on the host)",
+            "step benchmark: {} {} on {name} (KDA hybrid; MLA and the mHC collapse on the host)",
             self.dir.display(),
             self.dtype
         );

@@ -102,7 +102,13 @@ kernels!(
     gated_rms_norm_bf16,
     swiglu,
     scatter_add_rows,
+    moe_route,
+    moe_sort,
+    moe_gate_up,
+    moe_down,
+    moe_combine,
     hc_expand,
+    hc_collapse,
     hc_merge,
     hc_mean,
     short_conv_f32,
@@ -211,6 +217,8 @@ pub(crate) struct Inner {
     pdl: bool,
     /// Whether decode attention does the step's RoPE and K/V write itself.
     pub(crate) decode_rope: bool,
+    /// MoE steps of up to this many tokens run their experts as one grouped product.
+    pub(crate) moe_grouped_rows: usize,
 }
 
 /// A CUDA device running tandem's kernels. Cheap to clone (clones share the device).
@@ -351,6 +359,7 @@ impl CudaBackend {
                 gemv_blocks_per_sm: crate::env::gemv_blocks_per_sm(),
                 attention_blocks_per_sm: crate::env::attention_blocks_per_sm(),
                 decode_rope: crate::env::decode_rope(),
+                moe_grouped_rows: crate::env::moe_grouped_rows(),
                 pdl,
             }),
         })

@@ -35,6 +35,13 @@ pub(crate) fn attention_blocks_per_sm() -> usize {
         .max(1)
 }
 
+/// `TANDEM_CUDA_MOE_GROUPED_ROWS=N` (default 128): MoE steps of up to N tokens run their
+/// experts as one grouped product on the device; larger ones (and all, with 0) gather, multiply
+/// and scatter expert by expert, which reads the routing back to the host.
+pub(crate) fn moe_grouped_rows() -> usize {
+    number("TANDEM_CUDA_MOE_GROUPED_ROWS").unwrap_or(128)
+}
+
 fn number(name: &str) -> Option<usize> {
     std::env::var(name).ok().and_then(|v| v.parse().ok())
 }

@@ -11,9 +11,13 @@
 //! stream-ordered, so a later call reusing the buffer cannot change what an earlier launch
 //! reads.
 //!
-//! Four operations run on the host for now: MoE routing (its result, [`ExpertRows`], is a host
-//! structure), the mHC collapse, and MLA's append and attention (their caches, [`MlaState`],
-//! are host rows). Each downloads its inputs, runs the CPU backend's body and writes its
+//! MoE runs on the device: routing (`moe_route`) and, for steps of up to
+//! `TANDEM_CUDA_MOE_GROUPED_ROWS` tokens, the experts as one grouped product (sort, gate/up,
+//! down, combine: four launches whatever the number of experts); larger steps read the routing
+//! back and run expert by expert through cuBLAS.
+//!
+//! Two operations run on the host for now: MLA's append and attention (their caches,
+//! [`MlaState`], are host rows). Each downloads its inputs, runs the CPU backend's body and writes its
 //! outputs back ([`CudaBackend::on_host`], [`CudaBackend::write_back`]), so each one
 //! synchronises the stream: they are the next kernels to write, MLA first (after its cache
 //! moves into device blocks).
@@ -23,10 +27,11 @@ use crate::ops::{flat_cfg, need, ptr, rows_cfg, threads_for, T};
 use cudarc::driver::LaunchConfig;
 use std::sync::Once;
 use tandem_engine::backend::hybrid::{
-    At, DeltaForm, DeltaInputs, ExpertRows, HcParams, HybridOps, MlaDims, Seqs,
+    At, DeltaForm, DeltaInputs, ExpertBank, ExpertRows, HcParams, HybridOps, MlaDims, Routed, Seqs,
 };
+use tandem_engine::backend::Linear;
 use tandem_engine::kda_hybrid::{KdaGate, MlaState, MoeConfig};
-use tandem_engine::{Backend, CpuBackend, DType, Tensor};
+use tandem_engine::{Backend, CpuBackend, DType, HostTensor, Tensor};
 
 /// Head widths the delta-rule kernel is built for (`delta_rule_d*` in kernels.cu).
 pub(crate) const DELTA_HEAD_DIMS: [usize; 4] = [16, 32, 64, 128];
@@ -39,6 +44,14 @@ const CONV_MAX_W: usize = 8;
 const CONV_CHUNK: usize = 16;
 /// Streams the mHC merge keeps in registers (`HC_MAX_STREAMS` in kernels.cu).
 const HC_MAX_STREAMS: usize = 8;
+/// Experts per token the MoE router takes (`MOE_MAX_K` in kernels.cu).
+const MOE_MAX_K: usize = 32;
+/// Expert groups the MoE router takes (`MOE_MAX_GROUPS` in kernels.cu).
+const MOE_MAX_GROUPS: usize = 64;
+/// Experts one rank's grouped product takes (a thread each in `moe_sort`).
+const MOE_MAX_EXPERTS: usize = 1024;
+/// Warps per block of the grouped expert kernels (their `__launch_bounds__`).
+const MOE_WARPS: usize = 4;
 
 /// Logs, once per process, that some of the family's operations run on the host.
 static HOST_FALLBACK_NOTICE: Once = Once::new();
@@ -418,11 +431,163 @@ impl HybridOps for CudaBackend {
         );
     }
 
-    /// Host fallback: the routing decisions are a host structure the model iterates over.
-    fn route_experts(&self, logits: &T, rows: usize, bias: &T, cfg: &MoeConfig) -> Vec<ExpertRows> {
-        self.note_host_fallback();
-        let cpu = CpuBackend::new();
-        cpu.route_experts(&self.on_host(logits), rows, &self.on_host(bias), cfg)
+    fn route_topk(
+        &self,
+        logits: &T,
+        rows: usize,
+        bias: &T,
+        cfg: &MoeConfig,
+        ids: &mut T,
+        weights: &mut T,
+    ) {
+        if rows == 0 {
+            return;
+        }
+        let (e, k) = (cfg.num_experts, cfg.experts_per_token);
+        assert!(
+            k <= MOE_MAX_K && cfg.num_groups <= MOE_MAX_GROUPS && cfg.num_groups > 0,
+            "the CUDA MoE router takes at most {MOE_MAX_K} experts per token and \
+             {MOE_MAX_GROUPS} groups, not {k} and {}",
+            cfg.num_groups
+        );
+        need(logits, DType::F32, rows * e, "route_topk logits");
+        need(bias, DType::F32, e, "route_topk bias");
+        need(ids, DType::U32, rows * k, "route_topk ids");
+        need(weights, DType::F32, rows * k, "route_topk weights");
+        self.launch(
+            &self.inner.kernels.moe_route,
+            LaunchConfig {
+                grid_dim: (rows.div_ceil(128) as u32, 1, 1),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: 0,
+            },
+            &[
+                A::from(ptr(logits)),
+                A::from(rows as i32),
+                A::from(e as i32),
+                A::from(ptr(bias)),
+                A::from(k as i32),
+                A::from(cfg.num_groups as i32),
+                A::from(cfg.topk_groups as i32),
+                A::from(i32::from(cfg.renormalize)),
+                A::from(cfg.routed_scaling_factor),
+                A::from(ptr(ids)),
+                A::from(ptr(weights)),
+            ],
+        );
+    }
+
+    /// The weights' device addresses, when all are bf16 with rows of whole 16-byte chunks
+    /// (what the grouped kernels load) and there are at most [`MOE_MAX_EXPERTS`].
+    fn expert_table(&self, weights: &[&Linear<Self>]) -> Option<T> {
+        let fits =
+            |w: &&Linear<Self>| w.weight.dtype() == DType::BF16 && w.in_features.is_multiple_of(8);
+        if weights.is_empty() || weights.len() > MOE_MAX_EXPERTS || !weights.iter().all(fits) {
+            return None;
+        }
+        let words = weights
+            .iter()
+            .flat_map(|w| {
+                let at = ptr(&w.weight);
+                [at as u32, (at >> 32) as u32]
+            })
+            .collect();
+        Some(self.upload(&HostTensor::from_u32(words)))
+    }
+
+    fn groups_experts(&self, rows: usize) -> bool {
+        rows <= self.inner.moe_grouped_rows
+    }
+
+    fn moe_grouped(&self, x: &T, routed: Routed<'_, Self>, bank: ExpertBank<'_, Self>, y: &mut T) {
+        let Routed { rows, k, .. } = routed;
+        if rows == 0 {
+            return;
+        }
+        let (hidden, inter, experts) = (bank.hidden, bank.inter, bank.count);
+        let pairs = rows * k;
+        need(x, DType::F32, rows * hidden, "moe_grouped input");
+        need(y, DType::F32, rows * hidden, "moe_grouped output");
+        need(routed.ids, DType::U32, pairs, "moe_grouped ids");
+        need(routed.weights, DType::F32, pairs, "moe_grouped weights");
+        need(
+            bank.gate_up,
+            DType::U32,
+            2 * experts,
+            "moe_grouped gate/up table",
+        );
+        need(bank.down, DType::U32, 2 * experts, "moe_grouped down table");
+        let offsets = self.zeros(DType::U32, &[experts + 1]);
+        let order = self.zeros(DType::U32, &[pairs]);
+        let act = self.zeros(DType::F32, &[pairs, inter]);
+        let out = self.zeros(DType::F32, &[pairs, hidden]);
+        let (first, count) = (bank.first as i32, experts as i32);
+        self.launch(
+            &self.inner.kernels.moe_sort,
+            LaunchConfig {
+                grid_dim: (1, 1, 1),
+                block_dim: (experts.next_multiple_of(32) as u32, 1, 1),
+                shared_mem_bytes: 0,
+            },
+            &[
+                A::from(ptr(routed.ids)),
+                A::from(pairs as i32),
+                A::from(first),
+                A::from(count),
+                A::from(ptr(&offsets)),
+                A::from(ptr(&order)),
+            ],
+        );
+        let (clamp, limit) = bank.limit.map_or((0i32, 0.0f32), |l| (1, l));
+        let per_expert = |features: usize| LaunchConfig {
+            grid_dim: (features.div_ceil(MOE_WARPS) as u32, experts as u32, 1),
+            block_dim: ((MOE_WARPS * 32) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        self.launch(
+            &self.inner.kernels.moe_gate_up,
+            per_expert(inter),
+            &[
+                A::from(ptr(x)),
+                A::from(hidden as i32),
+                A::from(ptr(bank.gate_up)),
+                A::from(ptr(&offsets)),
+                A::from(ptr(&order)),
+                A::from(k as i32),
+                A::from(inter as i32),
+                A::from(clamp),
+                A::from(limit),
+                A::from(ptr(&act)),
+            ],
+        );
+        self.launch(
+            &self.inner.kernels.moe_down,
+            per_expert(hidden),
+            &[
+                A::from(ptr(&act)),
+                A::from(inter as i32),
+                A::from(ptr(bank.down)),
+                A::from(ptr(&offsets)),
+                A::from(ptr(&order)),
+                A::from(ptr(routed.weights)),
+                A::from(hidden as i32),
+                A::from(ptr(&out)),
+            ],
+        );
+        self.launch(
+            &self.inner.kernels.moe_combine,
+            flat_cfg(rows * hidden),
+            &[
+                A::from(ptr(y)),
+                A::from(ptr(&out)),
+                A::from(ptr(routed.ids)),
+                A::from(rows as i64),
+                A::from(k as i32),
+                A::from(first),
+                A::from(count),
+                A::from(hidden as i32),
+            ],
+        );
     }
 
     /// The expert's rows and weights travel in the scratch table; a block per row (the rows
@@ -492,31 +657,49 @@ impl HybridOps for CudaBackend {
         post: &mut T,
         comb: &mut T,
     ) {
-        self.note_host_fallback();
-        let cpu = CpuBackend::new();
-        let (base, scale) = (self.on_host(hc.base), self.on_host(hc.scale));
-        let params = HcParams {
-            base: &base,
-            scale: &scale,
-            streams: hc.streams,
-            sinkhorn_iters: hc.sinkhorn_iters,
-            eps: hc.eps,
-        };
-        let (mut hx, mut hpost, mut hcomb) =
-            (self.on_host(x), self.on_host(post), self.on_host(comb));
-        cpu.hc_collapse(
-            &self.on_host(streams),
-            &self.on_host(logits),
-            params,
-            rows,
-            hidden,
-            &mut hx,
-            &mut hpost,
-            &mut hcomb,
+        if rows == 0 {
+            return;
+        }
+        let n = hc.streams;
+        assert!(
+            n <= HC_MAX_STREAMS,
+            "the CUDA mHC collapse takes up to {HC_MAX_STREAMS} streams, not {n}"
         );
-        self.write_back(x, &hx);
-        self.write_back(post, &hpost);
-        self.write_back(comb, &hcomb);
+        let width = (2 + n) * n;
+        need(
+            streams,
+            DType::F32,
+            rows * n * hidden,
+            "hc_collapse streams",
+        );
+        need(logits, DType::F32, rows * width, "hc_collapse logits");
+        need(hc.base, DType::F32, width, "hc_collapse base");
+        need(hc.scale, DType::F32, 3, "hc_collapse scale");
+        need(x, DType::F32, rows * hidden, "hc_collapse input");
+        need(post, DType::F32, rows * n, "hc_collapse post weights");
+        need(
+            comb,
+            DType::F32,
+            rows * n * n,
+            "hc_collapse combine matrices",
+        );
+        self.launch(
+            &self.inner.kernels.hc_collapse,
+            rows_cfg(rows, threads_for(hidden).min(256)),
+            &[
+                A::from(ptr(streams)),
+                A::from(ptr(logits)),
+                A::from(ptr(hc.base)),
+                A::from(ptr(hc.scale)),
+                A::from(n as i32),
+                A::from(hc.sinkhorn_iters as i32),
+                A::from(hc.eps),
+                A::from(hidden as i32),
+                A::from(ptr(x)),
+                A::from(ptr(post)),
+                A::from(ptr(comb)),
+            ],
+        );
     }
 
     fn hc_merge(
@@ -712,8 +895,7 @@ impl CudaBackend {
         HOST_FALLBACK_NOTICE.call_once(|| {
             tracing::info!(
                 device = %self.name(),
-                "KDA-hybrid MLA (append, attention), mHC collapse and MoE routing run on the \
-                 host: each call waits for the GPU and copies its tensors both ways"
+                "KDA-hybrid MLA (append, attention) runs on the host: each call waits for the GPU and copies its tensors both ways"
             );
         });
     }

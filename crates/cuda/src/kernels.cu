@@ -1440,6 +1440,198 @@ extern "C" __global__ void scatter_add_rows(float* y, const float* src, const u3
     for (int c = threadIdx.x; c < dim; c += blockDim.x) y[dst + c] += w * src[i * dim + c];
 }
 
+// ---- MoE on the device ----------------------------------------------------------------------
+//
+// Routing, then the experts as one grouped product: `moe_sort` lists each local expert's
+// (token, slot) pairs, `moe_gate_up` and `moe_down` give each expert's weights one pass per
+// MOE_ROWS of its pairs (a block per feature tile and expert; experts nobody chose exit at
+// once), and `moe_combine` adds each token's weighted expert outputs in slot order (no
+// atomics: the sums are the same on every run). Pair p = token * k + slot.
+
+#define MOE_MAX_K 32
+#define MOE_MAX_GROUPS 64
+#define MOE_ROWS 8
+
+// One thread per token: sigmoid scores s, choice on s + bias within the best `topk_groups`
+// groups (ranked by the sum of their two best choices; the rest choose as -inf), the `k`
+// best choices (ties: lower index first), weights s / (Σ s + 1e-20 when renormalising) * scale.
+extern "C" __global__ void moe_route(const float* logits, int rows, int e, const float* bias, int k, int groups,
+                                     int topk_groups, int renorm, float scale, u32* ids, float* weights) {
+    pdl_start();
+    int t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= rows) return;
+    const float* l = logits + (long)t * e;
+    unsigned long long kept = ~0ull;
+    int per = e / groups;
+    if (groups > 1 && topk_groups < groups) {
+        float gs[MOE_MAX_GROUPS];
+        for (int g = 0; g < groups; ++g) {
+            float b1 = -INFINITY, b2 = -INFINITY;
+            for (int i = g * per; i < (g + 1) * per; ++i) {
+                float c = sigmoid_f(l[i]) + bias[i];
+                if (c > b1) { b2 = b1; b1 = c; } else if (c > b2) { b2 = c; }
+            }
+            gs[g] = per > 1 ? b1 + b2 : b1;
+        }
+        kept = 0ull;
+        for (int n = 0; n < topk_groups; ++n) {
+            int best = -1;
+            for (int g = 0; g < groups; ++g)
+                if (!((kept >> g) & 1ull) && (best < 0 || gs[g] > gs[best])) best = g;
+            kept |= 1ull << best;
+        }
+    }
+    u32 chosen[MOE_MAX_K];
+    float sum = 0.0f;
+    for (int j = 0; j < k; ++j) {
+        int best = -1;
+        float bc = -INFINITY;
+        for (int i = 0; i < e; ++i) {
+            bool taken = false;
+            for (int m = 0; m < j; ++m) taken |= chosen[m] == (u32)i;
+            if (taken) continue;
+            float c = ((kept >> (i / per)) & 1ull) ? sigmoid_f(l[i]) + bias[i] : -INFINITY;
+            if (best < 0 || c > bc) { best = i; bc = c; }
+        }
+        chosen[j] = (u32)best;
+        sum += sigmoid_f(l[best]);
+    }
+    float norm = renorm ? sum + 1e-20f : 1.0f;
+    for (int j = 0; j < k; ++j) {
+        ids[(long)t * k + j] = chosen[j];
+        weights[(long)t * k + j] = sigmoid_f(l[chosen[j]]) / norm * scale;
+    }
+}
+
+// One block, a thread per local expert (`experts` <= blockDim.x <= 1024): expert e's pairs, in
+// ascending order, are order[offsets[e] .. offsets[e + 1]].
+extern "C" __global__ void moe_sort(const u32* ids, int pairs, u32 first, int experts, u32* offsets, u32* order) {
+    pdl_start();
+    __shared__ u32 counts[1024];
+    int e = threadIdx.x;
+    u32 n = 0;
+    if (e < experts)
+        for (int p = 0; p < pairs; ++p) n += ids[p] - first == (u32)e;
+    counts[e] = n;
+    __syncthreads();
+    if (e >= experts) return;
+    u32 at = 0;
+    for (int i = 0; i < e; ++i) at += counts[i];
+    offsets[e] = at;
+    if (e == experts - 1) offsets[experts] = at + n;
+    for (int p = 0; p < pairs && n > 0; ++p)
+        if (ids[p] - first == (u32)e) { order[at++] = p; --n; }
+}
+
+// act[p] = swiglu(gate_j · x[p / k], up_j · x[p / k]) for feature j (a warp each) of expert
+// blockIdx.y's pairs; table[e] holds the expert's bf16 [2 * inter, K] gate/up matrix.
+extern "C" __global__ void __launch_bounds__(128) moe_gate_up(const float* x, int K, const unsigned long long* table,
+                                                              const u32* offsets, const u32* order, int k, int inter,
+                                                              int clamp, float limit, float* act) {
+    pdl_start();
+    int e = blockIdx.y, lane = threadIdx.x & 31;
+    int j = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    u32 start = offsets[e], n = offsets[e + 1] - start;
+    if (j >= inter || n == 0) return;
+    int chunks = K >> 3;
+    const uint4* wg = reinterpret_cast<const uint4*>(table[e]) + (long)j * chunks;
+    const uint4* wu = wg + (long)inter * chunks;
+    for (u32 g0 = 0; g0 < n; g0 += MOE_ROWS) {
+        int m = min((u32)MOE_ROWS, n - g0);
+        const float* xr[MOE_ROWS];
+        #pragma unroll
+        for (int r = 0; r < MOE_ROWS; ++r) xr[r] = x + (long)(order[start + g0 + min(r, m - 1)] / k) * K;
+        float ag[MOE_ROWS], au[MOE_ROWS];
+        #pragma unroll
+        for (int r = 0; r < MOE_ROWS; ++r) ag[r] = au[r] = 0.0f;
+        #pragma unroll 2
+        for (int c = lane; c < chunks; c += 32) {
+            float g[8], u[8];
+            unpack16<__nv_bfloat16>(ld_weights(wg + c), g);
+            unpack16<__nv_bfloat16>(ld_weights(wu + c), u);
+            #pragma unroll
+            for (int r = 0; r < MOE_ROWS; ++r) {
+                if (r >= m) break;
+                const float4* xv = reinterpret_cast<const float4*>(xr[r] + c * 8);
+                float4 a = xv[0], b = xv[1];
+                ag[r] += a.x * g[0] + a.y * g[1] + a.z * g[2] + a.w * g[3] + b.x * g[4] + b.y * g[5] + b.z * g[6] + b.w * g[7];
+                au[r] += a.x * u[0] + a.y * u[1] + a.z * u[2] + a.w * u[3] + b.x * u[4] + b.y * u[5] + b.z * u[6] + b.w * u[7];
+            }
+        }
+        #pragma unroll
+        for (int r = 0; r < MOE_ROWS; ++r) {
+            if (r >= m) break;
+            float sg = warp_sum(ag[r]), su = warp_sum(au[r]);
+            if (lane == 0) {
+                if (clamp) {
+                    sg = fminf(sg, limit);
+                    su = fminf(fmaxf(su, -limit), limit);
+                }
+                act[(long)order[start + g0 + r] * inter + j] = sg * sigmoid_f(sg) * su;
+            }
+        }
+    }
+}
+
+// out[p] = weights[p] · (down_h · act[p]) for feature h (a warp each) of expert blockIdx.y's
+// pairs; table[e] holds the expert's bf16 [hidden, inter] down matrix.
+extern "C" __global__ void __launch_bounds__(128) moe_down(const float* act, int inter, const unsigned long long* table,
+                                                           const u32* offsets, const u32* order, const float* weights,
+                                                           int hidden, float* out) {
+    pdl_start();
+    int e = blockIdx.y, lane = threadIdx.x & 31;
+    int h = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    u32 start = offsets[e], n = offsets[e + 1] - start;
+    if (h >= hidden || n == 0) return;
+    int chunks = inter >> 3;
+    const uint4* w = reinterpret_cast<const uint4*>(table[e]) + (long)h * chunks;
+    for (u32 g0 = 0; g0 < n; g0 += MOE_ROWS) {
+        int m = min((u32)MOE_ROWS, n - g0);
+        const float* ar[MOE_ROWS];
+        #pragma unroll
+        for (int r = 0; r < MOE_ROWS; ++r) ar[r] = act + (long)order[start + g0 + min(r, m - 1)] * inter;
+        float acc[MOE_ROWS];
+        #pragma unroll
+        for (int r = 0; r < MOE_ROWS; ++r) acc[r] = 0.0f;
+        #pragma unroll 2
+        for (int c = lane; c < chunks; c += 32) {
+            float wv[8];
+            unpack16<__nv_bfloat16>(ld_weights(w + c), wv);
+            #pragma unroll
+            for (int r = 0; r < MOE_ROWS; ++r) {
+                if (r >= m) break;
+                const float4* av = reinterpret_cast<const float4*>(ar[r] + c * 8);
+                float4 a = av[0], b = av[1];
+                acc[r] += a.x * wv[0] + a.y * wv[1] + a.z * wv[2] + a.w * wv[3] + b.x * wv[4] + b.y * wv[5] + b.z * wv[6] + b.w * wv[7];
+            }
+        }
+        #pragma unroll
+        for (int r = 0; r < MOE_ROWS; ++r) {
+            if (r >= m) break;
+            float s = warp_sum(acc[r]);
+            u32 p = order[start + g0 + r];
+            if (lane == 0) out[(long)p * hidden + h] = weights[p] * s;
+        }
+    }
+}
+
+// y[t] += Σ over the slots routed to a local expert (ids in [first, first + experts)) of
+// out[t * k + slot], in slot order.
+extern "C" __global__ void moe_combine(float* y, const float* out, const u32* ids, long rows, int k, u32 first,
+                                       int experts, int hidden) {
+    pdl_start();
+    long i = blockIdx.x * (long)blockDim.x + threadIdx.x;
+    if (i >= rows * hidden) return;
+    long t = i / hidden;
+    int h = (int)(i % hidden);
+    float s = 0.0f;
+    for (int j = 0; j < k; ++j) {
+        long p = t * k + j;
+        if (ids[p] - first < (u32)experts) s += out[p * hidden + h];
+    }
+    y[i] += s;
+}
+
 // mHC residual streams: `n` copies of each row, their merge and their mean. A stream count
 // is at most HC_MAX_STREAMS (a thread keeps one column of every stream in registers).
 #define HC_MAX_STREAMS 8
@@ -1452,6 +1644,62 @@ extern "C" __global__ void hc_expand(const float* x, long rows, int n, int hidde
 }
 
 // New stream j = post_j · y + Σ_m comb[m][j] · old stream m, in place: a thread per (row, column).
+// mHC collapse, a block per row: the pre weights sigmoid(l_i s0 + b_i) + eps, the post weights
+// 2 sigmoid(l_{n+i} s1 + b_{n+i}) and the combine matrix (a row softmax of l s2 + b, + eps, then
+// `iters` Sinkhorn passes: columns, then rows and columns) by thread 0; the input
+// x = Σ_i pre_i · stream_i by every thread, in stream order.
+extern "C" __global__ void hc_collapse(const float* streams, const float* logits, const float* base,
+                                       const float* scale, int n, int iters, float eps, int hidden, float* x,
+                                       float* post, float* comb) {
+    pdl_start();
+    __shared__ float s_pre[HC_MAX_STREAMS];
+    long t = blockIdx.x;
+    const float* l = logits + t * (2 + n) * n;
+    if (threadIdx.x == 0) {
+        float c[HC_MAX_STREAMS * HC_MAX_STREAMS];
+        for (int i = 0; i < n; ++i) {
+            s_pre[i] = sigmoid_f(l[i] * scale[0] + base[i]) + eps;
+            post[t * n + i] = 2.0f * sigmoid_f(l[n + i] * scale[1] + base[n + i]);
+        }
+        for (int m = 0; m < n; ++m) {
+            int at = 2 * n + m * n;
+            float mx = -INFINITY, sum = 0.0f;
+            for (int j = 0; j < n; ++j) {
+                c[m * n + j] = l[at + j] * scale[2] + base[at + j];
+                mx = fmaxf(mx, c[m * n + j]);
+            }
+            for (int j = 0; j < n; ++j) {
+                c[m * n + j] = expf(c[m * n + j] - mx);
+                sum += c[m * n + j];
+            }
+            for (int j = 0; j < n; ++j) c[m * n + j] = c[m * n + j] / sum + eps;
+        }
+        for (int it = 0; it < max(iters, 1); ++it) {
+            if (it > 0)
+                for (int m = 0; m < n; ++m) {
+                    float sum = 0.0f;
+                    for (int j = 0; j < n; ++j) sum += c[m * n + j];
+                    sum += eps;
+                    for (int j = 0; j < n; ++j) c[m * n + j] /= sum;
+                }
+            for (int j = 0; j < n; ++j) {
+                float sum = 0.0f;
+                for (int m = 0; m < n; ++m) sum += c[m * n + j];
+                sum += eps;
+                for (int m = 0; m < n; ++m) c[m * n + j] /= sum;
+            }
+        }
+        for (int i = 0; i < n * n; ++i) comb[t * n * n + i] = c[i];
+    }
+    __syncthreads();
+    const float* s = streams + t * n * hidden;
+    for (int h = threadIdx.x; h < hidden; h += blockDim.x) {
+        float acc = 0.0f;
+        for (int i = 0; i < n; ++i) acc += s_pre[i] * s[(long)i * hidden + h];
+        x[t * hidden + h] = acc;
+    }
+}
+
 extern "C" __global__ void hc_merge(float* streams, const float* y, const float* post, const float* comb,
                                     long rows, int n, int hidden) {
     pdl_start();

@@ -10,8 +10,9 @@ use common::gpu;
 use std::ops::Range;
 use tandem_cuda::CudaBackend;
 use tandem_engine::backend::hybrid::{
-    At, DeltaForm, DeltaInputs, ExpertRows, HcParams, HybridOps, MlaDims,
+    At, DeltaForm, DeltaInputs, ExpertBank, ExpertRows, HcParams, HybridOps, MlaDims, Routed,
 };
+use tandem_engine::backend::{Linear, Ops};
 use tandem_engine::kda_hybrid::{KdaGate, LatentPool, MlaState, MoeConfig, PagedRows};
 use tandem_engine::{Backend, CpuBackend, DType, HostTensor, Tensor};
 
@@ -469,7 +470,7 @@ fn moe_and_hyper_connection_operations_match_the_cpu() {
     let c = CpuBackend::new();
     let (rows, experts, hidden) = (29, 16, 96);
 
-    // Routing (a host fallback): the same experts, rows and weights.
+    // Routing: the same experts, best first, and weights.
     let cfg = MoeConfig {
         num_experts: experts,
         experts_per_token: 4,
@@ -484,24 +485,46 @@ fn moe_and_hyper_connection_operations_match_the_cpu() {
     // A small bias, so that the scores, not the bias, decide most choices.
     let bias: Vec<f32> = noise(2, experts).iter().map(|v| 0.05 * v).collect();
     let (b_c, b_g) = both(&c, &g, &[experts], bias);
-    let routed_c = c.route_experts(&l_c, rows, &b_c, &cfg);
-    let routed_g = g.route_experts(&l_g, rows, &b_g, &cfg);
-    assert_eq!(routed_c.len(), routed_g.len(), "route_experts: experts");
-    let chosen: usize = routed_c.iter().map(|e| e.rows.len()).sum();
-    assert_eq!(
-        chosen,
-        rows * cfg.experts_per_token,
-        "route_experts: choices"
+    let k = cfg.experts_per_token;
+    let (mut ids_c, mut w_c) = (
+        c.zeros(DType::U32, &[rows, k]),
+        c.zeros(DType::F32, &[rows, k]),
     );
-    for (e, (rc, rg)) in routed_c.iter().zip(&routed_g).enumerate() {
-        assert_eq!(rc.rows, rg.rows, "route_experts: rows of expert {e}");
-        close(
-            &format!("route_experts weights of expert {e}"),
-            &rc.weights,
-            &rg.weights,
-            1e-6,
-        );
-    }
+    let (mut ids_g, mut w_g) = (
+        g.zeros(DType::U32, &[rows, k]),
+        g.zeros(DType::F32, &[rows, k]),
+    );
+    c.route_topk(&l_c, rows, &b_c, &cfg, &mut ids_c, &mut w_c);
+    g.route_topk(&l_g, rows, &b_g, &cfg, &mut ids_g, &mut w_g);
+    assert_eq!(
+        c.download(&ids_c),
+        g.download(&ids_g),
+        "route_topk: the same experts, best first"
+    );
+    close_tensors("route_topk weights", &c, &w_c, &g, &w_g, 1e-6);
+    let routed_c =
+        ExpertRows::from_routing(&c.download(&ids_c), &c.download(&w_c), rows, k, experts);
+    let chosen: usize = routed_c.iter().map(|e| e.rows.len()).sum();
+    assert_eq!(chosen, rows * k, "route_topk: k choices per token");
+    // Grouping changes the choice: without it, some token picks another expert.
+    let ungrouped = MoeConfig {
+        num_groups: 1,
+        topk_groups: 1,
+        ..cfg
+    };
+    let grouped = g.download(&ids_g);
+    g.route_topk(&l_g, rows, &b_g, &ungrouped, &mut ids_g, &mut w_g);
+    c.route_topk(&l_c, rows, &b_c, &ungrouped, &mut ids_c, &mut w_c);
+    assert_eq!(
+        c.download(&ids_c),
+        g.download(&ids_g),
+        "route_topk without groups"
+    );
+    assert_ne!(
+        grouped,
+        g.download(&ids_g),
+        "the group limit changes some choice"
+    );
 
     // scatter_add_rows of one expert's outputs.
     let expert = ExpertRows {
@@ -516,7 +539,7 @@ fn moe_and_hyper_connection_operations_match_the_cpu() {
     g.scatter_add_rows(&mut y_g, &src_g, &ExpertRows::default(), hidden);
     close_tensors("scatter_add_rows of no rows", &c, &y_c, &g, &y_g, 1e-6);
 
-    // mHC: expand, collapse (a host fallback), merge, mean.
+    // mHC: expand, collapse, merge, mean.
     let n = 4;
     let (x_c, x_g) = both(&c, &g, &[rows, hidden], noise(5, rows * hidden));
     let (mut st_c, mut st_g) = (
@@ -581,6 +604,178 @@ fn moe_and_hyper_connection_operations_match_the_cpu() {
     c.hc_mean(&st_c, rows, n, hidden, &mut m_c);
     g.hc_mean(&st_g, rows, n, hidden, &mut m_g);
     close_tensors("hc_mean", &c, &m_c, &g, &m_g, 1e-5);
+}
+
+/// The experts a rank holds (experts 2..6 of 8), as SwiGLU weights on both devices.
+struct Bank {
+    cpu: Vec<(Linear<C>, Linear<C>)>,
+    gpu: Vec<(Linear<G>, Linear<G>)>,
+}
+
+impl Bank {
+    const FIRST: usize = 2;
+
+    fn new(c: &C, g: &G, count: usize, hidden: usize, inter: usize) -> Self {
+        let linear = |seed: u64, out: usize, inp: usize| {
+            let (wc, wg) = weight(c, g, &[out, inp], noise(seed, out * inp), DType::BF16);
+            (
+                Linear {
+                    weight: wc,
+                    out_features: out,
+                    in_features: inp,
+                },
+                Linear {
+                    weight: wg,
+                    out_features: out,
+                    in_features: inp,
+                },
+            )
+        };
+        let (mut cpu, mut gpu) = (Vec::new(), Vec::new());
+        for e in 0..count as u64 {
+            let (gu_c, gu_g) = linear(100 + e, 2 * inter, hidden);
+            let (d_c, d_g) = linear(200 + e, hidden, inter);
+            cpu.push((gu_c, d_c));
+            gpu.push((gu_g, d_g));
+        }
+        Self { cpu, gpu }
+    }
+
+    /// `y += Σ weight · expert(x)` on the CPU, expert by expert (the model's path there).
+    #[allow(clippy::too_many_arguments)]
+    fn cpu_forward(
+        &self,
+        c: &C,
+        x: &Tensor<C>,
+        routing: (&Tensor<C>, &Tensor<C>),
+        (rows, k, experts): (usize, usize, usize),
+        limit: Option<f32>,
+        y: &mut Tensor<C>,
+    ) {
+        let hidden = x.len() / rows;
+        let assigned = ExpertRows::from_routing(
+            &c.download(routing.0),
+            &c.download(routing.1),
+            rows,
+            k,
+            experts,
+        );
+        for (i, (gate_up, down)) in self.cpu.iter().enumerate() {
+            let tokens = &assigned[Self::FIRST + i];
+            let n = tokens.rows.len();
+            if n == 0 {
+                continue;
+            }
+            let inter = down.in_features;
+            let index = c.upload(&HostTensor::from_u32(tokens.rows.clone()));
+            let mut gathered = c.zeros(DType::F32, &[n, hidden]);
+            c.gather_rows(x, hidden, &index, n, &mut gathered);
+            let mut gu = c.zeros(DType::F32, &[n, 2 * inter]);
+            c.matmul(
+                &gathered,
+                n,
+                &gate_up.weight,
+                2 * inter,
+                hidden,
+                &mut gu,
+                false,
+            );
+            let mut act = c.zeros(DType::F32, &[n, inter]);
+            c.swiglu(&gu, n, inter, limit, &mut act);
+            let mut out = c.zeros(DType::F32, &[n, hidden]);
+            c.matmul(&act, n, &down.weight, hidden, inter, &mut out, false);
+            c.scatter_add_rows(y, &out, tokens, hidden);
+        }
+    }
+}
+
+#[test]
+fn grouped_experts_match_the_cpu_expert_by_expert() {
+    let Some(g) = gpu() else { return };
+    let c = CpuBackend::new();
+    let (experts, k, hidden, inter, count) = (8, 3, 96, 40, 4);
+    let bank = Bank::new(&c, &g, count, hidden, inter);
+    let gate_ups: Vec<_> = bank.gpu.iter().map(|(gu, _)| gu).collect();
+    let downs: Vec<_> = bank.gpu.iter().map(|(_, d)| d).collect();
+    let gu_table = g
+        .expert_table(&gate_ups)
+        .expect("bf16 experts take the grouped path");
+    let down_table = g
+        .expert_table(&downs)
+        .expect("bf16 experts take the grouped path");
+    let f32_expert = Linear {
+        weight: g.zeros(DType::F32, &[hidden, inter]),
+        out_features: hidden,
+        in_features: inter,
+    };
+    assert!(
+        g.expert_table(&[&f32_expert]).is_none(),
+        "f32 experts run one by one"
+    );
+    // One token, a decode batch, and more pairs per expert than one pass of the kernels takes.
+    for (rows, limit) in [(1, None), (29, Some(0.8)), (64, None)] {
+        let cfg = MoeConfig {
+            num_experts: experts,
+            experts_per_token: k,
+            num_shared_experts: 0,
+            intermediate_size: inter,
+            routed_scaling_factor: 1.5,
+            renormalize: true,
+            num_groups: 1,
+            topk_groups: 1,
+        };
+        let (l_c, l_g) = both(&c, &g, &[rows, experts], noise(rows as u64, rows * experts));
+        let (b_c, b_g) = both(&c, &g, &[experts], vec![0.0; experts]);
+        let (mut ids_c, mut w_c) = (
+            c.zeros(DType::U32, &[rows, k]),
+            c.zeros(DType::F32, &[rows, k]),
+        );
+        let (mut ids_g, mut w_g) = (
+            g.zeros(DType::U32, &[rows, k]),
+            g.zeros(DType::F32, &[rows, k]),
+        );
+        c.route_topk(&l_c, rows, &b_c, &cfg, &mut ids_c, &mut w_c);
+        g.route_topk(&l_g, rows, &b_g, &cfg, &mut ids_g, &mut w_g);
+        let (x_c, x_g) = both(
+            &c,
+            &g,
+            &[rows, hidden],
+            noise(7 + rows as u64, rows * hidden),
+        );
+        let (mut y_c, mut y_g) = both(&c, &g, &[rows, hidden], noise(8, rows * hidden));
+        bank.cpu_forward(
+            &c,
+            &x_c,
+            (&ids_c, &w_c),
+            (rows, k, experts),
+            limit,
+            &mut y_c,
+        );
+        let routed = Routed {
+            ids: &ids_g,
+            weights: &w_g,
+            rows,
+            k,
+        };
+        let held = ExpertBank {
+            gate_up: &gu_table,
+            down: &down_table,
+            first: Bank::FIRST,
+            count,
+            hidden,
+            inter,
+            limit,
+        };
+        g.moe_grouped(&x_g, routed, held, &mut y_g);
+        close_tensors(
+            &format!("moe_grouped, {rows} rows"),
+            &c,
+            &y_c,
+            &g,
+            &y_g,
+            1e-5,
+        );
+    }
 }
 
 #[test]

@@ -86,6 +86,14 @@ fn u32s(t: &T) -> &[u32] {
     }
 }
 
+pub(super) fn u32s_mut(t: &mut T) -> &mut [u32] {
+    let dtype = t.dtype;
+    match &mut t.storage {
+        CpuStorage::U32(v) => v,
+        _ => panic!("expected a u32 tensor, got {dtype}"),
+    }
+}
+
 impl CpuStorage {
     /// Address of the first element (to check that a refresh kept a buffer in place).
     pub fn address(&self) -> usize {

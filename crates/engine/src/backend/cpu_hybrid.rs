@@ -3,7 +3,7 @@
 //! short convolution in `kda_hybrid::kda`), rows split over rayon's pool where they are
 //! independent.
 
-use super::cpu::{f32s, f32s_mut};
+use super::cpu::{f32s, f32s_mut, u32s_mut};
 use super::hybrid::{At, DeltaForm, DeltaInputs, ExpertRows, HcParams, HybridOps, MlaDims, Seqs};
 use super::CpuBackend;
 use crate::kda_hybrid::delta_rule::{self, DeltaRuleInputs};
@@ -186,18 +186,30 @@ impl HybridOps for CpuBackend {
         }
     }
 
-    fn route_experts(&self, logits: &T, rows: usize, bias: &T, cfg: &MoeConfig) -> Vec<ExpertRows> {
-        let e = cfg.num_experts;
+    fn route_topk(
+        &self,
+        logits: &T,
+        rows: usize,
+        bias: &T,
+        cfg: &MoeConfig,
+        ids: &mut T,
+        weights: &mut T,
+    ) {
+        let (e, k) = (cfg.num_experts, cfg.experts_per_token);
         let bias = f32s(bias);
-        let mut experts = vec![ExpertRows::default(); e];
-        for (t, l) in f32s(logits)[..rows * e].chunks_exact(e).enumerate() {
+        let logits = &f32s(logits)[..rows * e];
+        let mut chosen = Vec::with_capacity(rows * k);
+        for l in logits.chunks_exact(e) {
             let scores: Vec<f32> = l.iter().map(|&x| sigmoid(x)).collect();
-            for (expert, w) in route(&scores, bias, cfg) {
-                experts[expert].rows.push(t as u32);
-                experts[expert].weights.push(w);
-            }
+            chosen.extend(route(&scores, bias, cfg));
         }
-        experts
+        assert_eq!(chosen.len(), rows * k, "route_topk: k choices per token");
+        for (slot, (expert, _)) in u32s_mut(ids).iter_mut().zip(&chosen) {
+            *slot = *expert as u32;
+        }
+        for (slot, (_, w)) in f32s_mut(weights).iter_mut().zip(&chosen) {
+            *slot = *w;
+        }
     }
 
     fn scatter_add_rows(&self, y: &mut T, src: &T, expert: &ExpertRows, dim: usize) {

@@ -8,9 +8,9 @@
 //! Like [`Ops`], every operation acts on the leading rows of tensors it is told about and
 //! activations are f32. Per-sequence structure comes as row ranges ([`Seqs`]).
 
-use super::Ops;
+use super::{Linear, Ops};
 use crate::kda_hybrid::{KdaGate, MlaState, MoeConfig};
-use crate::tensor::Tensor;
+use crate::tensor::{HostData, HostTensor, Tensor};
 use std::ops::Range;
 
 /// The rows of each sequence of a step, in order (`seqs[i]` = sequence `i`'s rows).
@@ -103,6 +103,64 @@ pub struct ExpertRows {
     pub rows: Vec<u32>,
     /// Routing weight per row.
     pub weights: Vec<f32>,
+}
+
+impl ExpertRows {
+    /// Per expert (of `experts`), the rows routed to it and their weights, from a routing's
+    /// `ids` (u32) and `weights` (f32), `[rows, k]` each on the host ([`HybridOps::route_topk`]).
+    pub fn from_routing(
+        ids: &HostTensor,
+        weights: &HostTensor,
+        rows: usize,
+        k: usize,
+        experts: usize,
+    ) -> Vec<ExpertRows> {
+        let (HostData::U32(ids), HostData::F32(weights)) = (ids.data(), weights.data()) else {
+            panic!("a routing's ids are u32 and its weights f32");
+        };
+        let mut out = vec![ExpertRows::default(); experts];
+        for (i, (&e, &w)) in ids[..rows * k].iter().zip(&weights[..rows * k]).enumerate() {
+            let held = &mut out[e as usize];
+            held.rows.push((i / k) as u32);
+            held.weights.push(w);
+        }
+        out
+    }
+}
+
+/// A MoE routing on the backend: for each of `rows` tokens, the `k` chosen experts (best first)
+/// and their weights ([`HybridOps::route_topk`]).
+#[derive(Clone, Copy, Debug)]
+pub struct Routed<'a, B: Ops> {
+    /// `[rows, k]` u32: global expert indices.
+    pub ids: &'a Tensor<B>,
+    /// `[rows, k]` f32: the weight each chosen expert's output is added with.
+    pub weights: &'a Tensor<B>,
+    /// Tokens.
+    pub rows: usize,
+    /// Experts per token.
+    pub k: usize,
+}
+
+/// The SwiGLU experts one rank holds, as the grouped expert product reads them: tables of
+/// each expert's fused gate/up (`[2I, hidden]`) and down (`[hidden, I]`) weights
+/// ([`HybridOps::expert_table`]).
+#[derive(Clone, Copy, Debug)]
+pub struct ExpertBank<'a, B: Ops> {
+    /// The gate/up table.
+    pub gate_up: &'a Tensor<B>,
+    /// The down table.
+    pub down: &'a Tensor<B>,
+    /// Global index of the first expert held.
+    pub first: usize,
+    /// Experts held.
+    pub count: usize,
+    /// Model width.
+    pub hidden: usize,
+    /// Intermediate width of one expert (this rank's part).
+    pub inter: usize,
+    /// The SwiGLU's clamp ([`HybridOps::swiglu`]).
+    pub limit: Option<f32>,
 }
 
 /// Operations of the KDA-hybrid family.
@@ -211,14 +269,46 @@ pub trait HybridOps: Ops {
     );
     /// MoE routing of `rows` tokens from the router's logits `[rows, E]`: sigmoid scores,
     /// choice on `score + bias` (group-limited when configured), renormalised top-k weights ×
-    /// the scaling factor. Returns, per expert, the rows it runs and their weights.
-    fn route_experts(
+    /// the scaling factor. Writes each token's chosen experts, best first, into `ids`
+    /// (`[rows, k]` u32) and their weights into `weights` (`[rows, k]` f32).
+    #[allow(clippy::too_many_arguments)]
+    fn route_topk(
         &self,
         logits: &Tensor<Self>,
         rows: usize,
         bias: &Tensor<Self>,
         cfg: &MoeConfig,
-    ) -> Vec<ExpertRows>;
+        ids: &mut Tensor<Self>,
+        weights: &mut Tensor<Self>,
+    );
+    /// The table a grouped expert product ([`HybridOps::moe_grouped`]) reads the experts'
+    /// weights through, one entry per linear of `weights` (in order), or `None` when this
+    /// backend (or these weights' dtype or shapes) runs the experts one at a time. The table
+    /// refers to the weights: it is valid while they are.
+    fn expert_table(&self, weights: &[&Linear<Self>]) -> Option<Tensor<Self>> {
+        let _ = weights;
+        None
+    }
+    /// Whether a step of `rows` tokens runs its experts as one grouped product (given tables
+    /// from [`HybridOps::expert_table`]) rather than a gather, a GEMM pair and a scatter per
+    /// expert.
+    fn groups_experts(&self, rows: usize) -> bool {
+        let _ = rows;
+        false
+    }
+    /// `y[t] += Σ_j weights[t][j] · expert_{ids[t][j]}(x[t])` over the chosen experts that
+    /// `bank` holds (others are another rank's), each expert a SwiGLU MLP. Only called when
+    /// [`HybridOps::expert_table`] gave tables.
+    fn moe_grouped(
+        &self,
+        x: &Tensor<Self>,
+        routed: Routed<'_, Self>,
+        bank: ExpertBank<'_, Self>,
+        y: &mut Tensor<Self>,
+    ) {
+        let _ = (x, routed, bank, y);
+        unreachable!("moe_grouped without expert tables")
+    }
     /// `y[rows[i]] += weights[i] · src[i]` for rows `dim` wide.
     fn scatter_add_rows(
         &self,

@@ -37,7 +37,7 @@ pub enum Ffn<B: Ops = CpuBackend> {
     /// One SwiGLU MLP.
     Dense(SwiGlu<B>),
     /// Routed + shared experts.
-    Moe(Moe<B>),
+    Moe(Box<Moe<B>>),
 }
 
 #[derive(Debug)]
@@ -320,7 +320,7 @@ impl<B: HybridOps> KdaHybridModel<B> {
                     } else {
                         format!("{lp}.mlp")
                     };
-                    Ffn::Moe(Moe::load(
+                    Ffn::Moe(Box::new(Moe::load(
                         ck,
                         &block,
                         c.moe,
@@ -328,7 +328,7 @@ impl<B: HybridOps> KdaHybridModel<B> {
                         c.swiglu_limit,
                         rs,
                         &up,
-                    )?)
+                    )?))
                 }
             };
             layers.push(DecoderLayer {

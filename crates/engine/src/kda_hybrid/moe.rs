@@ -15,7 +15,7 @@ use super::config::MoeConfig;
 use super::loading::{part, RankShard, Upload};
 use super::projection::project;
 use super::weights::Checkpoint;
-use crate::backend::hybrid::HybridOps;
+use crate::backend::hybrid::{ExpertBank, ExpertRows, HybridOps, Routed};
 use crate::backend::{CpuBackend, Linear, Ops};
 use crate::tensor::{DType, HostTensor, Tensor};
 use crate::Result;
@@ -77,6 +77,9 @@ pub struct Moe<B: Ops = CpuBackend> {
     first_expert: usize,
     experts: Vec<SwiGlu<B>>,
     shared: Option<SwiGlu<B>>,
+    /// The experts' gate/up and down tables, when the backend runs them as one grouped
+    /// product ([`HybridOps::expert_table`]).
+    tables: Option<(Tensor<B>, Tensor<B>)>,
 }
 
 impl<B: HybridOps> Moe<B> {
@@ -143,6 +146,12 @@ impl<B: HybridOps> Moe<B> {
             backend: up.backend,
             dtype: DType::F32,
         };
+        let gate_up: Vec<_> = experts.iter().map(|x| &x.gate_up).collect();
+        let down: Vec<_> = experts.iter().map(|x| &x.down).collect();
+        let tables = up
+            .backend
+            .expert_table(&gate_up)
+            .zip(up.backend.expert_table(&down));
         Ok(Self {
             router: f32_up.linear(ck.linear(&format!("{block}.gate.weight"), e, hidden)?),
             correction_bias: up
@@ -150,6 +159,7 @@ impl<B: HybridOps> Moe<B> {
             first_expert: rs.experts.start,
             experts,
             shared,
+            tables,
             cfg,
         })
     }
@@ -157,12 +167,57 @@ impl<B: HybridOps> Moe<B> {
     /// Runs `rows` rows of `x` `[rows, hidden]`.
     pub fn forward(&self, b: &B, x: &Tensor<B>, rows: usize) -> Tensor<B> {
         let hidden = self.router.in_features;
+        let k = self.cfg.experts_per_token;
         let logits = project(b, x, rows, &self.router);
-        let assigned = b.route_experts(&logits, rows, &self.correction_bias, &self.cfg);
+        let mut ids = b.zeros(DType::U32, &[rows, k]);
+        let mut weights = b.zeros(DType::F32, &[rows, k]);
+        b.route_topk(
+            &logits,
+            rows,
+            &self.correction_bias,
+            &self.cfg,
+            &mut ids,
+            &mut weights,
+        );
         let mut y = match &self.shared {
             Some(shared) => shared.forward(b, x, rows),
             None => b.zeros(DType::F32, &[rows, hidden]),
         };
+        let routed = Routed {
+            ids: &ids,
+            weights: &weights,
+            rows,
+            k,
+        };
+        match (&self.tables, self.experts.first()) {
+            (Some((gate_up, down)), Some(first)) if b.groups_experts(rows) => {
+                let bank = ExpertBank {
+                    gate_up,
+                    down,
+                    first: self.first_expert,
+                    count: self.experts.len(),
+                    hidden,
+                    inter: first.down.in_features,
+                    limit: first.limit,
+                };
+                b.moe_grouped(x, routed, bank, &mut y);
+            }
+            _ => self.one_by_one(b, x, routed, &mut y),
+        }
+        y
+    }
+
+    /// The routed experts one at a time: each gathers its tokens, runs them as one batch and
+    /// adds its weighted outputs into `y`.
+    fn one_by_one(&self, b: &B, x: &Tensor<B>, routed: Routed<'_, B>, y: &mut Tensor<B>) {
+        let hidden = self.router.in_features;
+        let assigned = ExpertRows::from_routing(
+            &b.download(routed.ids),
+            &b.download(routed.weights),
+            routed.rows,
+            routed.k,
+            self.cfg.num_experts,
+        );
         for (expert, tokens) in assigned.iter().enumerate() {
             let Some(held) = expert
                 .checked_sub(self.first_expert)
@@ -178,9 +233,8 @@ impl<B: HybridOps> Moe<B> {
             let mut gathered = b.zeros(DType::F32, &[n, hidden]);
             b.gather_rows(x, hidden, &index, n, &mut gathered);
             let out = held.forward(b, &gathered, n);
-            b.scatter_add_rows(&mut y, &out, tokens, hidden);
+            b.scatter_add_rows(y, &out, tokens, hidden);
         }
-        y
     }
 }
 
