@@ -2,6 +2,10 @@
 //! `/metrics` and `/version`), answered 401 in OpenAI's shape otherwise. Keys come from the
 //! config, an environment variable and a file; the file is read again whenever it changes,
 //! so keys rotate without a restart.
+//!
+//! An entry is `KEY` or `KEY NAME`: the name says whose key it is, so a tenant's limits and
+//! default priority (`admission.keys.NAME`) follow it across rotations. The accepted key's
+//! [`Caller`] goes with the request for admission to read.
 
 use crate::error::ApiError;
 use axum::extract::{Request, State};
@@ -18,12 +22,13 @@ use std::time::SystemTime;
 #[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct AuthConfig {
-    /// Keys accepted, inline (prefer a file or an environment variable for secrets).
+    /// Keys accepted, inline (prefer a file or an environment variable for secrets); each
+    /// `KEY` or `KEY NAME`.
     pub api_keys: Vec<String>,
-    /// A file of keys, one per line (blank lines and `#` comments skipped), read again
-    /// whenever it changes.
+    /// A file of keys, one per line (`KEY` or `KEY NAME`; blank lines and `#` comments
+    /// skipped), read again whenever it changes.
     pub api_keys_file: Option<PathBuf>,
-    /// An environment variable holding comma-separated keys.
+    /// An environment variable holding comma-separated keys (`KEY` or `KEY NAME`).
     pub api_keys_env: Option<String>,
     /// Require a key on `/health` and `/ready` too (default: open, for orchestrator probes).
     pub protect_health: bool,
@@ -38,27 +43,46 @@ impl AuthConfig {
     }
 }
 
+/// Who sent a request: the name of the API key it carried, or the key itself for a key
+/// without a name. Put in the request's extensions by [`require`]; never logged or used as a
+/// metric label.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Caller(pub Arc<str>);
+
+/// One accepted key.
+#[derive(Clone, Debug)]
+struct Key {
+    secret: String,
+    caller: Caller,
+}
+
 #[derive(Debug, Default)]
 struct FileKeys {
     /// (modified, length) of the file when last read.
     seen: Option<(SystemTime, u64)>,
-    keys: Vec<String>,
+    keys: Arc<Vec<Key>>,
 }
 
 /// The keys a router accepts. Clones share them.
 #[derive(Clone, Debug)]
 pub struct ApiKeys {
-    fixed: Arc<Vec<String>>,
+    fixed: Arc<Vec<Key>>,
     file: Option<(PathBuf, Arc<Mutex<FileKeys>>)>,
     protect_health: bool,
     protect_metrics: bool,
 }
 
-fn parse_keys(text: &str, sep: char) -> Vec<String> {
+/// Entries separated by `sep`, each `KEY` or `KEY NAME`.
+fn parse_keys(text: &str, sep: char) -> Vec<Key> {
     text.split(sep)
         .map(str::trim)
         .filter(|k| !k.is_empty() && !k.starts_with('#'))
-        .map(str::to_owned)
+        .map(|entry| {
+            let mut words = entry.split_whitespace();
+            let secret = words.next().unwrap_or_default().to_owned();
+            let caller = Caller(words.next().unwrap_or(&secret).into());
+            Key { secret, caller }
+        })
         .collect()
 }
 
@@ -70,7 +94,11 @@ impl ApiKeys {
         if !config.enabled() {
             return Ok(None);
         }
-        let mut fixed = config.api_keys.clone();
+        let mut fixed: Vec<Key> = config
+            .api_keys
+            .iter()
+            .flat_map(|k| parse_keys(k, '\n'))
+            .collect();
         if let Some(var) = &config.api_keys_env {
             let value =
                 std::env::var(var).map_err(|_| format!("auth.api_keys_env: ${var} is not set"))?;
@@ -100,9 +128,9 @@ impl ApiKeys {
         self.fixed.len() + self.file_keys().len()
     }
 
-    fn file_keys(&self) -> Vec<String> {
+    fn file_keys(&self) -> Arc<Vec<Key>> {
         let Some((path, cache)) = &self.file else {
-            return Vec::new();
+            return Arc::default();
         };
         let mut c = cache
             .lock()
@@ -113,7 +141,7 @@ impl ApiKeys {
         if now != c.seen {
             match std::fs::read_to_string(path) {
                 Ok(text) => {
-                    c.keys = parse_keys(&text, '\n');
+                    c.keys = Arc::new(parse_keys(&text, '\n'));
                     c.seen = now;
                     tracing::info!(file = %path.display(), keys = c.keys.len(), "API keys read");
                 }
@@ -126,17 +154,27 @@ impl ApiKeys {
 
     /// Whether `presented` is a key accepted now (compared in constant time per key).
     pub fn accepts(&self, presented: &str) -> bool {
-        let eq = |k: &String| {
-            k.len() == presented.len()
-                && k.bytes()
+        self.caller(presented).is_some()
+    }
+
+    /// Who `presented` belongs to, when it is a key accepted now (compared in constant time
+    /// per key).
+    pub fn caller(&self, presented: &str) -> Option<Caller> {
+        let eq = |k: &Key| {
+            k.secret.len() == presented.len()
+                && k.secret
+                    .bytes()
                     .zip(presented.bytes())
                     .fold(0u8, |acc, (a, b)| acc | (a ^ b))
                     == 0
         };
         // Every key is compared, so the time does not tell which one matched.
-        let fixed = self.fixed.iter().fold(false, |hit, k| eq(k) | hit);
-        let file = self.file_keys().iter().fold(false, |hit, k| eq(k) | hit);
-        fixed | file
+        let file = self.file_keys();
+        self.fixed
+            .iter()
+            .chain(file.iter())
+            .fold(None, |hit, k| if eq(k) { Some(k) } else { hit })
+            .map(|k| k.caller.clone())
     }
 
     /// Whether requests to `path` need a key.
@@ -150,7 +188,8 @@ impl ApiKeys {
 }
 
 /// Middleware: answers 401 unless the request carries an accepted key (where one is needed).
-pub async fn require(State(keys): State<ApiKeys>, request: Request, next: Next) -> Response {
+/// The accepted key's [`Caller`] goes into the request's extensions.
+pub async fn require(State(keys): State<ApiKeys>, mut request: Request, next: Next) -> Response {
     if !keys.guards(request.uri().path()) {
         return next.run(request).await;
     }
@@ -160,9 +199,12 @@ pub async fn require(State(keys): State<ApiKeys>, request: Request, next: Next) 
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
         .map(str::trim);
-    match presented {
-        Some(k) if keys.accepts(k) => next.run(request).await,
-        Some(_) => ApiError::unauthorized("Incorrect API key provided.").into_response(),
+    match presented.map(|k| keys.caller(k)) {
+        Some(Some(caller)) => {
+            request.extensions_mut().insert(caller);
+            next.run(request).await
+        }
+        Some(None) => ApiError::unauthorized("Incorrect API key provided.").into_response(),
         None => ApiError::unauthorized("Missing API key: send it as `Authorization: Bearer KEY`.")
             .into_response(),
     }
@@ -200,6 +242,27 @@ mod tests {
         assert!(!keys.accepts("sk-file-1"), "the old one is gone");
         assert!(keys.guards("/v1/chat/completions") && keys.guards("/admin/workers"));
         assert!(!keys.guards("/health") && !keys.guards("/metrics"));
+    }
+
+    #[test]
+    fn a_named_key_carries_its_name_and_an_unnamed_one_itself() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let file = dir.path().join("keys");
+        std::fs::write(&file, "sk-old team-a\nsk-new   team-a\nsk-solo\n").expect("write");
+        let keys = ApiKeys::from_config(&AuthConfig {
+            api_keys: vec!["sk-inline batch".into()],
+            api_keys_file: Some(file),
+            ..AuthConfig::default()
+        })
+        .expect("valid")
+        .expect("enabled");
+        let name = |k: &str| keys.caller(k).map(|c| c.0.to_string());
+        assert_eq!(name("sk-inline").as_deref(), Some("batch"));
+        assert_eq!(name("sk-old"), name("sk-new"), "two keys of one tenant");
+        assert_eq!(name("sk-new").as_deref(), Some("team-a"));
+        assert_eq!(name("sk-solo").as_deref(), Some("sk-solo"));
+        assert_eq!(name("team-a"), None, "a name is not a key");
+        assert_eq!(name("sk-inline batch"), None);
     }
 
     #[test]

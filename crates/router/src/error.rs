@@ -77,6 +77,10 @@ enum Reason {
     Unauthorized,
     /// The request body exceeds the size limit.
     PayloadTooLarge,
+    /// An admission limit: a rate limit, or the admission queue is full (429).
+    Throttled,
+    /// The request's wait in the admission queue ran out (503).
+    QueueTimeout,
 }
 
 /// An error rendered to the client as OpenAI's `{"error": {message, type, param, code}}`.
@@ -87,6 +91,11 @@ pub struct ApiError {
     message: String,
     param: Option<String>,
     code: Option<String>,
+    /// The body's `type` when not the class's (`requests`/`tokens` for rate limits).
+    error_type: Option<&'static str>,
+    /// When to try again (`Retry-After`, whole seconds rounded up); one second when absent
+    /// on a 429 or 503.
+    retry_after: Option<std::time::Duration>,
 }
 
 impl ApiError {
@@ -97,6 +106,8 @@ impl ApiError {
             message: message.into(),
             param: param.map(str::to_owned),
             code: None,
+            error_type: None,
+            retry_after: None,
         }
     }
 
@@ -107,6 +118,8 @@ impl ApiError {
             message: message.into(),
             param: None,
             code: None,
+            error_type: None,
+            retry_after: None,
         }
     }
 
@@ -122,6 +135,8 @@ impl ApiError {
             message: format!("The model `{model}` does not exist."),
             param: Some("model".to_owned()),
             code: Some("model_not_found".to_owned()),
+            error_type: None,
+            retry_after: None,
         }
     }
 
@@ -132,6 +147,8 @@ impl ApiError {
             message: format!("Unknown path `{path}`."),
             param: None,
             code: None,
+            error_type: None,
+            retry_after: None,
         }
     }
 
@@ -142,6 +159,8 @@ impl ApiError {
             message: format!("`{method}` is not allowed on `{path}`."),
             param: None,
             code: Some("method_not_allowed".to_owned()),
+            error_type: None,
+            retry_after: None,
         }
     }
 
@@ -152,6 +171,8 @@ impl ApiError {
             message: message.into(),
             param: None,
             code: Some("invalid_api_key".to_owned()),
+            error_type: None,
+            retry_after: None,
         }
     }
 
@@ -162,6 +183,49 @@ impl ApiError {
             message: message.into(),
             param: None,
             code: None,
+            error_type: None,
+            retry_after: None,
+        }
+    }
+
+    /// A rate limit was reached: `limit` is `requests` or `tokens` (OpenAI's `type`), and the
+    /// request would pass after `retry_after`.
+    pub fn rate_limited(
+        limit: &'static str,
+        message: impl Into<String>,
+        retry_after: std::time::Duration,
+    ) -> Self {
+        Self {
+            reason: Reason::Throttled,
+            message: message.into(),
+            param: None,
+            code: Some("rate_limit_exceeded".to_owned()),
+            error_type: Some(limit),
+            retry_after: Some(retry_after),
+        }
+    }
+
+    /// The admission queue holds as many requests as it may.
+    pub fn queue_full(message: impl Into<String>) -> Self {
+        Self {
+            reason: Reason::Throttled,
+            message: message.into(),
+            param: None,
+            code: Some("queue_full".to_owned()),
+            error_type: None,
+            retry_after: None,
+        }
+    }
+
+    /// The request waited in the admission queue as long as it may.
+    pub fn queue_timeout(message: impl Into<String>) -> Self {
+        Self {
+            reason: Reason::QueueTimeout,
+            message: message.into(),
+            param: None,
+            code: Some("queue_timeout".to_owned()),
+            error_type: None,
+            retry_after: None,
         }
     }
 
@@ -174,6 +238,8 @@ impl ApiError {
             | Reason::MethodNotAllowed
             | Reason::Unauthorized
             | Reason::PayloadTooLarge => ErrorClass::InvalidRequest,
+            Reason::Throttled => ErrorClass::CapacityExhausted,
+            Reason::QueueTimeout => ErrorClass::Unavailable,
         }
     }
 
@@ -196,6 +262,8 @@ impl ApiError {
             Reason::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             Reason::Unauthorized => StatusCode::UNAUTHORIZED,
             Reason::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            Reason::Throttled => StatusCode::TOO_MANY_REQUESTS,
+            Reason::QueueTimeout => StatusCode::SERVICE_UNAVAILABLE,
         }
     }
 
@@ -207,10 +275,10 @@ impl ApiError {
     /// The JSON body, `{"error": {...}}`.
     pub fn body(&self) -> ErrorBody {
         let class = self.class();
-        let error_type = if class == ErrorClass::InvalidRequest {
-            "invalid_request_error"
-        } else {
-            "server_error"
+        let error_type = match self.error_type {
+            Some(t) => t,
+            None if class == ErrorClass::InvalidRequest => "invalid_request_error",
+            None => "server_error",
         };
         let code = match (&self.code, self.reason) {
             (Some(code), _) => Some(code.clone()),
@@ -244,9 +312,13 @@ impl IntoResponse for ApiError {
             status,
             StatusCode::SERVICE_UNAVAILABLE | StatusCode::TOO_MANY_REQUESTS
         ) {
+            let seconds = self
+                .retry_after
+                .map_or(1, |d| d.as_secs() + u64::from(d.subsec_nanos() > 0))
+                .max(1);
             response
                 .headers_mut()
-                .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+                .insert(header::RETRY_AFTER, HeaderValue::from(seconds));
         }
         response
     }
@@ -305,5 +377,30 @@ mod tests {
         .expect("serializable");
         assert_eq!(body["error"]["type"], "server_error");
         assert_eq!(body["error"]["code"], "transfer_failed");
+    }
+
+    #[test]
+    fn admission_refusals_carry_their_retry_after_rounded_up() {
+        let e = ApiError::rate_limited(
+            "tokens",
+            "slow down",
+            std::time::Duration::from_millis(2100),
+        );
+        assert_eq!(
+            (e.status().as_u16(), e.class()),
+            (429, ErrorClass::CapacityExhausted)
+        );
+        let body = serde_json::to_value(e.body()).expect("serializable");
+        assert_eq!(body["error"]["type"], "tokens");
+        assert_eq!(body["error"]["code"], "rate_limit_exceeded");
+        let response = e.into_response();
+        assert_eq!(response.headers()[header::RETRY_AFTER], "3");
+        let e = ApiError::queue_timeout("waited too long");
+        assert_eq!(
+            (e.status().as_u16(), e.class()),
+            (503, ErrorClass::Unavailable)
+        );
+        assert_eq!(e.into_response().headers()[header::RETRY_AFTER], "1");
+        assert_eq!(ApiError::queue_full("full").status().as_u16(), 429);
     }
 }

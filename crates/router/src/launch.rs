@@ -162,7 +162,7 @@ pub async fn run_from_config(
         .with_timeouts(config.timeouts)
         .with_policy(config.policy.policy())
         .with_breaker(config.breaker.policy())
-        .with_admission(config.admission),
+        .with_admission(config.admission.clone()),
     );
     if let Some(d) = &config.discovery {
         let etcd = tandem_discovery::EtcdConfig {
@@ -195,6 +195,7 @@ pub async fn run_from_config(
         &ModelInfo::new(config.model.served_name.clone(), dir)
             .with_chat_template(config.model.chat_template.clone()),
     )?;
+    state.admission().configure(config.admission.clone());
     let pool_metrics = crate::pool_metrics::PoolMetrics::register(state.metrics().registry());
     state
         .metrics()

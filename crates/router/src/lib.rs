@@ -15,6 +15,8 @@
 //! Failures are classified (`ErrorClass`) where they happen and rendered to HTTP in one place,
 //! [`ApiError::status`].
 
+/// Rate limits and the priority queue in front of the generator.
+pub mod admission;
 /// API keys on the HTTP routes.
 pub mod auth;
 /// Compiling and rendering Hugging Face chat templates.

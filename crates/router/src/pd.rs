@@ -118,7 +118,7 @@ impl PdGenerator {
     /// Waits (up to the queue timeout) until some route has a worker below the per-worker
     /// limit; a 503-class error naming the limit when none frees in time.
     async fn admit(&self) -> Result<(), GenerateError> {
-        let a = self.admission;
+        let a = &self.admission;
         if a.max_in_flight_per_worker == 0 {
             return Ok(());
         }

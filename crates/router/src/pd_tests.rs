@@ -85,6 +85,7 @@ async fn a_full_pool_holds_requests_until_a_claim_ends_or_the_queue_timeout() {
     let admission = |queue_ms| crate::config::AdmissionConfig {
         max_in_flight_per_worker: 1,
         queue_timeout: Duration::from_millis(queue_ms),
+        ..crate::config::AdmissionConfig::default()
     };
     let pd = Arc::new(
         PdGenerator::new(handles("p", 1), handles("d", 2), RetryPolicy::default())

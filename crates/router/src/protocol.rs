@@ -56,6 +56,8 @@ pub struct GenerationParams {
     /// Structured outputs (`json_object`, `json_schema`); `{"type": "text"}` leaves the
     /// output free.
     pub response_format: Option<Value>,
+    /// Extension (vLLM's): the place in the admission queue; lower goes first.
+    pub priority: Option<i64>,
 }
 
 /// `stop`: one string or a list.
@@ -175,7 +177,7 @@ pub struct CompletionRequest {
 
 /// Fields of [`GenerationParams`] (flattened structs do not take
 /// their fields out of the catch-all map, so the check subtracts them by name).
-pub const SHARED_FIELDS: [&str; 21] = [
+pub const SHARED_FIELDS: [&str; 22] = [
     "skip_special_tokens",
     "include_stop_str_in_output",
     "max_tokens",
@@ -197,6 +199,7 @@ pub const SHARED_FIELDS: [&str; 21] = [
     "min_tokens",
     "logit_bias",
     "response_format",
+    "priority",
 ];
 /// Fields of [`ChatCompletionRequest`] besides the shared ones.
 pub const CHAT_FIELDS: [&str; 7] = [

@@ -30,6 +30,7 @@ struct Inner {
     served_name: String,
     model: Arc<ModelAssets>,
     metrics: Arc<Metrics>,
+    admission: Arc<crate::admission::Admission>,
     ready: AtomicBool,
     created: u64,
 }
@@ -62,12 +63,18 @@ impl RouterState {
         served_name: impl Into<String>,
         model: ModelAssets,
     ) -> Self {
+        let metrics = Arc::new(Metrics::new());
+        let admission = Arc::new(crate::admission::Admission::new(
+            crate::config::AdmissionConfig::default(),
+            metrics.registry(),
+        ));
         Self {
             inner: Arc::new(Inner {
                 generator,
                 served_name: served_name.into(),
                 model: Arc::new(model),
-                metrics: Arc::new(Metrics::new()),
+                metrics,
+                admission,
                 ready: AtomicBool::new(true),
                 created: unix_now(),
             }),
@@ -87,6 +94,12 @@ impl RouterState {
     /// The router's metrics (its registry accepts more collectors).
     pub fn metrics(&self) -> &Arc<Metrics> {
         &self.inner.metrics
+    }
+
+    /// Admission control (rate limits, the priority queue); admits everything until
+    /// configured.
+    pub fn admission(&self) -> &Arc<crate::admission::Admission> {
+        &self.inner.admission
     }
 
     /// The generator.

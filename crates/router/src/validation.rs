@@ -47,6 +47,8 @@ pub struct Prepared {
     pub tools: Option<crate::tools::ToolMode>,
     /// Completions with `echo`: the prompt's text, put before the generated text.
     pub echo: Option<String>,
+    /// The request's `priority` (lower goes first in the admission queue), when it set one.
+    pub priority: Option<i32>,
 }
 
 impl Prepared {
@@ -336,6 +338,7 @@ struct Common {
     choices: u32,
     skip_special_tokens: bool,
     include_stop_str: bool,
+    priority: Option<i32>,
 }
 
 /// Refuses fields this server does not know (OpenAI's "Unrecognized request argument"),
@@ -449,6 +452,17 @@ fn check_params(params: &GenerationParams, model: &ModelAssets) -> Result<Common
     };
     let constraint = response_format(&params.response_format)?;
     let controls = check_controls(params, model)?;
+    let priority = params
+        .priority
+        .map(|p| {
+            i32::try_from(p).map_err(|_| {
+                ApiError::invalid(
+                    format!("`priority` must be a 32-bit integer, got {p}"),
+                    Some("priority"),
+                )
+            })
+        })
+        .transpose()?;
     let seed = params
         .seed
         .map_or_else(rand::random::<u64>, |seed| seed as u64);
@@ -470,6 +484,7 @@ fn check_params(params: &GenerationParams, model: &ModelAssets) -> Result<Common
         choices,
         skip_special_tokens: params.skip_special_tokens.unwrap_or(true),
         include_stop_str: params.include_stop_str_in_output.unwrap_or(false),
+        priority,
     })
 }
 
@@ -598,6 +613,7 @@ fn finish(
         include_stop_str: common.include_stop_str,
         tools: None,
         echo: None,
+        priority: common.priority,
     })
 }
 

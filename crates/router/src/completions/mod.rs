@@ -6,8 +6,11 @@
 //! status of its class. After that, a failure is sent in-band as `data: {"error": …}` and the
 //! stream ends without `[DONE]`.
 
+use crate::admission::Ticket;
+use crate::auth::Caller;
 use crate::detokenizer::Detokenizer;
 use crate::error::ApiError;
+use crate::generator::TokenStream;
 use crate::metrics::Endpoint;
 use crate::protocol::{ChatCompletion, Completion, StopReason, Usage};
 use crate::server::{RouterState, SYSTEM_FINGERPRINT};
@@ -19,7 +22,7 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
-use axum::Json;
+use axum::{Extension, Json};
 use futures::{stream, StreamExt};
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -31,22 +34,25 @@ use shape::{json_event, Shape};
 /// `POST /v1/chat/completions`
 pub(crate) async fn chat_completions(
     State(state): State<RouterState>,
+    caller: Option<Extension<Caller>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    handle(state, Endpoint::ChatCompletions, body).await
+    handle(state, Endpoint::ChatCompletions, caller.map(|c| c.0), body).await
 }
 
 /// `POST /v1/completions`
 pub(crate) async fn completions(
     State(state): State<RouterState>,
+    caller: Option<Extension<Caller>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    handle(state, Endpoint::Completions, body).await
+    handle(state, Endpoint::Completions, caller.map(|c| c.0), body).await
 }
 
 async fn handle(
     state: RouterState,
     endpoint: Endpoint,
+    caller: Option<Caller>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let mut record = state.metrics().start(endpoint);
@@ -57,9 +63,23 @@ async fn handle(
             return err.into_response();
         }
     };
+    // Every prompt of a batch counts; the choices of one prompt share its tokens.
+    let prompt_tokens = batch.iter().map(|p| p.request.prompt_token_ids.len()).sum();
+    let admission = state.admission();
+    let priority = admission.priority(caller.as_ref(), batch[0].priority);
+    let ticket = match admission
+        .admit(caller.as_ref(), priority, prompt_tokens)
+        .await
+    {
+        Ok(ticket) => Arc::new(ticket),
+        Err(err) => {
+            record.failed(&err);
+            return err.into_response();
+        }
+    };
     let n = batch[0].choices.max(1);
     if batch.len() > 1 || n > 1 {
-        return respond_batch(state, endpoint, record, base_id, batch).await;
+        return respond_batch(state, endpoint, record, base_id, batch, ticket).await;
     }
     let prepared = batch.remove(0);
     record.admitted(prepared.request.prompt_token_ids.len());
@@ -83,7 +103,7 @@ async fn handle(
     let max_tokens = request.sampling.max_tokens;
     let request_stop_ids = request.sampling.stop_token_ids.clone();
     let tokens = match state.generator().generate(request).await {
-        Ok(tokens) => tokens,
+        Ok(tokens) => holding(tokens, ticket),
         Err(err) => {
             let err = ApiError::from(err);
             record.failed(&err);
@@ -98,6 +118,16 @@ async fn handle(
     } else {
         respond_whole(text, shape).await
     }
+}
+
+/// `tokens` keeping the request's admission ticket until the stream ends or is dropped.
+fn holding(tokens: TokenStream, ticket: Arc<Ticket>) -> TokenStream {
+    tokens
+        .map(move |token| {
+            let _held = &ticket;
+            token
+        })
+        .boxed()
 }
 
 /// Parses and validates off the async runtime (templating and tokenizing a long prompt is
@@ -208,6 +238,7 @@ async fn respond_batch(
     first_record: crate::metrics::RequestRecord,
     base_id: String,
     batch: Vec<Prepared>,
+    ticket: Arc<Ticket>,
 ) -> Response {
     let (stream, include_usage) = (batch[0].stream, batch[0].include_usage);
     let n = batch[0].choices.max(1);
@@ -223,6 +254,7 @@ async fn respond_batch(
         let mut records: Vec<_> = records.by_ref().take(per_prompt).collect();
         let state = state.clone();
         let base_id = base_id.clone();
+        let ticket = ticket.clone();
         async move {
             for record in &mut records {
                 record.admitted(p.request.prompt_token_ids.len());
@@ -242,7 +274,8 @@ async fn respond_batch(
                     return Err(err);
                 }
             };
-            let choices = streams.into_iter().zip(p.expand()).zip(records);
+            let streams = streams.into_iter().map(|s| holding(s, ticket.clone()));
+            let choices = streams.zip(p.expand()).zip(records);
             Ok(choices
                 .enumerate()
                 .map(|(j, ((tokens, c), record))| {
