@@ -107,6 +107,8 @@ kernels!(
     moe_gate_up,
     moe_down,
     moe_combine,
+    mla_append,
+    mla_attention,
     hc_expand,
     hc_collapse,
     hc_merge,

@@ -16,22 +16,23 @@
 //! down, combine: four launches whatever the number of experts); larger steps read the routing
 //! back and run expert by expert through cuBLAS.
 //!
-//! Two operations run on the host for now: MLA's append and attention (their caches,
-//! [`MlaState`], are host rows). Each downloads its inputs, runs the CPU backend's body and writes its
-//! outputs back ([`CudaBackend::on_host`], [`CudaBackend::write_back`]), so each one
-//! synchronises the stream: they are the next kernels to write, MLA first (after its cache
-//! moves into device blocks).
+//! MLA's cache ([`MlaState`]) is blocks of rows in device memory: the append writes the
+//! step's rows through a table of destination addresses, and attention runs absorbed — two
+//! batched cuBLAS products through `kv_b` around one kernel that scores and attends over each
+//! row's blocks (a table of block addresses per sequence). No operation of the family waits
+//! for the device.
 
 use crate::device::{check, Arg as A, CudaBackend};
 use crate::ops::{flat_cfg, need, ptr, rows_cfg, threads_for, T};
+use cudarc::cublas::{result as blas, sys as blas_sys};
 use cudarc::driver::LaunchConfig;
-use std::sync::Once;
 use tandem_engine::backend::hybrid::{
     At, DeltaForm, DeltaInputs, ExpertBank, ExpertRows, HcParams, HybridOps, MlaDims, Routed, Seqs,
 };
 use tandem_engine::backend::Linear;
-use tandem_engine::kda_hybrid::{KdaGate, MlaState, MoeConfig};
-use tandem_engine::{Backend, CpuBackend, DType, HostTensor, Tensor};
+use tandem_engine::kda_hybrid::latent_pool::BLOCK_ROWS;
+use tandem_engine::kda_hybrid::{KdaGate, MlaState, MoeConfig, PagedRows};
+use tandem_engine::{Backend, DType, HostTensor};
 
 /// Head widths the delta-rule kernel is built for (`delta_rule_d*` in kernels.cu).
 pub(crate) const DELTA_HEAD_DIMS: [usize; 4] = [16, 32, 64, 128];
@@ -52,9 +53,11 @@ const MOE_MAX_GROUPS: usize = 64;
 const MOE_MAX_EXPERTS: usize = 1024;
 /// Warps per block of the grouped expert kernels (their `__launch_bounds__`).
 const MOE_WARPS: usize = 4;
-
-/// Logs, once per process, that some of the family's operations run on the host.
-static HOST_FALLBACK_NOTICE: Once = Once::new();
+/// Latent and rope values per lane of the MLA attention kernel (`MLA_LANE_R`,
+/// `MLA_LANE_ROPE` in kernels.cu), and its warps per block (`MLA_WARPS`).
+const MLA_LANE_R: usize = 16;
+const MLA_LANE_ROPE: usize = 2;
+const MLA_WARPS: usize = 4;
 
 /// One non-empty sequence of a per-sequence launch (`SeqEntry` in kernels.cu).
 #[derive(Clone, Copy, Debug)]
@@ -757,55 +760,240 @@ impl HybridOps for CudaBackend {
         );
     }
 
-    /// Host fallback: the caches are host rows ([`MlaState`]).
+    /// One launch over the step's new rows, each writing into its sequence's blocks (grown
+    /// first) through a table of destination addresses.
     fn mla_append(
         &self,
         ckv: &T,
         seqs: &Seqs,
-        states: &mut [&mut MlaState],
+        states: &mut [&mut MlaState<Self>],
         norm: &T,
         dims: MlaDims,
         eps: f32,
         indexer: Option<(&T, &T, usize, usize)>,
     ) {
-        self.note_host_fallback();
-        let cpu = CpuBackend::new();
-        let indexer =
-            indexer.map(|(keys, gate, kw, gw)| (self.on_host(keys), self.on_host(gate), kw, gw));
-        cpu.mla_append(
-            &self.on_host(ckv),
-            seqs,
-            states,
-            &self.on_host(norm),
-            dims,
-            eps,
-            indexer.as_ref().map(|(k, g, kw, gw)| (k, g, *kw, *gw)),
+        let rows = seqs.iter().map(|s| s.end).max().unwrap_or(0);
+        if rows == 0 {
+            return;
+        }
+        let (r, dr) = (dims.rank, dims.rope);
+        need(ckv, DType::F32, rows * (r + dr), "mla_append input");
+        need(norm, DType::F32, r, "mla_append norm");
+        let (kw, gw) = indexer.map_or((0, 0), |(_, _, kw, gw)| (kw, gw));
+        if let Some((keys, gate, _, _)) = indexer {
+            need(keys, DType::F32, rows * kw, "mla_append indexer keys");
+            need(gate, DType::F32, rows * gw, "mla_append indexer gate");
+        }
+        // Per row: latent, rope, key and gate destinations (0: none).
+        let mut dst = vec![0u64; 4 * rows];
+        for (range, state) in seqs.iter().zip(states.iter_mut()) {
+            let n = range.len();
+            let mut caches = vec![&mut state.kv_latent, &mut state.k_rope];
+            if let (Some(ix), Some(_)) = (state.indexer.as_mut(), indexer) {
+                caches.push(&mut ix.keys);
+                caches.push(&mut ix.pool_gate);
+            }
+            for (slot, cache) in caches.into_iter().enumerate() {
+                if cache.width() == 0 {
+                    continue;
+                }
+                let start = cache.rows();
+                cache.grow(start + n);
+                for (j, row) in range.clone().enumerate() {
+                    dst[4 * row + slot] = row_address(cache, start + j);
+                }
+                cache.advance(n);
+            }
+        }
+        let bytes: Vec<u8> = dst.iter().flat_map(|a| a.to_le_bytes()).collect();
+        let table = self.upload_table(&bytes);
+        let (keys, gate) = indexer.map_or((0, 0), |(k, g, _, _)| (ptr(k), ptr(g)));
+        self.launch(
+            &self.inner.kernels.mla_append,
+            rows_cfg(rows, threads_for(r).min(256)),
+            &[
+                A::from(ptr(ckv)),
+                A::from(r as i32),
+                A::from(dr as i32),
+                A::from(ptr(norm)),
+                A::from(eps),
+                A::from(keys),
+                A::from(kw as i32),
+                A::from(gate),
+                A::from(gw as i32),
+                A::from(table),
+            ],
         );
     }
 
-    /// Host fallback: the caches are host rows ([`MlaState`]), and `kv_b` is downloaded on
-    /// every call.
+    /// The query is mapped into latent space and the attended latent back through `kv_b` by
+    /// two batched GEMMs (a batch per head); between them one kernel scores and attends over
+    /// each row's blocks (a block of warps per row and head).
     fn mla_attention(
         &self,
         q: &T,
         seqs: &Seqs,
-        states: &[&MlaState],
+        states: &[&MlaState<Self>],
         kv_b: &T,
         dims: MlaDims,
         out: &mut T,
     ) {
-        self.note_host_fallback();
-        let cpu = CpuBackend::new();
-        let mut host_out = self.on_host(out);
-        cpu.mla_attention(
-            &self.on_host(q),
-            seqs,
-            states,
-            &self.on_host(kv_b),
-            dims,
-            &mut host_out,
+        let MlaDims {
+            heads: h,
+            rank: r,
+            nope: dn,
+            rope: dr,
+            v_head: dv,
+        } = dims;
+        let rows = seqs.iter().map(|s| s.end).max().unwrap_or(0);
+        if rows == 0 {
+            return;
+        }
+        assert!(
+            r <= 32 * MLA_LANE_R && dr <= 32 * MLA_LANE_ROPE,
+            "the CUDA MLA attention takes latents up to {} and rope slots up to {} wide, not {r} \
+             and {dr}",
+            32 * MLA_LANE_R,
+            32 * MLA_LANE_ROPE
         );
-        self.write_back(out, &host_out);
+        need(q, DType::F32, rows * h * (dn + dr), "mla_attention query");
+        need(kv_b, DType::F32, h * (dn + dv) * r, "mla_attention kv_b");
+        need(out, DType::F32, rows * h * dv, "mla_attention output");
+        // Per row: its first block entry and visible tokens; per sequence, its blocks.
+        let mut meta = vec![0u32; 2 * rows];
+        let mut blocks: Vec<u64> = Vec::new();
+        for (range, state) in seqs.iter().zip(states) {
+            let cached = state.tokens(r);
+            let first = cached - range.len();
+            let at = (blocks.len() / 2) as u32;
+            for b in 0..cached.div_ceil(BLOCK_ROWS) {
+                blocks.push(ptr(state.kv_latent.block(b)));
+                blocks.push(if dr > 0 {
+                    ptr(state.k_rope.block(b))
+                } else {
+                    0
+                });
+            }
+            for (j, row) in range.clone().enumerate() {
+                meta[2 * row] = at;
+                meta[2 * row + 1] = (first + j + 1) as u32;
+            }
+        }
+        let mut bytes: Vec<u8> = meta.iter().flat_map(|v| v.to_le_bytes()).collect();
+        bytes.resize(bytes.len().next_multiple_of(8), 0);
+        let blocks_at = bytes.len() as u64;
+        bytes.extend(blocks.iter().flat_map(|a| a.to_le_bytes()));
+        let table = self.upload_table(&bytes);
+
+        let q_lat = self.zeros(DType::F32, &[rows, h, r]);
+        let o_lat = self.zeros(DType::F32, &[rows, h, r]);
+        let f32_t = blas_sys::cudaDataType::CUDA_R_32F;
+        let (q_row, w_head) = ((h * (dn + dr)) as i32, ((dn + dv) * r) as i64);
+        // q_lat[t][h] = Wk_h (dn × r)ᵀ · q_nope[t][h]: column-major, (r × T) = (r × dn)·(dn × T).
+        self.batched_gemm(BatchedGemm {
+            trans_a: false,
+            m: r,
+            n: rows,
+            k: dn,
+            a: (ptr(kv_b), r as i32, w_head),
+            b: (ptr(q), q_row, (dn + dr) as i64),
+            c: (ptr(&q_lat), (h * r) as i32, r as i64),
+            batch: h,
+            f32_t,
+        });
+        self.launch(
+            &self.inner.kernels.mla_attention,
+            LaunchConfig {
+                grid_dim: (rows as u32, h as u32, 1),
+                block_dim: ((MLA_WARPS * 32) as u32, 1, 1),
+                shared_mem_bytes: 0,
+            },
+            &[
+                A::from(ptr(&q_lat)),
+                A::from(ptr(q)),
+                A::from(h as i32),
+                A::from(dn as i32),
+                A::from(dr as i32),
+                A::from(r as i32),
+                A::from(1.0 / ((dn + dr) as f32).sqrt()),
+                A::from(table),
+                A::from(table + blocks_at),
+                A::from(ptr(&o_lat)),
+            ],
+        );
+        // out[t][h] = Wv_h (dv × r) · o_lat[t][h]: column-major, (dv × T) = (r × dv)ᵀ·(r × T).
+        self.batched_gemm(BatchedGemm {
+            trans_a: true,
+            m: dv,
+            n: rows,
+            k: r,
+            a: (ptr(kv_b) + (dn * r * 4) as u64, r as i32, w_head),
+            b: (ptr(&o_lat), (h * r) as i32, r as i64),
+            c: (ptr(out), (h * dv) as i32, dv as i64),
+            batch: h,
+            f32_t,
+        });
+    }
+}
+
+/// The device address of row `row` of `rows` (its block must be held).
+fn row_address(rows: &PagedRows<CudaBackend>, row: usize) -> u64 {
+    ptr(rows.block(row / BLOCK_ROWS)) + ((row % BLOCK_ROWS) * rows.width() * 4) as u64
+}
+
+/// One cuBLAS strided batched f32 product, column-major: `C_i (m × n) = op(A_i) · B_i`, each
+/// operand given as (address, leading dimension, stride between batch entries).
+struct BatchedGemm {
+    trans_a: bool,
+    m: usize,
+    n: usize,
+    k: usize,
+    a: (u64, i32, i64),
+    b: (u64, i32, i64),
+    c: (u64, i32, i64),
+    batch: usize,
+    f32_t: blas_sys::cudaDataType,
+}
+
+impl CudaBackend {
+    fn batched_gemm(&self, g: BatchedGemm) {
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        let op = |t: bool| {
+            if t {
+                blas_sys::cublasOperation_t::CUBLAS_OP_T
+            } else {
+                blas_sys::cublasOperation_t::CUBLAS_OP_N
+            }
+        };
+        // SAFETY: the operands are live device buffers whose sizes the caller checked.
+        let r = unsafe {
+            blas::gemm_strided_batched_ex(
+                *self.inner.blas.handle(),
+                op(g.trans_a),
+                op(false),
+                g.m as i32,
+                g.n as i32,
+                g.k as i32,
+                (&alpha as *const f32).cast(),
+                g.a.0 as *const _,
+                g.f32_t,
+                g.a.1,
+                g.a.2,
+                g.b.0 as *const _,
+                g.f32_t,
+                g.b.1,
+                g.b.2,
+                (&beta as *const f32).cast(),
+                g.c.0 as *mut _,
+                g.f32_t,
+                g.c.1,
+                g.c.2,
+                g.batch as i32,
+                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        };
+        check(r, "batched GEMM");
     }
 }
 
@@ -870,33 +1058,5 @@ impl CudaBackend {
             self.htod(buf, bytes);
         }
         at
-    }
-
-    /// A device tensor's values as an f32 (or u32) CPU tensor, for the host fallbacks. Waits
-    /// for the stream.
-    fn on_host(&self, t: &T) -> Tensor<CpuBackend> {
-        let host = self.download(t);
-        let host = if host.dtype().is_float() && host.dtype() != DType::F32 {
-            check(host.to_dtype(DType::F32), "host fallback conversion to f32")
-        } else {
-            host
-        };
-        CpuBackend::new().upload(&host)
-    }
-
-    /// Writes a host fallback's result over the device tensor it was made from (whole: the
-    /// rows the operation left alone go back unchanged).
-    fn write_back(&self, dst: &mut T, src: &Tensor<CpuBackend>) {
-        let host = CpuBackend::new().download(src);
-        check(self.overwrite(dst, &host), "host fallback write-back");
-    }
-
-    fn note_host_fallback(&self) {
-        HOST_FALLBACK_NOTICE.call_once(|| {
-            tracing::info!(
-                device = %self.name(),
-                "KDA-hybrid MLA (append, attention) runs on the host: each call waits for the GPU and copies its tensors both ways"
-            );
-        });
     }
 }

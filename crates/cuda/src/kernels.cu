@@ -1632,6 +1632,126 @@ extern "C" __global__ void moe_combine(float* y, const float* out, const u32* id
     y[i] += s;
 }
 
+// ---- MLA over paged latents -----------------------------------------------------------------
+//
+// A request's MLA cache is blocks of MLA_BLOCK rows (latents `r` wide, rope slots `dr` wide)
+// anywhere in device memory; each launch takes a table of the addresses it needs.
+
+#define MLA_BLOCK 16
+// Latent widths up to 32 * MLA_LANE_R, rope widths up to 32 * MLA_LANE_ROPE.
+#define MLA_LANE_R 16
+#define MLA_LANE_ROPE 2
+#define MLA_WARPS 4
+
+// A block per new row j: RMSNorm(ckv[j][0..r]) * norm into dst[4j], the rope slot
+// ckv[j][r..r+dr] into dst[4j+1], the indexer's key and gate rows into dst[4j+2] and dst[4j+3]
+// (a zero address: nothing to write).
+extern "C" __global__ void mla_append(const float* ckv, int r, int dr, const float* norm, float eps,
+                                      const float* keys, int kw, const float* gate, int gw,
+                                      const unsigned long long* dst) {
+    pdl_start();
+    __shared__ float shared[32];
+    long j = blockIdx.x;
+    const unsigned long long* d = dst + 4 * j;
+    if (d[0] == 0ull) return;
+    const float* row = ckv + j * (r + dr);
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < r; i += blockDim.x) ss += row[i] * row[i];
+    ss = block_sum(ss, shared);
+    float inv = rsqrtf(ss / (float)r + eps);
+    float* latent = reinterpret_cast<float*>(d[0]);
+    for (int i = threadIdx.x; i < r; i += blockDim.x) latent[i] = row[i] * inv * norm[i];
+    if (d[1] != 0ull) {
+        float* rope = reinterpret_cast<float*>(d[1]);
+        for (int i = threadIdx.x; i < dr; i += blockDim.x) rope[i] = row[r + i];
+    }
+    if (d[2] != 0ull) {
+        float* k = reinterpret_cast<float*>(d[2]);
+        for (int i = threadIdx.x; i < kw; i += blockDim.x) k[i] = keys[j * kw + i];
+    }
+    if (d[3] != 0ull) {
+        float* g = reinterpret_cast<float*>(d[3]);
+        for (int i = threadIdx.x; i < gw; i += blockDim.x) g[i] = gate[j * gw + i];
+    }
+}
+
+// Absorbed attention of new row t, head blockIdx.y, over the first `visible` tokens of its
+// sequence: scores (q_lat · latent_s + q_rope · rope_s) * scale, softmax, and the attended
+// latent o_lat[t][h] = Σ_s p_s latent_s. meta[2t] is the row's first entry in `blocks`
+// (latent and rope block addresses, MLA_BLOCK tokens each), meta[2t+1] its visible tokens.
+// Each warp takes every MLA_WARPS-th token with a running softmax; the warps merge at the end.
+extern "C" __global__ void __launch_bounds__(MLA_WARPS * 32) mla_attention(
+        const float* q_lat, const float* q, int heads, int dn, int dr, int r, float scale, const u32* meta,
+        const unsigned long long* blocks, float* o_lat) {
+    pdl_start();
+    __shared__ float s_m[MLA_WARPS], s_l[MLA_WARPS];
+    __shared__ float s_acc[MLA_WARPS][32 * MLA_LANE_R];
+    long t = blockIdx.x;
+    int h = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    u32 first = meta[2 * t], visible = meta[2 * t + 1];
+    const float* ql = q_lat + (t * heads + h) * (long)r;
+    const float* qr = q + (t * heads + h) * (long)(dn + dr) + dn;
+    float qv[MLA_LANE_R], acc[MLA_LANE_R], qrv[MLA_LANE_ROPE];
+    #pragma unroll
+    for (int i = 0; i < MLA_LANE_R; ++i) {
+        int c = lane + 32 * i;
+        qv[i] = c < r ? ql[c] : 0.0f;
+        acc[i] = 0.0f;
+    }
+    #pragma unroll
+    for (int i = 0; i < MLA_LANE_ROPE; ++i) {
+        int c = lane + 32 * i;
+        qrv[i] = c < dr ? qr[c] : 0.0f;
+    }
+    float m = -INFINITY, l = 0.0f;
+    for (u32 s = warp; s < visible; s += MLA_WARPS) {
+        const unsigned long long* b = blocks + 2 * (first + s / MLA_BLOCK);
+        int in = s % MLA_BLOCK;
+        const float* lat = reinterpret_cast<const float*>(b[0]) + (long)in * r;
+        float lv[MLA_LANE_R];
+        float dot = 0.0f;
+        #pragma unroll
+        for (int i = 0; i < MLA_LANE_R; ++i) {
+            int c = lane + 32 * i;
+            lv[i] = c < r ? lat[c] : 0.0f;
+            dot += qv[i] * lv[i];
+        }
+        if (dr > 0) {
+            const float* rope = reinterpret_cast<const float*>(b[1]) + (long)in * dr;
+            #pragma unroll
+            for (int i = 0; i < MLA_LANE_ROPE; ++i) {
+                int c = lane + 32 * i;
+                if (c < dr) dot += qrv[i] * rope[c];
+            }
+        }
+        float score = warp_sum(dot) * scale;
+        float mn = fmaxf(m, score);
+        float correction = expf(m - mn), p = expf(score - mn);
+        l = l * correction + p;
+        #pragma unroll
+        for (int i = 0; i < MLA_LANE_R; ++i) acc[i] = acc[i] * correction + p * lv[i];
+        m = mn;
+    }
+    if (lane == 0) {
+        s_m[warp] = m;
+        s_l[warp] = l;
+    }
+    #pragma unroll
+    for (int i = 0; i < MLA_LANE_R; ++i) s_acc[warp][lane + 32 * i] = acc[i];
+    __syncthreads();
+    float mx = -INFINITY;
+    for (int w = 0; w < MLA_WARPS; ++w) mx = fmaxf(mx, s_m[w]);
+    float total = 0.0f;
+    for (int w = 0; w < MLA_WARPS; ++w) total += s_m[w] == -INFINITY ? 0.0f : s_l[w] * expf(s_m[w] - mx);
+    float* out = o_lat + (t * heads + h) * (long)r;
+    for (int c = threadIdx.x; c < r; c += blockDim.x) {
+        float v = 0.0f;
+        for (int w = 0; w < MLA_WARPS; ++w)
+            if (s_m[w] != -INFINITY) v += s_acc[w][c] * expf(s_m[w] - mx);
+        out[c] = v / total;
+    }
+}
+
 // mHC residual streams: `n` copies of each row, their merge and their mean. A stream count
 // is at most HC_MAX_STREAMS (a thread keeps one column of every stream in registers).
 #define HC_MAX_STREAMS 8

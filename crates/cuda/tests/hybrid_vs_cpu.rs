@@ -13,7 +13,9 @@ use tandem_engine::backend::hybrid::{
     At, DeltaForm, DeltaInputs, ExpertBank, ExpertRows, HcParams, HybridOps, MlaDims, Routed,
 };
 use tandem_engine::backend::{Linear, Ops};
-use tandem_engine::kda_hybrid::{KdaGate, LatentPool, MlaState, MoeConfig, PagedRows};
+use tandem_engine::kda_hybrid::{
+    IndexerCache, KdaGate, LatentPool, MlaState, MoeConfig, PagedRows,
+};
 use tandem_engine::{Backend, CpuBackend, DType, HostTensor, Tensor};
 
 type C = CpuBackend;
@@ -778,17 +780,29 @@ fn grouped_experts_match_the_cpu_expert_by_expert() {
     }
 }
 
-#[test]
-fn mla_host_fallbacks_match_the_cpu() {
-    let Some(g) = gpu() else { return };
-    let c = CpuBackend::new();
-    let dims = MlaDims {
-        heads: 4,
-        rank: 64,
-        nope: 32,
-        rope: 16,
-        v_head: 32,
-    };
+/// An empty MLA cache on `b` (with the indexer's caches when `indexer` gives their widths).
+fn mla_state<B: Backend>(b: &B, dims: MlaDims, indexer: Option<(usize, usize)>) -> MlaState<B> {
+    let rows = |w: usize| PagedRows::new(w, LatentPool::default(), b.clone());
+    MlaState {
+        kv_latent: rows(dims.rank),
+        k_rope: rows(dims.rope),
+        indexer: indexer.map(|(kw, gw)| IndexerCache {
+            keys: rows(kw),
+            pool_gate: rows(gw),
+        }),
+    }
+}
+
+/// One MLA step on both devices: the rows of `segments` appended to each sequence's cache
+/// (with indexer rows when the caches keep them), then attention of those rows; compares the
+/// caches and the outputs.
+fn mla_step(
+    (c, g): (&C, &G),
+    (states_c, states_g): (&mut [MlaState<C>], &mut [MlaState<G>]),
+    segments: &[usize],
+    dims: MlaDims,
+    seed: u64,
+) {
     let MlaDims {
         heads: h,
         rank: r,
@@ -796,47 +810,107 @@ fn mla_host_fallbacks_match_the_cpu() {
         rope: dr,
         v_head: dv,
     } = dims;
-    let seqs = seqs();
-    let rows: usize = SEGMENTS.iter().sum();
-    let state = || MlaState {
-        kv_latent: PagedRows::new(r, LatentPool::default()),
-        k_rope: PagedRows::new(dr, LatentPool::default()),
-        indexer: None,
-    };
-    let mut states_c: Vec<MlaState> = SEGMENTS.iter().map(|_| state()).collect();
-    let mut states_g: Vec<MlaState> = SEGMENTS.iter().map(|_| state()).collect();
-    let (ckv_c, ckv_g) = both(&c, &g, &[rows, r + dr], noise(1, rows * (r + dr)));
-    let (norm_c, norm_g) = both(&c, &g, &[r], noise(2, r));
+    let seqs = seqs_of(segments);
+    let rows: usize = segments.iter().sum();
+    let (kw, gw) = (8, 4);
+    let (ckv_c, ckv_g) = both(c, g, &[rows, r + dr], noise(seed, rows * (r + dr)));
+    let (norm_c, norm_g) = both(c, g, &[r], noise(seed + 1, r));
+    let (keys_c, keys_g) = both(c, g, &[rows, kw], noise(seed + 2, rows * kw));
+    let (gate_c, gate_g) = both(c, g, &[rows, gw], noise(seed + 3, rows * gw));
+    let indexed = states_c[0].indexer.is_some();
     {
-        let mut refs: Vec<&mut MlaState> = states_c.iter_mut().collect();
-        c.mla_append(&ckv_c, &seqs, &mut refs, &norm_c, dims, 1e-6, None);
-        let mut refs: Vec<&mut MlaState> = states_g.iter_mut().collect();
-        g.mla_append(&ckv_g, &seqs, &mut refs, &norm_g, dims, 1e-6, None);
+        let ix_c = indexed.then_some((&keys_c, &gate_c, kw, gw));
+        let ix_g = indexed.then_some((&keys_g, &gate_g, kw, gw));
+        let mut refs: Vec<&mut MlaState<C>> = states_c.iter_mut().collect();
+        c.mla_append(&ckv_c, &seqs, &mut refs, &norm_c, dims, 1e-6, ix_c);
+        let mut refs: Vec<&mut MlaState<G>> = states_g.iter_mut().collect();
+        g.mla_append(&ckv_g, &seqs, &mut refs, &norm_g, dims, 1e-6, ix_g);
     }
-    for (i, (sc, sg)) in states_c.iter().zip(&states_g).enumerate() {
+    for (i, (sc, sg)) in states_c.iter().zip(states_g.iter()).enumerate() {
+        assert_eq!(sc.tokens(r), sg.tokens(r), "tokens cached in sequence {i}");
         close(
             &format!("mla_append latents of sequence {i}"),
             &sc.kv_latent.to_vec(),
             &sg.kv_latent.to_vec(),
-            0.0,
+            1e-5,
         );
-        close(
-            &format!("mla_append rope slots of sequence {i}"),
-            &sc.k_rope.to_vec(),
-            &sg.k_rope.to_vec(),
-            0.0,
-        );
+        assert_eq!(sc.k_rope.to_vec(), sg.k_rope.to_vec(), "rope slots of {i}");
+        if let (Some(a), Some(b)) = (&sc.indexer, &sg.indexer) {
+            assert_eq!(a.keys.to_vec(), b.keys.to_vec(), "indexer keys of {i}");
+            assert_eq!(
+                a.pool_gate.to_vec(),
+                b.pool_gate.to_vec(),
+                "indexer gate of {i}"
+            );
+        }
+        // What a handoff carries: the device cache copied to the host equals the CPU's.
+        let host = sg.copy_into(&LatentPool::default(), c);
+        assert_eq!(host.k_rope, sc.k_rope, "host copy of sequence {i}");
     }
-
-    let (q_c, q_g) = both(&c, &g, &[rows, h, dn + dr], noise(3, rows * h * (dn + dr)));
-    let (kvb_c, kvb_g) = both(&c, &g, &[h * (dn + dv), r], noise(4, h * (dn + dv) * r));
+    let (q_c, q_g) = both(
+        c,
+        g,
+        &[rows, h, dn + dr],
+        noise(seed + 4, rows * h * (dn + dr)),
+    );
+    let kv_b = noise(seed + 5, h * (dn + dv) * r);
+    let (kvb_c, kvb_g) = both(c, g, &[h * (dn + dv), r], kv_b);
     let (mut o_c, mut o_g) = (
         c.zeros(DType::F32, &[rows, h * dv]),
         g.zeros(DType::F32, &[rows, h * dv]),
     );
-    let refs_c: Vec<&MlaState> = states_c.iter().collect();
-    let refs_g: Vec<&MlaState> = states_g.iter().collect();
+    let refs_c: Vec<&MlaState<C>> = states_c.iter().collect();
+    let refs_g: Vec<&MlaState<G>> = states_g.iter().collect();
     c.mla_attention(&q_c, &seqs, &refs_c, &kvb_c, dims, &mut o_c);
     g.mla_attention(&q_g, &seqs, &refs_g, &kvb_g, dims, &mut o_g);
-    close_tensors("mla_attention", &c, &o_c, &g, &o_g, 0.0);
+    close_tensors(
+        &format!("mla_attention over {segments:?}"),
+        c,
+        &o_c,
+        g,
+        &o_g,
+        1e-4,
+    );
+}
+
+#[test]
+fn mla_over_device_blocks_matches_the_cpu() {
+    let Some(g) = gpu() else { return };
+    let c = CpuBackend::new();
+    // Kimi's shape (a rope slot) and GLM's (none, an indexer).
+    let kimi = MlaDims {
+        heads: 4,
+        rank: 64,
+        nope: 32,
+        rope: 16,
+        v_head: 32,
+    };
+    let glm = MlaDims {
+        heads: 3,
+        rank: 512,
+        nope: 48,
+        rope: 0,
+        v_head: 40,
+    };
+    for (dims, indexer) in [(kimi, None), (glm, Some((8, 4)))] {
+        let mut states_c: Vec<_> = SEGMENTS
+            .iter()
+            .map(|_| mla_state(&c, dims, indexer))
+            .collect();
+        let mut states_g: Vec<_> = SEGMENTS
+            .iter()
+            .map(|_| mla_state(&g, dims, indexer))
+            .collect();
+        // A prompt step (sequences spanning several blocks, one empty), then two decode steps
+        // that write into partly filled blocks.
+        mla_step((&c, &g), (&mut states_c, &mut states_g), &SEGMENTS, dims, 1);
+        mla_step((&c, &g), (&mut states_c, &mut states_g), &[1; 5], dims, 11);
+        mla_step(
+            (&c, &g),
+            (&mut states_c, &mut states_g),
+            &[1, 0, 1, 1, 1],
+            dims,
+            21,
+        );
+    }
 }

@@ -159,8 +159,8 @@ fn check_prefill_state(reference: &Reference, model: &KdaHybridModel) {
                     assert!(mla.k_rope.is_empty(), "no rope slot in this model");
                 }
                 if let Some(ix) = &mla.indexer {
-                    check("dsa.indexer_k", &ix.keys);
-                    check("dsa.indexer_pool_gate_scores", &ix.pool_gate);
+                    check("dsa.indexer_k", &ix.keys.to_vec());
+                    check("dsa.indexer_pool_gate_scores", &ix.pool_gate.to_vec());
                 }
             }
         }

@@ -48,14 +48,14 @@ impl CpuBackend {
 
 type T = Tensor<CpuBackend>;
 
-pub(super) fn f32s(t: &T) -> &[f32] {
+pub(crate) fn f32s(t: &T) -> &[f32] {
     match &t.storage {
         CpuStorage::F32(v) => v,
         _ => panic!("expected an f32 tensor, got {}", t.dtype),
     }
 }
 
-pub(super) fn f32s_mut(t: &mut T) -> &mut [f32] {
+pub(crate) fn f32s_mut(t: &mut T) -> &mut [f32] {
     let dtype = t.dtype;
     match &mut t.storage {
         CpuStorage::F32(v) => v,

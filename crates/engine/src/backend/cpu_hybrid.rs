@@ -340,17 +340,17 @@ impl HybridOps for CpuBackend {
             for row in ckv[rows.start * (r + dr)..rows.end * (r + dr)].chunks_exact(r + dr) {
                 latent.copy_from_slice(&row[..r]);
                 rms_norm_rows(&mut latent, r, Some(norm), eps);
-                state.kv_latent.extend_from_slice(&latent);
-                state.k_rope.extend_from_slice(&row[r..]);
+                state.kv_latent.push_row(&latent);
+                state.k_rope.push_row(&row[r..]);
             }
             if let (Some((keys, gate, kw, gw)), Some(cache)) = (indexer, state.indexer.as_mut()) {
                 let (keys, gate) = (f32s(keys), f32s(gate));
-                cache
-                    .keys
-                    .extend_from_slice(&keys[rows.start * kw..rows.end * kw]);
-                cache
-                    .pool_gate
-                    .extend_from_slice(&gate[rows.start * gw..rows.end * gw]);
+                for row in keys[rows.start * kw..rows.end * kw].chunks_exact(kw) {
+                    cache.keys.push_row(row);
+                }
+                for row in gate[rows.start * gw..rows.end * gw].chunks_exact(gw) {
+                    cache.pool_gate.push_row(row);
+                }
             }
         }
     }

@@ -371,7 +371,7 @@ pub trait HybridOps: Ops {
         &self,
         ckv: &Tensor<Self>,
         seqs: &Seqs,
-        states: &mut [&mut MlaState],
+        states: &mut [&mut MlaState<Self>],
         norm: &Tensor<Self>,
         dims: MlaDims,
         eps: f32,
@@ -381,14 +381,13 @@ pub trait HybridOps: Ops {
     /// sequence's cache (already holding the step's rows: [`HybridOps::mla_append`]),
     /// causally, through `kv_b` (`[H·(nope+v_head), rank]`); writes `[T, H·v_head]`.
     ///
-    /// The caches are host-side paged rows today ([`MlaState`]); moving them into the
-    /// backend's paged block pool is what a device implementation needs first.
+    /// The caches are blocks of rows on this backend ([`MlaState`]).
     #[allow(clippy::too_many_arguments)]
     fn mla_attention(
         &self,
         q: &Tensor<Self>,
         seqs: &Seqs,
-        states: &[&MlaState],
+        states: &[&MlaState<Self>],
         kv_b: &Tensor<Self>,
         dims: MlaDims,
         out: &mut Tensor<Self>,

@@ -18,6 +18,7 @@ pub mod host;
 pub mod hybrid;
 
 pub use comm::TensorComm;
+pub(crate) use cpu::{f32s as cpu_f32s, f32s_mut as cpu_f32s_mut};
 pub use cpu::{CpuBackend, CpuStorage};
 pub use hybrid::HybridOps;
 

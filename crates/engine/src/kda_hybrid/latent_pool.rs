@@ -1,9 +1,12 @@
-//! MLA's per-token latent cache in fixed-size blocks from a pool shared by a worker's requests
-//! (the paged pool of the MLA layers). A request's latents are a list of blocks of
-//! [`BLOCK_ROWS`] rows; blocks go back to the pool when the request's state is dropped, and
-//! the serving engine reserves a request's blocks before running it, so a full pool refuses
-//! new work instead of failing mid-step.
+//! MLA's per-token latent cache in fixed-size blocks counted against a pool shared by a
+//! worker's requests (the paged pool of the MLA layers). A request's rows are a list of blocks
+//! of [`BLOCK_ROWS`] rows, each a tensor on the model's backend (device memory on a GPU), so
+//! the attention kernels read them where they are; blocks go back to the pool when the
+//! request's state is dropped, and the serving engine reserves a request's blocks before
+//! running it, so a full pool refuses new work instead of failing mid-step.
 
+use crate::backend::{Backend, CpuBackend};
+use crate::tensor::{DType, HostTensor, Tensor};
 use parking_lot::Mutex;
 use std::sync::Arc;
 
@@ -15,11 +18,9 @@ struct PoolInner {
     /// Blocks the pool may hand out; `None` = unbounded (tests, single-process runs).
     capacity: Option<usize>,
     in_use: usize,
-    /// Recycled buffers, by length in floats.
-    spare: Vec<Vec<f32>>,
 }
 
-/// Hands out latent blocks. Clones share one pool.
+/// Counts latent blocks. Clones share one pool.
 #[derive(Clone, Debug)]
 pub struct LatentPool {
     inner: Arc<Mutex<PoolInner>>,
@@ -71,16 +72,16 @@ impl LatentPool {
         p.capacity.map(|c| c.saturating_sub(p.in_use))
     }
 
-    /// Takes `n` blocks of `floats` floats each, or none when a bounded pool has fewer free
-    /// (`enforce`).
-    fn take(&self, n: usize, floats: usize, enforce: bool) -> Option<Vec<Vec<f32>>> {
+    /// Counts `n` blocks as in use; false (counting nothing) when a bounded pool has fewer
+    /// free and `enforce` is set.
+    fn take(&self, n: usize, enforce: bool) -> bool {
         let mut p = self.inner.lock();
         if enforce && p.capacity.is_some_and(|c| p.in_use + n > c) {
-            return None;
+            return false;
         }
         p.in_use += n;
         self.used.send_replace(p.in_use);
-        Some(Self::buffers(&mut p, n, floats))
+        true
     }
 
     /// Counts `n` blocks as in use at once, or none when a bounded pool has fewer free; the
@@ -88,46 +89,20 @@ impl LatentPool {
     /// left of it is released when it drops. Several caches reserve together this way, all or
     /// nothing.
     pub fn claim(&self, n: usize) -> Option<Claim> {
-        let mut p = self.inner.lock();
-        if p.capacity.is_some_and(|c| p.in_use + n > c) {
-            return None;
-        }
-        p.in_use += n;
-        self.used.send_replace(p.in_use);
-        Some(Claim {
+        self.take(n, true).then(|| Claim {
             pool: self.clone(),
             left: n,
         })
-    }
-
-    /// `n` empty buffers of capacity `floats` (spares first); no accounting.
-    fn buffers(p: &mut PoolInner, n: usize, floats: usize) -> Vec<Vec<f32>> {
-        let mut out = Vec::with_capacity(n);
-        for _ in 0..n {
-            let mut b = match p.spare.iter().position(|b| b.capacity() >= floats) {
-                Some(i) => p.spare.swap_remove(i),
-                None => Vec::with_capacity(floats),
-            };
-            b.clear();
-            out.push(b);
-        }
-        out
     }
 
     fn same_pool(&self, other: &LatentPool) -> bool {
         Arc::ptr_eq(&self.inner, &other.inner)
     }
 
-    fn give_back(&self, blocks: &mut Vec<Vec<f32>>) {
+    fn give_back(&self, n: usize) {
         let mut p = self.inner.lock();
-        p.in_use = p.in_use.saturating_sub(blocks.len());
+        p.in_use = p.in_use.saturating_sub(n);
         self.used.send_replace(p.in_use);
-        // Keep a bounded number of spares around for reuse.
-        while let Some(b) = blocks.pop() {
-            if p.spare.len() < 4096 {
-                p.spare.push(b);
-            }
-        }
     }
 }
 
@@ -141,30 +116,41 @@ pub struct Claim {
 impl Drop for Claim {
     fn drop(&mut self) {
         if self.left > 0 {
-            let mut p = self.pool.inner.lock();
-            p.in_use = p.in_use.saturating_sub(self.left);
-            self.pool.used.send_replace(p.in_use);
+            self.pool.give_back(self.left);
         }
     }
 }
 
-/// Rows of one width stored in pool blocks.
-#[derive(Debug, Default)]
-pub struct PagedRows {
+/// Rows of one width (f32) in blocks of [`BLOCK_ROWS`] rows on backend `B`, counted against a
+/// [`LatentPool`].
+pub struct PagedRows<B: Backend = CpuBackend> {
     width: usize,
     len: usize,
-    blocks: Vec<Vec<f32>>,
+    /// `[BLOCK_ROWS, width]` f32 each.
+    blocks: Vec<Tensor<B>>,
     pool: LatentPool,
+    backend: B,
 }
 
-impl PagedRows {
-    /// No rows yet, of `width` floats each, drawing blocks from `pool`.
-    pub fn new(width: usize, pool: LatentPool) -> Self {
+impl<B: Backend> std::fmt::Debug for PagedRows<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PagedRows")
+            .field("width", &self.width)
+            .field("rows", &self.len)
+            .field("blocks", &self.blocks.len())
+            .finish()
+    }
+}
+
+impl<B: Backend> PagedRows<B> {
+    /// No rows yet, of `width` floats each, in blocks on `backend` counted against `pool`.
+    pub fn new(width: usize, pool: LatentPool, backend: B) -> Self {
         Self {
             width,
             len: 0,
             blocks: Vec::new(),
             pool,
+            backend,
         }
     }
 
@@ -193,20 +179,24 @@ impl PagedRows {
         self.blocks.len()
     }
 
+    /// Block `i` (`[BLOCK_ROWS, width]`; row `r` of the rows is row `r % BLOCK_ROWS` of block
+    /// `r / BLOCK_ROWS`).
+    pub fn block(&self, i: usize) -> &Tensor<B> {
+        &self.blocks[i]
+    }
+
     /// Makes room for `rows` rows in total, taking the blocks now; fails (taking nothing)
     /// when a bounded pool cannot supply them.
     pub fn reserve(&mut self, rows: usize) -> bool {
-        let need = rows.div_ceil(BLOCK_ROWS).saturating_sub(self.blocks.len());
-        if need == 0 || self.width == 0 {
+        let need = self.blocks_short(rows);
+        if need == 0 {
             return true;
         }
-        match self.pool.take(need, BLOCK_ROWS * self.width, true) {
-            Some(mut b) => {
-                self.blocks.append(&mut b);
-                true
-            }
-            None => false,
+        if !self.pool.take(need, true) {
+            return false;
         }
+        self.allocate(need);
+        true
     }
 
     /// As [`PagedRows::reserve`], with blocks out of `claim` (made on this rows' pool); false
@@ -220,55 +210,89 @@ impl PagedRows {
             return false;
         }
         claim.left -= need;
-        let mut p = self.pool.inner.lock();
-        let mut b = LatentPool::buffers(&mut p, need, BLOCK_ROWS * self.width);
-        self.blocks.append(&mut b);
+        self.allocate(need);
         true
     }
 
-    /// Row `i`.
-    pub fn row(&self, i: usize) -> &[f32] {
-        let b = &self.blocks[i / BLOCK_ROWS];
-        let at = (i % BLOCK_ROWS) * self.width;
-        &b[at..at + self.width]
+    /// Makes room for `rows` rows in total; past the reserved blocks it takes more from the
+    /// pool without enforcing its bound (single-process runs). What a backend calls before
+    /// writing rows into the blocks.
+    pub fn grow(&mut self, rows: usize) {
+        let need = self.blocks_short(rows);
+        if need > 0 {
+            self.pool.take(need, false);
+            self.allocate(need);
+        }
     }
 
-    /// Appends whole rows (`data.len()` a multiple of the width). Past the reserved blocks it
-    /// takes more from the pool without enforcing its bound (single-process runs).
+    /// Counts `n` more rows as stored: a backend wrote them into the blocks (after
+    /// [`PagedRows::grow`]).
+    pub fn advance(&mut self, n: usize) {
+        assert!(
+            self.width == 0 || (self.len + n).div_ceil(BLOCK_ROWS) <= self.blocks.len(),
+            "rows advanced past the blocks held"
+        );
+        self.len += n;
+    }
+
+    fn allocate(&mut self, n: usize) {
+        for _ in 0..n {
+            let block = self.backend.zeros(DType::F32, &[BLOCK_ROWS, self.width]);
+            self.blocks.push(block);
+        }
+    }
+
+    /// Appends whole rows (`data.len()` a multiple of the width) from the host, taking blocks
+    /// as [`PagedRows::grow`] does.
     pub fn extend_from_slice(&mut self, data: &[f32]) {
-        if self.width == 0 {
+        if self.width == 0 || data.is_empty() {
             return;
         }
-        for row in data.chunks_exact(self.width) {
-            let block = self.len / BLOCK_ROWS;
-            if block == self.blocks.len() {
-                if let Some(mut b) = self.pool.take(1, BLOCK_ROWS * self.width, false) {
-                    self.blocks.append(&mut b);
-                }
+        let (w, n) = (self.width, data.len() / self.width);
+        self.grow(self.len + n);
+        let mut at = 0;
+        while at < n {
+            let row = self.len + at;
+            let (b, first) = (row / BLOCK_ROWS, row % BLOCK_ROWS);
+            let take = (BLOCK_ROWS - first).min(n - at);
+            let mut host = if first == 0 {
+                vec![0.0; BLOCK_ROWS * w]
+            } else {
+                self.backend.download(&self.blocks[b]).to_f32_vec()
+            };
+            host[first * w..(first + take) * w].copy_from_slice(&data[at * w..(at + take) * w]);
+            let values = HostTensor::from_f32(&[BLOCK_ROWS, w], host)
+                .unwrap_or_else(|e| panic!("latent block: {e}"));
+            if let Err(e) = self.backend.overwrite(&mut self.blocks[b], &values) {
+                panic!("latent block write: {e}");
             }
-            self.blocks[block].extend_from_slice(row);
-            self.len += 1;
+            at += take;
         }
+        self.len += n;
     }
 
-    /// All rows, contiguous.
+    /// All rows, contiguous, on the host.
     pub fn to_vec(&self) -> Vec<f32> {
         let mut out = Vec::with_capacity(self.len());
-        for i in 0..self.len {
-            out.extend_from_slice(self.row(i));
+        for (b, block) in self.blocks.iter().enumerate() {
+            let rows = self.len.saturating_sub(b * BLOCK_ROWS).min(BLOCK_ROWS);
+            if rows == 0 {
+                break;
+            }
+            out.extend_from_slice(&self.backend.download(block).to_f32_vec()[..rows * self.width]);
         }
         out
     }
 
     /// Drops every row and block.
     pub fn clear(&mut self) {
-        self.pool.give_back(&mut self.blocks);
+        self.pool.give_back(self.blocks.len());
+        self.blocks.clear();
         self.len = 0;
     }
 
     /// Drops every row but keeps the blocks (a reservation stays reserved).
     pub fn rewind(&mut self) {
-        self.blocks.iter_mut().for_each(Vec::clear);
         self.len = 0;
     }
 
@@ -280,31 +304,51 @@ impl PagedRows {
         rows.div_ceil(BLOCK_ROWS).saturating_sub(self.blocks.len())
     }
 
-    /// The same rows, in new blocks of `pool`.
-    pub fn copy_into(&self, pool: &LatentPool) -> Self {
-        let mut out = Self::new(self.width, pool.clone());
+    /// The same rows, in new blocks on `backend` counted against `pool`.
+    pub fn copy_into<C: Backend>(&self, pool: &LatentPool, backend: &C) -> PagedRows<C> {
+        let mut out = PagedRows::new(self.width, pool.clone(), backend.clone());
         out.extend_from_slice(&self.to_vec());
         out
     }
 }
 
-impl Clone for PagedRows {
+impl PagedRows<CpuBackend> {
+    /// Row `i`.
+    pub fn row(&self, i: usize) -> &[f32] {
+        let block = crate::backend::cpu_f32s(&self.blocks[i / BLOCK_ROWS]);
+        let at = (i % BLOCK_ROWS) * self.width;
+        &block[at..at + self.width]
+    }
+
+    /// Appends one row (`width` values), writing it in place.
+    pub fn push_row(&mut self, row: &[f32]) {
+        debug_assert_eq!(row.len(), self.width);
+        if self.width == 0 {
+            return;
+        }
+        self.grow(self.len + 1);
+        let at = (self.len % BLOCK_ROWS) * self.width;
+        let block = crate::backend::cpu_f32s_mut(&mut self.blocks[self.len / BLOCK_ROWS]);
+        block[at..at + self.width].copy_from_slice(row);
+        self.len += 1;
+    }
+}
+
+impl<B: Backend> Clone for PagedRows<B> {
     fn clone(&self) -> Self {
-        self.copy_into(&self.pool)
+        self.copy_into(&self.pool, &self.backend)
     }
 }
 
-impl PartialEq for PagedRows {
+impl<B: Backend> PartialEq for PagedRows<B> {
     fn eq(&self, other: &Self) -> bool {
-        self.width == other.width
-            && self.len == other.len
-            && (0..self.len).all(|i| self.row(i) == other.row(i))
+        self.width == other.width && self.len == other.len && self.to_vec() == other.to_vec()
     }
 }
 
-impl Drop for PagedRows {
+impl<B: Backend> Drop for PagedRows<B> {
     fn drop(&mut self) {
-        self.pool.give_back(&mut self.blocks);
+        self.pool.give_back(self.blocks.len());
     }
 }
 
@@ -315,7 +359,7 @@ mod tests {
     #[test]
     fn rows_span_blocks_and_return_to_the_pool() {
         let pool = LatentPool::bounded(4);
-        let mut a = PagedRows::new(3, pool.clone());
+        let mut a = PagedRows::new(3, pool.clone(), CpuBackend::new());
         assert!(a.reserve(40), "40 rows = 3 blocks");
         assert_eq!(pool.free(), Some(1));
         let data: Vec<f32> = (0..40 * 3).map(|i| i as f32).collect();
@@ -323,7 +367,7 @@ mod tests {
         assert_eq!(a.rows(), 40);
         assert_eq!(a.row(17), &[51.0, 52.0, 53.0]);
         assert_eq!(a.to_vec(), data);
-        let mut b = PagedRows::new(3, pool.clone());
+        let mut b = PagedRows::new(3, pool.clone(), CpuBackend::new());
         assert!(!b.reserve(40), "only one block left");
         assert_eq!(pool.free(), Some(1), "a refused reservation takes nothing");
         drop(a);
@@ -343,15 +387,15 @@ mod tests {
         let mut claim = pool.claim(8).expect("8 of 10");
         assert_eq!(pool.free(), Some(2), "claimed blocks count at once");
         let (mut a, mut b) = (
-            PagedRows::new(2, pool.clone()),
-            PagedRows::new(5, pool.clone()),
+            PagedRows::new(2, pool.clone(), CpuBackend::new()),
+            PagedRows::new(5, pool.clone(), CpuBackend::new()),
         );
         assert!(a.reserve_from(40, &mut claim), "3 blocks");
         assert!(b.reserve_from(33, &mut claim), "3 more");
         assert!(!b.reserve_from(90, &mut claim), "3 more needed, 2 left");
         assert_eq!(b.blocks(), 3, "a refused reservation takes nothing");
         let elsewhere = LatentPool::default();
-        let mut c = PagedRows::new(2, elsewhere);
+        let mut c = PagedRows::new(2, elsewhere, CpuBackend::new());
         assert!(
             !c.reserve_from(1, &mut claim),
             "blocks stay on the claim's pool"
@@ -373,12 +417,12 @@ mod tests {
     #[test]
     fn clones_compare_by_content() {
         let pool = LatentPool::default();
-        let mut a = PagedRows::new(2, pool.clone());
+        let mut a = PagedRows::new(2, pool.clone(), CpuBackend::new());
         a.extend_from_slice(&[1.0, 2.0, 3.0, 4.0]);
         let b = a.clone();
         assert_eq!(a, b);
         assert_eq!(pool.in_use(), 2);
-        let mut c = PagedRows::new(2, pool);
+        let mut c = PagedRows::new(2, pool, CpuBackend::new());
         c.extend_from_slice(&[1.0, 2.0]);
         assert_ne!(a, c);
     }

@@ -23,34 +23,49 @@ use super::loading::{part, Upload};
 use super::projection::project;
 use super::weights::Checkpoint;
 use crate::backend::hybrid::{HybridOps, MlaDims};
-use crate::backend::{CpuBackend, Linear, Ops};
+use crate::backend::{Backend, CpuBackend, Linear, Ops};
 use crate::tensor::{DType, Tensor};
 use crate::Result;
 use tandem_topology::Shard;
 
 /// The per-token caches of the DSA indexer, `[T, index_head_dim]` each.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct IndexerCache {
+#[derive(Clone, Debug)]
+pub struct IndexerCache<B: Backend = CpuBackend> {
     /// `LayerNorm(wk x)`.
-    pub keys: Vec<f32>,
+    pub keys: PagedRows<B>,
     /// `x · index_kpool_compress_gateᵀ`, the per-token pool gate scores.
-    pub pool_gate: Vec<f32>,
+    pub pool_gate: PagedRows<B>,
 }
 
-/// What one MLA layer keeps per request: one latent per token so far, in blocks of the
-/// worker's paged latent pool ([`LatentPool`]).
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct MlaState {
+/// What one MLA layer keeps per request: one latent per token so far, in blocks counted
+/// against the worker's paged latent pool ([`LatentPool`]) and held on the model's backend.
+#[derive(Clone, Debug)]
+pub struct MlaState<B: Backend = CpuBackend> {
     /// Latents after `kv_a_layernorm`, `[T, kv_lora_rank]`.
-    pub kv_latent: PagedRows,
+    pub kv_latent: PagedRows<B>,
     /// The (unrotated) rope slot of `kv_a_proj_with_mqa`, `[T, qk_rope_head_dim]`; empty when
     /// the model has none.
-    pub k_rope: PagedRows,
-    /// The indexer's caches, for layers that run an indexer.
-    pub indexer: Option<IndexerCache>,
+    pub k_rope: PagedRows<B>,
+    /// The indexer's caches, for layers that run an indexer (blocks of an unbounded pool of
+    /// their own: the serving pool counts latents and rope slots).
+    pub indexer: Option<IndexerCache<B>>,
 }
 
-impl MlaState {
+impl<B: Backend> PartialEq for IndexerCache<B> {
+    fn eq(&self, other: &Self) -> bool {
+        self.keys == other.keys && self.pool_gate == other.pool_gate
+    }
+}
+
+impl<B: Backend> PartialEq for MlaState<B> {
+    fn eq(&self, other: &Self) -> bool {
+        self.kv_latent == other.kv_latent
+            && self.k_rope == other.k_rope
+            && self.indexer == other.indexer
+    }
+}
+
+impl<B: Backend> MlaState<B> {
     /// Tokens cached, given the latent width.
     pub fn tokens(&self, kv_lora_rank: usize) -> usize {
         debug_assert!(self.kv_latent.is_empty() || self.kv_latent.width() == kv_lora_rank);
@@ -71,6 +86,18 @@ impl MlaState {
     /// Blocks [`MlaState::reserve`] would still take for `tokens` tokens.
     pub fn blocks_short(&self, tokens: usize) -> usize {
         self.kv_latent.blocks_short(tokens) + self.k_rope.blocks_short(tokens)
+    }
+
+    /// The same cache on `backend`, its latent and rope rows counted against `pool`.
+    pub fn copy_into<C: Backend>(&self, pool: &LatentPool, backend: &C) -> MlaState<C> {
+        MlaState {
+            kv_latent: self.kv_latent.copy_into(pool, backend),
+            k_rope: self.k_rope.copy_into(pool, backend),
+            indexer: self.indexer.as_ref().map(|ix| IndexerCache {
+                keys: ix.keys.copy_into(&LatentPool::default(), backend),
+                pool_gate: ix.pool_gate.copy_into(&LatentPool::default(), backend),
+            }),
+        }
     }
 }
 
@@ -186,12 +213,17 @@ impl<B: HybridOps> MlaLayer<B> {
         &self.cfg
     }
 
-    /// An empty cache.
-    pub fn new_state(&self) -> MlaState {
+    /// An empty cache on `b`.
+    pub fn new_state(&self, b: &B) -> MlaState<B> {
+        let rows = |width: usize, pool: &LatentPool| PagedRows::new(width, pool.clone(), b.clone());
+        let own = LatentPool::default();
         MlaState {
-            kv_latent: PagedRows::new(self.cfg.kv_lora_rank, self.pool.clone()),
-            k_rope: PagedRows::new(self.cfg.qk_rope_head_dim, self.pool.clone()),
-            indexer: self.indexer.as_ref().map(|_| IndexerCache::default()),
+            kv_latent: rows(self.cfg.kv_lora_rank, &self.pool),
+            k_rope: rows(self.cfg.qk_rope_head_dim, &self.pool),
+            indexer: self.indexer.as_ref().map(|ix| IndexerCache {
+                keys: rows(ix.wk.out_features, &own),
+                pool_gate: rows(ix.gate.out_features, &own),
+            }),
         }
     }
 
@@ -208,7 +240,7 @@ impl<B: HybridOps> MlaLayer<B> {
     /// Appends `rows` tokens (normed layer input `[rows, hidden]`) to `state` and returns their
     /// attention output after `o_proj`, `[rows, hidden]`. Token `i` sees every cached token and
     /// the new ones up to itself.
-    pub fn forward(&self, b: &B, x: &Tensor<B>, rows: usize, state: &mut MlaState) -> Tensor<B> {
+    pub fn forward(&self, b: &B, x: &Tensor<B>, rows: usize, state: &mut MlaState<B>) -> Tensor<B> {
         self.forward_batch(b, x, &[rows], &mut [state])
     }
 
@@ -220,7 +252,7 @@ impl<B: HybridOps> MlaLayer<B> {
         b: &B,
         x: &Tensor<B>,
         segments: &[usize],
-        states: &mut [&mut MlaState],
+        states: &mut [&mut MlaState<B>],
     ) -> Tensor<B> {
         let c = &self.cfg;
         let dims = self.dims();
@@ -261,7 +293,7 @@ impl<B: HybridOps> MlaLayer<B> {
             c.latent_norm_eps,
             indexer,
         );
-        let caches: Vec<&MlaState> = states.iter().map(|s| &**s).collect();
+        let caches: Vec<&MlaState<B>> = states.iter().map(|s| &**s).collect();
         let mut out = b.zeros(DType::F32, &[rows, dims.heads * dims.v_head]);
         b.mla_attention(&q, &seqs, &caches, &self.kv_b, dims, &mut out);
         project(b, &out, rows, &self.o_proj)

@@ -56,7 +56,7 @@ pub enum LayerState<B: Ops = CpuBackend> {
     /// Fixed-size KDA state.
     Kda(KdaState<B>),
     /// Growing MLA latent cache.
-    Mla(MlaState),
+    Mla(MlaState<B>),
 }
 
 impl Clone for LayerState {
@@ -121,7 +121,7 @@ impl<B: Ops> KdaHybridState<B> {
     }
 
     /// Layer `i`'s MLA cache, if layer `i` is an MLA layer.
-    pub fn mla(&self, i: usize) -> Option<&MlaState> {
+    pub fn mla(&self, i: usize) -> Option<&MlaState<B>> {
         match self.layers.get(i) {
             Some(LayerState::Mla(s)) => Some(s),
             _ => None,
@@ -408,7 +408,7 @@ impl<B: HybridOps> KdaHybridModel<B> {
                 .iter()
                 .map(|l| match &l.attention {
                     Attention::Kda(k) => LayerState::Kda(k.new_state(&self.backend)),
-                    Attention::Mla(m) => LayerState::Mla(m.new_state()),
+                    Attention::Mla(m) => LayerState::Mla(m.new_state(&self.backend)),
                 })
                 .collect(),
             tokens: 0,
@@ -572,7 +572,7 @@ impl<B: HybridOps> KdaHybridModel<B> {
                     l.forward_batch(b, &h, &segments, &mut st, form)
                 }
                 Attention::Mla(l) => {
-                    let mut st: Vec<&mut MlaState> = states
+                    let mut st: Vec<&mut MlaState<B>> = states
                         .iter_mut()
                         .map(|s| match &mut s.layers[li] {
                             LayerState::Mla(m) => m,

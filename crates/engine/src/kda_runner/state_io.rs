@@ -9,7 +9,7 @@ use crate::handoff::{Handoff, SegmentKind, SegmentReader};
 use crate::kda_hybrid::sharded::model_shape;
 use crate::kda_hybrid::{
     apply_transfer_plan, ConvWindow, KdaHybridConfig, KdaHybridState, KdaState, LatentPool,
-    LayerState, MlaState,
+    LayerState,
 };
 use crate::served::{HandoffSpec, Reservation};
 use crate::tensor::{DType, HostTensor};
@@ -55,14 +55,12 @@ pub(crate) fn encode_group<B: Ops>(
                         h.push_f32(kind, li, 0, &[rows.rows(), rows.width()], &rows.to_vec());
                     }
                     if let Some(ix) = &m.indexer {
-                        h.push_f32(SegmentKind::IndexerKeys, li, 0, &[ix.keys.len()], &ix.keys);
-                        h.push_f32(
-                            SegmentKind::IndexerGate,
-                            li,
-                            0,
-                            &[ix.pool_gate.len()],
-                            &ix.pool_gate,
-                        );
+                        for (kind, rows) in [
+                            (SegmentKind::IndexerKeys, &ix.keys),
+                            (SegmentKind::IndexerGate, &ix.pool_gate),
+                        ] {
+                            h.push_f32(kind, li, 0, &[rows.len()], &rows.to_vec());
+                        }
                     }
                 }
                 LayerState::Mla(_) => {}
@@ -118,8 +116,14 @@ fn read_group<B: Ops>(
                         rows.extend_from_slice(&data);
                     }
                     if let Some(ix) = m.indexer.as_mut() {
-                        ix.keys = r.f32s(SegmentKind::IndexerKeys, li, 0, None)?;
-                        ix.pool_gate = r.f32s(SegmentKind::IndexerGate, li, 0, None)?;
+                        for (kind, rows) in [
+                            (SegmentKind::IndexerKeys, &mut ix.keys),
+                            (SegmentKind::IndexerGate, &mut ix.pool_gate),
+                        ] {
+                            let data = r.f32s(kind, li, 0, Some(tokens * rows.width()))?;
+                            rows.rewind();
+                            rows.extend_from_slice(&data);
+                        }
                     }
                 }
                 LayerState::Mla(_) => {}
@@ -130,11 +134,17 @@ fn read_group<B: Ops>(
         for st in rest {
             for (dst, src) in st.layers.iter_mut().zip(&first.layers) {
                 if let (LayerState::Mla(d), LayerState::Mla(s)) = (dst, src) {
-                    for (d, s) in [(&mut d.kv_latent, &s.kv_latent), (&mut d.k_rope, &s.k_rope)] {
+                    // Rewritten through the host: each rank's blocks stay on its own backend.
+                    let mut pairs =
+                        vec![(&mut d.kv_latent, &s.kv_latent), (&mut d.k_rope, &s.k_rope)];
+                    if let (Some(di), Some(si)) = (d.indexer.as_mut(), s.indexer.as_ref()) {
+                        pairs.push((&mut di.keys, &si.keys));
+                        pairs.push((&mut di.pool_gate, &si.pool_gate));
+                    }
+                    for (d, s) in pairs {
                         d.rewind();
                         d.extend_from_slice(&s.to_vec());
                     }
-                    d.indexer.clone_from(&s.indexer);
                 }
             }
         }
@@ -180,11 +190,7 @@ pub(crate) fn host_copy<B: Ops>(backend: &B, st: &KdaHybridState<B>) -> KdaHybri
                     v: host(&k.conv.v),
                 },
             }),
-            LayerState::Mla(m) => LayerState::Mla(MlaState {
-                kv_latent: m.kv_latent.copy_into(&scratch),
-                k_rope: m.k_rope.copy_into(&scratch),
-                indexer: m.indexer.clone(),
-            }),
+            LayerState::Mla(m) => LayerState::Mla(m.copy_into(&scratch, &CpuBackend::new())),
         })
         .collect();
     KdaHybridState {
@@ -199,8 +205,7 @@ pub(crate) fn on_scratch(mut st: KdaHybridState) -> KdaHybridState {
     let scratch = LatentPool::default();
     for layer in &mut st.layers {
         if let LayerState::Mla(m) = layer {
-            m.kv_latent = m.kv_latent.copy_into(&scratch);
-            m.k_rope = m.k_rope.copy_into(&scratch);
+            *m = m.copy_into(&scratch, &CpuBackend::new());
         }
     }
     st
