@@ -51,6 +51,9 @@ pub struct RawConfig {
     /// When a failing worker is taken out of rotation; defaults when absent.
     #[serde(default)]
     pub breaker: BreakerConfig,
+    /// How workers are polled, and when one that does not answer leaves rotation.
+    #[serde(default)]
+    pub health: HealthConfig,
     /// API keys; every route open when absent.
     #[serde(default)]
     pub auth: crate::auth::AuthConfig,
@@ -85,6 +88,28 @@ impl BreakerConfig {
         crate::breaker::BreakerPolicy {
             threshold: self.threshold,
             cooldown: self.cooldown,
+        }
+    }
+}
+
+/// The router asks every worker for its stats each `interval` (waiting at most `interval`
+/// for the answer). A worker that fails `eject_after` polls in a row is taken out of
+/// rotation (state `ejected`, `ejected_by: health` in `/admin/workers`) until it answers one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct HealthConfig {
+    /// Between two polls of a worker, and the longest a poll waits for its answer.
+    #[serde(with = "humantime_serde")]
+    pub interval: Duration,
+    /// Failed polls in a row that take a worker out of rotation (1..=100).
+    pub eject_after: u32,
+}
+
+impl Default for HealthConfig {
+    fn default() -> Self {
+        Self {
+            interval: Duration::from_secs(1),
+            eject_after: 3,
         }
     }
 }
@@ -398,6 +423,8 @@ pub struct RouterConfig {
     pub retry: RetryConfig,
     /// Circuit breaking.
     pub breaker: BreakerConfig,
+    /// Health polls and ejection.
+    pub health: HealthConfig,
     /// API keys.
     pub auth: crate::auth::AuthConfig,
 }
@@ -523,6 +550,15 @@ impl RawConfig {
                 self.breaker.threshold
             ));
         }
+        if !(1..=100).contains(&self.health.eject_after) {
+            problems.push(format!(
+                "health.eject_after must be 1..=100, got {}",
+                self.health.eject_after
+            ));
+        }
+        if self.health.interval.is_zero() {
+            problems.push("health.interval must be greater than zero".into());
+        }
         if self.breaker.cooldown.is_zero() {
             problems.push("breaker.cooldown must be greater than zero".into());
         }
@@ -545,6 +581,7 @@ impl RawConfig {
                 admission: self.admission,
                 retry: self.retry,
                 breaker: self.breaker,
+                health: self.health,
                 auth: self.auth,
             }),
             _ => Err(Error::InvalidConfig(problems.join("; "))),
@@ -858,6 +895,29 @@ timeouts: {connect: 0s}
         let err = RouterConfig::from_yaml(&format!("{GOOD}admission: {{max_runing: 2}}\n"))
             .expect_err("a misspelt key is refused");
         assert!(format!("{err:?}").contains("max_runing"), "{err:?}");
+    }
+
+    #[test]
+    fn health_ejects_after_three_failed_polls_by_default_and_is_checked() {
+        let c = RouterConfig::from_yaml(GOOD).expect("valid");
+        assert_eq!(
+            (c.health.interval, c.health.eject_after),
+            (Duration::from_secs(1), 3)
+        );
+        let c = RouterConfig::from_yaml(&format!(
+            "{GOOD}health: {{interval: 250ms, eject_after: 5}}\n"
+        ))
+        .expect("valid");
+        assert_eq!(
+            (c.health.interval, c.health.eject_after),
+            (Duration::from_millis(250), 5)
+        );
+        let message = invalid(&format!("{GOOD}health: {{interval: 0s, eject_after: 0}}\n"));
+        assert!(
+            message.contains("health.eject_after must be 1..=100, got 0")
+                && message.contains("health.interval must be greater than zero"),
+            "{message}"
+        );
     }
 
     #[test]

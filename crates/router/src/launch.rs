@@ -16,9 +16,6 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-/// How often the router asks each worker whether it drains.
-const HEALTH_INTERVAL: Duration = Duration::from_secs(1);
-
 /// Boxed error of process start-up.
 pub type LaunchError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -36,7 +33,7 @@ pub fn worker_routes(pd: Arc<PdGenerator>) -> Router {
 async fn worker_report(pd: &PdGenerator, wait_idle: Duration) -> Vec<Value> {
     let asks = pd.workers().into_iter().map(|w| async move {
         let stats = tokio::time::timeout(wait_idle + Duration::from_secs(2), w.stats_when_idle(wait_idle)).await;
-        match stats {
+        let mut report = match stats {
             Ok(Ok(s)) => json!({
                 "id": w.id.0, "address": w.address, "role": s.role,
                 "kv_blocks_total": s.kv_blocks_total, "kv_blocks_free": s.kv_blocks_free,
@@ -46,15 +43,25 @@ async fn worker_report(pd: &PdGenerator, wait_idle: Duration) -> Vec<Value> {
                 "layout": s.layout, "dp_size": s.dp_size, "dp_free_slots": s.dp_free_slots,
                 "cancelled_requests": s.cancelled_requests,
                 "in_flight": s.in_flight,
-                "ejected": w.is_ejected(), "ejections": w.ejections(), "state": w.state(),
+                "instance_id": s.instance_id,
             }),
-            Ok(Err(e)) => json!({"id": w.id.0, "address": w.address, "error": e.message,
-                                 "ejected": w.is_ejected(), "ejections": w.ejections(),
-                                 "state": w.state()}),
-            Err(_) => json!({"id": w.id.0, "address": w.address, "error": "stats timed out",
-                             "ejected": w.is_ejected(), "ejections": w.ejections(),
-                             "state": w.state()}),
+            Ok(Err(e)) => json!({"id": w.id.0, "address": w.address, "error": e.message}),
+            Err(_) => json!({"id": w.id.0, "address": w.address, "error": "stats timed out"}),
+        };
+        // What the router itself knows of the worker, whether or not it answered.
+        if let Value::Object(o) = &mut report {
+            for (k, v) in [
+                ("state", json!(w.state())),
+                ("ejected", json!(w.is_ejected())),
+                ("ejected_by", json!(w.ejected_by())),
+                ("ejections", json!(w.ejections())),
+                ("health_failures", json!(w.health_failures())),
+                ("routed", json!(w.routed())),
+            ] {
+                o.insert(k.into(), v);
+            }
         }
+        report
     });
     futures::future::join_all(asks).await
 }
@@ -162,6 +169,7 @@ pub async fn run_from_config(
         .with_timeouts(config.timeouts)
         .with_policy(config.policy.policy())
         .with_breaker(config.breaker.policy())
+        .with_health(config.health)
         .with_admission(config.admission.clone()),
     );
     if let Some(d) = &config.discovery {
@@ -202,7 +210,10 @@ pub async fn run_from_config(
         .registry()
         .register(Box::new(pd.in_flight().migrations_counter()))
         .expect("metric names are unique within this registry");
-    tokio::spawn(pd.clone().poll_health(HEALTH_INTERVAL, Some(pool_metrics)));
+    tokio::spawn(
+        pd.clone()
+            .poll_health(config.health.interval, Some(pool_metrics)),
+    );
     let addr = match listen {
         Some(l) => l.parse()?,
         None => config.listen,

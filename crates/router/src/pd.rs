@@ -55,6 +55,7 @@ pub struct PdGenerator {
     retry: RetryPolicy,
     timeouts: crate::config::Timeouts,
     breaker: crate::breaker::BreakerPolicy,
+    health: crate::config::HealthConfig,
     policy: crate::policy::Policy,
     admission: crate::config::AdmissionConfig,
     /// What each prefill worker was sent recently (cache-aware routing).
@@ -91,6 +92,7 @@ impl PdGenerator {
             retry,
             timeouts: crate::config::Timeouts::default(),
             breaker: crate::breaker::BreakerPolicy::default(),
+            health: crate::config::HealthConfig::default(),
             policy: crate::policy::Policy::RoundRobin,
             admission: crate::config::AdmissionConfig::default(),
             prefixes: Mutex::new(crate::policy::PrefixIndex::new(PREFIX_INDEX_BLOCKS)),
@@ -141,6 +143,12 @@ impl PdGenerator {
             }
             let _ = tokio::time::timeout_at(deadline, released).await;
         }
+    }
+
+    /// The same generator ejecting workers after `health.eject_after` failed polls.
+    pub fn with_health(mut self, health: crate::config::HealthConfig) -> Self {
+        self.health = health;
+        self
     }
 
     /// The same generator with breaker settings `policy`.
@@ -237,7 +245,9 @@ impl PdGenerator {
     }
 
     /// Asks every worker for its stats every `interval`, marks those that report draining
-    /// (how a drain is seen with static worker lists) and, with `metrics`, sets the pool
+    /// (how a drain is seen with static worker lists), takes out of rotation those that fail
+    /// `health.eject_after` polls in a row and readmits them when they answer, forgets what a
+    /// restarted worker's previous instance had cached and, with `metrics`, sets the pool
     /// gauges. Runs forever.
     pub async fn poll_health(
         self: Arc<Self>,
@@ -254,21 +264,14 @@ impl PdGenerator {
                 ("decode", &pools.decode),
                 ("both", &pools.aggregated),
             ];
+            let this = &self;
             let asks = roles.iter().flat_map(|(role, list)| {
                 list.iter().map(move |w| async move {
-                    let stats = match tokio::time::timeout(interval, w.stats()).await {
-                        Ok(Ok(s)) => {
-                            w.set_reachable(true);
-                            w.set_draining(s.draining);
-                            w.kv_free
-                                .store(u64::from(s.kv_blocks_free), Ordering::Relaxed);
-                            Some(s)
-                        }
-                        _ => {
-                            w.set_reachable(false);
-                            None
-                        }
-                    };
+                    let stats = tokio::time::timeout(interval, w.stats())
+                        .await
+                        .ok()
+                        .and_then(Result::ok);
+                    this.observe_poll(w, stats.as_ref());
                     crate::pool_metrics::WorkerSample {
                         role,
                         state: w.state(),
@@ -281,6 +284,24 @@ impl PdGenerator {
                 m.observe(&samples);
             }
         }
+    }
+
+    /// Records what one health poll of `w` found: its stats, or none (no answer in time).
+    fn observe_poll(&self, w: &WorkerHandle, stats: Option<&tandem_proto::v1::StatsResponse>) {
+        let Some(s) = stats else {
+            w.health_failed(self.health.eject_after);
+            return;
+        };
+        if w.health_answered(&s.instance_id) {
+            // A restarted worker's prefix cache is empty.
+            self.prefixes
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .forget(&w.id.0);
+        }
+        w.set_draining(s.draining);
+        w.kv_free
+            .store(u64::from(s.kv_blocks_free), Ordering::Relaxed);
     }
 
     /// The pair for an attempt: by the policy, from the round-robin positions `(p, d)`. A

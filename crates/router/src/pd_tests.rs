@@ -239,3 +239,59 @@ async fn discovered_workers_join_leave_and_drain_keeping_the_handles_of_known_on
     // Running requests keep the pools they started with.
     assert_eq!(third.decode.len(), 2);
 }
+
+#[tokio::test]
+async fn failed_health_polls_eject_a_worker_until_it_answers_and_a_restart_drops_its_state() {
+    let pd = PdGenerator::new(handles("p", 1), handles("d", 2), RetryPolicy::default())
+        .with_health(crate::config::HealthConfig {
+            interval: Duration::from_secs(1),
+            eject_after: 3,
+        });
+    let pools = pd.pools();
+    let d0 = &pools.decode[0];
+    let answer = |instance: &str| tandem_proto::v1::StatsResponse {
+        instance_id: instance.into(),
+        ..Default::default()
+    };
+    pd.observe_poll(d0, Some(&answer("run-1")));
+    for failed in 1..=2 {
+        pd.observe_poll(d0, None);
+        assert_eq!(d0.health_failures(), failed);
+        assert!(!d0.is_ejected(), "ejected after {failed} failed polls");
+    }
+    pd.observe_poll(d0, None);
+    assert_eq!((d0.state(), d0.ejected_by()), ("ejected", Some("health")));
+    for start in 0..4 {
+        let (_, d) = pd.pick(&pools, 0, start, &[]).expect("pair");
+        assert_eq!(
+            d.id.0, "d-1",
+            "start {start}: the ejected worker was chosen"
+        );
+    }
+    // The same instance answers again: back in rotation, its state kept.
+    *d0.dp_load.lock().expect("lock") = Some(vec![0, 0]);
+    pd.observe_poll(d0, Some(&answer("run-1")));
+    assert_eq!((d0.state(), d0.health_failures()), ("active", 0));
+    assert!(d0.dp_load.lock().expect("lock").is_some());
+    assert_eq!(pd.pick(&pools, 0, 0, &[]).expect("pair").1.id.0, "d-0");
+    // A new instance at the same address: what the old one held is forgotten.
+    pd.observe_poll(d0, Some(&answer("run-2")));
+    assert!(
+        d0.dp_load.lock().expect("lock").is_none(),
+        "DP accounting dropped"
+    );
+    assert_eq!(d0.instance_id(), "run-2");
+    let p0 = &pools.prefill[0];
+    let hashes = crate::policy::block_hashes(&(0..256).collect::<Vec<u32>>());
+    pd.observe_poll(p0, Some(&answer("p-run-1")));
+    pd.prefixes.lock().expect("lock").record(&p0.id.0, &hashes);
+    assert!(pd.prefixes.lock().expect("lock").cached(&p0.id.0, &hashes) > 0);
+    pd.observe_poll(p0, Some(&answer("p-run-1")));
+    assert!(pd.prefixes.lock().expect("lock").cached(&p0.id.0, &hashes) > 0);
+    pd.observe_poll(p0, Some(&answer("p-run-2")));
+    assert_eq!(
+        pd.prefixes.lock().expect("lock").cached(&p0.id.0, &hashes),
+        0,
+        "the restarted prefill worker's cache index entries are dropped"
+    );
+}

@@ -79,9 +79,11 @@ impl PoolMetrics {
             let mine = || samples.iter().filter(move |s| s.role == role);
             for state in STATES {
                 let n = mine()
+                    // An ejected worker counts as ejected whether or not it answered (failed
+                    // health polls eject it); others that did not answer as unreachable.
                     .filter(|s| match (&s.stats, state) {
-                        (None, "unreachable") => true,
-                        (None, _) => false,
+                        _ if s.state == "ejected" => state == "ejected",
+                        (None, st) => st == "unreachable",
                         (Some(_), st) => s.state == st,
                     })
                     .count();

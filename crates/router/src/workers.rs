@@ -1,9 +1,16 @@
 //! The workers the router can call: one handle per worker (its connection, breaker, drain
-//! state, this router's load on it, its DP accounting) and the pools of them by role,
+//! state, health, this router's load on it, its DP accounting) and the pools of them by role,
 //! replaced whole when discovery reports a change.
+//!
+//! A worker leaves rotation two ways: its breaker opens after requests fail on it, or it
+//! fails `health.eject_after` health polls in a row (a stopped or wedged process fails no
+//! request until one is sent to it, so the polls catch it first). A health-ejected worker is
+//! readmitted by the first poll it answers. Each answer carries the worker's instance id; a
+//! new one at the same address is a restarted process, and what the router knew of the old
+//! one (its DP accounting, its breaker's failures, what its prefix cache held) is dropped.
 
 use crate::generator::GenerateError;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tandem_core::{ErrorClass, WorkerId};
@@ -79,6 +86,14 @@ pub struct WorkerHandle {
     pub(crate) draining: Arc<AtomicBool>,
     /// Whether the worker answered its last health check.
     reachable: Arc<AtomicBool>,
+    /// Health polls failed in a row.
+    health_failures: Arc<AtomicU32>,
+    /// Out of rotation for failing `health.eject_after` polls; back when one is answered.
+    health_ejected: Arc<AtomicBool>,
+    /// The instance id of the worker's last answer (empty before one).
+    instance: Arc<Mutex<String>>,
+    /// Requests sent to the worker since the router started (each leg of each attempt).
+    routed: Arc<AtomicU64>,
     /// Requests this router has on the worker now (a prefill call, a decode stream).
     pub(crate) load: Arc<AtomicUsize>,
     /// Free KV blocks at its last stats.
@@ -158,12 +173,17 @@ impl WorkerHandle {
             breaker: Arc::new(Mutex::new(crate::breaker::Breaker::default())),
             draining: Arc::new(AtomicBool::new(false)),
             reachable: Arc::new(AtomicBool::new(true)),
+            health_failures: Arc::new(AtomicU32::new(0)),
+            health_ejected: Arc::new(AtomicBool::new(false)),
+            instance: Arc::new(Mutex::new(String::new())),
+            routed: Arc::new(AtomicU64::new(0)),
             load: Arc::new(AtomicUsize::new(0)),
             kv_free: Arc::new(std::sync::atomic::AtomicU64::new(0)),
         })
     }
 
     pub(crate) fn claim(&self) -> LoadClaim {
+        self.routed.fetch_add(1, Ordering::Relaxed);
         self.load.fetch_add(1, Ordering::Relaxed);
         LoadClaim(self.load.clone())
     }
@@ -175,7 +195,10 @@ impl WorkerHandle {
 
     pub(crate) fn candidate(&self, cached_blocks: usize, limit: usize) -> crate::policy::Candidate {
         crate::policy::Candidate {
-            usable: !self.is_draining() && (limit == 0 || self.load() < limit) && self.admit(),
+            usable: !self.is_draining()
+                && (limit == 0 || self.load() < limit)
+                && !self.is_health_ejected()
+                && self.admit(),
             load: self.load(),
             kv_free: self.kv_free.load(Ordering::Relaxed),
             cached_blocks,
@@ -207,6 +230,80 @@ impl WorkerHandle {
             WORKERS_CHANGED.notify_waiters();
         } else {
             tracing::warn!(worker = %self.id, "worker does not answer its health check");
+        }
+    }
+
+    /// Records an answered health poll from the worker's instance `instance_id`. A worker
+    /// ejected by failed polls is back in rotation; one answering with another instance id
+    /// than before restarted, and its old state is dropped. Returns whether it restarted.
+    pub(crate) fn health_answered(&self, instance_id: &str) -> bool {
+        self.health_failures.store(0, Ordering::Relaxed);
+        let restarted = {
+            let mut known = self.instance.lock().unwrap_or_else(|e| e.into_inner());
+            let restarted = !known.is_empty() && *known != instance_id;
+            if *known != instance_id {
+                instance_id.clone_into(&mut known);
+            }
+            restarted
+        };
+        if restarted {
+            tracing::warn!(worker = %self.id, instance = instance_id,
+                "worker restarted (a new instance at the same address): dropping what was known of the old one");
+            *self.dp_load.lock().unwrap_or_else(|e| e.into_inner()) = None;
+            if let Ok(mut b) = self.breaker.lock() {
+                b.on_recovered(std::time::Instant::now());
+            }
+        }
+        if self.health_ejected.swap(false, Ordering::Relaxed) {
+            tracing::info!(worker = %self.id, "worker answers its health poll again: back in rotation");
+        }
+        self.set_reachable(true);
+        restarted
+    }
+
+    /// Records a failed health poll; the `eject_after`-th in a row takes the worker out of
+    /// rotation.
+    pub(crate) fn health_failed(&self, eject_after: u32) {
+        let failures = self.health_failures.fetch_add(1, Ordering::Relaxed) + 1;
+        if failures >= eject_after && !self.health_ejected.swap(true, Ordering::Relaxed) {
+            tracing::warn!(worker = %self.id, failures,
+                "worker failed its health polls: taken out of rotation until it answers");
+        }
+        self.set_reachable(false);
+    }
+
+    /// Whether failed health polls keep the worker out of rotation now.
+    pub fn is_health_ejected(&self) -> bool {
+        self.health_ejected.load(Ordering::Relaxed)
+    }
+
+    /// Health polls failed in a row now.
+    pub fn health_failures(&self) -> u32 {
+        self.health_failures.load(Ordering::Relaxed)
+    }
+
+    /// The instance id of the worker's last answer (empty before one).
+    pub fn instance_id(&self) -> String {
+        self.instance
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Requests sent to the worker since the router started (each leg of each attempt).
+    pub fn routed(&self) -> u64 {
+        self.routed.load(Ordering::Relaxed)
+    }
+
+    /// Why the worker is out of rotation: `health` (failed polls) or `breaker` (failed
+    /// requests); `None` when it is not.
+    pub fn ejected_by(&self) -> Option<&'static str> {
+        if self.is_health_ejected() {
+            Some("health")
+        } else if self.breaker_open() {
+            Some("breaker")
+        } else {
+            None
         }
     }
 
@@ -261,15 +358,20 @@ impl WorkerHandle {
         ))
     }
 
-    /// The worker's counters (KV pool, running requests).
-    /// Whether the worker's breaker keeps it out of rotation now.
+    /// Whether the worker is out of rotation now: its breaker is open, or it failed its
+    /// health polls.
     pub fn is_ejected(&self) -> bool {
+        self.is_health_ejected() || self.breaker_open()
+    }
+
+    fn breaker_open(&self) -> bool {
         self.breaker
             .lock()
             .is_ok_and(|b| b.is_open(std::time::Instant::now()))
     }
 
-    /// Times the worker's breaker took it out of rotation since the router started.
+    /// Times the worker's breaker took it out of rotation since the router started (failed
+    /// health polls not counted).
     pub fn ejections(&self) -> u64 {
         self.breaker.lock().map_or(0, |b| b.ejections())
     }
@@ -290,6 +392,7 @@ impl WorkerHandle {
         }
     }
 
+    /// The worker's counters (KV pool, running requests).
     pub async fn stats(&self) -> Result<pb::StatsResponse, GenerateError> {
         self.stats_when_idle(Duration::ZERO).await
     }

@@ -95,6 +95,17 @@ struct Shared {
     /// Decode requests whose caller went away before they finished.
     cancelled: AtomicU64,
     admission: crate::drain::Admission,
+    /// This run of the process (`StatsResponse.instance_id`).
+    instance_id: String,
+}
+
+/// An id for this run of the process: its start time and pid, which no earlier run at the
+/// same address shares.
+fn instance_id() -> String {
+    let started = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    format!("{started:x}-{}", std::process::id())
 }
 
 /// The gRPC `Worker` service over an engine.
@@ -172,6 +183,7 @@ pub async fn serve_registered(
         kv_bytes_landed,
         cancelled: AtomicU64::new(0),
         admission,
+        instance_id: instance_id(),
     });
     let service = WorkerService {
         shared: shared.clone(),
@@ -515,6 +527,7 @@ impl pb::worker_server::Worker for WorkerService {
             draining: s.admission.is_draining(),
             in_flight: s.admission.in_flight() as u32,
             prefill_tokens: s.engine.0.stats().prefill_tokens,
+            instance_id: s.instance_id.clone(),
         }))
     }
 
