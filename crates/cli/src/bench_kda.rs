@@ -5,11 +5,11 @@
 use crate::device::WithBackend;
 use anyhow::Result;
 use std::time::Instant;
+use tandem_engine::backend::cpu::delta_rule::{chunked, recurrent, DeltaRuleInputs};
 use tandem_engine::backend::host::matmul_raw;
 use tandem_engine::backend::hybrid::{DeltaForm, DeltaInputs};
 use tandem_engine::backend::HybridOps;
-use tandem_engine::kda_hybrid::delta_rule::{chunked, recurrent, DeltaRuleInputs};
-use tandem_engine::kda_hybrid::{KdaForm, KdaHybridModel, LoadOptions};
+use tandem_engine::models::kda_hybrid::{KdaForm, KdaHybridModel, LoadOptions};
 use tandem_engine::{DType, HostTensor, Tensor};
 
 /// Median seconds of `reps` runs of `f`.

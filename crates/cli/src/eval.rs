@@ -6,8 +6,8 @@ use std::path::Path;
 use tandem_core::BlockId;
 use tandem_engine::backend::HybridOps;
 use tandem_engine::batch::ForwardBatch;
-use tandem_engine::kda_hybrid::LoadOptions;
-use tandem_engine::kda_runner::KdaModel;
+use tandem_engine::models::kda_hybrid::served::KdaModel;
+use tandem_engine::models::kda_hybrid::LoadOptions;
 use tandem_engine::{DType, KvCache, LlamaModel};
 
 /// The families the engine runs.
@@ -225,7 +225,7 @@ fn llama_logits_tp(
     dtype: crate::DtypeArg,
     tp: usize,
 ) -> Result<(Vec<f32>, usize)> {
-    let shards = tandem_engine::llama_ranks::cpu_shards(dir, dtype.dtype(), tp)?;
+    let shards = tandem_engine::models::llama::served::cpu_shards(dir, dtype.dtype(), tp)?;
     let vocab = shards[0].config().vocab_size;
     if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
         bail!("token id {bad} is outside the vocabulary ({vocab})");

@@ -252,8 +252,9 @@ impl EngineArgs {
     fn start_llama(&self, dir: &std::path::Path) -> Result<Engine> {
         let tp = eval::llama_tp(self.layout, self.device)?;
         if tp > 1 {
-            let shards = tandem_engine::llama_ranks::cpu_shards(dir, self.dtype.dtype(), tp)
-                .with_context(|| format!("loading {} as {tp} shards", dir.display()))?;
+            let shards =
+                tandem_engine::models::llama::served::cpu_shards(dir, self.dtype.dtype(), tp)
+                    .with_context(|| format!("loading {} as {tp} shards", dir.display()))?;
             tracing::info!(tp, dtype = %shards[0].dtype(), "model loaded on CPU ranks");
             return Ok(Engine::start_sharded(shards, self.engine_config(dir))?);
         }
@@ -276,14 +277,14 @@ impl EngineArgs {
         let dir = models::resolve(&self.model)?;
         if self.engine == EngineKind::Synthetic {
             let vocab_size = eval::vocab_size(&dir)?;
-            let spec = tandem_engine::synthetic::SyntheticSpec {
+            let spec = tandem_engine::models::synthetic::SyntheticSpec {
                 vocab_size,
                 max_context: eval::context_length(&dir, None)?,
                 eos_ids: eval::eos_ids(&dir)?,
                 step_time: self.synthetic_step,
             };
             tracing::info!(step = ?self.synthetic_step, vocab_size, "synthetic engine: no model compute");
-            return Ok(tandem_engine::synthetic::SyntheticServed::start(
+            return Ok(tandem_engine::models::synthetic::SyntheticServed::start(
                 spec,
                 // Synthetic tokens ignore logits: no grammar could hold them.
                 EngineConfig {
@@ -306,7 +307,7 @@ impl EngineArgs {
                     type Out = Engine;
                     fn run<B: tandem_engine::backend::HybridOps>(
                         self,
-                        model: tandem_engine::kda_runner::KdaModel<B>,
+                        model: tandem_engine::models::kda_hybrid::served::KdaModel<B>,
                     ) -> Result<Engine> {
                         let StartKda(args, dir) = self;
                         let exact = model.config().mla.indexer.map(|ix| ix.topk);
@@ -316,7 +317,7 @@ impl EngineArgs {
                             state_slots: args.state_slots,
                             ..args.engine_config(dir)
                         };
-                        Ok(tandem_engine::kda_runner::KdaServed::start(
+                        Ok(tandem_engine::models::kda_hybrid::served::KdaServed::start(
                             model, config, eos, context,
                         )?)
                     }

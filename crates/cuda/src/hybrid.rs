@@ -29,9 +29,10 @@ use cudarc::driver::LaunchConfig;
 use tandem_engine::backend::hybrid::{
     At, DeltaForm, DeltaInputs, ExpertBank, ExpertRows, HcParams, HybridOps, MlaDims, Routed, Seqs,
 };
+use tandem_engine::backend::hybrid::{KdaGate, MoeConfig};
+use tandem_engine::backend::latents::BLOCK_ROWS;
+use tandem_engine::backend::latents::{MlaState, PagedRows};
 use tandem_engine::backend::Linear;
-use tandem_engine::kda_hybrid::latent_pool::BLOCK_ROWS;
-use tandem_engine::kda_hybrid::{KdaGate, MlaState, MoeConfig, PagedRows};
 use tandem_engine::{Backend, DType, HostTensor};
 
 /// Head widths the delta-rule kernel is built for (`delta_rule_d*` in kernels.cu).

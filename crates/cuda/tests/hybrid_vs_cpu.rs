@@ -10,12 +10,11 @@ use common::gpu;
 use std::ops::Range;
 use tandem_cuda::CudaBackend;
 use tandem_engine::backend::hybrid::{
-    At, DeltaForm, DeltaInputs, ExpertBank, ExpertRows, HcParams, HybridOps, MlaDims, Routed,
+    At, DeltaForm, DeltaInputs, ExpertBank, ExpertRows, HcParams, HybridOps, KdaGate, MlaDims,
+    MoeConfig, Routed,
 };
+use tandem_engine::backend::latents::{IndexerCache, LatentPool, MlaState, PagedRows};
 use tandem_engine::backend::{Linear, Ops};
-use tandem_engine::kda_hybrid::{
-    IndexerCache, KdaGate, LatentPool, MlaState, MoeConfig, PagedRows,
-};
 use tandem_engine::{Backend, CpuBackend, DType, HostTensor, Tensor};
 
 type C = CpuBackend;

@@ -15,16 +15,10 @@ pub mod constraint;
 mod fp8_weights;
 /// A request's exported state: typed manifest and body.
 pub mod handoff;
-/// KDA hybrid models (Kimi-Linear, GLM-5.3-Flash style): KDA + MLA layers, MoE FFN.
-pub mod kda_hybrid;
-/// Serving KDA-hybrid models: engine thread, state slots, state (de)serialisation.
-pub mod kda_runner;
 /// Paged KV pool: block allocator with RAII allocations, and the cache storage.
 pub mod kv_pool;
-/// Llama-family model (GQA, RoPE, RMSNorm, SwiGLU, tied embeddings).
-pub mod llama;
-/// The ranks of one Llama engine (tensor parallelism: one thread per rank).
-pub mod llama_ranks;
+/// The model families: Llama, the KDA hybrids, a synthetic model.
+pub mod models;
 /// Token sampling: greedy, temperature, top-k, top-p, seeded.
 pub mod sampling;
 /// The engine thread: continuous batching with chunked prefill, and its async handle.
@@ -33,16 +27,13 @@ pub mod scheduler;
 pub mod served;
 /// Per-step metadata buffers on the device.
 pub mod step;
-/// A model that computes nothing (control-plane load tests).
-pub mod synthetic;
 /// Typed tensors: dtypes, host tensors, device tensors.
 pub mod tensor;
 
 pub use backend::{Backend, CpuBackend, Ops, StepShape};
 pub use handoff::{Body, Handoff, Segment, SegmentKind};
 pub use kv_pool::{BlockAllocation, BlockAllocator, KvCache, KvLayout};
-pub use llama::{LlamaModel, LlamaWorkspace, TpShard};
-pub use llama_ranks::{LlamaRanks, LlamaServed};
+pub use models::llama::{LlamaModel, LlamaRanks, LlamaServed, LlamaWorkspace, TpShard};
 pub use scheduler::{
     blocking_tokens, Engine, EngineConfig, EngineEvent, EngineStats, Sampled, SeqKind,
 };

@@ -5,10 +5,10 @@
 //! (KDA hybrids) — comes from the engine's [`Pools`] as one RAII [`Reservation`], whatever
 //! the family. The scheduler ([`crate::scheduler`]) knows nothing else about a model.
 
+use crate::backend::latents::Claim;
+use crate::backend::latents::LatentPool;
 use crate::batch::ForwardBatch;
 use crate::handoff::Handoff;
-use crate::kda_hybrid::latent_pool::Claim;
-use crate::kda_hybrid::LatentPool;
 use crate::kv_pool::{BlockAllocation, BlockAllocator, KvLayout};
 use crate::sampling::SampleRow;
 use crate::{Error, Result};
@@ -82,7 +82,7 @@ pub struct Pools {
     pub slots: Vec<BlockAllocator>,
     /// Every group's slots together (one count to wait on).
     pub slots_total: Option<BlockAllocator>,
-    /// MLA latent blocks ([`crate::kda_hybrid::latent_pool::BLOCK_ROWS`] rows each) and the
+    /// MLA latent blocks ([`crate::backend::latents::BLOCK_ROWS`] rows each) and the
     /// row sets one request fills (every MLA layer's latent and rope rows on every rank of
     /// its group).
     pub latents: Option<(LatentPool, usize)>,
@@ -195,7 +195,7 @@ impl Pools {
 
     fn latent_blocks_for(&self, tokens: usize) -> usize {
         self.latents.as_ref().map_or(0, |(_, sets)| {
-            sets * tokens.div_ceil(crate::kda_hybrid::latent_pool::BLOCK_ROWS)
+            sets * tokens.div_ceil(crate::backend::latents::BLOCK_ROWS)
         })
     }
 

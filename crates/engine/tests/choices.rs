@@ -5,8 +5,8 @@
 //! a cancelled choice stops without disturbing the others.
 
 use tandem_core::SamplingParams;
-use tandem_engine::kda_hybrid::KdaHybridModel;
-use tandem_engine::kda_runner::{KdaModel, KdaServed};
+use tandem_engine::models::kda_hybrid::served::{KdaModel, KdaServed};
+use tandem_engine::models::kda_hybrid::KdaHybridModel;
 use tandem_engine::{
     blocking_tokens, CpuBackend, DType, Engine, EngineConfig, EngineEvent, LlamaModel, SeqKind,
 };

@@ -2,7 +2,7 @@
 //! delta rule agree on a real layer across chunk boundaries, and every way of splitting a
 //! sequence into prefill / decode calls gives the logits of one full pass.
 
-use tandem_engine::kda_hybrid::{KdaForm, KdaHybridModel, KdaHybridState};
+use tandem_engine::models::kda_hybrid::{KdaForm, KdaHybridModel, KdaHybridState};
 use tandem_engine::Tensor;
 use tandem_testkit::{max_abs_diff, noise};
 
@@ -99,7 +99,7 @@ fn splits_equal_one_pass(name: &str, len: usize) {
         assert!(d <= SPLIT_TOL, "{name} {prefills:?}: logits differ by {d}");
         assert_eq!(state.tokens, len);
         for (a, b) in state.layers.iter().zip(&full_state.layers) {
-            use tandem_engine::kda_hybrid::LayerState;
+            use tandem_engine::models::kda_hybrid::LayerState;
             match (a, b) {
                 (LayerState::Kda(a), LayerState::Kda(b)) => {
                     assert!(max_abs_diff(a.recurrent.f32s(), b.recurrent.f32s()) <= SPLIT_TOL);

@@ -7,7 +7,7 @@ use safetensors::{Dtype, SafeTensors};
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
 use std::path::Path;
-use tandem_engine::kda_hybrid::{
+use tandem_engine::models::kda_hybrid::{
     FusionPolicy, KdaGateProjection, KdaHybridModel, KdaInputProjection, LoadOptions,
 };
 use tandem_model::synth::synth_kda_hybrid;

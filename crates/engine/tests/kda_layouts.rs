@@ -4,8 +4,8 @@
 //! the model cannot take fail at construction. A request prefilled on one layout and moved to
 //! another with a `TransferPlan` decodes to tp1's logits.
 
-use tandem_engine::kda_hybrid::sharded::model_shape;
-use tandem_engine::kda_hybrid::{
+use tandem_engine::models::kda_hybrid::sharded::model_shape;
+use tandem_engine::models::kda_hybrid::{
     apply_transfer_plan, KdaForm, KdaHybridModel, LoadOptions, ShardError, ShardedKdaHybrid,
 };
 use tandem_model::synth::synth_kda_hybrid;

@@ -5,7 +5,7 @@
 use safetensors::SafeTensors;
 use std::collections::HashMap;
 use std::path::PathBuf;
-use tandem_engine::kda_hybrid::{KdaHybridModel, KdaHybridState};
+use tandem_engine::models::kda_hybrid::{KdaHybridModel, KdaHybridState};
 use tandem_testkit::max_abs_diff;
 
 /// Logits and greedy steps must be this close to transformers (f32; the references' own
@@ -229,17 +229,19 @@ fn top2_margin(v: &[f32]) -> f32 {
 fn check_bf16(name: &str) {
     let reference = Reference::load(name);
     let f32_model = KdaHybridModel::load(&reference.dir).expect("load f32");
-    let options = tandem_engine::kda_hybrid::LoadOptions {
+    let options = tandem_engine::models::kda_hybrid::LoadOptions {
         dtype: tandem_engine::DType::BF16,
         ..Default::default()
     };
     let model = KdaHybridModel::load_with(&reference.dir, &options).expect("load bf16");
     let first_kda = model.config().kda_layers().next().expect("a KDA layer");
     let stored = match &model.kda_layer(first_kda).expect("KDA").input {
-        tandem_engine::kda_hybrid::KdaInputProjection::Fused { weight, .. } => {
+        tandem_engine::models::kda_hybrid::KdaInputProjection::Fused { weight, .. } => {
             weight.weight.dtype()
         }
-        tandem_engine::kda_hybrid::KdaInputProjection::Separate { q, .. } => q.weight.dtype(),
+        tandem_engine::models::kda_hybrid::KdaInputProjection::Separate { q, .. } => {
+            q.weight.dtype()
+        }
     };
     // (The tiny references' weights are bf16 values stored as f32, so rounding them changes
     // nothing: what this checks is the bf16 kernels, not bf16 rounding.)

@@ -3,7 +3,7 @@
 //! new checkpoint computes.
 
 use std::path::Path;
-use tandem_engine::kda_hybrid::{KdaHybridModel, KdaInputProjection, ShardedKdaHybrid};
+use tandem_engine::models::kda_hybrid::{KdaHybridModel, KdaInputProjection, ShardedKdaHybrid};
 use tandem_topology::{Layout, Rank};
 
 fn fused_input_ptr(m: &KdaHybridModel, layer: usize) -> usize {

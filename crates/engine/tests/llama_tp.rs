@@ -4,7 +4,7 @@
 
 use tandem_core::{BlockId, SamplingParams};
 use tandem_engine::batch::ForwardBatch;
-use tandem_engine::llama_ranks::cpu_shards;
+use tandem_engine::models::llama::served::cpu_shards;
 use tandem_engine::{DType, Engine, EngineConfig, EngineEvent, LlamaRanks, SeqKind, StepLimits};
 
 fn synth() -> tempfile::TempDir {

@@ -6,8 +6,8 @@
 //! with its logit gaps.
 
 use tandem_core::{SamplingParams, TokenLogprobs};
-use tandem_engine::kda_hybrid::KdaHybridModel;
-use tandem_engine::kda_runner::{KdaModel, KdaServed};
+use tandem_engine::models::kda_hybrid::served::{KdaModel, KdaServed};
+use tandem_engine::models::kda_hybrid::KdaHybridModel;
 use tandem_engine::{CpuBackend, DType, Engine, EngineConfig, EngineEvent, LlamaModel, SeqKind};
 
 use tandem_testkit::ids;

@@ -8,10 +8,52 @@
 //! Like [`Ops`], every operation acts on the leading rows of tensors it is told about and
 //! activations are f32. Per-sequence structure comes as row ranges ([`Seqs`]).
 
+use super::latents::MlaState;
 use super::{Linear, Ops};
-use crate::kda_hybrid::{KdaGate, MlaState, MoeConfig};
 use crate::tensor::{HostData, HostTensor, Tensor};
 use std::ops::Range;
+
+/// How KDA turns the decay projection `f = f_b(f_a x) + dt_bias` into the log-decay `g <= 0`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum KdaGate {
+    /// Kimi Linear: `g = -exp(A_log) * softplus(f)`.
+    Softplus,
+    /// GLM-5.3-Flash: `g = lower_bound * sigmoid(exp(A_log) * f)`, in `(lower_bound, 0)`.
+    LowerBound(f32),
+}
+
+/// MoE sizes and routing.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct MoeConfig {
+    /// Routed experts.
+    pub num_experts: usize,
+    /// Experts chosen per token.
+    pub experts_per_token: usize,
+    /// Shared experts (fused into one MLP of `num_shared_experts * intermediate_size`).
+    pub num_shared_experts: usize,
+    /// Intermediate width of one expert.
+    pub intermediate_size: usize,
+    /// Multiplier on the routed experts' weights.
+    pub routed_scaling_factor: f32,
+    /// Whether the chosen experts' weights are divided by their sum.
+    pub renormalize: bool,
+    /// Expert groups (DeepSeek-V3 group-limited routing); 1 = no groups.
+    pub num_groups: usize,
+    /// Groups kept per token.
+    pub topk_groups: usize,
+}
+
+/// The row ranges of consecutive segments of `segments[i]` rows each.
+pub fn row_ranges(segments: &[usize]) -> Vec<Range<usize>> {
+    let mut at = 0;
+    segments
+        .iter()
+        .map(|&n| {
+            at += n;
+            at - n..at
+        })
+        .collect()
+}
 
 /// The rows of each sequence of a step, in order (`seqs[i]` = sequence `i`'s rows).
 pub type Seqs = [Range<usize>];

@@ -11,11 +11,13 @@
 
 /// Collectives over device tensors (tensor parallelism).
 pub mod comm;
-mod cpu;
-mod cpu_hybrid;
+/// The CPU backend: its `Ops` and `HybridOps` bodies and their host math.
+pub mod cpu;
 pub mod host;
 /// The KDA-hybrid family's operations.
 pub mod hybrid;
+/// MLA's per-request latent cache: rows in blocks on a backend, counted against a pool.
+pub mod latents;
 
 pub use comm::TensorComm;
 pub(crate) use cpu::{f32s as cpu_f32s, f32s_mut as cpu_f32s_mut};

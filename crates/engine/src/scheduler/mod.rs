@@ -7,12 +7,9 @@
 //! the short prompts queued behind it. Prefills and decodes of every attention-DP group mix
 //! in one step.
 
-use crate::backend::Ops;
 use crate::constraint::{Constrained, Grammars};
 use crate::handoff::Handoff;
 use crate::kv_pool::{BlockAllocator, KvLayout};
-use crate::llama::LlamaModel;
-use crate::llama_ranks::LlamaServed;
 use crate::sampling::SampleRow;
 use crate::served::{HandoffSpec, Pools, Reservation, ServedInfo, ServedModel};
 use crate::{Error, Result};
@@ -347,23 +344,6 @@ impl std::fmt::Debug for Engine {
 }
 
 impl Engine {
-    /// Starts the engine thread for a whole Llama-family `model`.
-    pub fn start<B: Ops>(model: LlamaModel<B>, config: EngineConfig) -> Self {
-        match Self::start_sharded(vec![model], config) {
-            Ok(engine) => engine,
-            // One whole model always makes one rank.
-            Err(e) => panic!("starting the engine: {e}"),
-        }
-    }
-
-    /// Starts the engine thread for the tensor-parallel shards of one Llama-family model
-    /// (rank order, joined by communicators): rank 0 runs in the engine thread, each other
-    /// rank in its own.
-    pub fn start_sharded<B: Ops>(shards: Vec<LlamaModel<B>>, config: EngineConfig) -> Result<Self> {
-        let c = config.clone();
-        Self::start_served(move || LlamaServed::new(shards, &c), config)
-    }
-
     /// Starts the engine thread for the model `build` makes (on that thread, which then
     /// owns it and its caches).
     pub fn start_served<M, F>(build: F, config: EngineConfig) -> Result<Self>

@@ -7,6 +7,7 @@
 //! both (and ignores keys it has no use for, since Hugging Face configs carry many); the
 //! checked side says once, per layer, what runs there, so model code never re-derives it.
 
+pub use crate::backend::hybrid::{KdaGate, MoeConfig};
 use crate::{Error, Result};
 use serde::Deserialize;
 use std::path::Path;
@@ -46,15 +47,6 @@ pub struct LayerSpec {
     pub attention: AttentionKind,
     /// Feed-forward block.
     pub ffn: FfnKind,
-}
-
-/// How KDA turns the decay projection `f = f_b(f_a x) + dt_bias` into the log-decay `g <= 0`.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum KdaGate {
-    /// Kimi Linear: `g = -exp(A_log) * softplus(f)`.
-    Softplus,
-    /// GLM-5.3-Flash: `g = lower_bound * sigmoid(exp(A_log) * f)`, in `(lower_bound, 0)`.
-    LowerBound(f32),
 }
 
 /// KDA layer sizes.
@@ -119,27 +111,6 @@ impl MlaConfig {
     pub fn qk_head_dim(&self) -> usize {
         self.qk_nope_head_dim + self.qk_rope_head_dim
     }
-}
-
-/// MoE sizes and routing.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct MoeConfig {
-    /// Routed experts.
-    pub num_experts: usize,
-    /// Experts chosen per token.
-    pub experts_per_token: usize,
-    /// Shared experts (fused into one MLP of `num_shared_experts * intermediate_size`).
-    pub num_shared_experts: usize,
-    /// Intermediate width of one expert.
-    pub intermediate_size: usize,
-    /// Multiplier on the routed experts' weights.
-    pub routed_scaling_factor: f32,
-    /// Whether the chosen experts' weights are divided by their sum.
-    pub renormalize: bool,
-    /// Expert groups (DeepSeek-V3 group-limited routing); 1 = no groups.
-    pub num_groups: usize,
-    /// Groups kept per token.
-    pub topk_groups: usize,
 }
 
 /// How layers add into the residual.

@@ -2,6 +2,11 @@
 //! `tandem-cpu-kernels` (AVX-512, AVX2 or portable, picked at run time), element-wise work
 //! split over rayon's pool. Activations are f32; weights and K/V f32 or bf16.
 
+pub mod delta_rule;
+mod hybrid;
+pub(crate) mod math;
+mod routing;
+
 use super::{Backend, Ops, QkvLayout};
 use crate::kv_pool::KvCache;
 use crate::sampling::sample;

@@ -18,7 +18,6 @@
 
 use super::config::KdaConfig;
 use super::loading::{FusionInputs, FusionPolicy, RankShard, Upload};
-use super::ops::silu;
 use super::weights::Checkpoint;
 use crate::backend::hybrid::{DeltaForm, DeltaInputs, HybridOps};
 use crate::backend::{CpuBackend, Linear, Ops};
@@ -341,7 +340,7 @@ impl<B: HybridOps> KdaLayer<B> {
         );
         assert_eq!(segments.len(), states.len(), "one state per sequence");
         let rows: usize = segments.iter().sum();
-        let seqs = super::ops::row_ranges(segments);
+        let seqs = crate::backend::hybrid::row_ranges(segments);
         let proj = self.input.project(b, x, rows);
         let (mut g, gate) = self.gate.apply(b, &proj.f_a, &proj.g_a, rows);
         b.kda_decay(&mut g, rows, &self.a, &self.dt_bias, d, self.cfg.gate);
@@ -390,74 +389,5 @@ impl<B: HybridOps> KdaLayer<B> {
         // Gated RMSNorm per head: RMSNorm_D(o; o_norm) * sigmoid(g_b(g_a x)).
         b.gated_rms_norm(&mut o, &gate, &self.o_norm, rows, p, d, self.norm_eps);
         super::projection::project(b, &o, rows, &self.o_proj)
-    }
-}
-
-/// Depthwise causal convolution of width `w` over `pre` `[T, P]` continuing from `window`
-/// (`[P, w-1]`, oldest first), followed by SiLU; `window` is advanced to the last `w-1` inputs.
-///
-/// `y[t][c] = Σ_j weight[c][j] · ext[t+j][c]`, where `ext` is the window followed by `pre`.
-pub fn short_conv(pre: &[f32], window: &mut [f32], weight: &[f32], p: usize, w: usize) -> Vec<f32> {
-    let rows = pre.len() / p;
-    let hist = w - 1;
-    debug_assert_eq!(window.len(), p * hist);
-    debug_assert_eq!(weight.len(), p * w);
-    let ext = |i: usize, c: usize| -> f32 {
-        if i < hist {
-            window[c * hist + i]
-        } else {
-            pre[(i - hist) * p + c]
-        }
-    };
-    let mut out = vec![0.0f32; rows * p];
-    for (t, out_row) in out.chunks_exact_mut(p).enumerate() {
-        for (c, y) in out_row.iter_mut().enumerate() {
-            let wc = &weight[c * w..(c + 1) * w];
-            let acc: f32 = wc
-                .iter()
-                .enumerate()
-                .map(|(j, &wj)| wj * ext(t + j, c))
-                .sum();
-            *y = silu(acc);
-        }
-    }
-    let next: Vec<f32> = (0..p)
-        .flat_map(|c| (0..hist).map(move |j| (c, rows + j)))
-        .map(|(c, i)| ext(i, c))
-        .collect();
-    window.copy_from_slice(&next);
-    out
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn short_conv_in_pieces_equals_one_pass() {
-        let (p, w, t) = (3, 4, 7);
-        let pre: Vec<f32> = (0..t * p).map(|i| (i as f32 * 0.37).sin()).collect();
-        let weight: Vec<f32> = (0..p * w).map(|i| (i as f32 * 0.91).cos()).collect();
-        let mut win_all = vec![0.0; p * (w - 1)];
-        let all = short_conv(&pre, &mut win_all, &weight, p, w);
-        let mut win = vec![0.0; p * (w - 1)];
-        let mut pieces = short_conv(&pre[..2 * p], &mut win, &weight, p, w);
-        for i in 2..t {
-            pieces.extend(short_conv(
-                &pre[i * p..(i + 1) * p],
-                &mut win,
-                &weight,
-                p,
-                w,
-            ));
-        }
-        assert_eq!(win, win_all);
-        for (a, b) in all.iter().zip(&pieces) {
-            assert!((a - b).abs() < 1e-6);
-        }
-        // The window holds the last three inputs, oldest first, channel-major.
-        assert_eq!(win_all[0], pre[4 * p]);
-        assert_eq!(win_all[2], pre[6 * p]);
-        assert_eq!(win_all[3], pre[4 * p + 1]);
     }
 }

@@ -2,9 +2,9 @@
 //! (one state per rank of the group per slot) and reused, zeroed, request after request; a
 //! request's MLA latent blocks are bound from the claim its reservation made.
 
+use crate::backend::latents::Claim;
 use crate::backend::Ops;
-use crate::kda_hybrid::latent_pool::Claim;
-use crate::kda_hybrid::{KdaHybridState, LayerState};
+use crate::models::kda_hybrid::{KdaHybridState, LayerState};
 use crate::tensor::HostTensor;
 use crate::{Error, Result};
 

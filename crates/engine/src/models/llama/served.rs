@@ -9,7 +9,7 @@ use crate::backend::Ops;
 use crate::batch::ForwardBatch;
 use crate::handoff::{Handoff, Segment, SegmentKind};
 use crate::kv_pool::{BlockAllocator, KvCache, KvLayout};
-use crate::llama::{LlamaModel, LlamaWorkspace};
+use crate::models::llama::{LlamaModel, LlamaWorkspace};
 use crate::sampling::{Adjustment, SampleRow};
 use crate::scheduler::EngineConfig;
 use crate::served::{HandoffSpec, Pools, Reservation, ServedInfo, ServedModel};
@@ -141,7 +141,7 @@ impl<B: Ops> LlamaRanks<B> {
         let size = lead.shard().size;
         let mut heads = Vec::with_capacity(size);
         for r in 0..size {
-            heads.push(crate::llama::TpShard { rank: r, size }.kv_heads(
+            heads.push(crate::models::llama::TpShard { rank: r, size }.kv_heads(
                 c.num_attention_heads,
                 c.num_key_value_heads,
                 c.intermediate_size,
@@ -384,7 +384,7 @@ pub fn cpu_shards(
                 dir,
                 crate::CpuBackend::new(),
                 dtype,
-                crate::llama::TpShard { rank, size: tp },
+                crate::models::llama::TpShard { rank, size: tp },
                 Some(Box::new(comm)),
             )
         })
@@ -580,5 +580,25 @@ impl<B: Ops> ServedModel for LlamaServed<B> {
 
     fn refresh(&mut self, dir: &std::path::Path) -> Result<()> {
         self.ranks.refresh(dir)
+    }
+}
+
+/// The Llama family's ways into the engine.
+impl crate::Engine {
+    /// Starts the engine thread for a whole Llama-family `model`.
+    pub fn start<B: Ops>(model: LlamaModel<B>, config: EngineConfig) -> Self {
+        match Self::start_sharded(vec![model], config) {
+            Ok(engine) => engine,
+            // One whole model always makes one rank.
+            Err(e) => panic!("starting the engine: {e}"),
+        }
+    }
+
+    /// Starts the engine thread for the tensor-parallel shards of one Llama-family model
+    /// (rank order, joined by communicators): rank 0 runs in the engine thread, each other
+    /// rank in its own.
+    pub fn start_sharded<B: Ops>(shards: Vec<LlamaModel<B>>, config: EngineConfig) -> Result<Self> {
+        let c = config.clone();
+        Self::start_served(move || LlamaServed::new(shards, &c), config)
     }
 }

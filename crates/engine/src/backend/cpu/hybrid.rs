@@ -1,16 +1,16 @@
 //! The CPU bodies of [`HybridOps`]: host slices of the CPU tensors, the formulas of
-//! shared/specs/kda.md (the delta rule's two forms are in `kda_hybrid::delta_rule`, the
+//! shared/specs/kda.md (the delta rule's two forms are in `backend::cpu::delta_rule`, the
 //! short convolution in `kda_hybrid::kda`), rows split over rayon's pool where they are
 //! independent.
 
-use super::cpu::{f32s, f32s_mut, u32s_mut};
-use super::hybrid::{At, DeltaForm, DeltaInputs, ExpertRows, HcParams, HybridOps, MlaDims, Seqs};
-use super::CpuBackend;
-use crate::kda_hybrid::delta_rule::{self, DeltaRuleInputs};
-use crate::kda_hybrid::kda::short_conv;
-use crate::kda_hybrid::moe::route;
-use crate::kda_hybrid::ops::{axpy, dot, l2norm_rows, rms_norm_rows, sigmoid, silu, softplus};
-use crate::kda_hybrid::{KdaGate, MlaState, MoeConfig};
+use super::delta_rule::{self, DeltaRuleInputs};
+use super::math::{axpy, dot, l2norm_rows, rms_norm_rows, short_conv, sigmoid, silu, softplus};
+use super::routing::route;
+use super::{f32s, f32s_mut, u32s_mut, CpuBackend};
+use crate::backend::hybrid::{
+    At, DeltaForm, DeltaInputs, ExpertRows, HcParams, HybridOps, KdaGate, MlaDims, MoeConfig, Seqs,
+};
+use crate::backend::latents::MlaState;
 use crate::tensor::Tensor;
 use rayon::prelude::*;
 

@@ -20,16 +20,14 @@
 //! moves a request's state between layouts.
 
 pub mod config;
-pub mod delta_rule;
 pub mod kda;
-pub mod latent_pool;
 pub mod loading;
 pub mod mla;
 pub mod model;
 pub mod moe;
-pub(crate) mod ops;
 pub mod projection;
 pub mod residual;
+pub mod served;
 pub mod sharded;
 pub mod transfer;
 mod weights;
@@ -39,9 +37,7 @@ pub use config::{
     MlaConfig, ModelFamily, MoeConfig, ResidualKind,
 };
 pub use kda::{ConvWindow, KdaForm, KdaLayer, KdaState};
-pub use latent_pool::{LatentPool, PagedRows};
 pub use loading::{FusionPolicy, LoadOptions};
-pub use mla::{IndexerCache, MlaState};
 pub use model::{KdaHybridModel, KdaHybridState, LayerState};
 pub use projection::{KdaGateProjection, KdaInputProjection, KdaProjected};
 pub use sharded::{ShardError, ShardedKdaHybrid};

@@ -3,10 +3,10 @@
 //! attention-DP group.
 
 use crate::backend::hybrid::HybridOps;
+use crate::backend::latents::LatentPool;
 use crate::backend::CpuBackend;
-use crate::kda_hybrid::{
-    KdaForm, KdaHybridConfig, KdaHybridModel, KdaHybridState, LatentPool, LoadOptions,
-    ShardedKdaHybrid,
+use crate::models::kda_hybrid::{
+    KdaForm, KdaHybridConfig, KdaHybridModel, KdaHybridState, LoadOptions, ShardedKdaHybrid,
 };
 use crate::{Error, Result};
 use tandem_topology::{Layout, Rank, ShardBy};
@@ -234,7 +234,7 @@ impl<B: HybridOps> KdaModel<B> {
     }
 }
 
-fn sharded(e: crate::kda_hybrid::ShardError) -> Error {
+fn sharded(e: crate::models::kda_hybrid::ShardError) -> Error {
     Error::InvalidRequest(format!("sharded run failed: {e}"))
 }
 

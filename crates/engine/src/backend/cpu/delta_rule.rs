@@ -11,7 +11,7 @@
 //! chunk sum of −320). The within-chunk cumulative sums are kept in f64 so that the pairwise
 //! differences do not lose the small per-token gates against a large running sum.
 
-use super::ops::{axpy, dot};
+use super::math::{axpy, dot};
 use rayon::prelude::*;
 
 /// Chunk length of the chunked form.
@@ -248,8 +248,8 @@ mod tests {
         let (t, h, d) = (23, 2, 8);
         let mut q = noise(1, t * h * d);
         let mut k = noise(2, t * h * d);
-        super::super::ops::l2norm_rows(&mut q, d, 1.0 / (d as f32).sqrt());
-        super::super::ops::l2norm_rows(&mut k, d, 1.0);
+        super::super::math::l2norm_rows(&mut q, d, 1.0 / (d as f32).sqrt());
+        super::super::math::l2norm_rows(&mut k, d, 1.0);
         let v = noise(3, t * h * d);
         let g: Vec<f32> = noise(4, t * h * d).iter().map(|x| -2.0 * x.abs()).collect();
         let beta: Vec<f32> = noise(5, t * h).iter().map(|x| 0.5 + 0.4 * x).collect();

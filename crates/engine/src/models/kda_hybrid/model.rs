@@ -9,12 +9,13 @@
 use super::config::{AttentionKind, FfnKind, KdaHybridConfig};
 use super::kda::{KdaForm, KdaLayer, KdaState};
 use super::loading::{FusionInputs, LoadOptions, RankShard, Upload};
-use super::mla::{MlaLayer, MlaState};
+use super::mla::MlaLayer;
 use super::moe::{Moe, SwiGlu};
 use super::projection::project;
 use super::residual::{HyperConnection, Residual};
 use super::weights::Checkpoint;
 use crate::backend::hybrid::{At, HybridOps};
+use crate::backend::latents::MlaState;
 use crate::backend::{CpuBackend, Linear, Ops};
 use crate::tensor::{DType, HostTensor, Tensor};
 use crate::{Error, Result};
@@ -392,7 +393,7 @@ impl<B: HybridOps> KdaHybridModel<B> {
     }
 
     /// Makes new states take their MLA latent blocks from `pool` (the worker's paged pool).
-    pub fn set_latent_pool(&mut self, pool: &super::LatentPool) {
+    pub fn set_latent_pool(&mut self, pool: &crate::backend::latents::LatentPool) {
         for layer in &mut self.layers {
             if let Attention::Mla(m) = &mut layer.attention {
                 m.set_latent_pool(pool.clone());

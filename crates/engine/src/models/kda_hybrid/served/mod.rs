@@ -23,11 +23,12 @@ pub use model::KdaModel;
 use self::slots::{bind_latents, latent_sets, reset_state};
 use self::state_io::{encode_group, host_copy, import_group, KdaHandoffSpec};
 use crate::backend::hybrid::HybridOps;
+use crate::backend::latents::LatentPool;
 use crate::backend::CpuBackend;
 use crate::batch::ForwardBatch;
 use crate::handoff::Handoff;
-use crate::kda_hybrid::{KdaHybridState, LatentPool};
 use crate::kv_pool::BlockAllocator;
+use crate::models::kda_hybrid::KdaHybridState;
 use crate::sampling::{adjust_row, Adjustment, SampleRow};
 use crate::scheduler::{Engine, EngineConfig};
 use crate::served::{HandoffSpec, Pools, Reservation, ServedInfo, ServedModel, StateSlot};
@@ -139,7 +140,7 @@ impl<B: HybridOps> KdaServed<B> {
 /// the MLA latents and rope slots (sent once) and the indexer caches; f32 throughout. The
 /// manifest lists up to two segments a KDA layer per rank of the largest attention-TP group.
 fn state_handoff_size(
-    c: &crate::kda_hybrid::KdaHybridConfig,
+    c: &crate::models::kda_hybrid::KdaHybridConfig,
     layout: tandem_topology::Layout,
 ) -> crate::served::StateHandoffSize {
     let (k, m) = (c.kda, c.mla);
@@ -279,7 +280,7 @@ impl<B: HybridOps> ServedModel for KdaServed<B> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kda_hybrid::KdaHybridModel;
+    use crate::models::kda_hybrid::KdaHybridModel;
     use crate::scheduler::{EngineEvent, SeqKind};
     use tandem_core::SamplingParams;
     use tandem_topology::Layout;

@@ -4,12 +4,12 @@
 //! every segment is checked against the receiving model and the state resharded to the
 //! decode group's ranks.
 
+use crate::backend::latents::LatentPool;
 use crate::backend::{CpuBackend, Ops};
 use crate::handoff::{Handoff, SegmentKind, SegmentReader};
-use crate::kda_hybrid::sharded::model_shape;
-use crate::kda_hybrid::{
-    apply_transfer_plan, ConvWindow, KdaHybridConfig, KdaHybridState, KdaState, LatentPool,
-    LayerState,
+use crate::models::kda_hybrid::sharded::model_shape;
+use crate::models::kda_hybrid::{
+    apply_transfer_plan, ConvWindow, KdaHybridConfig, KdaHybridState, KdaState, LayerState,
 };
 use crate::served::{HandoffSpec, Reservation};
 use crate::tensor::{DType, HostTensor};

@@ -18,88 +18,15 @@
 //! `index_topk` tokens.
 
 use super::config::{IndexerConfig, MlaConfig};
-use super::latent_pool::{LatentPool, PagedRows};
 use super::loading::{part, Upload};
 use super::projection::project;
 use super::weights::Checkpoint;
 use crate::backend::hybrid::{HybridOps, MlaDims};
-use crate::backend::{Backend, CpuBackend, Linear, Ops};
+use crate::backend::latents::{IndexerCache, LatentPool, MlaState, PagedRows};
+use crate::backend::{CpuBackend, Linear, Ops};
 use crate::tensor::{DType, Tensor};
 use crate::Result;
 use tandem_topology::Shard;
-
-/// The per-token caches of the DSA indexer, `[T, index_head_dim]` each.
-#[derive(Clone, Debug)]
-pub struct IndexerCache<B: Backend = CpuBackend> {
-    /// `LayerNorm(wk x)`.
-    pub keys: PagedRows<B>,
-    /// `x · index_kpool_compress_gateᵀ`, the per-token pool gate scores.
-    pub pool_gate: PagedRows<B>,
-}
-
-/// What one MLA layer keeps per request: one latent per token so far, in blocks counted
-/// against the worker's paged latent pool ([`LatentPool`]) and held on the model's backend.
-#[derive(Clone, Debug)]
-pub struct MlaState<B: Backend = CpuBackend> {
-    /// Latents after `kv_a_layernorm`, `[T, kv_lora_rank]`.
-    pub kv_latent: PagedRows<B>,
-    /// The (unrotated) rope slot of `kv_a_proj_with_mqa`, `[T, qk_rope_head_dim]`; empty when
-    /// the model has none.
-    pub k_rope: PagedRows<B>,
-    /// The indexer's caches, for layers that run an indexer (blocks of an unbounded pool of
-    /// their own: the serving pool counts latents and rope slots).
-    pub indexer: Option<IndexerCache<B>>,
-}
-
-impl<B: Backend> PartialEq for IndexerCache<B> {
-    fn eq(&self, other: &Self) -> bool {
-        self.keys == other.keys && self.pool_gate == other.pool_gate
-    }
-}
-
-impl<B: Backend> PartialEq for MlaState<B> {
-    fn eq(&self, other: &Self) -> bool {
-        self.kv_latent == other.kv_latent
-            && self.k_rope == other.k_rope
-            && self.indexer == other.indexer
-    }
-}
-
-impl<B: Backend> MlaState<B> {
-    /// Tokens cached, given the latent width.
-    pub fn tokens(&self, kv_lora_rank: usize) -> usize {
-        debug_assert!(self.kv_latent.is_empty() || self.kv_latent.width() == kv_lora_rank);
-        self.kv_latent.rows()
-    }
-
-    /// Reserves blocks for `tokens` tokens in total; false when the pool is short (drop the
-    /// state to hand back what was taken).
-    pub fn reserve(&mut self, tokens: usize) -> bool {
-        self.kv_latent.reserve(tokens) && self.k_rope.reserve(tokens)
-    }
-
-    /// As [`MlaState::reserve`], with blocks out of `claim`.
-    pub fn reserve_from(&mut self, tokens: usize, claim: &mut super::latent_pool::Claim) -> bool {
-        self.kv_latent.reserve_from(tokens, claim) && self.k_rope.reserve_from(tokens, claim)
-    }
-
-    /// Blocks [`MlaState::reserve`] would still take for `tokens` tokens.
-    pub fn blocks_short(&self, tokens: usize) -> usize {
-        self.kv_latent.blocks_short(tokens) + self.k_rope.blocks_short(tokens)
-    }
-
-    /// The same cache on `backend`, its latent and rope rows counted against `pool`.
-    pub fn copy_into<C: Backend>(&self, pool: &LatentPool, backend: &C) -> MlaState<C> {
-        MlaState {
-            kv_latent: self.kv_latent.copy_into(pool, backend),
-            k_rope: self.k_rope.copy_into(pool, backend),
-            indexer: self.indexer.as_ref().map(|ix| IndexerCache {
-                keys: ix.keys.copy_into(&LatentPool::default(), backend),
-                pool_gate: ix.pool_gate.copy_into(&LatentPool::default(), backend),
-            }),
-        }
-    }
-}
 
 #[derive(Debug)]
 enum QueryProjection<B: Ops> {
@@ -258,7 +185,7 @@ impl<B: HybridOps> MlaLayer<B> {
         let dims = self.dims();
         assert_eq!(segments.len(), states.len(), "one state per sequence");
         let rows: usize = segments.iter().sum();
-        let seqs = super::ops::row_ranges(segments);
+        let seqs = crate::backend::hybrid::row_ranges(segments);
         let q = match &self.q {
             QueryProjection::Direct(w) => project(b, x, rows, w),
             QueryProjection::LowRank { a, norm, b: qb } => {

@@ -260,7 +260,7 @@ impl<B: HybridOps> ShardedKdaHybrid<B> {
     }
 
     /// Makes every rank's new states take MLA latent blocks from `pool`.
-    pub fn set_latent_pool(&mut self, pool: &super::LatentPool) {
+    pub fn set_latent_pool(&mut self, pool: &crate::backend::latents::LatentPool) {
         for r in &mut self.ranks {
             r.set_latent_pool(pool);
         }
