@@ -43,8 +43,7 @@ fn parse<T: serde::de::DeserializeOwned>(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<T, ApiError> {
     let body = body.map_err(|r| ApiError::invalid(r.body_text(), None))?;
-    serde_json::from_slice(&body)
-        .map_err(|e| ApiError::invalid(format!("invalid request body: {e}"), None))
+    validation::parse_body(&body)
 }
 
 /// `POST /tokenize`.

@@ -130,6 +130,34 @@ pub fn prepare_chat(
     Ok(prepared)
 }
 
+/// A request body as `T`. JSON numbers with no fraction (`16.0`) count as integers, as JSON
+/// Schema and Python clients see them, so `"max_tokens": 16.0` is read as 16.
+pub(crate) fn parse_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    let mut value: Value = serde_json::from_slice(body).map_err(|err| {
+        ApiError::invalid(format!("malformed JSON in request body: {err}"), None)
+    })?;
+    integral_floats_as_integers(&mut value);
+    serde_json::from_value(value)
+        .map_err(|err| ApiError::invalid(format!("invalid request body: {err}"), None))
+}
+
+/// Rewrites every float with no fractional part (and within i64) as an integer, recursively.
+fn integral_floats_as_integers(value: &mut Value) {
+    match value {
+        Value::Number(n) if n.is_f64() => {
+            if let Some(x) = n.as_f64() {
+                // 2^63 = 9223372036854775808 is the first float past i64's range.
+                if x.fract() == 0.0 && x.abs() < 9_223_372_036_854_775_808.0 {
+                    *value = Value::from(x as i64);
+                }
+            }
+        }
+        Value::Array(items) => items.iter_mut().for_each(integral_floats_as_integers),
+        Value::Object(fields) => fields.values_mut().for_each(integral_floats_as_integers),
+        _ => {}
+    }
+}
+
 fn no_tool_support() -> ApiError {
     ApiError::invalid(
         "this model's chat template does not support tools (start the router with \

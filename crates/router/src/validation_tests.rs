@@ -360,3 +360,24 @@ fn best_of_generates_more_choices_than_it_answers() {
         .expect("best_of = n streams");
     assert_eq!((p.choices, p.kept), (2, 2));
 }
+
+#[test]
+fn integral_floats_are_read_as_integers_and_fractions_are_refused() {
+    let body = br#"{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 7.0,
+        "top_logprobs": 2.0, "logprobs": true, "seed": -3.0, "temperature": 1}"#;
+    let request: ChatCompletionRequest = parse_body(body).expect("integral floats parse");
+    let prepared =
+        prepare_chat(&model(), "tiny", RequestId("chatcmpl-1".into()), request).expect("valid");
+    assert_eq!(prepared.request.sampling.max_tokens, 7);
+    assert_eq!(prepared.request.sampling.logprobs, Some(2));
+    assert_eq!(prepared.request.sampling.seed, u64::MAX - 2);
+    assert!((prepared.request.sampling.temperature - 1.0).abs() < 1e-6);
+
+    let err = parse_body::<ChatCompletionRequest>(
+        br#"{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 7.5}"#,
+    )
+    .expect_err("a fraction is not a token count");
+    assert!(err.to_string().contains("invalid request body"), "{err}");
+    let err = parse_body::<ChatCompletionRequest>(b"{\"messages\": [").expect_err("cut short");
+    assert!(err.to_string().contains("malformed JSON"), "{err}");
+}

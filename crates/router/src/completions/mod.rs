@@ -150,13 +150,13 @@ async fn prepare(
         let name = state.served_name();
         match endpoint {
             Endpoint::ChatCompletions => {
-                let request = parse_json(&body)?;
+                let request = validation::parse_body(&body)?;
                 let id = new_id("chatcmpl");
                 let prepared = validation::prepare_chat(model, name, id.clone(), request)?;
                 Ok((id.0, vec![prepared]))
             }
             Endpoint::Completions => {
-                let request = parse_json(&body)?;
+                let request = validation::parse_body(&body)?;
                 let id = new_id("cmpl");
                 let batch = validation::prepare_completion_batch(model, name, id.clone(), request)?;
                 Ok((id.0, batch))
@@ -165,17 +165,6 @@ async fn prepare(
     })
     .await
     .map_err(|err| ApiError::internal(format!("request preparation panicked: {err}")))?
-}
-
-fn parse_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
-    serde_json::from_slice(body).map_err(|err| {
-        let what = if err.is_data() {
-            "invalid request body"
-        } else {
-            "malformed JSON in request body"
-        };
-        ApiError::invalid(format!("{what}: {err}"), None)
-    })
 }
 
 fn new_id(prefix: &str) -> RequestId {
