@@ -454,6 +454,12 @@ impl HybridOps for CudaBackend {
              {MOE_MAX_GROUPS} groups, not {k} and {}",
             cfg.num_groups
         );
+        assert!(
+            k <= e && e.is_multiple_of(cfg.num_groups) && cfg.topk_groups <= cfg.num_groups,
+            "MoE routing of {k} of {e} experts in {} groups (top {}) is not a valid configuration",
+            cfg.num_groups,
+            cfg.topk_groups
+        );
         need(logits, DType::F32, rows * e, "route_topk logits");
         need(bias, DType::F32, e, "route_topk bias");
         need(ids, DType::U32, rows * k, "route_topk ids");
@@ -509,6 +515,10 @@ impl HybridOps for CudaBackend {
             return;
         }
         let (hidden, inter, experts) = (bank.hidden, bank.inter, bank.count);
+        assert!(
+            experts <= MOE_MAX_EXPERTS,
+            "the grouped CUDA experts take at most {MOE_MAX_EXPERTS} experts per bank, not {experts}"
+        );
         let pairs = rows * k;
         need(x, DType::F32, rows * hidden, "moe_grouped input");
         need(y, DType::F32, rows * hidden, "moe_grouped output");
@@ -649,7 +659,8 @@ impl HybridOps for CudaBackend {
         );
     }
 
-    /// Host fallback: the per-token Sinkhorn normalisation has no kernel yet.
+    /// One kernel: a block per row (thread 0 computes the weights and the Sinkhorn passes,
+    /// every thread the weighted sum of the streams).
     fn hc_collapse(
         &self,
         streams: &T,

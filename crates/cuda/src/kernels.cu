@@ -1551,23 +1551,25 @@ extern "C" __global__ void __launch_bounds__(128) moe_gate_up(const float* x, in
             unpack16<__nv_bfloat16>(ld_weights(wu + c), u);
             #pragma unroll
             for (int r = 0; r < MOE_ROWS; ++r) {
-                if (r >= m) break;
-                const float4* xv = reinterpret_cast<const float4*>(xr[r] + c * 8);
-                float4 a = xv[0], b = xv[1];
-                ag[r] += a.x * g[0] + a.y * g[1] + a.z * g[2] + a.w * g[3] + b.x * g[4] + b.y * g[5] + b.z * g[6] + b.w * g[7];
-                au[r] += a.x * u[0] + a.y * u[1] + a.z * u[2] + a.w * u[3] + b.x * u[4] + b.y * u[5] + b.z * u[6] + b.w * u[7];
+                if (r < m) {
+                    const float4* xv = reinterpret_cast<const float4*>(xr[r] + c * 8);
+                    float4 a = xv[0], b = xv[1];
+                    ag[r] += a.x * g[0] + a.y * g[1] + a.z * g[2] + a.w * g[3] + b.x * g[4] + b.y * g[5] + b.z * g[6] + b.w * g[7];
+                    au[r] += a.x * u[0] + a.y * u[1] + a.z * u[2] + a.w * u[3] + b.x * u[4] + b.y * u[5] + b.z * u[6] + b.w * u[7];
+                }
             }
         }
         #pragma unroll
         for (int r = 0; r < MOE_ROWS; ++r) {
-            if (r >= m) break;
-            float sg = warp_sum(ag[r]), su = warp_sum(au[r]);
-            if (lane == 0) {
-                if (clamp) {
-                    sg = fminf(sg, limit);
-                    su = fminf(fmaxf(su, -limit), limit);
+            if (r < m) {
+                float sg = warp_sum(ag[r]), su = warp_sum(au[r]);
+                if (lane == 0) {
+                    if (clamp) {
+                        sg = fminf(sg, limit);
+                        su = fminf(fmaxf(su, -limit), limit);
+                    }
+                    act[(long)order[start + g0 + r] * inter + j] = sg * sigmoid_f(sg) * su;
                 }
-                act[(long)order[start + g0 + r] * inter + j] = sg * sigmoid_f(sg) * su;
             }
         }
     }
@@ -1599,18 +1601,20 @@ extern "C" __global__ void __launch_bounds__(128) moe_down(const float* act, int
             unpack16<__nv_bfloat16>(ld_weights(w + c), wv);
             #pragma unroll
             for (int r = 0; r < MOE_ROWS; ++r) {
-                if (r >= m) break;
-                const float4* av = reinterpret_cast<const float4*>(ar[r] + c * 8);
-                float4 a = av[0], b = av[1];
-                acc[r] += a.x * wv[0] + a.y * wv[1] + a.z * wv[2] + a.w * wv[3] + b.x * wv[4] + b.y * wv[5] + b.z * wv[6] + b.w * wv[7];
+                if (r < m) {
+                    const float4* av = reinterpret_cast<const float4*>(ar[r] + c * 8);
+                    float4 a = av[0], b = av[1];
+                    acc[r] += a.x * wv[0] + a.y * wv[1] + a.z * wv[2] + a.w * wv[3] + b.x * wv[4] + b.y * wv[5] + b.z * wv[6] + b.w * wv[7];
+                }
             }
         }
         #pragma unroll
         for (int r = 0; r < MOE_ROWS; ++r) {
-            if (r >= m) break;
-            float s = warp_sum(acc[r]);
-            u32 p = order[start + g0 + r];
-            if (lane == 0) out[(long)p * hidden + h] = weights[p] * s;
+            if (r < m) {
+                float s = warp_sum(acc[r]);
+                u32 p = order[start + g0 + r];
+                if (lane == 0) out[(long)p * hidden + h] = weights[p] * s;
+            }
         }
     }
 }
@@ -1763,7 +1767,6 @@ extern "C" __global__ void hc_expand(const float* x, long rows, int n, int hidde
     out[t] = x[t / ((long)n * hidden) * hidden + t % hidden];
 }
 
-// New stream j = post_j · y + Σ_m comb[m][j] · old stream m, in place: a thread per (row, column).
 // mHC collapse, a block per row: the pre weights sigmoid(l_i s0 + b_i) + eps, the post weights
 // 2 sigmoid(l_{n+i} s1 + b_{n+i}) and the combine matrix (a row softmax of l s2 + b, + eps, then
 // `iters` Sinkhorn passes: columns, then rows and columns) by thread 0; the input
@@ -1820,6 +1823,7 @@ extern "C" __global__ void hc_collapse(const float* streams, const float* logits
     }
 }
 
+// New stream j = post_j · y + Σ_m comb[m][j] · old stream m, in place: a thread per (row, column).
 extern "C" __global__ void hc_merge(float* streams, const float* y, const float* post, const float* comb,
                                     long rows, int n, int hidden) {
     pdl_start();
