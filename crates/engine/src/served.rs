@@ -4,13 +4,16 @@
 //! (Llama K/V), a fixed-size state slot on an attention-DP group and paged MLA latent rows
 //! (KDA hybrids) — comes from the engine's [`Pools`] as one RAII [`Reservation`], whatever
 //! the family. The scheduler ([`crate::scheduler`]) knows nothing else about a model.
+//! Every family samples through [`sample_logits`], over logits where its step left them.
 
 use crate::backend::latents::Claim;
 use crate::backend::latents::LatentPool;
 use crate::batch::ForwardBatch;
 use crate::handoff::Handoff;
 use crate::kv_pool::{BlockAllocation, BlockAllocator, KvLayout};
-use crate::sampling::SampleRow;
+use crate::backend::Ops;
+use crate::sampling::{Adjustment, SampleRow};
+use crate::tensor::Tensor;
 use crate::{Error, Result};
 use std::path::Path;
 use std::sync::Arc;
@@ -372,6 +375,58 @@ impl Pools {
             () = slots => {}
         }
     }
+}
+
+/// What every family's [`ServedModel::sample`] does, once: one token per row of `logits`
+/// (`[rows.len().., vocab]` on `b`; extra rows are left alone) after each row's bias,
+/// penalties and min-p cut, sampled where the logits are; for rows that ask for them, the
+/// token's log-probabilities over the penalised logits (the only rows read back).
+pub fn sample_logits<B: Ops>(
+    b: &B,
+    logits: &mut Tensor<B>,
+    vocab: usize,
+    rows: &[SampleRow<'_>],
+    out: &mut Vec<u32>,
+    logprobs: &mut Vec<Option<TokenLogprobs>>,
+) {
+    b.adjust_logits(logits, vocab, rows, Adjustment::Penalties);
+    // Log-probabilities are over the penalised logits, before the min-p cut.
+    let wanted: Vec<usize> = (0..rows.len())
+        .filter(|&i| rows[i].params.logprobs.is_some())
+        .collect();
+    let kept = if wanted.is_empty() {
+        Vec::new()
+    } else {
+        b.download_rows(logits, vocab, &wanted)
+    };
+    b.adjust_logits(logits, vocab, rows, Adjustment::MinP);
+    let plain: Vec<_> = rows.iter().map(|r| (r.params, r.step)).collect();
+    b.sample(logits, vocab, &plain, out);
+    logprobs.clear();
+    logprobs.resize(rows.len(), None);
+    for (k, &i) in wanted.iter().enumerate() {
+        let top = rows[i].params.logprobs.unwrap_or(0);
+        let row = &kept[k * vocab..(k + 1) * vocab];
+        logprobs[i] = Some(crate::sampling::logprobs_of(row, out[i], top));
+    }
+}
+
+/// What every family's [`ServedModel::score`] does: rows `first + i` of `logits` score
+/// `targets[i]` (token, alternatives), read back to the host.
+pub fn score_logits<B: Ops>(
+    b: &B,
+    logits: &Tensor<B>,
+    vocab: usize,
+    first: usize,
+    targets: &[(u32, u32)],
+) -> Vec<TokenLogprobs> {
+    let rows: Vec<usize> = (first..first + targets.len()).collect();
+    let logits = b.download_rows(logits, vocab, &rows);
+    targets
+        .iter()
+        .zip(logits.chunks_exact(vocab))
+        .map(|(&(token, top), row)| crate::sampling::logprobs_of(row, token, top))
+        .collect()
 }
 
 /// Checks a received handoff against the receiving model and brings it into that model's

@@ -70,6 +70,15 @@ pub struct At {
 }
 
 impl At {
+    /// The start of row `row` of rows `stride` wide.
+    pub fn row(row: usize, stride: usize) -> Self {
+        Self {
+            row,
+            col: 0,
+            stride,
+        }
+    }
+
     /// Column `col` of rows `stride` wide, from row 0.
     pub fn col(col: usize, stride: usize) -> Self {
         Self {

@@ -38,7 +38,7 @@ pub use config::{
 };
 pub use kda::{ConvWindow, KdaForm, KdaLayer, KdaState};
 pub use loading::{FusionPolicy, LoadOptions};
-pub use model::{KdaHybridModel, KdaHybridState, LayerState};
+pub use model::{KdaHybridModel, KdaHybridState, LayerState, StepLogits};
 pub use projection::{KdaGateProjection, KdaInputProjection, KdaProjected};
 pub use sharded::{ShardError, ShardedKdaHybrid};
 pub use transfer::apply_transfer_plan;

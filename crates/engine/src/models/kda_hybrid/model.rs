@@ -16,7 +16,7 @@ use super::residual::{HyperConnection, Residual};
 use super::weights::Checkpoint;
 use crate::backend::hybrid::{At, HybridOps};
 use crate::backend::latents::MlaState;
-use crate::backend::{CpuBackend, Linear, Ops};
+use crate::backend::{Backend, CpuBackend, Linear, Ops};
 use crate::tensor::{DType, HostTensor, Tensor};
 use crate::{Error, Result};
 use std::path::Path;
@@ -468,6 +468,7 @@ impl<B: HybridOps> KdaHybridModel<B> {
         let mut trace = None;
         self.run(&[ids], &mut [state], form, all_logits, &mut trace, None)
             .expect("a single rank runs no collectives, so nothing can fail")
+            .to_host(&self.backend, self.config.vocab_size)
             .pop()
             .unwrap_or_default()
     }
@@ -484,6 +485,21 @@ impl<B: HybridOps> KdaHybridModel<B> {
         states: &mut [&mut KdaHybridState<B>],
         form: KdaForm,
     ) -> Vec<Vec<f32>> {
+        self.extend_batch_logits(ids, states, form)
+            .to_host(&self.backend, self.config.vocab_size)
+    }
+
+    /// [`KdaHybridModel::extend_batch`] with the logits left on the model's backend: a row
+    /// per sequence given tokens.
+    ///
+    /// # Panics
+    /// As [`KdaHybridModel::extend_batch`].
+    pub fn extend_batch_logits(
+        &self,
+        ids: &[&[u32]],
+        states: &mut [&mut KdaHybridState<B>],
+        form: KdaForm,
+    ) -> StepLogits<B> {
         let mut trace = None;
         self.run(ids, states, form, false, &mut trace, None)
             .expect("a single rank runs no collectives, so nothing can fail")
@@ -509,8 +525,8 @@ impl<B: HybridOps> KdaHybridModel<B> {
     /// The forward pass over a batch of sequences (`ids[i]` continues `states[i]`), their
     /// tokens flattened into one set of rows; `comm` is `Some` on a rank of a sharded layout.
     /// With `comm`, the batch may be empty (an attention-DP group with nothing to do still
-    /// joins the FFN collectives). Returns per sequence the logits of every new position
-    /// (`all_logits`) or of the last one.
+    /// joins the FFN collectives). Returns the logits of every new position (`all_logits`)
+    /// or of each sequence's last one, on the model's backend.
     pub(crate) fn run(
         &self,
         ids: &[&[u32]],
@@ -519,14 +535,14 @@ impl<B: HybridOps> KdaHybridModel<B> {
         all_logits: bool,
         trace: &mut Option<Vec<Vec<f32>>>,
         comm: Option<&dyn RankCollectives<B>>,
-    ) -> TopologyResult<Vec<Vec<f32>>> {
+    ) -> TopologyResult<StepLogits<B>> {
         let b = &self.backend;
         let c = &self.config;
         let segments: Vec<usize> = ids.iter().map(|s| s.len()).collect();
         let (hidden, eps, rows) = (c.hidden_size, c.rms_norm_eps, segments.iter().sum());
         assert_eq!(ids.len(), states.len(), "one state per sequence");
         if rows == 0 && comm.is_none() {
-            return Ok(vec![Vec::new(); ids.len()]);
+            return Ok(StepLogits::none(ids.len()));
         }
         for state in states.iter() {
             assert_eq!(
@@ -606,7 +622,7 @@ impl<B: HybridOps> KdaHybridModel<B> {
             state.tokens += n;
         }
         if rows == 0 {
-            return Ok(vec![Vec::new(); ids.len()]);
+            return Ok(StepLogits::none(ids.len()));
         }
         // The rows whose logits are wanted, and how many belong to each sequence.
         let out = residual.output(b, rows, hidden);
@@ -647,15 +663,47 @@ impl<B: HybridOps> KdaHybridModel<B> {
                 logits
             }
         };
-        let logits = b.download(&logits).to_f32_vec();
+        Ok(StepLogits {
+            tensor: Some(logits),
+            counts,
+        })
+    }
+}
+
+/// A step's logits where the step left them: `counts[i]` rows for sequence `i`, in sequence
+/// order, in `tensor` (`[Σ counts, vocab]`; `None` when no row was wanted).
+#[derive(Debug)]
+pub struct StepLogits<B: Backend> {
+    /// The rows, on the model's backend.
+    pub tensor: Option<Tensor<B>>,
+    /// Rows per sequence.
+    pub counts: Vec<usize>,
+}
+
+impl<B: Backend> StepLogits<B> {
+    /// No rows for `sequences` sequences.
+    pub fn none(sequences: usize) -> Self {
+        Self {
+            tensor: None,
+            counts: vec![0; sequences],
+        }
+    }
+
+    /// The rows read back to the host, split by sequence.
+    pub fn to_host(&self, b: &B, vocab: usize) -> Vec<Vec<f32>> {
+        let all = self
+            .tensor
+            .as_ref()
+            .map(|t| b.download(t).to_f32_vec())
+            .unwrap_or_default();
         let mut at = 0;
-        Ok(counts
+        self.counts
             .iter()
             .map(|&k| {
-                let rows = logits[at * vocab..(at + k) * vocab].to_vec();
+                let rows = all[at * vocab..(at + k) * vocab].to_vec();
                 at += k;
                 rows
             })
-            .collect())
+            .collect()
     }
 }

@@ -19,7 +19,7 @@
 use super::config::{FfnKind, KdaHybridConfig};
 use super::kda::KdaForm;
 use super::loading::{LoadOptions, RankShard};
-use super::model::{open_checkpoint, KdaHybridModel, KdaHybridState, RankCollectives};
+use super::model::{open_checkpoint, KdaHybridModel, KdaHybridState, RankCollectives, StepLogits};
 use crate::backend::hybrid::HybridOps;
 use crate::backend::CpuBackend;
 use crate::tensor::{HostTensor, Tensor};
@@ -338,6 +338,25 @@ impl<B: HybridOps> ShardedKdaHybrid<B> {
         form: KdaForm,
         all_logits: bool,
     ) -> ShardResult<Vec<Vec<Vec<f32>>>> {
+        let a = self.layout.attn_tp();
+        let vocab = self.ranks[0].config().vocab_size;
+        Ok(self
+            .extend_batch_logits(ids, states, form, all_logits)?
+            .iter()
+            .enumerate()
+            .map(|(g, l)| l.to_host(self.ranks[g * a].backend(), vocab))
+            .collect())
+    }
+
+    /// [`ShardedKdaHybrid::extend_batch`] with each group's logits left where its
+    /// attention-TP rank 0 computed them (that rank's backend).
+    pub fn extend_batch_logits(
+        &self,
+        ids: &[Vec<Vec<u32>>],
+        states: &mut [Vec<KdaHybridState<B>>],
+        form: KdaForm,
+        all_logits: bool,
+    ) -> ShardResult<Vec<StepLogits<B>>> {
         let (dp, a) = (self.layout.dp(), self.layout.attn_tp());
         self.check_counts(ids.len(), states.len())?;
         for (groups, st) in self.groups.iter().zip(states.iter()) {
@@ -359,7 +378,7 @@ impl<B: HybridOps> ShardedKdaHybrid<B> {
         {
             return Err(bad.into());
         }
-        let results: Vec<ShardResult<Vec<Vec<f32>>>> = std::thread::scope(|scope| {
+        let results: Vec<ShardResult<StepLogits<B>>> = std::thread::scope(|scope| {
             let handles: Vec<_> = self
                 .ranks
                 .iter()
@@ -403,10 +422,14 @@ impl<B: HybridOps> ShardedKdaHybrid<B> {
                 })
                 .collect()
         });
-        let mut per_rank = results.into_iter().collect::<ShardResult<Vec<_>>>()?;
+        let per_rank = results.into_iter().collect::<ShardResult<Vec<_>>>()?;
         // Every rank of a group computes the same logits; report attention-TP rank 0's.
-        Ok((0..dp)
-            .map(|g| std::mem::take(&mut per_rank[g * a]))
+        Ok(per_rank
+            .into_iter()
+            .enumerate()
+            .filter(|(r, _)| r % a == 0)
+            .map(|(_, l)| l)
+            .take(dp)
             .collect())
     }
 }

@@ -10,9 +10,11 @@ use crate::batch::ForwardBatch;
 use crate::handoff::{Handoff, Segment, SegmentKind};
 use crate::kv_pool::{BlockAllocator, KvCache, KvLayout};
 use crate::models::llama::{LlamaModel, LlamaWorkspace};
-use crate::sampling::{Adjustment, SampleRow};
+use crate::sampling::SampleRow;
 use crate::scheduler::EngineConfig;
-use crate::served::{HandoffSpec, Pools, Reservation, ServedInfo, ServedModel};
+use crate::served::{
+    sample_logits, score_logits, HandoffSpec, Pools, Reservation, ServedInfo, ServedModel,
+};
 use crate::step::{StepLimits, StepMeta};
 use crate::tensor::{HostTensor, Tensor};
 use crate::{Error, Result};
@@ -505,42 +507,14 @@ impl<B: Ops> ServedModel for LlamaServed<B> {
         out: &mut Vec<u32>,
         logprobs: &mut Vec<Option<TokenLogprobs>>,
     ) {
-        let vocab = self.info.vocab_size;
         let backend = self.ranks.backend().clone();
-        backend.adjust_logits(self.ranks.logits_mut(), vocab, rows, Adjustment::Penalties);
-        // Log-probabilities are over the penalised logits, before the min-p cut.
-        let wanted: Vec<usize> = (0..rows.len())
-            .filter(|&i| rows[i].params.logprobs.is_some())
-            .collect();
-        let kept = if wanted.is_empty() {
-            Vec::new()
-        } else {
-            backend.download_rows(self.ranks.logits(), vocab, &wanted)
-        };
-        backend.adjust_logits(self.ranks.logits_mut(), vocab, rows, Adjustment::MinP);
-        let plain: Vec<_> = rows.iter().map(|r| (r.params, r.step)).collect();
-        backend.sample(self.ranks.logits(), vocab, &plain, out);
-        logprobs.clear();
-        logprobs.resize(rows.len(), None);
-        for (k, &i) in wanted.iter().enumerate() {
-            let top = rows[i].params.logprobs.unwrap_or(0);
-            let row = &kept[k * vocab..(k + 1) * vocab];
-            logprobs[i] = Some(crate::sampling::logprobs_of(row, out[i], top));
-        }
+        let logits = self.ranks.logits_mut();
+        sample_logits(&backend, logits, self.info.vocab_size, rows, out, logprobs);
     }
 
     fn score(&mut self, first: usize, targets: &[(u32, u32)]) -> Result<Vec<TokenLogprobs>> {
-        let vocab = self.info.vocab_size;
-        let rows: Vec<usize> = (first..first + targets.len()).collect();
-        let logits = self
-            .ranks
-            .backend()
-            .download_rows(self.ranks.logits(), vocab, &rows);
-        Ok(targets
-            .iter()
-            .zip(logits.chunks_exact(vocab))
-            .map(|(&(token, top), row)| crate::sampling::logprobs_of(row, token, top))
-            .collect())
+        let (backend, vocab) = (self.ranks.backend(), self.info.vocab_size);
+        Ok(score_logits(backend, self.ranks.logits(), vocab, first, targets))
     }
 
     fn export(&mut self, r: &Reservation, prompt_len: usize) -> Result<Handoff> {

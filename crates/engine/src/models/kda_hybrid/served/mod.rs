@@ -22,16 +22,19 @@ pub use model::KdaModel;
 
 use self::slots::{bind_latents, latent_sets, reset_state};
 use self::state_io::{encode_group, host_copy, import_group, KdaHandoffSpec};
-use crate::backend::hybrid::HybridOps;
+use crate::backend::hybrid::{At, HybridOps};
 use crate::backend::latents::LatentPool;
 use crate::backend::CpuBackend;
 use crate::batch::ForwardBatch;
 use crate::handoff::Handoff;
 use crate::kv_pool::BlockAllocator;
-use crate::models::kda_hybrid::KdaHybridState;
-use crate::sampling::{adjust_row, Adjustment, SampleRow};
+use crate::models::kda_hybrid::{KdaHybridState, StepLogits};
+use crate::sampling::SampleRow;
 use crate::scheduler::{Engine, EngineConfig};
-use crate::served::{HandoffSpec, Pools, Reservation, ServedInfo, ServedModel, StateSlot};
+use crate::served::{
+    sample_logits, HandoffSpec, Pools, Reservation, ServedInfo, ServedModel, StateSlot,
+};
+use crate::tensor::DType;
 use crate::{Error, Result};
 use std::sync::Arc;
 use tandem_core::TokenLogprobs;
@@ -46,7 +49,10 @@ pub struct KdaServed<B: HybridOps = CpuBackend> {
     backends: Vec<Vec<B>>,
     pools: Pools,
     info: ServedInfo,
-    logits: Vec<Vec<f32>>,
+    /// The last step's logits, each group's on its attention-TP rank 0.
+    logits: Vec<StepLogits<B>>,
+    /// `[sample row]`: `(group, row)` of the logits it samples.
+    picks: Vec<(usize, usize)>,
 }
 
 impl<B: HybridOps> KdaServed<B> {
@@ -99,6 +105,7 @@ impl<B: HybridOps> KdaServed<B> {
             pools,
             info,
             logits: Vec::new(),
+            picks: Vec::new(),
         }
     }
 
@@ -183,6 +190,8 @@ impl<B: HybridOps> ServedModel for KdaServed<B> {
     }
 
     fn step(&mut self, batch: &ForwardBatch) -> Result<()> {
+        self.logits.clear();
+        self.picks.clear();
         let mut work = Vec::with_capacity(batch.seqs.len());
         let mut wants = Vec::with_capacity(batch.seqs.len());
         // Logits rows are the last rows of the sequences that want them, in sequence order.
@@ -208,11 +217,16 @@ impl<B: HybridOps> ServedModel for KdaServed<B> {
                 *self.slot_states(slot)? = states;
             }
         }
-        self.logits = out?
-            .into_iter()
-            .zip(wants)
-            .flat_map(|(l, copies)| std::iter::repeat_n(l, copies))
-            .collect();
+        let out = out?;
+        for (row, copies) in out.rows.iter().zip(wants) {
+            if copies > 0 {
+                let at = row.ok_or_else(|| {
+                    Error::InvalidRequest("a sampled sequence was given no tokens".into())
+                })?;
+                self.picks.extend(std::iter::repeat_n(at, copies));
+            }
+        }
+        self.logits = out.groups;
         Ok(())
     }
 
@@ -222,16 +236,40 @@ impl<B: HybridOps> ServedModel for KdaServed<B> {
         out: &mut Vec<u32>,
         logprobs: &mut Vec<Option<TokenLogprobs>>,
     ) {
+        let vocab = self.info.vocab_size;
         out.clear();
+        out.resize(rows.len(), 0);
         logprobs.clear();
-        for (r, logits) in rows.iter().zip(&mut self.logits) {
-            adjust_row(logits, r, Adjustment::Penalties);
-            // Log-probabilities are over the penalised logits, before the min-p cut.
-            let kept = r.params.logprobs.map(|top| (top, logits.clone()));
-            adjust_row(logits, r, Adjustment::MinP);
-            let token = crate::sampling::sample(logits, r.params, r.step);
-            out.push(token);
-            logprobs.push(kept.map(|(top, row)| crate::sampling::logprobs_of(&row, token, top)));
+        logprobs.resize(rows.len(), None);
+        let (mut tokens, mut lps) = (Vec::new(), Vec::new());
+        for (g, logits) in self.logits.iter_mut().enumerate() {
+            let mine: Vec<usize> = (0..rows.len().min(self.picks.len()))
+                .filter(|&i| self.picks[i].0 == g)
+                .collect();
+            let Some(tensor) = logits.tensor.as_mut().filter(|_| !mine.is_empty()) else {
+                continue;
+            };
+            let b = &self.backends[g][0];
+            let sources: Vec<usize> = mine.iter().map(|&i| self.picks[i].1).collect();
+            // Rows in order, each once (every choice its own prompt): sample in place; else
+            // gather the rows (a prompt's choices share its row) first.
+            let mut gathered;
+            let target = if sources.iter().enumerate().all(|(k, &r)| k == r) {
+                tensor
+            } else {
+                gathered = b.zeros(DType::F32, &[sources.len(), vocab]);
+                for (k, &r) in sources.iter().enumerate() {
+                    let (src, dst) = (At::row(r, vocab), At::row(k, vocab));
+                    b.copy_block(tensor, src, &mut gathered, dst, 1, vocab);
+                }
+                &mut gathered
+            };
+            let group_rows: Vec<SampleRow<'_>> = mine.iter().map(|&i| rows[i]).collect();
+            sample_logits(b, target, vocab, &group_rows, &mut tokens, &mut lps);
+            for ((&i, token), lp) in mine.iter().zip(tokens.drain(..)).zip(lps.drain(..)) {
+                out[i] = token;
+                logprobs[i] = lp;
+            }
         }
     }
 

@@ -7,6 +7,7 @@ use crate::backend::latents::LatentPool;
 use crate::backend::CpuBackend;
 use crate::models::kda_hybrid::{
     KdaForm, KdaHybridConfig, KdaHybridModel, KdaHybridState, LoadOptions, ShardedKdaHybrid,
+    StepLogits,
 };
 use crate::{Error, Result};
 use tandem_topology::{Layout, Rank, ShardBy};
@@ -138,8 +139,10 @@ impl<B: HybridOps> KdaModel<B> {
     /// One step for several requests at once, any number per attention-DP group: `work[i]`
     /// is `(group, ids, that request's states on the group's ranks)`. A group's requests share
     /// its GEMMs; a group with no request still joins the step's collectives. Returns each
-    /// work item's last-position logits.
-    pub(crate) fn step(&self, work: &mut [WorkItem<B>]) -> Result<Vec<Vec<f32>>> {
+    /// group's logits where its attention-TP rank 0 left them (a row per work item given
+    /// tokens) and where each work item's row is: `(group, row)`, `None` for an item given
+    /// no tokens.
+    pub(crate) fn step(&self, work: &mut [WorkItem<B>]) -> Result<GroupLogits<B>> {
         // Decodes run the recurrent form, prompt chunks the chunked one, in the same step.
         let form = KdaForm::Auto;
         match self {
@@ -148,7 +151,12 @@ impl<B: HybridOps> KdaModel<B> {
                     .iter_mut()
                     .map(|(_, ids, st)| (ids.as_slice(), &mut st[0]))
                     .unzip();
-                Ok(m.extend_batch(&ids, &mut states, form))
+                let logits = m.extend_batch_logits(&ids, &mut states, form);
+                let rows = rows_of(&logits.counts).map(|r| r.map(|r| (0, r))).collect();
+                Ok(GroupLogits {
+                    groups: vec![logits],
+                    rows,
+                })
             }
             KdaModel::Sharded(s) => {
                 let (dp, a) = (s.layout().dp(), s.layout().attn_tp());
@@ -164,22 +172,44 @@ impl<B: HybridOps> KdaModel<B> {
                         states[*g * a + k].push(std::mem::take(state));
                     }
                 }
-                let out = s.extend_batch(&ids, &mut states, form, false);
+                let out = s.extend_batch_logits(&ids, &mut states, form, false);
                 // The states go back to their requests whatever the outcome.
                 for (&(g, i), (_, _, st)) in place.iter().zip(work.iter_mut()) {
                     for (k, state) in st.iter_mut().enumerate() {
                         *state = std::mem::take(&mut states[g * a + k][i]);
                     }
                 }
-                let mut out =
+                let groups =
                     out.map_err(|e| Error::InvalidRequest(format!("sharded step failed: {e}")))?;
-                Ok(place
+                let group_rows: Vec<Vec<Option<usize>>> =
+                    groups.iter().map(|l| rows_of(&l.counts).collect()).collect();
+                let rows = place
                     .iter()
-                    .map(|&(g, i)| std::mem::take(&mut out[g][i]))
-                    .collect())
+                    .map(|&(g, i)| group_rows[g][i].map(|r| (g, r)))
+                    .collect();
+                Ok(GroupLogits { groups, rows })
             }
         }
     }
+}
+
+/// One step's logits of every attention-DP group (see [`KdaModel::step`]).
+#[derive(Debug)]
+pub(crate) struct GroupLogits<B: HybridOps> {
+    /// `[group]`: the group's rows, on its attention-TP rank 0's backend.
+    pub groups: Vec<StepLogits<B>>,
+    /// `[work item]`: `(group, row)` of the item's last-position logits.
+    pub rows: Vec<Option<(usize, usize)>>,
+}
+
+/// The row each sequence's last logits sit in, given one or no row per sequence.
+fn rows_of(counts: &[usize]) -> impl Iterator<Item = Option<usize>> + '_ {
+    let mut at = 0;
+    counts.iter().map(move |&k| {
+        let row = (k > 0).then_some(at);
+        at += k;
+        row
+    })
 }
 
 /// Single-request runs over every attention-DP group at once (`tandem eval logits`,
