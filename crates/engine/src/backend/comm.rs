@@ -1,7 +1,9 @@
-//! Collectives over device tensors: what tensor-parallel model code calls between its
-//! ranks. [`TensorComm`] is generic over the backend so a GPU communicator (NCCL) implements
-//! it over device memory; CPU ranks (threads of one process) use
-//! [`tandem_topology::InProcessCommunicator`] on the tensors' host memory directly.
+//! Collectives over device tensors: what tensor-parallel model code (every family) calls
+//! between its ranks. [`TensorComm`] is generic over the backend so a GPU communicator (NCCL)
+//! implements it over device memory; ranks that are threads of one process meet through
+//! [`tandem_topology::InProcessCommunicator`]: in place on the CPU's tensors, through host
+//! memory ([`HostStaged`]) on a device without a communicator of its own
+//! ([`super::Backend::in_process_comm`] picks).
 
 use super::{Backend, CpuBackend};
 use crate::tensor::Tensor;
@@ -45,6 +47,80 @@ pub trait TensorComm<B: Backend>: Send + Sync {
         elems: usize,
         recv: &mut Tensor<B>,
     ) -> Result<()>;
+}
+
+/// A host communicator over any backend's tensors: each collective reads the values back to
+/// the host, runs there and writes the result into the tensor (two copies a call). How ranks
+/// of one process on a device meet until a device communicator joins them.
+pub struct HostStaged<C>(pub C);
+
+impl<C: Communicator> HostStaged<C> {
+    fn host<B: Backend>(b: &B, t: &Tensor<B>, n: usize, what: &str) -> Result<Vec<f32>> {
+        let v = b.download(t).to_f32_vec();
+        if v.len() < n {
+            return Err(Error::Collective(format!("{what}: needs {n} f32 values")));
+        }
+        Ok(v)
+    }
+
+    /// Writes `values` over the first values of `t`.
+    fn put<B: Backend>(b: &B, t: &mut Tensor<B>, values: &[f32], what: &str) -> Result<()> {
+        let mut all = Self::host(b, t, values.len(), what)?;
+        all[..values.len()].copy_from_slice(values);
+        let host = crate::tensor::HostTensor::from_f32(t.shape(), all)?;
+        b.overwrite(t, &host)
+    }
+}
+
+impl<B: Backend, C: Communicator + Send + Sync> TensorComm<B> for HostStaged<C> {
+    fn rank(&self) -> usize {
+        self.0.rank()
+    }
+
+    fn size(&self) -> usize {
+        self.0.size()
+    }
+
+    fn all_reduce_sum(&self, b: &B, t: &mut Tensor<B>, elems: usize) -> Result<()> {
+        let mut v = Self::host(b, t, elems, "all_reduce")?;
+        self.0
+            .all_reduce_sum(&mut v[..elems])
+            .map_err(collective)?;
+        Self::put(b, t, &v[..elems], "all_reduce")
+    }
+
+    fn all_gather(&self, b: &B, local: &Tensor<B>, elems: usize, out: &mut Tensor<B>) -> Result<()> {
+        let v = Self::host(b, local, elems, "all_gather")?;
+        let all = self.0.all_gather(&v[..elems]).map_err(collective)?;
+        Self::put(b, out, &all, "all_gather output")
+    }
+
+    fn reduce_scatter_sum(
+        &self,
+        b: &B,
+        input: &Tensor<B>,
+        elems: usize,
+        out: &mut Tensor<B>,
+    ) -> Result<()> {
+        let size = self.0.size();
+        let v = Self::host(b, input, elems * size, "reduce_scatter")?;
+        let mine = self
+            .0
+            .reduce_scatter_sum(&v[..elems * size])
+            .map_err(collective)?;
+        Self::put(b, out, &mine, "reduce_scatter output")
+    }
+
+    fn all_to_all(&self, b: &B, send: &Tensor<B>, elems: usize, recv: &mut Tensor<B>) -> Result<()> {
+        let size = self.0.size();
+        let v = Self::host(b, send, elems * size, "all_to_all")?;
+        let chunks = v[..elems * size]
+            .chunks_exact(elems.max(1))
+            .map(<[f32]>::to_vec)
+            .collect();
+        let got = self.0.all_to_all(chunks).map_err(collective)?;
+        Self::put(b, recv, &got.concat(), "all_to_all output")
+    }
 }
 
 fn collective(e: tandem_topology::Error) -> Error {
@@ -154,7 +230,13 @@ mod tests {
                         let mut t =
                             b.upload(&HostTensor::from_f32(&[6], vals.clone()).expect("shape"));
                         let local = b.upload(&HostTensor::from_f32(&[6], vals).expect("shape"));
-                        let comm: &dyn TensorComm<CpuBackend> = &comm;
+                        // Odd ranks stage through the host as a device's ranks do: the
+                        // two kinds meet in one group.
+                        let comm: Box<dyn TensorComm<CpuBackend>> = if (r as usize).is_multiple_of(2) {
+                            Box::new(comm)
+                        } else {
+                            Box::new(HostStaged(comm))
+                        };
                         comm.all_reduce_sum(&b, &mut t, 4).expect("all_reduce");
                         let mut gathered = b.zeros(crate::DType::F32, &[6]);
                         comm.all_gather(&b, &local, 2, &mut gathered)

@@ -19,7 +19,7 @@ pub mod hybrid;
 /// MLA's per-request latent cache: rows in blocks on a backend, counted against a pool.
 pub mod latents;
 
-pub use comm::TensorComm;
+pub use comm::{HostStaged, TensorComm};
 pub(crate) use cpu::{f32s as cpu_f32s, f32s_mut as cpu_f32s_mut};
 pub use cpu::{CpuBackend, CpuStorage};
 pub use hybrid::HybridOps;
@@ -97,6 +97,12 @@ pub trait Backend: Clone + Send + Sync + Sized + 'static {
     /// streams: a clone.
     fn new_stream(&self) -> Result<Self> {
         Ok(self.clone())
+    }
+    /// `comm` (one rank's handle on a group of threads of this process) over this backend's
+    /// tensors: staged through host memory by default ([`comm::HostStaged`]); the CPU reads
+    /// its tensors in place.
+    fn in_process_comm(comm: tandem_topology::InProcessCommunicator) -> Box<dyn TensorComm<Self>> {
+        Box::new(comm::HostStaged(comm))
     }
     /// A zero-filled tensor.
     fn zeros(&self, dtype: DType, shape: &[usize]) -> Tensor<Self>;

@@ -211,6 +211,12 @@ impl Backend for CpuBackend {
     type Graphs = ();
     type Storage = CpuStorage;
 
+    fn in_process_comm(
+        comm: tandem_topology::InProcessCommunicator,
+    ) -> Box<dyn crate::backend::TensorComm<Self>> {
+        Box::new(comm)
+    }
+
     fn name(&self) -> String {
         let features = tandem_cpu_kernels::isa::features();
         format!(

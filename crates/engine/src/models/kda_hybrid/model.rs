@@ -21,7 +21,6 @@ use crate::tensor::{DType, HostTensor, Tensor};
 use crate::{Error, Result};
 use std::path::Path;
 use tandem_model::fusion::QuantizationConfig;
-use tandem_topology::Result as TopologyResult;
 
 /// A layer's token mixer.
 #[derive(Debug)]
@@ -175,7 +174,7 @@ pub(crate) fn open_checkpoint(
 /// The collectives one rank of a sharded layout runs inside a forward pass (none at tp1).
 pub(crate) trait RankCollectives<B: Ops> {
     /// Sums the first `n` values of attention partial outputs over the attention-TP group.
-    fn attn_all_reduce(&self, backend: &B, buf: &mut Tensor<B>, n: usize) -> TopologyResult<()>;
+    fn attn_all_reduce(&self, backend: &B, buf: &mut Tensor<B>, n: usize) -> Result<()>;
     /// Runs the (sharded) FFN `f` on the tokens of every attention-DP group and returns the
     /// summed result for this rank's own `rows` tokens.
     fn ffn(
@@ -185,7 +184,7 @@ pub(crate) trait RankCollectives<B: Ops> {
         rows: usize,
         hidden: usize,
         f: &dyn Fn(&Tensor<B>, usize) -> Tensor<B>,
-    ) -> TopologyResult<Tensor<B>>;
+    ) -> Result<Tensor<B>>;
 }
 
 impl KdaHybridModel {
@@ -535,7 +534,7 @@ impl<B: HybridOps> KdaHybridModel<B> {
         all_logits: bool,
         trace: &mut Option<Vec<Vec<f32>>>,
         comm: Option<&dyn RankCollectives<B>>,
-    ) -> TopologyResult<StepLogits<B>> {
+    ) -> Result<StepLogits<B>> {
         let b = &self.backend;
         let c = &self.config;
         let segments: Vec<usize> = ids.iter().map(|s| s.len()).collect();

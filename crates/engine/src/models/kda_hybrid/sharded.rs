@@ -1,7 +1,7 @@
 //! A KDA hybrid model run over a `tp × dp` (+ `ep`) layout: one thread per rank, each rank a
-//! [`KdaHybridModel`] holding its shard, the ranks joined by [`InProcessCommunicator`]s
-//! (shared/DESIGN.md, Topology). This is how the CPU tests simulate tp8×dp8 on two cores; on
-//! GPUs the same rank code runs over NCCL.
+//! [`KdaHybridModel`] holding its shard, the ranks joined by [`TensorComm`]s over their
+//! tensors (in-process ones here: shared/DESIGN.md, Topology). This is how the CPU tests
+//! simulate tp8×dp8 on two cores; on GPUs the same rank code runs over NCCL.
 //!
 //! Where things live (all from [`tandem_topology`], so loader, engine and transfer agree):
 //! - attention (KDA q/k/v/b/f_b/g_b/conv/dt_bias/A_log and its state, MLA heads) by
@@ -20,15 +20,15 @@ use super::config::{FfnKind, KdaHybridConfig};
 use super::kda::KdaForm;
 use super::loading::{LoadOptions, RankShard};
 use super::model::{open_checkpoint, KdaHybridModel, KdaHybridState, RankCollectives, StepLogits};
-use crate::backend::hybrid::HybridOps;
-use crate::backend::CpuBackend;
-use crate::tensor::{HostTensor, Tensor};
+use crate::backend::hybrid::{At, HybridOps};
+use crate::backend::{CpuBackend, TensorComm};
+use crate::tensor::{DType, Tensor};
 use std::path::Path;
 use std::time::Duration;
 use tandem_topology::shard::expert_range;
 use tandem_topology::{
-    Communicator, InProcessCommunicator, KdaShape, Layout, MlaShape, ModelShape, MoeShape, Rank,
-    RankGroups, Shard, ShardBy,
+    InProcessCommunicator, KdaShape, Layout, MlaShape, ModelShape, MoeShape, Rank, RankGroups,
+    RankPosition, Shard, ShardBy,
 };
 
 /// How long a rank waits for its peers in one collective before failing the group.
@@ -87,42 +87,39 @@ pub fn model_shape(config: &KdaHybridConfig) -> ModelShape {
 pub struct ShardedKdaHybrid<B: HybridOps = CpuBackend> {
     layout: Layout,
     ranks: Vec<KdaHybridModel<B>>,
-    groups: Vec<RankGroups<InProcessCommunicator>>,
+    groups: Vec<RankComms<B>>,
 }
 
-/// One rank's collectives. The ranks are threads of this process: values go through host
-/// memory (a download, the in-process collective, an upload; on the CPU two copies), which
-/// is also how ranks sharing one GPU meet until a device communicator (NCCL) joins them.
-struct RankComm<'a> {
+/// One rank's communicators over its tensors (the same [`TensorComm`] the Llama ranks use;
+/// a device communicator such as NCCL implements it too).
+struct RankComms<B: HybridOps> {
+    position: RankPosition,
+    /// The full TP group: FFN gathers and reductions.
+    tp: Box<dyn TensorComm<B>>,
+    /// The rank's attention-TP group: o_proj reductions.
+    attn_tp: Box<dyn TensorComm<B>>,
+}
+
+impl<B: HybridOps> std::fmt::Debug for RankComms<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RankComms")
+            .field("position", &self.position)
+            .finish_non_exhaustive()
+    }
+}
+
+/// One rank's collectives in one step.
+struct RankComm<'a, B: HybridOps> {
     layout: Layout,
-    groups: &'a RankGroups<InProcessCommunicator>,
+    comms: &'a RankComms<B>,
+    /// Tokens of each attention-DP group this step (every rank knows every group's batch).
+    group_rows: &'a [usize],
 }
 
-/// Host values of a device tensor, and the tensor's shape.
-fn host_values<B: HybridOps>(backend: &B, t: &Tensor<B>) -> (Vec<usize>, Vec<f32>) {
-    let host = backend.download(t);
-    (host.shape().to_vec(), host.to_f32_vec())
-}
-
-/// An f32 tensor of `shape` holding `values` on `backend`.
-fn device_values<B: HybridOps>(backend: &B, shape: &[usize], values: Vec<f32>) -> Tensor<B> {
-    backend.upload(&HostTensor::from_f32(shape, values).expect("values sized to their shape"))
-}
-
-impl<B: HybridOps> RankCollectives<B> for RankComm<'_> {
-    fn attn_all_reduce(
-        &self,
-        backend: &B,
-        buf: &mut Tensor<B>,
-        n: usize,
-    ) -> tandem_topology::Result<()> {
+impl<B: HybridOps> RankCollectives<B> for RankComm<'_, B> {
+    fn attn_all_reduce(&self, backend: &B, buf: &mut Tensor<B>, n: usize) -> crate::Result<()> {
         if self.layout.attn_tp() > 1 {
-            let (shape, mut v) = host_values(backend, buf);
-            self.groups.attn_tp.all_reduce_sum(&mut v[..n])?;
-            let sum = HostTensor::from_f32(&shape, v).expect("values sized to their shape");
-            backend
-                .overwrite(buf, &sum)
-                .expect("a tensor takes back values of its own shape");
+            self.comms.attn_tp.all_reduce_sum(backend, buf, n)?;
         }
         Ok(())
     }
@@ -134,40 +131,59 @@ impl<B: HybridOps> RankCollectives<B> for RankComm<'_> {
         rows: usize,
         hidden: usize,
         f: &dyn Fn(&Tensor<B>, usize) -> Tensor<B>,
-    ) -> tandem_topology::Result<Tensor<B>> {
+    ) -> crate::Result<Tensor<B>> {
         let (tp, dp, a) = (self.layout.tp(), self.layout.dp(), self.layout.attn_tp());
         if tp == 1 {
             return Ok(f(x, rows));
         }
-        let (_, mut x) = host_values(backend, x);
-        x.truncate(rows * hidden);
-        // Every rank of a group holds the group's tokens; take one copy per group (from its
-        // attention-TP rank 0), in group order.
-        let (all, own) = if dp == 1 {
-            (x, 0..rows)
-        } else {
-            let recv = self.groups.tp.all_to_all(vec![x; tp])?;
-            let mut all = Vec::new();
-            let mut own = 0..0;
-            for g in 0..dp {
-                let at = all.len() / hidden;
-                if g == self.groups.position.attn_dp_rank {
-                    own = at..at + rows;
-                }
-                all.extend_from_slice(&recv[g * a]);
+        if dp == 1 {
+            let mut y = f(x, rows);
+            self.comms.tp.all_reduce_sum(backend, &mut y, rows * hidden)?;
+            return Ok(y);
+        }
+        // Every rank of a group holds the group's tokens: gather every rank's rows (padded to
+        // the largest group's), keep one copy per group (its attention-TP rank 0's), in group
+        // order, run the FFN's shard over all of them and sum the shards.
+        let me = self.comms.position.attn_dp_rank;
+        debug_assert_eq!(self.group_rows[me], rows, "a rank holds its group's tokens");
+        let widest = self.group_rows.iter().copied().max().unwrap_or(0).max(1);
+        let mut padded = backend.zeros(DType::F32, &[widest, hidden]);
+        copy_rows(backend, x, 0, &mut padded, 0, rows, hidden);
+        let mut gathered = backend.zeros(DType::F32, &[tp * widest, hidden]);
+        self.comms
+            .tp
+            .all_gather(backend, &padded, widest * hidden, &mut gathered)?;
+        let total: usize = self.group_rows.iter().sum();
+        let mut all = backend.zeros(DType::F32, &[total.max(1), hidden]);
+        let mut own = 0;
+        let mut at = 0;
+        for (g, &n) in self.group_rows.iter().enumerate() {
+            if g == me {
+                own = at;
             }
-            (all, own)
-        };
-        let total = all.len() / hidden;
-        let y = f(&device_values(backend, &[total, hidden], all), total);
-        let (_, mut y) = host_values(backend, &y);
-        let y = &mut y[..total * hidden];
-        self.groups.tp.all_reduce_sum(y)?;
-        Ok(device_values(
-            backend,
-            &[rows, hidden],
-            y[own.start * hidden..own.end * hidden].to_vec(),
-        ))
+            copy_rows(backend, &gathered, g * a * widest, &mut all, at, n, hidden);
+            at += n;
+        }
+        let mut y = f(&all, total);
+        self.comms.tp.all_reduce_sum(backend, &mut y, total * hidden)?;
+        let mut out = backend.zeros(DType::F32, &[rows.max(1), hidden]);
+        copy_rows(backend, &y, own, &mut out, 0, rows, hidden);
+        Ok(out)
+    }
+}
+
+/// Copies `n` rows `width` wide from row `from` of `src` to row `to` of `dst`.
+fn copy_rows<B: HybridOps>(
+    b: &B,
+    src: &Tensor<B>,
+    from: usize,
+    dst: &mut Tensor<B>,
+    to: usize,
+    n: usize,
+    width: usize,
+) {
+    if n > 0 {
+        b.copy_block(src, At::row(from, width), dst, At::row(to, width), n, width);
     }
 }
 
@@ -229,7 +245,14 @@ impl<B: HybridOps> ShardedKdaHybrid<B> {
             )?);
         }
         ck.finish(config.num_layers())?;
-        let groups = InProcessCommunicator::for_layout(&layout, Some(COLLECTIVE_TIMEOUT))?;
+        let groups = InProcessCommunicator::for_layout(&layout, Some(COLLECTIVE_TIMEOUT))?
+            .into_iter()
+            .map(|g: RankGroups<InProcessCommunicator>| RankComms {
+                position: g.position,
+                tp: B::in_process_comm(g.tp),
+                attn_tp: B::in_process_comm(g.attn_tp),
+            })
+            .collect();
         Ok(Self {
             layout,
             ranks,
@@ -378,6 +401,10 @@ impl<B: HybridOps> ShardedKdaHybrid<B> {
         {
             return Err(bad.into());
         }
+        let group_rows: Vec<usize> = ids
+            .iter()
+            .map(|seqs| seqs.iter().map(Vec::len).sum())
+            .collect();
         let results: Vec<ShardResult<StepLogits<B>>> = std::thread::scope(|scope| {
             let handles: Vec<_> = self
                 .ranks
@@ -391,7 +418,8 @@ impl<B: HybridOps> ShardedKdaHybrid<B> {
                         .collect();
                     let comm = RankComm {
                         layout: self.layout,
-                        groups,
+                        comms: groups,
+                        group_rows: &group_rows,
                     };
                     std::thread::Builder::new()
                         .name(format!("rank{}", groups.position.rank))

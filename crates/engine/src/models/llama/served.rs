@@ -371,12 +371,21 @@ pub fn cpu_shards(
     dtype: crate::DType,
     tp: usize,
 ) -> Result<Vec<LlamaModel<crate::CpuBackend>>> {
+    in_process_shards(dir, dtype, tp, |_| Ok(crate::CpuBackend::new()))
+}
+
+/// Loads the `tp` tensor-parallel shards of a checkpoint as ranks that are threads of this
+/// process, rank `r` on the backend `backend(r)` opens (ranks may share a device, each with
+/// a stream of its own), joined by in-process communicators over their tensors
+/// ([`crate::Backend::in_process_comm`]); `tp = 1` is the whole model.
+pub fn in_process_shards<B: Ops>(
+    dir: &std::path::Path,
+    dtype: crate::DType,
+    tp: usize,
+    mut backend: impl FnMut(usize) -> Result<B>,
+) -> Result<Vec<LlamaModel<B>>> {
     if tp <= 1 {
-        return Ok(vec![LlamaModel::load(
-            dir,
-            crate::CpuBackend::new(),
-            dtype,
-        )?]);
+        return Ok(vec![LlamaModel::load(dir, backend(0)?, dtype)?]);
     }
     tandem_topology::InProcessCommunicator::group(tp, Some(CPU_COLLECTIVE_TIMEOUT))
         .into_iter()
@@ -384,10 +393,10 @@ pub fn cpu_shards(
         .map(|(rank, comm)| {
             LlamaModel::load_shard(
                 dir,
-                crate::CpuBackend::new(),
+                backend(rank)?,
                 dtype,
                 crate::models::llama::TpShard { rank, size: tp },
-                Some(Box::new(comm)),
+                Some(B::in_process_comm(comm)),
             )
         })
         .collect()
