@@ -102,21 +102,30 @@ pub fn checked_layout(layout: LayoutArgs) -> Result<tandem_topology::Layout> {
         .map_err(|e| anyhow::anyhow!("bad layout: {e}"))
 }
 
-/// The tensor-parallel size of a layout for a Llama-family model (these shard by TP only),
-/// and whether `device` can run it.
-pub fn llama_tp(layout: LayoutArgs, device: crate::device::Device) -> Result<usize> {
+/// The tensor-parallel size of a layout for a Llama-family model (these shard by TP only).
+pub fn llama_tp(layout: LayoutArgs) -> Result<usize> {
     let l = checked_layout(layout)?;
     if l.dp() != 1 || layout.ep != 1 {
         bail!("llama models shard by --tp only (--dp and --ep are for KDA-hybrid models)");
     }
-    if l.tp() > 1 && device != crate::device::Device::Cpu {
-        bail!(
-            "--tp {} on {device}: GPU tensor parallelism needs the NCCL communicator, which is \
-             not built yet (CPU ranks: --device cpu)",
-            l.tp()
-        );
-    }
     Ok(l.tp())
+}
+
+/// The `tp` tensor-parallel shards of the Llama-family checkpoint `dir`, as threads of this
+/// process on `backend`'s device: rank 0 on `backend`, every other rank on a stream of its own
+/// there (on a GPU the ranks meet through host memory until NCCL joins them).
+pub fn llama_shards<B: HybridOps>(
+    dir: &Path,
+    dtype: DType,
+    tp: usize,
+    backend: &B,
+) -> Result<Vec<LlamaModel<B>>> {
+    let rank_backend = |r: usize| match r {
+        0 => Ok(backend.clone()),
+        _ => backend.new_stream(),
+    };
+    tandem_engine::models::llama::served::in_process_shards(dir, dtype, tp, rank_backend)
+        .with_context(|| format!("loading {} as {tp} shards", dir.display()))
 }
 
 /// A computation over a loaded KDA-hybrid model, written once for every backend.
@@ -209,23 +218,24 @@ pub fn logits(
     device: crate::device::Device,
 ) -> Result<Vec<Vec<f32>>> {
     let (flat, vocab) = match family(dir)? {
-        Family::Llama => match llama_tp(layout, device)? {
-            1 => device.run(LlamaLogits { dir, ids, dtype })?,
-            tp => llama_logits_tp(dir, ids, dtype, tp)?,
-        },
+        Family::Llama => {
+            let tp = llama_tp(layout)?;
+            device.run(LlamaLogits { dir, ids, dtype, tp })?
+        }
         Family::KdaHybrid => run_kda(dir, layout, None, dtype.dtype(), device, KdaLogits(ids))?,
     };
     Ok(flat.chunks_exact(vocab).map(<[f32]>::to_vec).collect())
 }
 
-/// Logits of a full forward on `tp` CPU ranks.
-fn llama_logits_tp(
+/// Logits of a full forward on `tp` ranks.
+fn llama_logits_tp<B: HybridOps>(
     dir: &Path,
     ids: &[u32],
     dtype: crate::DtypeArg,
     tp: usize,
+    backend: &B,
 ) -> Result<(Vec<f32>, usize)> {
-    let shards = tandem_engine::models::llama::served::cpu_shards(dir, dtype.dtype(), tp)?;
+    let shards = llama_shards(dir, dtype.dtype(), tp, backend)?;
     let vocab = shards[0].config().vocab_size;
     if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
         bail!("token id {bad} is outside the vocabulary ({vocab})");
@@ -252,11 +262,15 @@ struct LlamaLogits<'a> {
     dir: &'a Path,
     ids: &'a [u32],
     dtype: crate::DtypeArg,
+    tp: usize,
 }
 
 impl crate::device::WithBackend for LlamaLogits<'_> {
     type Out = (Vec<f32>, usize);
     fn run<B: tandem_engine::backend::HybridOps>(self, backend: B) -> Result<(Vec<f32>, usize)> {
+        if self.tp > 1 {
+            return llama_logits_tp(self.dir, self.ids, self.dtype, self.tp, &backend);
+        }
         let ids = self.ids;
         let model = LlamaModel::load(self.dir, backend, self.dtype.dtype())?;
         let vocab = model.config().vocab_size;

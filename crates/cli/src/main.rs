@@ -250,26 +250,25 @@ impl EngineArgs {
     }
 
     fn start_llama(&self, dir: &std::path::Path) -> Result<Engine> {
-        let tp = eval::llama_tp(self.layout, self.device)?;
-        if tp > 1 {
-            let shards =
-                tandem_engine::models::llama::served::cpu_shards(dir, self.dtype.dtype(), tp)
-                    .with_context(|| format!("loading {} as {tp} shards", dir.display()))?;
-            tracing::info!(tp, dtype = %shards[0].dtype(), "model loaded on CPU ranks");
-            return Ok(Engine::start_sharded(shards, self.engine_config(dir))?);
-        }
-        struct Start<'a>(&'a EngineArgs, &'a std::path::Path);
+        let tp = eval::llama_tp(self.layout)?;
+        struct Start<'a>(&'a EngineArgs, &'a std::path::Path, usize);
         impl device::WithBackend for Start<'_> {
             type Out = Engine;
             fn run<B: tandem_engine::backend::HybridOps>(self, backend: B) -> Result<Engine> {
-                let Start(args, dir) = self;
+                let Start(args, dir, tp) = self;
+                if tp > 1 {
+                    let shards = eval::llama_shards(dir, args.dtype.dtype(), tp, &backend)?;
+                    let name = tandem_engine::Backend::name(&backend);
+                    tracing::info!(tp, backend = %name, dtype = %shards[0].dtype(), "model loaded as tensor-parallel ranks");
+                    return Ok(Engine::start_sharded(shards, args.engine_config(dir))?);
+                }
                 let model = LlamaModel::load(dir, backend, args.dtype.dtype())
                     .with_context(|| format!("loading {}", dir.display()))?;
                 tracing::info!(backend = %tandem_engine::Backend::name(model.backend()), dtype = %model.dtype(), "model loaded");
                 Ok(Engine::start(model, args.engine_config(dir)))
             }
         }
-        self.device.run(Start(self, dir))
+        self.device.run(Start(self, dir, tp))
     }
 
     /// The engine for a worker: Llama or KDA hybrid, from the checkpoint's `model_type`.
