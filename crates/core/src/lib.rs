@@ -4,11 +4,14 @@
 
 /// `ErrorClass`: how a failure is classified, once, where it happens.
 pub mod error_class;
+/// Certificate roles of the cluster's components (`spiffe://tandem/router`).
+pub mod identity;
 /// Newtype identifiers: requests, workers, reservations, epochs, blocks.
 pub mod ids;
 /// Validated sampling parameters and generation requests.
 pub mod request;
 
 pub use error_class::ErrorClass;
+pub use identity::PeerRole;
 pub use ids::{BlockId, Epoch, RequestId, ReservationId, WorkerId};
 pub use request::{FinishReason, OutputConstraint, SamplingParams, TokenLogprobs};

@@ -57,6 +57,13 @@ pub struct RawConfig {
     /// API keys; every route open when absent.
     #[serde(default)]
     pub auth: crate::auth::AuthConfig,
+    /// HTTPS on `listen`; plain HTTP when absent.
+    #[serde(default)]
+    pub tls: Option<crate::tls::HttpsConfig>,
+    /// Mutual TLS to the workers (their addresses are then `https://`); plain-text gRPC
+    /// when absent.
+    #[serde(default)]
+    pub worker_tls: Option<crate::tls::WorkerTlsConfig>,
 }
 
 /// Each worker's circuit breaker: after `threshold` consecutive failures that are the
@@ -427,6 +434,11 @@ pub struct RouterConfig {
     pub health: HealthConfig,
     /// API keys.
     pub auth: crate::auth::AuthConfig,
+    /// HTTPS on the front; its files loaded once already.
+    pub tls: Option<crate::tls::HttpsConfig>,
+    /// Mutual TLS to the workers; its files loaded once already, every static worker
+    /// address `https://`.
+    pub worker_tls: Option<crate::tls::WorkerTlsConfig>,
 }
 
 /// A worker the router may send requests to.
@@ -568,6 +580,36 @@ impl RawConfig {
                 problems.push(p);
             }
         }
+        if let Some(tls) = &self.tls {
+            tls.check(&mut problems);
+        }
+        if let Some(tls) = &self.worker_tls {
+            tls.check(&mut problems);
+        }
+        let want = if self.worker_tls.is_some() {
+            "https"
+        } else {
+            "http"
+        };
+        for (role, list) in [
+            ("prefill", &prefill),
+            ("decode", &decode),
+            ("aggregated", &aggregated),
+        ] {
+            for (i, w) in list.iter().enumerate() {
+                if w.address.uri().scheme_str() != Some(want) {
+                    problems.push(format!(
+                        "{role}[{i}].address {}: {}",
+                        w.address,
+                        if want == "https" {
+                            "workers are reached over mutual TLS (worker_tls): use https://"
+                        } else {
+                            "an https:// worker needs a worker_tls section"
+                        }
+                    ));
+                }
+            }
+        }
         match listen {
             Some(listen) if problems.is_empty() => Ok(RouterConfig {
                 listen,
@@ -583,6 +625,8 @@ impl RawConfig {
                 breaker: self.breaker,
                 health: self.health,
                 auth: self.auth,
+                tls: self.tls,
+                worker_tls: self.worker_tls,
             }),
             _ => Err(Error::InvalidConfig(problems.join("; "))),
         }
@@ -918,6 +962,61 @@ timeouts: {connect: 0s}
                 && message.contains("health.interval must be greater than zero"),
             "{message}"
         );
+    }
+
+    #[test]
+    fn tls_sections_load_their_files_and_worker_addresses_follow_worker_tls() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let (ca, cert, key) = crate::tls::tests::issue(dir.path(), "router");
+        let (ca, cert, key) = (ca.display(), cert.display(), key.display());
+        let tls = format!(
+            "tls: {{cert: '{cert}', key: '{key}', client_ca: '{ca}'}}\n\
+             worker_tls: {{ca: '{ca}', cert: '{cert}', key: '{key}', server_name: tandem-worker}}\n"
+        );
+        let https = GOOD.replace("http://", "https://");
+        let c = RouterConfig::from_yaml(&format!("{https}{tls}")).expect("valid");
+        let front = c.tls.expect("tls kept");
+        assert_eq!(front.cert.display().to_string(), cert.to_string());
+        assert_eq!(
+            front.client_ca.map(|p| p.display().to_string()),
+            Some(ca.to_string())
+        );
+        let workers = c.worker_tls.expect("worker_tls kept");
+        assert_eq!(workers.server_name.as_deref(), Some("tandem-worker"));
+        let plain = RouterConfig::from_yaml(GOOD).expect("valid");
+        assert!(
+            plain.tls.is_none() && plain.worker_tls.is_none(),
+            "plain HTTP by default"
+        );
+
+        let message = invalid(&format!("{GOOD}{tls}"));
+        assert!(
+            message.contains(
+                "prefill[0].address http://127.0.0.1:50061: workers are reached over mutual TLS"
+            ) && message.contains("decode[0].address"),
+            "{message}"
+        );
+        let message = invalid(&https);
+        assert!(message.contains("needs a worker_tls section"), "{message}");
+        let missing = dir.path().join("gone.crt");
+        let message = invalid(&format!(
+            "{GOOD}tls: {{cert: '{}', key: '{key}'}}\n",
+            missing.display()
+        ));
+        assert!(
+            message.contains("tls: ") && message.contains("gone.crt"),
+            "{message}"
+        );
+        let message = invalid(&format!(
+            "{https}worker_tls: {{ca: '{key}', cert: '{cert}', key: '{key}'}}\n"
+        ));
+        assert!(
+            message.contains("worker_tls: ") && message.contains("router.key"),
+            "{message}"
+        );
+        let err = RouterConfig::from_yaml(&format!("{GOOD}tls: {{cert: a, key: b, ca: c}}\n"))
+            .expect_err("a misspelt key is refused");
+        assert!(format!("{err:?}").contains("unknown field `ca`"), "{err:?}");
     }
 
     #[test]

@@ -136,8 +136,17 @@ pub async fn run_from_config(
         .clone()
         .ok_or("no model directory: set model.dir in the config or pass --model")?;
     let connect = config.timeouts.connect;
+    let worker_tls = match &config.worker_tls {
+        Some(t) => Some(t.client_config()?),
+        None => None,
+    };
     let handle = |e: &crate::config::WorkerEndpoint| {
-        WorkerHandle::with_connect_timeout(e.id.clone(), &e.address.to_string(), connect)
+        WorkerHandle::with_tls(
+            e.id.clone(),
+            &e.address.to_string(),
+            connect,
+            worker_tls.clone(),
+        )
     };
     let prefill = config
         .prefill
@@ -170,7 +179,8 @@ pub async fn run_from_config(
         .with_policy(config.policy.policy())
         .with_breaker(config.breaker.policy())
         .with_health(config.health)
-        .with_admission(config.admission.clone()),
+        .with_admission(config.admission.clone())
+        .with_worker_tls(worker_tls),
     );
     if let Some(d) = &config.discovery {
         let etcd = tandem_discovery::EtcdConfig {
@@ -219,7 +229,13 @@ pub async fn run_from_config(
         None => config.listen,
     };
     let listener = tokio::net::TcpListener::bind(addr).await?;
-    tracing::info!(listen = %listener.local_addr()?, model = %config.model.served_name, "router ready");
+    let https = match &config.tls {
+        Some(tls) => Some(tls.server_config()?),
+        None => None,
+    };
+    tracing::info!(listen = %listener.local_addr()?, https = https.is_some(),
+        mutual_tls_to_workers = config.worker_tls.is_some(),
+        model = %config.model.served_name, "router ready");
     let mut app = app(state).merge(worker_routes(pd));
     if let Some(p) = record_trace {
         let recorder = crate::trace::TraceRecorder::open(&p)
@@ -237,8 +253,17 @@ pub async fn run_from_config(
             crate::auth::require,
         ));
     }
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown)
-        .await?;
+    match https {
+        Some(tls) => {
+            axum::serve(crate::tls::HttpsListener::new(listener, tls)?, app)
+                .with_graceful_shutdown(shutdown)
+                .await?
+        }
+        None => {
+            axum::serve(listener, app)
+                .with_graceful_shutdown(shutdown)
+                .await?
+        }
+    }
     Ok(())
 }

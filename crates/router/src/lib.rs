@@ -63,6 +63,8 @@ pub mod stop_strings;
 pub mod testing;
 /// Generator tokens → text events (detokenize, stop strings, limits, metrics).
 mod text_stream;
+/// HTTPS on the front (its certificate reloaded when it changes) and mutual TLS to workers.
+pub mod tls;
 /// `/tokenize` and `/detokenize`.
 mod tokenize;
 /// Tool calls: `tools`/`tool_choice` checked, calls read back from the model's text.

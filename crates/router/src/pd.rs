@@ -62,6 +62,8 @@ pub struct PdGenerator {
     prefixes: Mutex<crate::policy::PrefixIndex>,
     /// Requests in flight, by phase.
     in_flight: Arc<crate::inflight::InFlightTable>,
+    /// Mutual TLS for connections to workers found later (discovery).
+    worker_tls: Option<tonic::transport::ClientTlsConfig>,
 }
 
 /// Prompt blocks remembered per prefill worker for cache-aware routing.
@@ -97,7 +99,14 @@ impl PdGenerator {
             admission: crate::config::AdmissionConfig::default(),
             prefixes: Mutex::new(crate::policy::PrefixIndex::new(PREFIX_INDEX_BLOCKS)),
             in_flight: Arc::default(),
+            worker_tls: None,
         }
+    }
+
+    /// The same generator reaching the workers discovery reports over mutual TLS.
+    pub fn with_worker_tls(mut self, tls: Option<tonic::transport::ClientTlsConfig>) -> Self {
+        self.worker_tls = tls;
+        self
     }
 
     /// Requests in flight, by phase (`/admin/requests`).
@@ -192,10 +201,11 @@ impl PdGenerator {
         for r in set.workers.values() {
             let handle = match known(&r.id, &r.address) {
                 Some(h) => h,
-                None => match WorkerHandle::with_connect_timeout(
+                None => match WorkerHandle::with_tls(
                     WorkerId(r.id.clone()),
                     &r.address,
                     self.timeouts.connect,
+                    self.worker_tls.clone(),
                 ) {
                     Ok(h) => {
                         tracing::info!(worker = %r.id, role = r.role.as_str(), address = %r.address,

@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tandem_core::{ErrorClass, WorkerId};
 use tandem_proto::v1 as pb;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::{Channel, ClientTlsConfig, Endpoint};
 
 /// gRPC metadata key in which workers report the [`ErrorClass`] of a failed call.
 pub(crate) const ERROR_CLASS_HEADER: &str = "x-tandem-error-class";
@@ -156,15 +156,37 @@ impl WorkerHandle {
         address: &str,
         connect: Duration,
     ) -> Result<Self, GenerateError> {
-        let endpoint = Endpoint::from_shared(address.to_string())
-            .map_err(|e| {
-                GenerateError::new(
-                    ErrorClass::InvalidRequest,
-                    format!("bad worker address {address}: {e}"),
-                )
-            })?
+        Self::with_tls(id, address, connect, None)
+    }
+
+    /// A lazily connected handle over mutual TLS when `tls` is given (the address must then
+    /// be `https://`; without it, `http://`: a worker is never reached in plain text by a
+    /// router configured for TLS, nor the other way round).
+    pub fn with_tls(
+        id: WorkerId,
+        address: &str,
+        connect: Duration,
+        tls: Option<ClientTlsConfig>,
+    ) -> Result<Self, GenerateError> {
+        let bad = |why: String| {
+            GenerateError::new(
+                ErrorClass::InvalidRequest,
+                format!("bad worker address {address}: {why}"),
+            )
+        };
+        let mut endpoint = Endpoint::from_shared(address.to_string())
+            .map_err(|e| bad(e.to_string()))?
             .connect_timeout(connect)
             .tcp_nodelay(true);
+        let https = endpoint.uri().scheme_str() == Some("https");
+        match tls {
+            Some(tls) if https => {
+                endpoint = endpoint.tls_config(tls).map_err(|e| bad(e.to_string()))?;
+            }
+            Some(_) => return Err(bad("workers are reached over TLS: use https://".into())),
+            None if https => return Err(bad("https:// needs the router's worker_tls".into())),
+            None => {}
+        }
         Ok(Self {
             id,
             address: address.to_string(),
