@@ -562,3 +562,31 @@ fn sampling_controls_and_logprobs_on_cuda_match_the_cpu_engine() {
     );
     assert_ne!(plain, ids(&a), "the controls changed nothing on CUDA");
 }
+
+/// Tensor-parallel ranks sharing the one GPU (a thread and a stream each, collectives through
+/// host memory): tp2 gives the greedy tokens tp1 gives, through the engine.
+#[test]
+fn tensor_parallel_ranks_on_one_gpu_equal_one_rank() {
+    let Some(g) = gpu() else { return };
+    let dir = synth("tiny");
+    let prompt: Vec<u32> = (0..21u32).map(|i| (i * 37 + 5) % 500 + 3).collect();
+    let one = Engine::start(
+        LlamaModel::load(dir.path(), g.clone(), DType::F32).expect("load"),
+        EngineConfig::default(),
+    );
+    let want = tandem_engine::blocking_tokens(run(&one, prompt.clone(), 10));
+    drop(one);
+    let ranks = |r: usize| {
+        if r == 0 {
+            Ok(g.clone())
+        } else {
+            tandem_engine::Backend::new_stream(&g)
+        }
+    };
+    let shards =
+        tandem_engine::models::llama::served::in_process_shards(dir.path(), DType::F32, 2, ranks)
+            .expect("tp2 shards");
+    let two = Engine::start_sharded(shards, EngineConfig::default()).expect("start");
+    let got = tandem_engine::blocking_tokens(run(&two, prompt, 10));
+    assert_eq!(got, want, "tp2 on one GPU vs one rank");
+}
