@@ -10,14 +10,7 @@ use tandem_engine::models::kda_hybrid::served::KdaModel;
 use tandem_engine::models::kda_hybrid::LoadOptions;
 use tandem_engine::{DType, KvCache, LlamaModel};
 
-/// The families the engine runs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Family {
-    /// `model_type` `llama`.
-    Llama,
-    /// `kimi_linear`, `glm5_next`.
-    KdaHybrid,
-}
+pub use tandem_model::Family;
 
 /// The parallel layout asked for on the command line.
 #[derive(clap::Args, Clone, Copy, Debug)]
@@ -33,67 +26,14 @@ pub struct LayoutArgs {
     pub ep: usize,
 }
 
-fn config_json(dir: &Path) -> Result<serde_json::Value> {
-    let path = dir.join("config.json");
-    let text =
-        std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
-    serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))
+/// The checkpoint's serving facts (`config.json`, read once).
+pub fn card(dir: &Path) -> Result<tandem_model::ModelCard> {
+    Ok(tandem_model::ModelCard::read(dir)?)
 }
 
-/// Which family a checkpoint belongs to.
+/// The model family of the checkpoint in `dir`, from its `model_type`.
 pub fn family(dir: &Path) -> Result<Family> {
-    let cfg = config_json(dir)?;
-    match cfg.get("model_type").and_then(|v| v.as_str()) {
-        Some("llama") | None => Ok(Family::Llama),
-        Some("kimi_linear" | "glm5_next" | "glm5_next_text") => Ok(Family::KdaHybrid),
-        Some(other) => {
-            bail!("model_type {other:?} is not supported (llama, kimi_linear, glm5_next)")
-        }
-    }
-}
-
-/// EOS ids from `config.json` (int or list; GLM nests them under `text_config`).
-/// `vocab_size` of `config.json` (its `text_config` for multimodal spellings).
-pub fn vocab_size(dir: &Path) -> Result<usize> {
-    let cfg = config_json(dir)?;
-    let text = cfg.get("text_config").unwrap_or(&cfg);
-    text.get("vocab_size")
-        .and_then(serde_json::Value::as_u64)
-        .map(|v| v as usize)
-        .ok_or_else(|| anyhow::anyhow!("{}: config.json has no vocab_size", dir.display()))
-}
-
-pub fn eos_ids(dir: &Path) -> Result<Vec<u32>> {
-    let cfg = config_json(dir)?;
-    let eos = cfg
-        .get("eos_token_id")
-        .or_else(|| cfg.get("text_config").and_then(|t| t.get("eos_token_id")));
-    Ok(match eos {
-        Some(serde_json::Value::Number(n)) => {
-            n.as_u64().map(|v| vec![v as u32]).unwrap_or_default()
-        }
-        Some(serde_json::Value::Array(a)) => a
-            .iter()
-            .filter_map(|v| v.as_u64().map(|v| v as u32))
-            .collect(),
-        _ => Vec::new(),
-    })
-}
-
-/// Context a KDA-hybrid checkpoint is served at: its configured length, capped where the
-/// model is exact only up to a limit (GLM's sparse indexer).
-pub fn context_length(dir: &Path, exact_limit: Option<usize>) -> Result<usize> {
-    let cfg = config_json(dir)?;
-    let text = cfg.get("text_config").unwrap_or(&cfg);
-    let configured = ["max_position_embeddings", "model_max_length"]
-        .iter()
-        .find_map(|k| {
-            text.get(*k)
-                .or_else(|| cfg.get(*k))
-                .and_then(serde_json::Value::as_u64)
-        })
-        .unwrap_or(4096) as usize;
-    Ok(exact_limit.map_or(configured, |l| l.min(configured)))
+    Ok(card(dir)?.family)
 }
 
 /// The checked layout of the command line.
@@ -301,7 +241,7 @@ pub fn generate_kda(
     let body = KdaGreedy {
         prompt,
         max_tokens,
-        eos: eos_ids(dir)?,
+        eos: card(dir)?.eos_token_ids,
     };
     run_kda(dir, layout, lora, dtype, device, body)
 }

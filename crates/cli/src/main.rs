@@ -275,11 +275,12 @@ impl EngineArgs {
     fn start_worker_engine(&self) -> Result<tandem_worker::WorkerEngine> {
         let dir = models::resolve(&self.model)?;
         if self.engine == EngineKind::Synthetic {
-            let vocab_size = eval::vocab_size(&dir)?;
+            let card = eval::card(&dir)?;
+            let vocab_size = card.vocab_size()?;
             let spec = tandem_engine::models::synthetic::SyntheticSpec {
                 vocab_size,
-                max_context: eval::context_length(&dir, None)?,
-                eos_ids: eval::eos_ids(&dir)?,
+                max_context: card.context_length(4096, None),
+                eos_ids: card.eos_token_ids,
                 step_time: self.synthetic_step,
             };
             tracing::info!(step = ?self.synthetic_step, vocab_size, "synthetic engine: no model compute");
@@ -310,8 +311,9 @@ impl EngineArgs {
                     ) -> Result<Engine> {
                         let StartKda(args, dir) = self;
                         let exact = model.config().mla.indexer.map(|ix| ix.topk);
-                        let context = eval::context_length(dir, exact)?;
-                        let eos = eval::eos_ids(dir)?;
+                        let card = eval::card(dir)?;
+                        let context = card.context_length(4096, exact);
+                        let eos = card.eos_token_ids;
                         let config = EngineConfig {
                             state_slots: args.state_slots,
                             ..args.engine_config(dir)

@@ -7,6 +7,8 @@
 //! `transformers` would load as-is. Keeping the engine on a single input format means the GGUF
 //! quirks live here and nowhere else.
 
+/// What serving needs of a checkpoint before its weights (family, vocabulary, EOS, context).
+pub mod card;
 /// `config.json` of Llama-family checkpoints.
 pub mod config;
 /// Dequantisation of GGML tensor encodings (F32, F16, Q8_0, Q4_1) to f32.
@@ -26,6 +28,7 @@ pub mod pull;
 /// Random `kda_hybrid` checkpoints (BF16 or block-FP8) for tests and benchmarks.
 pub mod synth;
 
+pub use card::{Family, ModelCard};
 pub use config::LlamaConfig;
 pub use gguf::{GgmlType, Gguf, MetadataValue, TensorInfo};
 pub use identity::model_identity;
