@@ -5,8 +5,7 @@
 //! address; on Ctrl-C (or SIGTERM) it stops them all.
 
 use anyhow::{bail, Context, Result};
-use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpListener;
 use std::path::Path;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
@@ -63,6 +62,11 @@ pub struct RunArgs {
     /// The window `--max-restarts` counts over.
     #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
     restart_window: Duration,
+    /// HTTPS on the router and mutual TLS between the router and the workers, with a
+    /// throwaway CA and a certificate per process generated into `STATE_DIR/tls` (and an
+    /// `admin` one for `tandem admin`); removed when the cluster stops.
+    #[arg(long)]
+    tls: bool,
 }
 
 /// The `127.0.0.1:PORT` after `listen` in a worker's ready line.
@@ -134,17 +138,23 @@ async fn worker_addr(
     }
 }
 
-fn http_get_ok(port: u16, path: &str) -> bool {
-    let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) else {
-        return false;
-    };
-    let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
-    let req = format!("GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n");
-    if s.write_all(req.as_bytes()).is_err() {
-        return false;
+/// Whether `GET url` answers 200.
+async fn get_ok(client: &reqwest::Client, url: &str) -> bool {
+    client
+        .get(url)
+        .send()
+        .await
+        .is_ok_and(|r| r.status().is_success())
+}
+
+/// A client for the router's readiness probes: trusting the cluster's CA with `tls`.
+fn probe_client(tls: Option<&Path>) -> Result<reqwest::Client> {
+    let mut builder = reqwest::Client::builder().timeout(Duration::from_secs(2));
+    if let Some(dir) = tls {
+        let pem = std::fs::read(dir.join("ca.crt")).context("reading the generated CA")?;
+        builder = builder.add_root_certificate(reqwest::Certificate::from_pem(&pem)?);
     }
-    let mut buf = [0u8; 12];
-    s.read_exact(&mut buf).is_ok() && buf.starts_with(b"HTTP/1.1 200")
+    Ok(builder.build()?)
 }
 
 fn spawn(exe: &Path, args: &[String], name: &str) -> Result<Child> {
@@ -246,6 +256,35 @@ pub fn run(args: RunArgs) -> Result<()> {
     std::fs::create_dir_all(&state_dir)
         .with_context(|| format!("creating {}", state_dir.display()))?;
     let config_path = state_dir.join("router.yaml");
+    let tls_dir = args.tls.then(|| state_dir.join("tls"));
+    // Every process of the plan by id and role (workers first, in start order).
+    let plan: Vec<(String, &str)> = if args.aggregated {
+        vec![("worker-0".into(), "both")]
+    } else {
+        (0..args.prefill_workers)
+            .map(|i| (format!("prefill-{i}"), "prefill"))
+            .chain((0..args.decode_workers).map(|i| (format!("decode-{i}"), "decode")))
+            .collect()
+    };
+    if let Some(dir) = &tls_dir {
+        use tandem_core::PeerRole;
+        let mut components = vec![
+            ("router".to_string(), PeerRole::Router),
+            ("admin".to_string(), PeerRole::Admin),
+        ];
+        components.extend(plan.iter().map(|(id, role)| {
+            let role = match *role {
+                "prefill" => PeerRole::Prefill,
+                "decode" => PeerRole::Decode,
+                _ => PeerRole::Worker,
+            };
+            (id.clone(), role)
+        }));
+        let hosts = ["localhost".to_string(), "127.0.0.1".to_string()];
+        crate::certs::generate(dir, None, &hosts, &components)
+            .context("generating the cluster's certificates")?;
+    }
+    let scheme = if args.tls { "https" } else { "http" };
     let kv = args.kv_blocks.to_string();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -256,31 +295,32 @@ pub fn run(args: RunArgs) -> Result<()> {
             crate::DtypeArg::F32 => "f32",
             crate::DtypeArg::Bf16 => "bf16",
         };
-        let worker = |role: &str| -> Vec<String> {
+        let worker = |id: &str, role: &str| -> Vec<String> {
             let device = match role {
                 "prefill" => args.prefill_device.unwrap_or(args.device),
                 "decode" => args.decode_device.unwrap_or(args.device),
                 _ => args.device,
             }
             .to_string();
-            ["worker", "--role", role, "--listen", "127.0.0.1:0", "--model", &dir_s, "--kv-blocks", &kv, "--dtype", dtype, "--device", &device]
+            let mut a: Vec<String> = ["worker", "--role", role, "--listen", "127.0.0.1:0", "--model", &dir_s, "--kv-blocks", &kv, "--dtype", dtype, "--device", &device]
                 .map(String::from)
-                .to_vec()
+                .to_vec();
+            if let Some(t) = &tls_dir {
+                let file = |name: String| t.join(name).display().to_string();
+                a.extend([
+                    "--tls-cert".into(), file(format!("{id}.crt")),
+                    "--tls-key".into(), file(format!("{id}.key")),
+                    "--tls-client-ca".into(), file("ca.crt".into()),
+                ]);
+            }
+            a
         };
         let name = dir.file_name().map_or("model".into(), |n| n.to_string_lossy().to_string());
         let (exits_tx, mut exits) = tokio::sync::mpsc::unbounded_channel::<Exit>();
         // Every worker starts at once; their ready lines give their addresses.
-        let plan: Vec<(String, &str)> = if args.aggregated {
-            vec![("worker-0".into(), "both")]
-        } else {
-            (0..args.prefill_workers)
-                .map(|i| (format!("prefill-{i}"), "prefill"))
-                .chain((0..args.decode_workers).map(|i| (format!("decode-{i}"), "decode")))
-                .collect()
-        };
         let mut starting = Vec::new();
         for (id, role) in &plan {
-            let a = worker(role);
+            let a = worker(id, role);
             let (child, ready) = spawn_worker(&exe, &a, id)?;
             starting.push((id.clone(), *role, a, child, ready));
         }
@@ -296,14 +336,21 @@ pub fn run(args: RunArgs) -> Result<()> {
             lists
                 .entry(section)
                 .or_default()
-                .push_str(&format!("  - id: {id}\n    address: http://{addr}\n"));
+                .push_str(&format!("  - id: {id}\n    address: {scheme}://{addr}\n"));
             let m = Member { id: id.clone(), args: with_listen(&a, &addr), pid: child.id(), restarts: Default::default() };
             write_pid(&state_dir, &m)?;
             watch(&id, child, &exits_tx);
             members.push(m);
         }
         let lists: String = lists.iter().map(|(k, v)| format!("{k}:\n{v}")).collect();
-        let config = format!("listen: 127.0.0.1:{port}\nmodel:\n  served_name: {name}\n{lists}", port = args.port);
+        let mut config = format!("listen: 127.0.0.1:{port}\nmodel:\n  served_name: {name}\n{lists}", port = args.port);
+        if let Some(t) = &tls_dir {
+            let file = |name: &str| t.join(name).display().to_string();
+            let (ca, cert, key) = (file("ca.crt"), file("router.crt"), file("router.key"));
+            config.push_str(&format!(
+                "tls: {{cert: '{cert}', key: '{key}'}}\nworker_tls: {{ca: '{ca}', cert: '{cert}', key: '{key}'}}\n"
+            ));
+        }
         std::fs::write(&config_path, &config)?;
         let mut router_args = vec!["router".into(), "--config".into(), config_path.display().to_string(), "--model".into(), dir_s.clone()];
         if let Some(template) = &args.chat_template {
@@ -316,11 +363,13 @@ pub fn run(args: RunArgs) -> Result<()> {
         members.push(router_member);
         // Readiness: the router answers /ready only once it can reach its workers.
         let deadline = Instant::now() + args.ready_timeout;
+        let probe = probe_client(tls_dir.as_deref())?;
+        let base = format!("{scheme}://127.0.0.1:{}", args.port);
         loop {
             if let Ok((id, _, status)) = exits.try_recv() {
                 bail!("{id} exited during start-up ({})", ended(&status));
             }
-            if http_get_ok(args.port, "/health") && http_get_ok(args.port, "/ready") {
+            if get_ok(&probe, &format!("{base}/health")).await && get_ok(&probe, &format!("{base}/ready")).await {
                 break;
             }
             if Instant::now() > deadline {
@@ -328,9 +377,13 @@ pub fn run(args: RunArgs) -> Result<()> {
             }
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
-        println!("\ntandem is ready: http://127.0.0.1:{}/v1 (Ctrl-C stops the cluster)\n", args.port);
-        println!("  curl http://127.0.0.1:{}/v1/chat/completions -H 'Content-Type: application/json' \\", args.port);
+        println!("\ntandem is ready: {base}/v1 (Ctrl-C stops the cluster)\n");
+        let cacert = tls_dir.as_ref().map_or(String::new(), |t| format!("--cacert {} ", t.join("ca.crt").display()));
+        println!("  curl {cacert}{base}/v1/chat/completions -H 'Content-Type: application/json' \\");
         println!("    -d '{{\"messages\":[{{\"role\":\"user\",\"content\":\"What is the capital of France?\"}}],\"max_tokens\":32,\"temperature\":0}}'\n");
+        if let Some(t) = &tls_dir {
+            println!("certificates in {} (ca.crt, router, admin and one per worker; `tandem admin drain --worker {scheme}://… --tls-ca {0}/ca.crt --tls-cert {0}/admin.crt --tls-key {0}/admin.key`)\n", t.display());
+        }
         println!("pid files in {} (a worker that dies is restarted at its address, up to {} times in {:?})\n", state_dir.display(), args.max_restarts, args.restart_window);
         // Supervise: a worker that exits comes back at its address; the router exiting, a
         // worker past its restarts, or Ctrl-C stops the cluster.
@@ -413,6 +466,9 @@ pub fn run(args: RunArgs) -> Result<()> {
     // What this run wrote: the router's config and the pid files (and the directory, when
     // it was this run's own).
     let _ = std::fs::remove_file(&config_path);
+    if let Some(t) = &tls_dir {
+        let _ = std::fs::remove_dir_all(t);
+    }
     if let Ok(entries) = std::fs::read_dir(&state_dir) {
         for e in entries.flatten() {
             if e.path().extension().is_some_and(|x| x == "pid") {

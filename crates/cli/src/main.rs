@@ -6,6 +6,7 @@ mod bench_kda;
 mod bench_router;
 mod bench_step;
 mod bench_structured;
+mod certs;
 mod chaos;
 mod cluster;
 mod device;
@@ -35,7 +36,7 @@ enum Command {
     /// Run the OpenAI-compatible HTTP router.
     Router(RouterArgs),
     /// Run a prefill or decode worker.
-    Worker(WorkerArgs),
+    Worker(Box<WorkerArgs>),
     /// Run a local cluster: router + 1 prefill + 1 decode worker as separate processes.
     Run(cluster::RunArgs),
     /// Manage models.
@@ -65,6 +66,61 @@ enum Command {
         #[command(subcommand)]
         command: bench::BenchCommand,
     },
+    /// Certificates for mutual TLS.
+    Tls {
+        #[command(subcommand)]
+        command: TlsCommand,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum TlsCommand {
+    /// Write a throwaway CA and a certificate per component (each naming its role), for a
+    /// local or test cluster.
+    Generate(certs::GenerateArgs),
+}
+
+/// How an operator's tool reaches a worker whose gRPC port takes mutual TLS only.
+#[derive(clap::Args, Debug)]
+struct AdminTlsArgs {
+    /// PEM CA certificates the worker's certificate must chain to (with an `https://`
+    /// worker).
+    #[arg(long, requires_all = ["tls_cert", "tls_key"])]
+    tls_ca: Option<PathBuf>,
+    /// This tool's certificate, naming the `admin` role.
+    #[arg(long, requires = "tls_ca")]
+    tls_cert: Option<PathBuf>,
+    /// Its private key.
+    #[arg(long, requires = "tls_ca")]
+    tls_key: Option<PathBuf>,
+}
+
+impl AdminTlsArgs {
+    /// A client of the worker at `worker`, over mutual TLS when configured.
+    async fn connect(
+        &self,
+        worker: &str,
+    ) -> Result<tandem_proto::v1::worker_client::WorkerClient<tonic::transport::Channel>> {
+        let mut endpoint = tonic::transport::Endpoint::from_shared(worker.to_string())
+            .with_context(|| format!("bad worker address {worker}"))?;
+        if let (Some(ca), Some(cert), Some(key)) = (&self.tls_ca, &self.tls_cert, &self.tls_key) {
+            let read =
+                |p: &PathBuf| std::fs::read(p).with_context(|| format!("reading {}", p.display()));
+            endpoint = endpoint.tls_config(
+                tonic::transport::ClientTlsConfig::new()
+                    .ca_certificate(tonic::transport::Certificate::from_pem(read(ca)?))
+                    .identity(tonic::transport::Identity::from_pem(
+                        read(cert)?,
+                        read(key)?,
+                    )),
+            )?;
+        }
+        let channel = endpoint
+            .connect()
+            .await
+            .with_context(|| format!("connecting to {worker}"))?;
+        Ok(tandem_proto::v1::worker_client::WorkerClient::new(channel))
+    }
 }
 
 #[derive(Subcommand, Debug)]
@@ -78,6 +134,8 @@ enum AdminCommand {
         /// Checkpoint directory to load.
         #[arg(long)]
         model_dir: PathBuf,
+        #[command(flatten)]
+        tls: AdminTlsArgs,
     },
     /// Drain a worker: it stops taking new requests, deregisters from discovery, finishes
     /// what it has in flight and exits 0 (what still runs at the deadline is migrated by
@@ -89,6 +147,8 @@ enum AdminCommand {
         /// How long the worker waits for its requests; its own `--drain-deadline` when absent.
         #[arg(long, value_parser = humantime::parse_duration)]
         deadline: Option<Duration>,
+        #[command(flatten)]
+        tls: AdminTlsArgs,
     },
 }
 
@@ -379,8 +439,8 @@ struct WorkerArgs {
     /// after this long.
     #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
     lease_ttl: Duration,
-    /// The gRPC URL routers should use (`http://host:port`); from the bound address when
-    /// absent (which must then not be a wildcard address).
+    /// The gRPC URL routers should use (`http://host:port`, `https://` with TLS); from the
+    /// bound address when absent (which must then not be a wildcard address).
     #[arg(long)]
     advertise: Option<String>,
     /// This worker's id in discovery; `ROLE-HOST-PORT` when absent.
@@ -390,6 +450,17 @@ struct WorkerArgs {
     /// KV pushes (`tandem chaos`).
     #[arg(long)]
     chaos_scenario: Option<PathBuf>,
+    /// Serve gRPC over mutual TLS with this certificate (PEM, naming the worker's role as a
+    /// URI SAN `spiffe://…/prefill`); needs --tls-key and --tls-client-ca.
+    #[arg(long, env = "TANDEM_TLS_CERT", requires_all = ["tls_key", "tls_client_ca"])]
+    tls_cert: Option<PathBuf>,
+    /// The private key of --tls-cert (PEM).
+    #[arg(long, env = "TANDEM_TLS_KEY", requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// CA certificates (PEM) callers' certificates must chain to; callers must also name a
+    /// role the call allows (the router for serving calls, admin for drain and reloads).
+    #[arg(long, env = "TANDEM_TLS_CLIENT_CA", requires = "tls_cert")]
+    tls_client_ca: Option<PathBuf>,
     #[command(flatten)]
     engine: EngineArgs,
 }
@@ -499,11 +570,14 @@ fn main() -> Result<()> {
         }
         Command::Generate(args) => generate(args),
         Command::Admin {
-            command: AdminCommand::RefreshWeights { worker, model_dir },
+            command:
+                AdminCommand::RefreshWeights {
+                    worker,
+                    model_dir,
+                    tls,
+                },
         } => runtime()?.block_on(async move {
-            let mut client = tandem_proto::v1::worker_client::WorkerClient::connect(worker.clone())
-                .await
-                .with_context(|| format!("connecting to {worker}"))?;
+            let mut client = tls.connect(&worker).await?;
             let dir = std::fs::canonicalize(&model_dir).unwrap_or(model_dir);
             let reply = client
                 .refresh_weights(tandem_proto::v1::RefreshWeightsRequest {
@@ -515,11 +589,14 @@ fn main() -> Result<()> {
             Ok(())
         }),
         Command::Admin {
-            command: AdminCommand::Drain { worker, deadline },
+            command:
+                AdminCommand::Drain {
+                    worker,
+                    deadline,
+                    tls,
+                },
         } => runtime()?.block_on(async move {
-            let mut client = tandem_proto::v1::worker_client::WorkerClient::connect(worker.clone())
-                .await
-                .with_context(|| format!("connecting to {worker}"))?;
+            let mut client = tls.connect(&worker).await?;
             let deadline_ms = deadline.map_or(0, |d| {
                 u32::try_from(d.as_millis()).unwrap_or(u32::MAX).max(1)
             });
@@ -546,11 +623,14 @@ fn main() -> Result<()> {
             println!("{}", serde_json::json!({ "logits": logits }));
             Ok(())
         }
-        Command::Worker(args) => runtime()?.block_on(worker(args)),
+        Command::Worker(args) => runtime()?.block_on(worker(*args)),
         Command::Router(args) => runtime()?.block_on(router(args)),
         Command::Run(args) => cluster::run(args),
         Command::Bench { command } => bench::run(command),
         Command::Chaos { command } => chaos::run(command, runtime()?),
+        Command::Tls {
+            command: TlsCommand::Generate(args),
+        } => certs::run(args),
     }
 }
 
@@ -595,6 +675,15 @@ async fn worker(args: WorkerArgs) -> Result<()> {
         .await
         .with_context(|| format!("binding {}", args.listen))?;
     let bound = listener.local_addr()?;
+    let tls = match (args.tls_cert, args.tls_key, args.tls_client_ca) {
+        (Some(cert), Some(key), Some(client_ca)) => Some(tandem_worker::GrpcTls {
+            cert,
+            key,
+            client_ca,
+        }),
+        _ => None,
+    };
+    let scheme = if tls.is_some() { "https" } else { "http" };
     let registration = match &args.discovery {
         Some(url) => {
             let config = tandem_discovery::EtcdConfig::from_url(
@@ -607,7 +696,7 @@ async fn worker(args: WorkerArgs) -> Result<()> {
                 None if bound.ip().is_unspecified() => anyhow::bail!(
                     "--listen {bound} is a wildcard address: pass --advertise http://HOST:PORT for discovery"
                 ),
-                None => format!("http://{bound}"),
+                None => format!("{scheme}://{bound}"),
             };
             let host = address
                 .split("://")
@@ -638,7 +727,7 @@ async fn worker(args: WorkerArgs) -> Result<()> {
         }
         None => None,
     };
-    tracing::info!(role = role.as_str(), listen = %bound, "worker ready");
+    tracing::info!(role = role.as_str(), listen = %bound, mutual_tls = tls.is_some(), "worker ready");
     let opts = tandem_worker::WorkerOptions {
         role,
         transfer_bind: args.transfer_listen,
@@ -660,6 +749,7 @@ async fn worker(args: WorkerArgs) -> Result<()> {
             }
             None => None,
         },
+        tls,
     };
     tandem_worker::serve_registered(engine, opts, listener, shutdown_signal(), registration)
         .await?;

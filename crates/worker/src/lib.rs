@@ -15,9 +15,12 @@ mod push;
 pub mod reservations;
 /// The gRPC service.
 pub mod service;
+/// Mutual TLS on the gRPC port and the roles each call takes.
+pub mod tls;
 
 pub use engines::WorkerEngine;
 pub use service::{serve, serve_registered, LandingMode, Role, WorkerOptions};
+pub use tls::GrpcTls;
 
 use tandem_core::ErrorClass;
 
@@ -54,6 +57,15 @@ pub enum Error {
     /// router retries elsewhere.
     #[error("{0}")]
     NotAdmitting(String),
+    /// A TLS file could not be read.
+    #[error("{path}: {source}")]
+    TlsFile {
+        /// The file.
+        path: std::path::PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 impl Error {
@@ -67,6 +79,7 @@ impl Error {
             Error::Deadline(_) => ErrorClass::DeadlineExceeded,
             Error::Grpc(_) | Error::NotAdmitting(_) => ErrorClass::Unavailable,
             Error::KvNotArrived(_) | Error::InjectedTransferFault(_) => ErrorClass::TransferFailed,
+            Error::TlsFile { .. } => ErrorClass::Internal,
         }
     }
 }

@@ -76,6 +76,9 @@ pub struct WorkerOptions {
     /// Prefill role: transfer faults of a chaos scenario, injected into KV pushes (testing
     /// only; `tandem worker --chaos-scenario`).
     pub transfer_chaos: Option<Arc<tandem_chaos::TransferChaos>>,
+    /// Mutual TLS on the gRPC port (callers' certificates checked against each call's
+    /// roles); plain text when absent.
+    pub tls: Option<crate::tls::GrpcTls>,
 }
 
 struct Shared {
@@ -189,7 +192,11 @@ pub async fn serve_registered(
         shared: shared.clone(),
     };
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let server = tonic::transport::Server::builder()
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(tls) = &shared.opts.tls {
+        builder = builder.tls_config(tls.server_config()?)?;
+    }
+    let server = builder
         .add_service(pb::worker_server::WorkerServer::new(service))
         .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async {
             let _ = stopped.await;
@@ -311,6 +318,29 @@ async fn until(
     }
 }
 
+impl WorkerService {
+    /// Refuses `request` unless TLS is off or its peer's certificate names a role allowed
+    /// to make `rpc`.
+    fn authorize<T>(
+        &self,
+        request: &Request<T>,
+        rpc: crate::tls::Rpc,
+    ) -> std::result::Result<(), Status> {
+        if self.shared.opts.tls.is_none() {
+            return Ok(());
+        }
+        let certs = request.peer_certs();
+        match crate::tls::authorize(rpc, certs.as_deref().map(Vec::as_slice)) {
+            Ok(_) => Ok(()),
+            Err(status) => {
+                tracing::warn!(?rpc, peer = ?request.remote_addr(), reason = status.message(),
+                    "call refused");
+                Err(status)
+            }
+        }
+    }
+}
+
 impl Shared {
     /// Counts a decode request dropped because its caller went away; called before the
     /// request's resources are released, so whoever sees them free also sees the count.
@@ -389,6 +419,7 @@ impl pb::worker_server::Worker for WorkerService {
         &self,
         request: Request<pb::GenerateRequest>,
     ) -> std::result::Result<Response<GenerateStream>, Status> {
+        self.authorize(&request, crate::tls::Rpc::Generate)?;
         let shared = self.shared.clone();
         shared.check_role(Role::Both)?;
         let claim = shared.admission.admit()?;
@@ -410,6 +441,7 @@ impl pb::worker_server::Worker for WorkerService {
         &self,
         request: Request<pb::DecodeRequest>,
     ) -> std::result::Result<Response<DecodeStream>, Status> {
+        self.authorize(&request, crate::tls::Rpc::Decode)?;
         let shared = self.shared.clone();
         shared.check_role(Role::Decode)?;
         let claim = shared.admission.admit()?;
@@ -461,6 +493,7 @@ impl pb::worker_server::Worker for WorkerService {
         &self,
         request: Request<pb::PrefillRequest>,
     ) -> std::result::Result<Response<pb::PrefillResponse>, Status> {
+        self.authorize(&request, crate::tls::Rpc::Prefill)?;
         let res = match self.shared.admission.admit() {
             Ok(_claim) => self.shared.prefill(request.into_inner()).await,
             Err(e) => Err(e),
@@ -475,6 +508,7 @@ impl pb::worker_server::Worker for WorkerService {
         &self,
         request: Request<pb::RefreshWeightsRequest>,
     ) -> std::result::Result<Response<pb::RefreshWeightsResponse>, Status> {
+        self.authorize(&request, crate::tls::Rpc::RefreshWeights)?;
         let dir = std::path::PathBuf::from(request.into_inner().model_dir);
         let engine = self.shared.engine.clone();
         let shown = dir.display().to_string();
@@ -491,6 +525,7 @@ impl pb::worker_server::Worker for WorkerService {
         &self,
         request: Request<pb::StatsRequest>,
     ) -> std::result::Result<Response<pb::StatsResponse>, Status> {
+        self.authorize(&request, crate::tls::Rpc::Stats)?;
         let s = &self.shared;
         let ask = request.into_inner();
         // Not idle (or busy) within the limit: report the state as it is; the caller judges.
@@ -535,6 +570,7 @@ impl pb::worker_server::Worker for WorkerService {
         &self,
         request: Request<pb::DrainRequest>,
     ) -> std::result::Result<Response<pb::DrainResponse>, Status> {
+        self.authorize(&request, crate::tls::Rpc::Drain)?;
         let s = &self.shared;
         let ms = request.into_inner().deadline_ms;
         let deadline = if ms == 0 {
