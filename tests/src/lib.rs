@@ -199,6 +199,9 @@ pub struct ClusterOptions {
     pub proxies: bool,
     /// Extra arguments of the router (e.g. `--record-trace FILE`).
     pub router_args: Vec<String>,
+    /// HTTPS on the router and mutual TLS between it and the workers, with certificates
+    /// from `tandem tls generate` in [`Cluster::tls_dir`].
+    pub tls: bool,
 }
 
 impl Default for ClusterOptions {
@@ -223,6 +226,7 @@ impl Default for ClusterOptions {
             discovery: false,
             proxies: false,
             router_args: Vec::new(),
+            tls: false,
         }
     }
 }
@@ -251,6 +255,9 @@ pub struct Cluster {
     events: mpsc::Receiver<StartEvent>,
     /// Processes whose exit was seen while waiting for another's.
     exited: std::collections::HashSet<String>,
+    /// With `tls`: `ca.crt`, and `NAME.crt`/`NAME.key` for `router`, `admin` and each
+    /// worker process (`prefill`, `decode`, `decode2`, `both`).
+    pub tls_dir: Option<PathBuf>,
     _dir: tempfile::TempDir,
 }
 
@@ -285,7 +292,25 @@ impl Cluster {
                 "3s".into(),
             ]);
         }
+        let tls_dir = opts.tls.then(|| {
+            let out = dir.path().join("tls");
+            generate_certs(
+                &out,
+                None,
+                &[
+                    "router",
+                    "admin",
+                    "prefill",
+                    "decode",
+                    "decode2=decode",
+                    "both=worker",
+                ],
+            );
+            out
+        });
+        let scheme = if opts.tls { "https" } else { "http" };
         let mut cluster = Self {
+            tls_dir,
             children: Vec::new(),
             url: String::new(),
             prefill_addr: String::new(),
@@ -335,7 +360,7 @@ impl Cluster {
         let mut addr = |role: &str| {
             addrs
                 .remove(role)
-                .map(|a| format!("http://{a}"))
+                .map(|a| format!("{scheme}://{a}"))
                 .unwrap_or_default()
         };
         cluster.prefill_addr = addr("prefill");
@@ -414,6 +439,13 @@ impl Cluster {
                 cluster.aggregated_addr
             ));
         }
+        if let Some(t) = &cluster.tls_dir {
+            let file = |name: &str| t.join(name).display().to_string();
+            let (ca, cert, key) = (file("ca.crt"), file("router.crt"), file("router.key"));
+            config.push_str(&format!(
+                "tls: {{cert: '{cert}', key: '{key}'}}\nworker_tls: {{ca: '{ca}', cert: '{cert}', key: '{key}'}}\n"
+            ));
+        }
         config.push_str(&opts.router_config);
         let config_path = cluster._dir.path().join("router.yaml");
         std::fs::write(&config_path, config).unwrap();
@@ -432,15 +464,34 @@ impl Cluster {
             .unwrap();
         cluster.adopt("router", router);
         let mut addrs = cluster.wait_ready(1, deadline);
-        cluster.url = format!("http://{}", addrs.remove("router").unwrap_or_default());
+        cluster.url = format!("{scheme}://{}", addrs.remove("router").unwrap_or_default());
         // Every listener is bound: the router must now reach both workers.
-        let client = probe::blocking_free_client();
-        assert!(
-            client(&format!("{}/ready", cluster.url)),
-            "router not ready\n{}",
-            cluster.logs()
-        );
+        let ready = format!("{}/ready", cluster.url);
+        let ready = if opts.tls {
+            let client = cluster.https_client();
+            rt().block_on(async {
+                client
+                    .get(&ready)
+                    .send()
+                    .await
+                    .is_ok_and(|r| r.status() == 200)
+            })
+        } else {
+            probe::blocking_free_client()(&ready)
+        };
+        assert!(ready, "router not ready\n{}", cluster.logs());
         cluster
+    }
+
+    /// An HTTP client trusting the cluster's CA (a new one has no pooled connections).
+    pub fn https_client(&self) -> reqwest::Client {
+        let dir = self.tls_dir.as_ref().expect("a cluster started with tls");
+        let ca = std::fs::read(dir.join("ca.crt")).expect("the cluster's CA");
+        reqwest::Client::builder()
+            .add_root_certificate(reqwest::Certificate::from_pem(&ca).expect("a PEM CA"))
+            .tls_info(true)
+            .build()
+            .expect("a client")
     }
 
     /// Sends `signal` (e.g. `"STOP"`, `"CONT"`) to the process started as `name` (`prefill`,
@@ -474,10 +525,26 @@ impl Cluster {
     /// Starts a worker process named `name` in `role` with the cluster's common arguments
     /// and `args` (it is adopted; wait for it with [`Cluster::wait_ready`]).
     fn spawn_worker(&mut self, name: &str, role: &str, args: &[String]) {
+        let tls: Vec<String> = self
+            .tls_dir
+            .iter()
+            .flat_map(|t| {
+                let file = |n: String| t.join(n).display().to_string();
+                [
+                    "--tls-cert".to_string(),
+                    file(format!("{name}.crt")),
+                    "--tls-key".into(),
+                    file(format!("{name}.key")),
+                    "--tls-client-ca".into(),
+                    file("ca.crt".into()),
+                ]
+            })
+            .collect();
         let child = Command::new(tandem_bin())
             .args(["worker", "--role", role])
             .args(&self.worker_args)
             .args(args)
+            .args(tls)
             .envs(
                 self.worker_env
                     .iter()
@@ -641,6 +708,22 @@ fn listen_addr(line: &str) -> String {
             addr[..end].to_string()
         })
         .unwrap_or_default()
+}
+
+/// Runs `tandem tls generate --out OUT [--ca CA] COMPONENTS…` (a new CA unless `ca` names
+/// a directory holding one).
+pub fn generate_certs(out: &std::path::Path, ca: Option<&std::path::Path>, components: &[&str]) {
+    let mut cmd = Command::new(tandem_bin());
+    cmd.args(["tls", "generate", "--out"]).arg(out);
+    if let Some(ca) = ca {
+        cmd.arg("--ca").arg(ca);
+    }
+    let done = cmd.args(components).output().expect("tandem tls generate");
+    assert!(
+        done.status.success(),
+        "tandem tls generate failed: {}",
+        String::from_utf8_lossy(&done.stderr)
+    );
 }
 
 /// A loopback port bound for the life of the value but never listened on: connecting to it

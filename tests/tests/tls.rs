@@ -1,0 +1,220 @@
+//! TLS end to end: a router serving HTTPS and reaching its workers over mutual TLS, with
+//! certificates from `tandem tls generate`. A client without a certificate, one whose
+//! certificate comes from another CA, and a plain-text connection are refused by a worker; a
+//! certificate from the right CA naming the wrong role is refused per call; the router's HTTPS
+//! certificate is rotated by rewriting its files, without a restart.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use serde_json::json;
+use std::path::Path;
+use std::time::Duration;
+use tandem_e2e::{generate_certs, post, rt, Cluster, ClusterOptions};
+use tandem_proto::v1 as pb;
+use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
+
+/// A TLS client config trusting `ca_dir`'s CA, presenting `identity` (`NAME` in `id_dir`).
+fn tls(ca_dir: &Path, identity: Option<(&Path, &str)>) -> ClientTlsConfig {
+    let read = |p: std::path::PathBuf| std::fs::read(&p).unwrap_or_else(|e| panic!("{p:?}: {e}"));
+    let mut config =
+        ClientTlsConfig::new().ca_certificate(Certificate::from_pem(read(ca_dir.join("ca.crt"))));
+    if let Some((dir, name)) = identity {
+        config = config.identity(Identity::from_pem(
+            read(dir.join(format!("{name}.crt"))),
+            read(dir.join(format!("{name}.key"))),
+        ));
+    }
+    config
+}
+
+/// A worker client over `tls` (plain text when `None`) to `address`.
+async fn client(
+    address: &str,
+    tls: Option<ClientTlsConfig>,
+) -> Result<pb::worker_client::WorkerClient<tonic::transport::Channel>, String> {
+    let mut endpoint = Endpoint::from_shared(address.to_string())
+        .expect("an address")
+        .connect_timeout(Duration::from_secs(5))
+        .timeout(Duration::from_secs(10));
+    if let Some(t) = tls {
+        endpoint = endpoint.tls_config(t).expect("a TLS config");
+    }
+    let channel = tokio::time::timeout(Duration::from_secs(10), endpoint.connect())
+        .await
+        .map_err(|_| "connect timed out".to_string())?
+        .map_err(|e| format!("connect: {e:?}"))?;
+    Ok(pb::worker_client::WorkerClient::new(channel))
+}
+
+/// `Stats` through `tls` on `address`: the answer, or why there was none.
+async fn stats(address: &str, tls: Option<ClientTlsConfig>) -> Result<pb::StatsResponse, String> {
+    let mut c = client(address, tls).await?;
+    c.stats(pb::StatsRequest::default())
+        .await
+        .map(tonic::Response::into_inner)
+        .map_err(|s| format!("{:?}: {}", s.code(), s.message()))
+}
+
+#[test]
+fn a_cluster_with_mutual_tls_answers_over_https_and_its_workers_refuse_peers_without_a_valid_certificate(
+) {
+    let cluster = Cluster::start(ClusterOptions {
+        tls: true,
+        ..ClusterOptions::default()
+    });
+    let certs = cluster.tls_dir.clone().expect("certificates");
+    let other = tempfile::tempdir().unwrap();
+    generate_certs(other.path(), None, &["router", "admin"]);
+    let (url, prefill) = (cluster.url.clone(), cluster.prefill_addr.clone());
+    assert!(url.starts_with("https://") && prefill.starts_with("https://"));
+    rt().block_on(async {
+        let https = cluster.https_client();
+        let (status, body) = post(
+            &https,
+            &format!("{url}/v1/chat/completions"),
+            json!({"messages": [{"role": "user", "content": "What is the capital of France?"}],
+                   "max_tokens": 8, "temperature": 0}),
+        )
+        .await;
+        assert_eq!(status, 200, "{body}");
+        let text = body["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap_or_default();
+        assert!(text.contains("Paris"), "{body}");
+        let plain = reqwest::Client::new()
+            .get(format!("{}/health", url.replace("https://", "http://")))
+            .send()
+            .await;
+        assert!(
+            plain.is_err(),
+            "plain HTTP to the HTTPS port must not be answered: {plain:?}"
+        );
+
+        // The router's own certificate from the right CA is let in: the refusals below are
+        // about the certificates, not the worker.
+        let ok = stats(&prefill, Some(tls(&certs, Some((&certs, "router"))))).await;
+        assert_eq!(
+            ok.expect("the router's certificate is accepted").role,
+            "prefill"
+        );
+        let admin = stats(&prefill, Some(tls(&certs, Some((&certs, "admin"))))).await;
+        assert!(admin.is_ok(), "an admin may read stats: {admin:?}");
+
+        let refused = [
+            (
+                "no client certificate",
+                stats(&prefill, Some(tls(&certs, None))).await,
+            ),
+            (
+                "a certificate from another CA",
+                stats(&prefill, Some(tls(&certs, Some((other.path(), "router"))))).await,
+            ),
+            (
+                "plain text",
+                stats(&prefill.replace("https://", "http://"), None).await,
+            ),
+        ];
+        for (what, outcome) in refused {
+            assert!(outcome.is_err(), "{what}: answered {outcome:?}");
+        }
+
+        // Valid certificates whose roles the call does not allow.
+        let mut as_admin = client(&prefill, Some(tls(&certs, Some((&certs, "admin")))))
+            .await
+            .expect("connects");
+        let denied = as_admin
+            .prefill(pb::PrefillRequest::default())
+            .await
+            .expect_err("an admin may not prefill");
+        assert_eq!(denied.code(), tonic::Code::PermissionDenied, "{denied:?}");
+        let mut as_worker = client(&prefill, Some(tls(&certs, Some((&certs, "decode")))))
+            .await
+            .expect("connects");
+        let denied = as_worker
+            .stats(pb::StatsRequest::default())
+            .await
+            .expect_err("a decode worker may not read stats");
+        assert_eq!(denied.code(), tonic::Code::PermissionDenied, "{denied:?}");
+        let mut as_router = client(&prefill, Some(tls(&certs, Some((&certs, "router")))))
+            .await
+            .expect("connects");
+        let denied = as_router
+            .drain(pb::DrainRequest::default())
+            .await
+            .expect_err("the router may not drain a worker");
+        assert_eq!(denied.code(), tonic::Code::PermissionDenied, "{denied:?}");
+    });
+    assert!(
+        cluster.log("prefill").contains("call refused"),
+        "the worker logs refused calls"
+    );
+}
+
+/// The leaf certificate (DER) the router presents to a new connection.
+async fn served_certificate(cluster: &Cluster) -> Vec<u8> {
+    let resp = cluster
+        .https_client()
+        .get(format!("{}/health", cluster.url))
+        .send()
+        .await
+        .expect("an HTTPS answer");
+    assert_eq!(resp.status(), 200);
+    resp.extensions()
+        .get::<reqwest::tls::TlsInfo>()
+        .and_then(|i| i.peer_certificate())
+        .expect("the peer's certificate")
+        .to_vec()
+}
+
+fn first_der(pem: &Path) -> Vec<u8> {
+    use rustls::pki_types::pem::PemObject;
+    rustls::pki_types::CertificateDer::from_pem_file(pem)
+        .expect("a PEM certificate")
+        .to_vec()
+}
+
+#[test]
+fn rewriting_the_routers_certificate_files_serves_the_new_certificate_without_a_restart() {
+    let synthetic = vec!["--engine".to_string(), "synthetic".to_string()];
+    let cluster = Cluster::start(ClusterOptions {
+        tls: true,
+        prefill_args: synthetic.clone(),
+        decode_args: synthetic,
+        ..ClusterOptions::default()
+    });
+    let certs = cluster.tls_dir.clone().expect("certificates");
+    let rotated = tempfile::tempdir().unwrap();
+    generate_certs(rotated.path(), Some(&certs), &["router"]);
+    let (old, new) = (
+        first_der(&certs.join("router.crt")),
+        first_der(&rotated.path().join("router.crt")),
+    );
+    assert_ne!(old, new);
+    rt().block_on(async {
+        assert_eq!(served_certificate(&cluster).await, old);
+        // As a rotation writes them: the certificate first, then its key.
+        std::fs::copy(rotated.path().join("router.crt"), certs.join("router.crt")).unwrap();
+        std::fs::copy(rotated.path().join("router.key"), certs.join("router.key")).unwrap();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            if served_certificate(&cluster).await == new {
+                break;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the router still serves the old certificate\n{}",
+                cluster.log("router")
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        // Still serving requests after the rotation, over the new certificate.
+        let (status, body) = post(
+            &cluster.https_client(),
+            &format!("{}/v1/completions", cluster.url),
+            json!({"prompt": "hello", "max_tokens": 4, "temperature": 0}),
+        )
+        .await;
+        assert_eq!(status, 200, "{body}");
+    });
+    assert!(cluster.log("router").contains("HTTPS certificate reloaded"));
+}
