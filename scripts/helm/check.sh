@@ -59,12 +59,22 @@ echo "ok   helm install --dry-run=client: defaults + ${#VALUES[@]} values files;
 TANDEM="${TANDEM_BIN:-${CARGO_TARGET_DIR:-target}/debug/tandem}"
 if [ -x "$TANDEM" ]; then
   n=0
+  # The Secrets' files (tls.crt, tls.key, ca.crt) the rendered TLS paths point at, stood in
+  # for by generated ones: the router loads them while checking.
+  "$TANDEM" tls generate --out "$WORK/certs" router > /dev/null
+  mkdir "$WORK/secret"
+  cp "$WORK/certs/router.crt" "$WORK/secret/tls.crt"
+  cp "$WORK/certs/router.key" "$WORK/secret/tls.key"
+  cp "$WORK/certs/ca.crt" "$WORK/secret/ca.crt"
   for f in "$OUT"/*.yaml; do
-    "$PY" - "$f" "$WORK/router-$(basename "$f")" <<'PYEOF' || { echo "FAIL extracting the router config of $f" >&2; exit 1; }
+    "$PY" - "$f" "$WORK/router-$(basename "$f")" "$WORK/secret" <<'PYEOF' || { echo "FAIL extracting the router config of $f" >&2; exit 1; }
 import sys, yaml
 for doc in yaml.safe_load_all(open(sys.argv[1])):
     if doc and doc.get("kind") == "ConfigMap" and "router.yaml" in doc.get("data", {}):
-        open(sys.argv[2], "w").write(doc["data"]["router.yaml"])
+        text = doc["data"]["router.yaml"]
+        for mount in ("/etc/tandem-tls", "/etc/tandem-grpc"):
+            text = text.replace(mount, sys.argv[3])
+        open(sys.argv[2], "w").write(text)
         break
 else:
     sys.exit("no router ConfigMap")

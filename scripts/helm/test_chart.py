@@ -30,10 +30,13 @@ VALUE_SETS = {
     "gpu-8x": [os.path.join(ROOT, "configs", "helm", "gpu-8x.yaml")],
     "ci-keda": [os.path.join(CHART, "ci", "keda-values.yaml")],
     "ci-hpa": [os.path.join(CHART, "ci", "hpa-values.yaml")],
+    "ci-tls": [os.path.join(CHART, "ci", "tls-values.yaml")],
 }
 # crates/router/src/config.rs: RawConfig and its sections (deny_unknown_fields).
-ROUTER_CONFIG_KEYS = {"listen", "model", "prefill", "decode", "aggregated", "policy", "timeouts", "discovery", "auth"}
+ROUTER_CONFIG_KEYS = {"listen", "model", "prefill", "decode", "aggregated", "policy", "timeouts", "discovery", "auth", "tls", "worker_tls"}
 ROUTER_SECTION_KEYS = {
+    "tls": {"cert", "key", "client_ca"},
+    "worker_tls": {"ca", "cert", "key", "server_name"},
     "model": {"served_name", "dir"},
     "timeouts": {"connect", "first_token", "inter_token", "request"},
     "policy": {"kind"},
@@ -185,9 +188,16 @@ def check_release(docs, where=""):
     assert model_dir, f"{where}: the router has no model directory (tokenizer)"
     probes = {k: rc.get(k) for k in ("startupProbe", "livenessProbe", "readinessProbe")}
     assert all(probes.values()), f"{where}: router probes missing: {[k for k, v in probes.items() if not v]}"
+    front_tls = config.get("tls") or {}
     for kind, path in (("startupProbe", "/health"), ("livenessProbe", "/health"), ("readinessProbe", "/ready")):
         handler, spec = probe_handler(probes[kind])
+        if front_tls.get("client_ca"):
+            # Clients need certificates the kubelet does not have: the probes only connect.
+            assert handler == "tcpSocket", f"{where}: router {kind} is {handler} but clients need certificates"
+            continue
         assert handler == "httpGet" and spec["path"] == path, f"{where}: router {kind} is {handler} {spec}, want GET {path}"
+        want_scheme = "HTTPS" if front_tls else "HTTP"
+        assert spec.get("scheme", "HTTP") == want_scheme, f"{where}: router {kind} scheme {spec.get('scheme')}, want {want_scheme}"
         assert spec["port"] in ("http", listen_port), f"{where}: router {kind} probes port {spec['port']}"
     sleep = rc.get("lifecycle", {}).get("preStop", {}).get("sleep", {}).get("seconds", 0)
     assert pod_spec(router).get("terminationGracePeriodSeconds", 30) > sleep, f"{where}: router grace period <= its preStop sleep"
@@ -213,7 +223,8 @@ def check_release(docs, where=""):
         assert f.get("role") == POOL_ROLES[pool], f"{where}: {pool} runs --role {f.get('role')}"
         grpc = named_port(wc, "grpc")
         assert f.get("listen") == f"0.0.0.0:{grpc}", f"{where}: {pool} --listen {f.get('listen')} vs port grpc {grpc}"
-        assert f.get("advertise") == f"http://$(POD_IP):{grpc}", f"{where}: {pool} --advertise {f.get('advertise')}"
+        scheme = "https" if config.get("worker_tls") else "http"
+        assert f.get("advertise") == f"{scheme}://$(POD_IP):{grpc}", f"{where}: {pool} --advertise {f.get('advertise')}"
         assert f.get("worker-id") == "$(POD_NAME)", f"{where}: {pool} --worker-id {f.get('worker-id')}"
         env = env_of(wc)
         assert env.get("POD_IP", {}).get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "status.podIP", f"{where}: {pool} POD_IP is not the downward-API pod IP"
@@ -337,6 +348,41 @@ class Examples(unittest.TestCase):
         cfg = yaml.safe_load(by(docs, "ConfigMap", "router")["data"]["router.yaml"])
         self.assertNotIn("auth", cfg)
         self.assertNotIn("api-keys", {v["name"] for v in pod_spec(by(docs, "Deployment", "router"))["volumes"]})
+
+    def test_tls_mounts_its_secrets_and_turns_https_and_mutual_tls_on(self):
+        docs = render(sets=["tls.https.secretName=front", "tls.grpc.enabled=true",
+                            "tls.grpc.routerSecretName=router-grpc", "tls.grpc.workerSecretName=worker-grpc"])
+        cfg = yaml.safe_load(by(docs, "ConfigMap", "router")["data"]["router.yaml"])
+        self.assertEqual(cfg["tls"], {"cert": "/etc/tandem-tls/tls.crt", "key": "/etc/tandem-tls/tls.key"})
+        self.assertEqual(cfg["worker_tls"]["ca"], "/etc/tandem-grpc/ca.crt")
+        self.assertEqual(cfg["worker_tls"]["server_name"], "tandem-worker")
+        d = by(docs, "Deployment", "router")
+        vols = {v["name"]: v for v in pod_spec(d)["volumes"]}
+        self.assertEqual(vols["https-tls"]["secret"]["secretName"], "front")
+        self.assertEqual(vols["grpc-tls"]["secret"]["secretName"], "router-grpc")
+        r = container(d, "router")
+        kind, handler = probe_handler(r["readinessProbe"])
+        self.assertEqual((kind, handler.get("scheme")), ("httpGet", "HTTPS"))
+        for pool in ("prefill", "decode"):
+            w = by(docs, "Deployment", pool)
+            args = container(w, "worker")["args"]
+            self.assertIn("--tls-client-ca=/etc/tandem-grpc/ca.crt", args)
+            self.assertTrue(any(a.startswith("--advertise=https://") for a in args), args)
+            self.assertEqual({v["name"]: v for v in pod_spec(w)["volumes"]}["grpc-tls"]["secret"]["secretName"],
+                             "worker-grpc")
+            self.assertNotIn("lifecycle", container(w, "worker"), "no plain-text preStop drain")
+        # Client certificates on the front: the kubelet has none, so the probes only connect.
+        docs = render(sets=["tls.https.secretName=front", "tls.https.requireClientCert=true"])
+        cfg = yaml.safe_load(by(docs, "ConfigMap", "router")["data"]["router.yaml"])
+        self.assertEqual(cfg["tls"]["client_ca"], "/etc/tandem-tls/ca.crt")
+        kind, _ = probe_handler(container(by(docs, "Deployment", "router"), "router")["livenessProbe"])
+        self.assertEqual(kind, "tcpSocket")
+        # Off by default.
+        docs = render()
+        cfg = yaml.safe_load(by(docs, "ConfigMap", "router")["data"]["router.yaml"])
+        self.assertFalse({"tls", "worker_tls"} & set(cfg))
+        args = container(by(docs, "Deployment", "decode"), "worker")["args"]
+        self.assertFalse(any(a.startswith("--tls") for a in args), args)
 
     def test_default_image_is_the_app_version(self):
         docs = render()
@@ -463,6 +509,9 @@ class RenderRefuses(unittest.TestCase):
         with self.assertRaises(RenderError) as caught:
             render(sets=sets)
         self.assertIn(says, str(caught.exception))
+
+    def test_mutual_tls_needs_both_secrets(self):
+        self.refused("tls.grpc.enabled=true", "tls.grpc.routerSecretName=r", says="tls.grpc.workerSecretName")
 
     def test_grace_shorter_than_drain_deadline(self):
         self.refused("decode.terminationGracePeriodSeconds=20", says="must be at least the drain deadline")

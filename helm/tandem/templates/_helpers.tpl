@@ -244,3 +244,20 @@ topologySpreadConstraints:
 {{- end -}}
 {{- end -}}
 {{- end -}}
+
+{{/* The router's probe action for `path`: an HTTP(S) GET, or a TCP connect when clients must
+present a certificate (the kubelet has none). */}}
+{{- define "tandem.routerProbe" -}}
+{{- $https := .root.Values.tls.https -}}
+{{- if and $https.secretName $https.requireClientCert -}}
+tcpSocket:
+  port: http
+{{- else -}}
+httpGet:
+  path: {{ .path }}
+  port: http
+  {{- if $https.secretName }}
+  scheme: HTTPS
+  {{- end }}
+{{- end -}}
+{{- end -}}
