@@ -18,8 +18,13 @@ fn main() {
         .collect();
     let pf: Vec<Packed<f32>> = ws.iter().map(|w| Packed::pack(w, n, k)).collect();
     let pb: Vec<Packed<bf16>> = wb.iter().map(|w| Packed::pack(w, n, k)).collect();
+    // `cargo run --example matmul -- avx2` measures a lower instruction set.
+    let isa = std::env::args()
+        .nth(1)
+        .and_then(|name| tandem_cpu_kernels::Isa::parse(&name))
+        .map_or_else(isa::detected, isa::limit);
     println!(
-        "isa {} features {:?}, {} threads",
+        "isa {isa} (detected {}) features {:?}, {} threads",
         isa::detected(),
         isa::features(),
         rayon::current_num_threads()
@@ -35,8 +40,8 @@ fn main() {
             }
             t.elapsed().as_secs_f64() / (reps * copies) as f64
         };
-        let tf = time(&mut |c| linear_with(isa::detected(), &x, m, &ws[c], n, k, &mut out, false));
-        let tb = time(&mut |c| linear_with(isa::detected(), &x, m, &wb[c], n, k, &mut out, false));
+        let tf = time(&mut |c| linear_with(isa, &x, m, &ws[c], n, k, &mut out, false));
+        let tb = time(&mut |c| linear_with(isa, &x, m, &wb[c], n, k, &mut out, false));
         let tg = time(&mut |c| gemm_alone(&x, m, &ws[c], n, k, &mut out));
         let tpf = time(&mut |c| linear_packed(&x, m, &pf[c], &mut out, false));
         let tpb = time(&mut |c| linear_packed(&x, m, &pb[c], &mut out, false));

@@ -261,6 +261,8 @@ unsafe fn panels_block<W: PackElem>(
             match isa {
                 #[cfg(target_arch = "x86_64")]
                 Isa::Avx512 => avx512::tile(xp, k, wp, op, ldo, rows, np, cols, accumulate),
+                #[cfg(target_arch = "x86_64")]
+                Isa::Avx2 => avx2::tile(xp, k, wp, op, ldo, rows, np, cols, accumulate),
                 _ => portable_tile(xp, k, wp, op, ldo, rows, np, cols, accumulate),
             }
             i += rows;
@@ -297,6 +299,157 @@ unsafe fn portable_tile<W: PackElem>(
         for (c, &a) in acc.iter().enumerate().take(cols) {
             let o = out.add(i * ldo + c);
             *o = if accumulate { *o + a } else { a };
+        }
+    }
+}
+
+/// The broadcast form on AVX2 (16 registers of 8 lanes): a panel's 16 columns are two
+/// vectors, so a tile is up to 6 rows × one panel (12 accumulators, 2 weight vectors, one
+/// broadcast), panel after panel.
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::{PackElem, PANEL};
+    use std::any::TypeId;
+    use std::arch::x86_64::*;
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn load8<W: PackElem>(p: *const W) -> __m256 {
+        if TypeId::of::<W>() == TypeId::of::<f32>() {
+            _mm256_loadu_ps(p as *const f32)
+        } else {
+            let h = _mm_loadu_si128(p as *const __m128i);
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+        }
+    }
+
+    /// # Safety
+    /// AVX2 and FMA present; `x`: `R` rows of `k`; `w`: one panel of `k × 16`; `out`: `R`
+    /// rows of stride `ldo` with `cols ≤ 16` writable columns.
+    #[target_feature(enable = "avx2,fma")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn panel_rows<W: PackElem, const R: usize>(
+        x: *const f32,
+        k: usize,
+        w: *const W,
+        out: *mut f32,
+        ldo: usize,
+        cols: usize,
+        accumulate: bool,
+    ) {
+        let mut lo = [_mm256_setzero_ps(); R];
+        let mut hi = [_mm256_setzero_ps(); R];
+        for t in 0..k {
+            let wl = load8(w.add(t * PANEL));
+            let wh = load8(w.add(t * PANEL + 8));
+            for i in 0..R {
+                let xv = _mm256_set1_ps(*x.add(i * k + t));
+                lo[i] = _mm256_fmadd_ps(xv, wl, lo[i]);
+                hi[i] = _mm256_fmadd_ps(xv, wh, hi[i]);
+            }
+        }
+        for i in 0..R {
+            let o = out.add(i * ldo);
+            if cols >= PANEL {
+                let (l, h) = if accumulate {
+                    (
+                        _mm256_add_ps(lo[i], _mm256_loadu_ps(o)),
+                        _mm256_add_ps(hi[i], _mm256_loadu_ps(o.add(8))),
+                    )
+                } else {
+                    (lo[i], hi[i])
+                };
+                _mm256_storeu_ps(o, l);
+                _mm256_storeu_ps(o.add(8), h);
+            } else {
+                let mut row = [0.0f32; PANEL];
+                _mm256_storeu_ps(row.as_mut_ptr(), lo[i]);
+                _mm256_storeu_ps(row.as_mut_ptr().add(8), hi[i]);
+                for (c, &v) in row.iter().enumerate().take(cols) {
+                    let p = o.add(c);
+                    *p = if accumulate { *p + v } else { v };
+                }
+            }
+        }
+    }
+
+    /// One activation row against `P` panels at once: 2·`P` independent accumulators keep
+    /// the FMA units busy where one panel's two would wait on each other (batch-1 decode).
+    ///
+    /// # Safety
+    /// AVX2 and FMA present; `x`: `k` values; `w`: `P` panels of `k × 16`; `out`: `P` full
+    /// panels' columns writable.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn row_panels<W: PackElem, const P: usize>(
+        x: *const f32,
+        k: usize,
+        w: *const W,
+        out: *mut f32,
+        accumulate: bool,
+    ) {
+        let mut acc = [[_mm256_setzero_ps(); 2]; P];
+        for t in 0..k {
+            let xv = _mm256_set1_ps(*x.add(t));
+            for (q, a) in acc.iter_mut().enumerate() {
+                let p = w.add(q * PANEL * k + t * PANEL);
+                a[0] = _mm256_fmadd_ps(xv, load8(p), a[0]);
+                a[1] = _mm256_fmadd_ps(xv, load8(p.add(8)), a[1]);
+            }
+        }
+        for (q, a) in acc.iter().enumerate() {
+            for (h, &v) in a.iter().enumerate() {
+                let o = out.add(q * PANEL + h * 8);
+                let v = if accumulate {
+                    _mm256_add_ps(v, _mm256_loadu_ps(o))
+                } else {
+                    v
+                };
+                _mm256_storeu_ps(o, v);
+            }
+        }
+    }
+
+    /// # Safety
+    /// As `super::panels_block` for `rows ≤ 6` rows and `np` panels, `cols` valid columns.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn tile<W: PackElem>(
+        x: *const f32,
+        k: usize,
+        w: *const W,
+        out: *mut f32,
+        ldo: usize,
+        rows: usize,
+        np: usize,
+        cols: usize,
+        accumulate: bool,
+    ) {
+        // One row: the full panels together.
+        let full = (cols / PANEL).min(np);
+        let first = if rows == 1 && full > 1 {
+            match full {
+                2 => row_panels::<W, 2>(x, k, w, out, accumulate),
+                3 => row_panels::<W, 3>(x, k, w, out, accumulate),
+                _ => row_panels::<W, 4>(x, k, w, out, accumulate),
+            }
+            full.min(4)
+        } else {
+            0
+        };
+        for q in first..np {
+            let c0 = q * PANEL;
+            if c0 >= cols {
+                break;
+            }
+            let (wq, oq, left) = (w.add(c0 * k), out.add(c0), (cols - c0).min(PANEL));
+            match rows {
+                1 => panel_rows::<W, 1>(x, k, wq, oq, ldo, left, accumulate),
+                2 => panel_rows::<W, 2>(x, k, wq, oq, ldo, left, accumulate),
+                3 => panel_rows::<W, 3>(x, k, wq, oq, ldo, left, accumulate),
+                4 => panel_rows::<W, 4>(x, k, wq, oq, ldo, left, accumulate),
+                5 => panel_rows::<W, 5>(x, k, wq, oq, ldo, left, accumulate),
+                _ => panel_rows::<W, 6>(x, k, wq, oq, ldo, left, accumulate),
+            }
         }
     }
 }
