@@ -13,6 +13,9 @@ pub fn dot<W: WeightElem>(a: &[f32], b: &[W]) -> f32 {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the ISA is supported (checked by `isa::current`), `n` is within both slices.
         Isa::Avx512 => unsafe { x86::dot512(a.as_ptr(), b.as_ptr(), n) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Isa::Avx2 => unsafe { x86::dot256(a.as_ptr(), b.as_ptr(), n) },
         _ => portable_dot(&a[..n], &b[..n]),
     }
 }
@@ -25,6 +28,9 @@ pub fn exp_inplace(x: &mut [f32]) {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the ISA is supported; `x` is exclusively borrowed.
         Isa::Avx512 => unsafe { x86::exp512(x.as_mut_ptr(), x.len()) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Isa::Avx2 => unsafe { x86::exp256(x.as_mut_ptr(), x.len()) },
         _ => x.iter_mut().for_each(|v| *v = v.exp()),
     }
 }
@@ -43,6 +49,11 @@ pub fn weighted_rows<W: WeightElem>(acc: &mut [f32], p: &[f32], v: &[W], stride:
         Isa::Avx512 => unsafe {
             x86::weighted_rows512(acc.as_mut_ptr(), len, p, v.as_ptr(), stride)
         },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Isa::Avx2 => unsafe {
+            x86::weighted_rows256(acc.as_mut_ptr(), len, p, v.as_ptr(), stride)
+        },
         _ => {
             for (j, &pj) in p.iter().enumerate() {
                 for (a, x) in acc.iter_mut().zip(&v[j * stride..j * stride + len]) {
@@ -60,6 +71,9 @@ pub fn sum(x: &[f32]) -> f32 {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the ISA is supported; `x` holds `x.len()` values.
         Isa::Avx512 => unsafe { x86::sum512(x.as_ptr(), x.len()) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Isa::Avx2 => unsafe { x86::sum256(x.as_ptr(), x.len()) },
         _ => {
             let mut acc = [0.0f32; 16];
             let c = x.chunks_exact(16);
@@ -265,14 +279,203 @@ pub(crate) mod x86 {
             d += left;
         }
     }
+
+    /// Eight values of `p` (f32, or bf16 widened) as f32.
+    ///
+    /// # Safety
+    /// `p` holds 8 readable values; AVX2 present.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn load8<W: WeightElem>(p: *const W) -> __m256 {
+        if TypeId::of::<W>() == TypeId::of::<f32>() {
+            _mm256_loadu_ps(p as *const f32)
+        } else {
+            let h = _mm_loadu_si128(p as *const __m128i);
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+        }
+    }
+
+    /// # Safety
+    /// AVX2 present.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn hsum256(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_shuffle_ps::<1>(s, s));
+        _mm_cvtss_f32(s)
+    }
+
+    /// # Safety
+    /// `a` and `b` hold `n` values; AVX2 and FMA present.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn dot256<W: WeightElem>(a: *const f32, b: *const W, n: usize) -> f32 {
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let mut i = 0;
+        while i + 32 <= n {
+            for (q, s) in acc.iter_mut().enumerate() {
+                let at = i + 8 * q;
+                *s = _mm256_fmadd_ps(_mm256_loadu_ps(a.add(at)), load8(b.add(at)), *s);
+            }
+            i += 32;
+        }
+        while i + 8 <= n {
+            acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(a.add(i)), load8(b.add(i)), acc[0]);
+            i += 8;
+        }
+        let v = _mm256_add_ps(
+            _mm256_add_ps(acc[0], acc[1]),
+            _mm256_add_ps(acc[2], acc[3]),
+        );
+        let mut s = hsum256(v);
+        while i < n {
+            s += *a.add(i) * (*b.add(i)).to_f32();
+            i += 1;
+        }
+        s
+    }
+
+    /// [`exp_ps`] on eight lanes.
+    ///
+    /// # Safety
+    /// AVX2 and FMA present.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn exp_ps256(v: __m256) -> __m256 {
+        let c = [
+            1.0f32,
+            std::f32::consts::LN_2,
+            0.240_226_5,
+            0.055_504_11,
+            0.009_618_129,
+            0.001_333_355_8,
+            0.000_154_035_3,
+        ];
+        let lo = _mm256_set1_ps(-126.0);
+        let t = _mm256_mul_ps(v, _mm256_set1_ps(std::f32::consts::LOG2_E));
+        let underflow = _mm256_cmp_ps::<_CMP_LT_OQ>(t, lo);
+        let t = _mm256_min_ps(_mm256_max_ps(t, lo), _mm256_set1_ps(127.0));
+        let nf = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(t);
+        let f = _mm256_sub_ps(t, nf);
+        let mut p = _mm256_set1_ps(c[6]);
+        for &ck in c[..6].iter().rev() {
+            p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(ck));
+        }
+        let e = _mm256_slli_epi32::<23>(_mm256_add_epi32(
+            _mm256_cvtps_epi32(nf),
+            _mm256_set1_epi32(127),
+        ));
+        let r = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+        _mm256_blendv_ps(r, _mm256_setzero_ps(), underflow)
+    }
+
+    /// # Safety
+    /// `x` holds `n` writable values; AVX2 and FMA present.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn exp256(x: *mut f32, n: usize) {
+        let mut i = 0;
+        while i < n {
+            let left = (n - i).min(8);
+            if left == 8 {
+                _mm256_storeu_ps(x.add(i), exp_ps256(_mm256_loadu_ps(x.add(i))));
+            } else {
+                let mut tail = [0.0f32; 8];
+                std::ptr::copy_nonoverlapping(x.add(i), tail.as_mut_ptr(), left);
+                let e = exp_ps256(_mm256_loadu_ps(tail.as_ptr()));
+                _mm256_storeu_ps(tail.as_mut_ptr(), e);
+                std::ptr::copy_nonoverlapping(tail.as_ptr(), x.add(i), left);
+            }
+            i += left;
+        }
+    }
+
+    /// # Safety
+    /// As [`weighted_rows512`], with AVX2 and FMA present.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn weighted_rows256<W: WeightElem>(
+        acc: *mut f32,
+        len: usize,
+        p: &[f32],
+        v: *const W,
+        stride: usize,
+    ) {
+        let mut d = 0;
+        // Up to four vectors of accumulators live in registers across all rows.
+        while d + 8 <= len {
+            let vectors = ((len - d) / 8).min(4);
+            let mut a = [_mm256_setzero_ps(); 4];
+            for (q, r) in a.iter_mut().enumerate().take(vectors) {
+                *r = _mm256_loadu_ps(acc.add(d + 8 * q));
+            }
+            for (j, &pj) in p.iter().enumerate() {
+                let b = _mm256_set1_ps(pj);
+                let row = v.add(j * stride + d);
+                for (q, r) in a.iter_mut().enumerate().take(vectors) {
+                    *r = _mm256_fmadd_ps(b, load8(row.add(8 * q)), *r);
+                }
+            }
+            for (q, r) in a.iter().enumerate().take(vectors) {
+                _mm256_storeu_ps(acc.add(d + 8 * q), *r);
+            }
+            d += 8 * vectors;
+        }
+        for c in d..len {
+            let mut s = *acc.add(c);
+            for (j, &pj) in p.iter().enumerate() {
+                s += pj * (*v.add(j * stride + c)).to_f32();
+            }
+            *acc.add(c) = s;
+        }
+    }
+
+    /// # Safety
+    /// `x` holds `n` values; AVX2 present.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn sum256(x: *const f32, n: usize) -> f32 {
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let mut i = 0;
+        while i + 32 <= n {
+            for (q, s) in acc.iter_mut().enumerate() {
+                *s = _mm256_add_ps(*s, _mm256_loadu_ps(x.add(i + 8 * q)));
+            }
+            i += 32;
+        }
+        let v = _mm256_add_ps(
+            _mm256_add_ps(acc[0], acc[1]),
+            _mm256_add_ps(acc[2], acc[3]),
+        );
+        let mut s = hsum256(v);
+        while i < n {
+            s += *x.add(i);
+            i += 1;
+        }
+        s
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    /// Runs `f` with the kernels limited to each instruction set the CPU has, in turn (each
+    /// test is its own process under nextest; elsewhere the others see the same kernels
+    /// lowered for a while, which are right too).
+    fn each_isa(mut f: impl FnMut(Isa)) {
+        for isa in [Isa::Portable, Isa::Avx2, Isa::Avx512] {
+            if isa <= isa::detected() {
+                isa::limit(isa);
+                f(isa);
+            }
+        }
+        isa::limit(isa::detected());
+    }
+
     #[test]
     fn exp_is_accurate_and_flushes_minus_infinity() {
+        each_isa(exp_case);
+    }
+
+    fn exp_case(isa: Isa) {
         let mut x: Vec<f32> = (-2000..=800).map(|i| i as f32 * 0.05).collect();
         x.push(f32::NEG_INFINITY);
         let input = x.clone();
@@ -283,23 +486,31 @@ mod tests {
             let tol = if v.abs() <= 10.0 { 1e-6 } else { 1e-5 };
             assert!(
                 (a - b).abs() <= tol * b.abs() + 1e-37,
-                "exp({v}): {a} vs {b}"
+                "{isa} exp({v}): {a} vs {b}"
             );
         }
     }
 
     #[test]
     fn sum_adds_every_value() {
+        each_isa(sum_case);
+    }
+
+    fn sum_case(isa: Isa) {
         for n in [0usize, 1, 127, 128, 129, 1000] {
             let x: Vec<f32> = (0..n).map(|i| (i % 7) as f32).collect();
             let want: f32 = x.iter().sum();
-            assert_eq!(sum(&x), want, "n={n}");
+            assert_eq!(sum(&x), want, "{isa} n={n}");
         }
     }
 
     #[test]
     fn weighted_rows_equals_the_loop() {
-        for len in [1usize, 16, 64, 70, 128] {
+        each_isa(weighted_case);
+    }
+
+    fn weighted_case(isa: Isa) {
+        for len in [1usize, 7, 8, 16, 33, 64, 70, 128] {
             let n = 5;
             let stride = len + 3;
             let v: Vec<f32> = (0..n * stride).map(|i| (i as f32 * 0.3).sin()).collect();
@@ -312,21 +523,25 @@ mod tests {
                     + (0..n)
                         .map(|j| p[j] * vb[j * stride + d].to_f32())
                         .sum::<f32>();
-                assert!((acc[d] - want).abs() < 1e-5, "len {len} d {d}");
+                assert!((acc[d] - want).abs() < 1e-5, "{isa} len {len} d {d}");
             }
         }
     }
 
     #[test]
     fn dot_agrees_with_scalar_for_every_length() {
+        each_isa(dot_case);
+    }
+
+    fn dot_case(isa: Isa) {
         for n in [0usize, 1, 15, 16, 17, 31, 32, 33, 64, 100] {
             let a: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
             let b: Vec<f32> = (0..n).map(|i| (i as f32 * 0.11).cos()).collect();
             let bb: Vec<bf16> = b.iter().map(|&v| bf16::from_f32(v)).collect();
             let want: f32 = a.iter().zip(&b).map(|(x, y)| x * y).sum();
             let want_b: f32 = a.iter().zip(&bb).map(|(x, y)| x * y.to_f32()).sum();
-            assert!((dot(&a, &b) - want).abs() < 1e-4, "dot f32 n={n}");
-            assert!((dot(&a, &bb) - want_b).abs() < 1e-4, "dot bf16 n={n}");
+            assert!((dot(&a, &b) - want).abs() < 1e-4, "{isa} dot f32 n={n}");
+            assert!((dot(&a, &bb) - want_b).abs() < 1e-4, "{isa} dot bf16 n={n}");
         }
     }
 }
