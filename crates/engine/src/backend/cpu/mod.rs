@@ -207,6 +207,12 @@ fn rotate_half(x: &mut [f32], cs: &[(f32, f32)]) {
 const MAX_HEAD_DIM: usize = 512;
 
 /// Token-major K/V rows of one layer: `(slot, kv_dim)` for every token of a block table.
+/// Whether weights are packed into panels at load (`TANDEM_CPU_PACKED=0`: not).
+fn packed_weights() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("TANDEM_CPU_PACKED").map_or(true, |v| v != "0"))
+}
+
 impl Backend for CpuBackend {
     type Graphs = ();
     type Storage = CpuStorage;
@@ -250,10 +256,12 @@ impl Backend for CpuBackend {
     }
 
     fn upload_weight(&self, host: &HostTensor) -> T {
-        // Panels pay off from M = 1 on AVX-512 machines (see the kernels' matmul example);
-        // elsewhere the dot kernels on the row-major matrix are the faster path.
+        // Panels pay off from M = 4 on AVX2 and AVX-512 machines and about break even at
+        // M = 1 (see the kernels' matmul example and docs/benchmarks.md); the portable
+        // kernels' dot form is the faster one. `TANDEM_CPU_PACKED=0` keeps row-major weights.
         let packable = host.shape().len() == 2
-            && tandem_cpu_kernels::isa::current() == tandem_cpu_kernels::Isa::Avx512;
+            && tandem_cpu_kernels::isa::current() >= tandem_cpu_kernels::Isa::Avx2
+            && packed_weights();
         if !packable {
             return self.upload(host);
         }
