@@ -160,7 +160,12 @@ pub fn logits(
     let (flat, vocab) = match family(dir)? {
         Family::Llama => {
             let tp = llama_tp(layout)?;
-            device.run(LlamaLogits { dir, ids, dtype, tp })?
+            device.run(LlamaLogits {
+                dir,
+                ids,
+                dtype,
+                tp,
+            })?
         }
         Family::KdaHybrid => run_kda(dir, layout, None, dtype.dtype(), device, KdaLogits(ids))?,
     };

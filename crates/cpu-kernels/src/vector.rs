@@ -51,9 +51,7 @@ pub fn weighted_rows<W: WeightElem>(acc: &mut [f32], p: &[f32], v: &[W], stride:
         },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
-        Isa::Avx2 => unsafe {
-            x86::weighted_rows256(acc.as_mut_ptr(), len, p, v.as_ptr(), stride)
-        },
+        Isa::Avx2 => unsafe { x86::weighted_rows256(acc.as_mut_ptr(), len, p, v.as_ptr(), stride) },
         _ => {
             for (j, &pj) in p.iter().enumerate() {
                 for (a, x) in acc.iter_mut().zip(&v[j * stride..j * stride + len]) {
@@ -323,10 +321,7 @@ pub(crate) mod x86 {
             acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(a.add(i)), load8(b.add(i)), acc[0]);
             i += 8;
         }
-        let v = _mm256_add_ps(
-            _mm256_add_ps(acc[0], acc[1]),
-            _mm256_add_ps(acc[2], acc[3]),
-        );
+        let v = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
         let mut s = hsum256(v);
         while i < n {
             s += *a.add(i) * (*b.add(i)).to_f32();
@@ -440,10 +435,7 @@ pub(crate) mod x86 {
             }
             i += 32;
         }
-        let v = _mm256_add_ps(
-            _mm256_add_ps(acc[0], acc[1]),
-            _mm256_add_ps(acc[2], acc[3]),
-        );
+        let v = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
         let mut s = hsum256(v);
         while i < n {
             s += *x.add(i);

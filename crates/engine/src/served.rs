@@ -8,10 +8,10 @@
 
 use crate::backend::latents::Claim;
 use crate::backend::latents::LatentPool;
+use crate::backend::Ops;
 use crate::batch::ForwardBatch;
 use crate::handoff::Handoff;
 use crate::kv_pool::{BlockAllocation, BlockAllocator, KvLayout};
-use crate::backend::Ops;
 use crate::sampling::{Adjustment, SampleRow};
 use crate::tensor::Tensor;
 use crate::{Error, Result};

@@ -124,7 +124,10 @@ mod tests {
             "eos_token_id": 2, "max_position_embeddings": 8192}))
         .expect("reads");
         assert_eq!(llama.family, Family::Llama);
-        assert_eq!((llama.vocab_size, llama.eos_token_ids.clone()), (Some(49152), vec![2]));
+        assert_eq!(
+            (llama.vocab_size, llama.eos_token_ids.clone()),
+            (Some(49152), vec![2])
+        );
         assert_eq!(llama.context_length(4096, None), 8192);
         assert_eq!(llama.context_length(4096, Some(2048)), 2048);
 
@@ -145,7 +148,10 @@ mod tests {
     #[test]
     fn unknown_families_and_bad_eos_ids_are_refused() {
         let err = ModelCard::from_config(&json!({"model_type": "mamba"})).expect_err("refused");
-        assert!(err.to_string().contains("\"mamba\" is not supported"), "{err}");
+        assert!(
+            err.to_string().contains("\"mamba\" is not supported"),
+            "{err}"
+        );
         let err = ModelCard::from_config(&json!({"eos_token_id": "</s>"})).expect_err("refused");
         assert!(err.to_string().contains("not an id"), "{err}");
         assert_eq!(token_ids(&json!([1, 2])), Some(vec![1, 2]));

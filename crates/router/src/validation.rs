@@ -133,9 +133,8 @@ pub fn prepare_chat(
 /// A request body as `T`. JSON numbers with no fraction (`16.0`) count as integers, as JSON
 /// Schema and Python clients see them, so `"max_tokens": 16.0` is read as 16.
 pub(crate) fn parse_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
-    let mut value: Value = serde_json::from_slice(body).map_err(|err| {
-        ApiError::invalid(format!("malformed JSON in request body: {err}"), None)
-    })?;
+    let mut value: Value = serde_json::from_slice(body)
+        .map_err(|err| ApiError::invalid(format!("malformed JSON in request body: {err}"), None))?;
     integral_floats_as_integers(&mut value);
     serde_json::from_value(value)
         .map_err(|err| ApiError::invalid(format!("invalid request body: {err}"), None))

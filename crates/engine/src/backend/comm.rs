@@ -83,13 +83,17 @@ impl<B: Backend, C: Communicator + Send + Sync> TensorComm<B> for HostStaged<C> 
 
     fn all_reduce_sum(&self, b: &B, t: &mut Tensor<B>, elems: usize) -> Result<()> {
         let mut v = Self::host(b, t, elems, "all_reduce")?;
-        self.0
-            .all_reduce_sum(&mut v[..elems])
-            .map_err(collective)?;
+        self.0.all_reduce_sum(&mut v[..elems]).map_err(collective)?;
         Self::put(b, t, &v[..elems], "all_reduce")
     }
 
-    fn all_gather(&self, b: &B, local: &Tensor<B>, elems: usize, out: &mut Tensor<B>) -> Result<()> {
+    fn all_gather(
+        &self,
+        b: &B,
+        local: &Tensor<B>,
+        elems: usize,
+        out: &mut Tensor<B>,
+    ) -> Result<()> {
         let v = Self::host(b, local, elems, "all_gather")?;
         let all = self.0.all_gather(&v[..elems]).map_err(collective)?;
         Self::put(b, out, &all, "all_gather output")
@@ -111,7 +115,13 @@ impl<B: Backend, C: Communicator + Send + Sync> TensorComm<B> for HostStaged<C> 
         Self::put(b, out, &mine, "reduce_scatter output")
     }
 
-    fn all_to_all(&self, b: &B, send: &Tensor<B>, elems: usize, recv: &mut Tensor<B>) -> Result<()> {
+    fn all_to_all(
+        &self,
+        b: &B,
+        send: &Tensor<B>,
+        elems: usize,
+        recv: &mut Tensor<B>,
+    ) -> Result<()> {
         let size = self.0.size();
         let v = Self::host(b, send, elems * size, "all_to_all")?;
         let chunks = v[..elems * size]
@@ -232,11 +242,12 @@ mod tests {
                         let local = b.upload(&HostTensor::from_f32(&[6], vals).expect("shape"));
                         // Odd ranks stage through the host as a device's ranks do: the
                         // two kinds meet in one group.
-                        let comm: Box<dyn TensorComm<CpuBackend>> = if (r as usize).is_multiple_of(2) {
-                            Box::new(comm)
-                        } else {
-                            Box::new(HostStaged(comm))
-                        };
+                        let comm: Box<dyn TensorComm<CpuBackend>> =
+                            if (r as usize).is_multiple_of(2) {
+                                Box::new(comm)
+                            } else {
+                                Box::new(HostStaged(comm))
+                            };
                         comm.all_reduce_sum(&b, &mut t, 4).expect("all_reduce");
                         let mut gathered = b.zeros(crate::DType::F32, &[6]);
                         comm.all_gather(&b, &local, 2, &mut gathered)

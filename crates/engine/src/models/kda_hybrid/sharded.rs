@@ -138,7 +138,9 @@ impl<B: HybridOps> RankCollectives<B> for RankComm<'_, B> {
         }
         if dp == 1 {
             let mut y = f(x, rows);
-            self.comms.tp.all_reduce_sum(backend, &mut y, rows * hidden)?;
+            self.comms
+                .tp
+                .all_reduce_sum(backend, &mut y, rows * hidden)?;
             return Ok(y);
         }
         // Every rank of a group holds the group's tokens: gather every rank's rows (padded to
@@ -165,7 +167,9 @@ impl<B: HybridOps> RankCollectives<B> for RankComm<'_, B> {
             at += n;
         }
         let mut y = f(&all, total);
-        self.comms.tp.all_reduce_sum(backend, &mut y, total * hidden)?;
+        self.comms
+            .tp
+            .all_reduce_sum(backend, &mut y, total * hidden)?;
         let mut out = backend.zeros(DType::F32, &[rows.max(1), hidden]);
         copy_rows(backend, &y, own, &mut out, 0, rows, hidden);
         Ok(out)

@@ -523,7 +523,13 @@ impl<B: Ops> ServedModel for LlamaServed<B> {
 
     fn score(&mut self, first: usize, targets: &[(u32, u32)]) -> Result<Vec<TokenLogprobs>> {
         let (backend, vocab) = (self.ranks.backend(), self.info.vocab_size);
-        Ok(score_logits(backend, self.ranks.logits(), vocab, first, targets))
+        Ok(score_logits(
+            backend,
+            self.ranks.logits(),
+            vocab,
+            first,
+            targets,
+        ))
     }
 
     fn export(&mut self, r: &Reservation, prompt_len: usize) -> Result<Handoff> {

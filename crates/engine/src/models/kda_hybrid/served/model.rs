@@ -181,8 +181,10 @@ impl<B: HybridOps> KdaModel<B> {
                 }
                 let groups =
                     out.map_err(|e| Error::InvalidRequest(format!("sharded step failed: {e}")))?;
-                let group_rows: Vec<Vec<Option<usize>>> =
-                    groups.iter().map(|l| rows_of(&l.counts).collect()).collect();
+                let group_rows: Vec<Vec<Option<usize>>> = groups
+                    .iter()
+                    .map(|l| rows_of(&l.counts).collect())
+                    .collect();
                 let rows = place
                     .iter()
                     .map(|&(g, i)| group_rows[g][i].map(|r| (g, r)))
