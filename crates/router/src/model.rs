@@ -1,11 +1,13 @@
 //! What the router needs from a Hugging Face model directory: the tokenizer, the chat template,
-//! special tokens, the context length and the EOS ids. Weights are never read here.
+//! special tokens, the context length and the EOS ids (`config.json` fields read as
+//! `tandem_model::card` reads them). Weights are never read here.
 
 use crate::chat_template::ChatTemplate;
 use crate::error::{Error, Result};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use tandem_model::card::{field, token_ids};
 use tokenizers::Tokenizer;
 
 /// Which model the router serves and where its files are.
@@ -145,7 +147,7 @@ impl ModelAssets {
 
         let max_position_embeddings = config
             .as_ref()
-            .and_then(|c| config_field(c, "max_position_embeddings"))
+            .and_then(|c| field(c, "max_position_embeddings"))
             .and_then(Value::as_u64);
         let model_max_length = tokenizer_config
             .as_ref()
@@ -167,10 +169,7 @@ impl ModelAssets {
             .map_err(|_| model_error(format!("context length {context_length} is too large")))?;
 
         let mut eos_token_ids = Vec::new();
-        if let Some(value) = config
-            .as_ref()
-            .and_then(|c| config_field(c, "eos_token_id"))
-        {
+        if let Some(value) = config.as_ref().and_then(|c| field(c, "eos_token_id")) {
             eos_token_ids = token_ids(value).ok_or_else(|| {
                 model_error(format!(
                     "config.json eos_token_id {value} is not an id or a list of ids"
@@ -292,12 +291,6 @@ fn read_json_if_exists(path: &Path) -> Result<Option<Value>> {
 
 /// A field of `config.json`, looked up at the top level, then in `text_config` (multimodal
 /// checkpoints nest the language model's settings there).
-fn config_field<'a>(config: &'a Value, key: &str) -> Option<&'a Value> {
-    config
-        .get(key)
-        .filter(|v| !v.is_null())
-        .or_else(|| config.get("text_config")?.get(key).filter(|v| !v.is_null()))
-}
 
 /// `"<s>"` or `{"content": "<s>", ...}` (a serialized `AddedToken`).
 fn token_text(value: &Value) -> Option<String> {
@@ -327,15 +320,6 @@ fn named_template<'a>(config: &'a Value, name: &str) -> Option<&'a str> {
         .iter()
         .find(|t| t["name"].as_str() == Some(name))
         .and_then(|t| t["template"].as_str())
-}
-
-/// An id or a list of ids.
-fn token_ids(value: &Value) -> Option<Vec<u32>> {
-    let one = |v: &Value| v.as_u64().and_then(|id| u32::try_from(id).ok());
-    match value {
-        Value::Array(items) => items.iter().map(one).collect(),
-        other => one(other).map(|id| vec![id]),
-    }
 }
 
 #[cfg(test)]
