@@ -289,9 +289,6 @@ fn read_json_if_exists(path: &Path) -> Result<Option<Value>> {
         })
 }
 
-/// A field of `config.json`, looked up at the top level, then in `text_config` (multimodal
-/// checkpoints nest the language model's settings there).
-
 /// `"<s>"` or `{"content": "<s>", ...}` (a serialized `AddedToken`).
 fn token_text(value: &Value) -> Option<String> {
     match value {
