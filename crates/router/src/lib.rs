@@ -17,6 +17,8 @@
 
 /// Rate limits and the priority queue in front of the generator.
 pub mod admission;
+/// One attempt of a request on its workers.
+mod attempt;
 /// API keys on the HTTP routes.
 pub mod auth;
 /// Compiling and rendering Hugging Face chat templates.
@@ -37,8 +39,6 @@ pub mod generator;
 pub mod inflight;
 /// Process wiring: config → workers → app; `/ready` and `/admin/workers`.
 pub mod launch;
-/// One attempt of a request on its workers.
-mod legs;
 /// Prometheus metrics in a router-owned registry; per-request recording.
 pub mod metrics;
 /// Tokenizer, chat template, context length and EOS ids loaded from a model directory.

@@ -5,10 +5,10 @@
 //! the caller are retried on another pair, with backoff, within a budget; dropping the
 //! returned stream cancels the decode leg, which frees its KV.
 
+use crate::attempt::{try_aggregated, try_pair, Budget, Leg};
 use crate::generator::{
     ChoicesFuture, GenerateError, GenerateFuture, Generator, TokenStream, ValidGenerateRequest,
 };
-use crate::legs::{try_aggregated, try_pair, Budget, Leg};
 pub use crate::workers::{classify_status, Pools, WorkerHandle};
 use crate::workers::{Outcome, LOAD_RELEASED, WORKERS_CHANGED};
 use futures::StreamExt;

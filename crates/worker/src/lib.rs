@@ -6,8 +6,8 @@
 
 /// Admission and draining: what is in flight, and when the worker may exit.
 mod drain;
-/// The engines a worker serves (Llama, KDA hybrid) behind one surface.
-pub mod engines;
+/// The engine a worker serves (any model family) behind the few questions the service asks.
+pub mod engine;
 /// The KV handoff message format (header, checksum, body).
 pub mod handoff;
 mod push;
@@ -18,7 +18,7 @@ pub mod service;
 /// Mutual TLS on the gRPC port and the roles each call takes.
 pub mod tls;
 
-pub use engines::WorkerEngine;
+pub use engine::WorkerEngine;
 pub use service::{serve, serve_registered, LandingMode, Role, WorkerOptions};
 pub use tls::GrpcTls;
 

@@ -28,8 +28,8 @@ use std::convert::Infallible;
 use std::sync::Arc;
 use tandem_core::{FinishReason, RequestId, TokenLogprobs};
 
-mod shape;
-use shape::{json_event, Shape};
+mod response;
+use response::{json_event, Shape};
 
 /// `POST /v1/chat/completions`
 pub(crate) async fn chat_completions(

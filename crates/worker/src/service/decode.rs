@@ -9,7 +9,7 @@ impl Shared {
         self: Arc<Self>,
         prompt: Vec<u32>,
         choices: Vec<SamplingParams>,
-        reservations: Vec<crate::engines::Reservation>,
+        reservations: Vec<crate::engine::Reservation>,
         mut pending: crate::reservations::Pending,
         tx: &mpsc::Sender<std::result::Result<pb::DecodeEvent, Status>>,
     ) -> Result<()> {
@@ -86,7 +86,7 @@ impl Shared {
     /// caller gone away counts as a cancellation, a choice that fails ends them all.
     pub(super) async fn forward_tokens<M>(
         &self,
-        events: Vec<crate::engines::TokenEvents>,
+        events: Vec<crate::engine::TokenEvents>,
         tx: &mpsc::Sender<std::result::Result<M, Status>>,
         wrap: impl Fn(pb::TokenEvent) -> M,
     ) -> Result<()> {
@@ -109,7 +109,7 @@ impl Shared {
             let Some((choice, event)) = next else {
                 return Ok(());
             };
-            let crate::engines::Token {
+            let crate::engine::Token {
                 token_id,
                 finish,
                 logprobs,

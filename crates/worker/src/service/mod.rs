@@ -7,7 +7,7 @@ mod decode;
 /// The prefill leg.
 mod prefill;
 
-use crate::engines::WorkerEngine;
+use crate::engine::WorkerEngine;
 use crate::handoff;
 pub use crate::push::LandingMode;
 use crate::push::{landing_to_pb, Outgoing};

@@ -37,7 +37,7 @@ impl Shared {
         }
         let prompt_len = prompt.len();
         let computing = self.engine.prefill(prompt, choices);
-        let crate::engines::Prefilled {
+        let crate::engine::Prefilled {
             first_token,
             finish,
             logprobs,
