@@ -21,9 +21,9 @@ pub mod admission;
 mod attempt;
 /// API keys on the HTTP routes.
 pub mod auth;
-/// Compiling and rendering Hugging Face chat templates.
 /// Per-worker circuit breakers.
 pub mod breaker;
+/// Compiling and rendering Hugging Face chat templates.
 pub mod chat_template;
 /// The `/v1/chat/completions` and `/v1/completions` handlers and their answer shapes.
 mod completions;
