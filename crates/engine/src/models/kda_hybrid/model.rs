@@ -465,11 +465,18 @@ impl<B: HybridOps> KdaHybridModel<B> {
         all_logits: bool,
     ) -> Vec<f32> {
         let mut trace = None;
-        self.run(&[ids], &mut [state], form, all_logits, &mut trace, None)
-            .expect("a single rank runs no collectives, so nothing can fail")
-            .to_host(&self.backend, self.config.vocab_size)
-            .pop()
-            .unwrap_or_default()
+        self.run(
+            &[ids],
+            &mut [state],
+            form,
+            LogitRows::every_or_last(all_logits),
+            &mut trace,
+            None,
+        )
+        .expect("a single rank runs no collectives, so nothing can fail")
+        .to_host(&self.backend, self.config.vocab_size)
+        .pop()
+        .unwrap_or_default()
     }
 
     /// Consumes `ids[i]` into `states[i]` for several sequences in one pass (their tokens
@@ -484,23 +491,25 @@ impl<B: HybridOps> KdaHybridModel<B> {
         states: &mut [&mut KdaHybridState<B>],
         form: KdaForm,
     ) -> Vec<Vec<f32>> {
-        self.extend_batch_logits(ids, states, form)
+        self.extend_batch_logits(ids, states, form, None)
             .to_host(&self.backend, self.config.vocab_size)
     }
 
     /// [`KdaHybridModel::extend_batch`] with the logits left on the model's backend: a row
-    /// per sequence given tokens.
+    /// per sequence given tokens (with `wants`, only for those whose `wants[i]`).
     ///
     /// # Panics
-    /// As [`KdaHybridModel::extend_batch`].
+    /// As [`KdaHybridModel::extend_batch`], and if `wants` is shorter than `ids`.
     pub fn extend_batch_logits(
         &self,
         ids: &[&[u32]],
         states: &mut [&mut KdaHybridState<B>],
         form: KdaForm,
+        wants: Option<&[bool]>,
     ) -> StepLogits<B> {
         let mut trace = None;
-        self.run(ids, states, form, false, &mut trace, None)
+        let rows = wants.map_or(LogitRows::Last, LogitRows::LastOf);
+        self.run(ids, states, form, rows, &mut trace, None)
             .expect("a single rank runs no collectives, so nothing can fail")
     }
 
@@ -513,7 +522,7 @@ impl<B: HybridOps> KdaHybridModel<B> {
             &[ids],
             &mut [&mut state],
             KdaForm::Chunked,
-            false,
+            LogitRows::Last,
             &mut trace,
             None,
         )
@@ -524,14 +533,14 @@ impl<B: HybridOps> KdaHybridModel<B> {
     /// The forward pass over a batch of sequences (`ids[i]` continues `states[i]`), their
     /// tokens flattened into one set of rows; `comm` is `Some` on a rank of a sharded layout.
     /// With `comm`, the batch may be empty (an attention-DP group with nothing to do still
-    /// joins the FFN collectives). Returns the logits of every new position (`all_logits`)
-    /// or of each sequence's last one, on the model's backend.
+    /// joins the FFN collectives). Returns the logits of the positions `logit_rows` asks for, on the
+    /// model's backend.
     pub(crate) fn run(
         &self,
         ids: &[&[u32]],
         states: &mut [&mut KdaHybridState<B>],
         form: KdaForm,
-        all_logits: bool,
+        logit_rows: LogitRows<'_>,
         trace: &mut Option<Vec<Vec<f32>>>,
         comm: Option<&dyn RankCollectives<B>>,
     ) -> Result<StepLogits<B>> {
@@ -628,13 +637,24 @@ impl<B: HybridOps> KdaHybridModel<B> {
         let mut picks = Vec::new();
         let mut counts = Vec::with_capacity(segments.len());
         let mut end = 0;
-        for &n in &segments {
+        for (i, &n) in segments.iter().enumerate() {
             end += n;
-            let take = if all_logits { n } else { n.min(1) };
+            let take = match logit_rows {
+                LogitRows::Every => n,
+                LogitRows::Last => n.min(1),
+                LogitRows::LastOf(wants) => usize::from(wants[i] && n > 0),
+            };
             picks.push((end - take, take));
             counts.push(take);
         }
         let n: usize = counts.iter().sum();
+        if n == 0 {
+            // Nothing samples this step (prompt chunks before their last).
+            return Ok(StepLogits {
+                tensor: None,
+                counts,
+            });
+        }
         let mut picked = b.zeros(DType::F32, &[n, hidden]);
         let mut at = 0;
         for (from, take) in picks {
@@ -666,6 +686,29 @@ impl<B: HybridOps> KdaHybridModel<B> {
             tensor: Some(logits),
             counts,
         })
+    }
+}
+
+/// Which positions of a step get logits.
+#[derive(Clone, Copy, Debug)]
+pub enum LogitRows<'a> {
+    /// Every new position (scoring a whole prompt).
+    Every,
+    /// Each sequence's last one.
+    Last,
+    /// The last one of each sequence `i` whose `wants[i]` (the rest sample nothing: a prompt
+    /// chunk before the last).
+    LastOf(&'a [bool]),
+}
+
+impl LogitRows<'_> {
+    /// `Every` when `all`, else `Last`.
+    pub fn every_or_last(all: bool) -> Self {
+        if all {
+            Self::Every
+        } else {
+            Self::Last
+        }
     }
 }
 

@@ -19,7 +19,9 @@
 use super::config::{FfnKind, KdaHybridConfig};
 use super::kda::KdaForm;
 use super::loading::{LoadOptions, RankShard};
-use super::model::{open_checkpoint, KdaHybridModel, KdaHybridState, RankCollectives, StepLogits};
+use super::model::{
+    open_checkpoint, KdaHybridModel, KdaHybridState, LogitRows, RankCollectives, StepLogits,
+};
 use crate::backend::hybrid::{At, HybridOps};
 use crate::backend::{CpuBackend, TensorComm};
 use crate::tensor::{DType, Tensor};
@@ -368,7 +370,7 @@ impl<B: HybridOps> ShardedKdaHybrid<B> {
         let a = self.layout.attn_tp();
         let vocab = self.ranks[0].config().vocab_size;
         Ok(self
-            .extend_batch_logits(ids, states, form, all_logits)?
+            .extend_batch_logits(ids, states, form, all_logits, None)?
             .iter()
             .enumerate()
             .map(|(g, l)| l.to_host(self.ranks[g * a].backend(), vocab))
@@ -376,13 +378,15 @@ impl<B: HybridOps> ShardedKdaHybrid<B> {
     }
 
     /// [`ShardedKdaHybrid::extend_batch`] with each group's logits left where its
-    /// attention-TP rank 0 computed them (that rank's backend).
+    /// attention-TP rank 0 computed them (that rank's backend); with `wants`, only the last
+    /// position of each sequence `i` of group `g` whose `wants[g][i]`.
     pub fn extend_batch_logits(
         &self,
         ids: &[Vec<Vec<u32>>],
         states: &mut [Vec<KdaHybridState<B>>],
         form: KdaForm,
         all_logits: bool,
+        wants: Option<&[Vec<bool>]>,
     ) -> ShardResult<Vec<StepLogits<B>>> {
         let (dp, a) = (self.layout.dp(), self.layout.attn_tp());
         self.check_counts(ids.len(), states.len())?;
@@ -395,6 +399,13 @@ impl<B: HybridOps> ShardedKdaHybrid<B> {
                     st.len(),
                     ids[g].len()
                 )));
+            }
+        }
+        if let Some(w) = wants {
+            if w.len() != ids.len() || w.iter().zip(ids).any(|(w, s)| w.len() != s.len()) {
+                return Err(ShardError::Mismatch(
+                    "logits wishes do not match the groups' sequences".into(),
+                ));
             }
         }
         // Every rank has the same vocabulary; check each sequence once.
@@ -416,10 +427,12 @@ impl<B: HybridOps> ShardedKdaHybrid<B> {
                 .zip(states.iter_mut())
                 .zip(&self.groups)
                 .map(|((model, state), groups)| {
-                    let group_ids: Vec<&[u32]> = ids[groups.position.attn_dp_rank]
-                        .iter()
-                        .map(Vec::as_slice)
-                        .collect();
+                    let g = groups.position.attn_dp_rank;
+                    let group_ids: Vec<&[u32]> = ids[g].iter().map(Vec::as_slice).collect();
+                    let rows = match wants {
+                        Some(w) => LogitRows::LastOf(&w[g]),
+                        None => LogitRows::every_or_last(all_logits),
+                    };
                     let comm = RankComm {
                         layout: self.layout,
                         comms: groups,
@@ -431,14 +444,7 @@ impl<B: HybridOps> ShardedKdaHybrid<B> {
                         .spawn_scoped(scope, move || {
                             let mut trace = None;
                             let mut refs: Vec<&mut KdaHybridState<B>> = state.iter_mut().collect();
-                            model.run(
-                                &group_ids,
-                                &mut refs,
-                                form,
-                                all_logits,
-                                &mut trace,
-                                Some(&comm),
-                            )
+                            model.run(&group_ids, &mut refs, form, rows, &mut trace, Some(&comm))
                         })
                 })
                 .collect();

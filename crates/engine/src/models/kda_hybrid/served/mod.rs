@@ -210,7 +210,8 @@ impl<B: HybridOps> ServedModel for KdaServed<B> {
             }
             wants.push(copies);
         }
-        let out = self.model.step(&mut work);
+        let sampled: Vec<bool> = wants.iter().map(|&copies| copies > 0).collect();
+        let out = self.model.step(&mut work, &sampled);
         // The states go back to their slots whatever the outcome.
         for (s, (_, _, states)) in batch.seqs.iter().zip(work) {
             if let Some(slot) = s.state {
@@ -381,7 +382,7 @@ mod tests {
         let layout = Layout::new(2, 1, 1).expect("tp2");
         let model = KdaModel::load(&dir, layout, None).expect("load tp2");
         let mut work = vec![(0, vec![5u32, 9, 33, 7, 120, 64, 3], model.group_states())];
-        model.step(&mut work).expect("prefill");
+        model.step(&mut work, &[true]).expect("prefill");
         let states = &work[0].2;
         let h = encode_group(
             &model.group_backends(0),
@@ -432,6 +433,47 @@ mod tests {
         );
     }
 
+    /// A step computes logits only for the sequences that sample (a prompt chunk before the
+    /// last samples nothing), on one rank and on a tp2 × dp2 layout, and the rows it does
+    /// compute equal those of a step that wants every row.
+    #[test]
+    fn logits_are_computed_only_where_a_sequence_samples() {
+        let dir = tandem_testkit::shared_dir().join("reference/kimi_tiny");
+        for (tp, dp) in [(1, 1), (2, 2)] {
+            let model =
+                KdaModel::load(&dir, Layout::new(tp, dp, 1).expect("layout"), None).expect("load");
+            let vocab = model.config().vocab_size;
+            let work = |g: usize| {
+                vec![
+                    (0, vec![5u32, 9, 33], model.group_states()),
+                    (g, vec![7u32, 120, 64, 3], model.group_states()),
+                ]
+            };
+            let g = dp - 1;
+            let mut every = work(g);
+            let all = model.step(&mut every, &[true, true]).expect("step");
+            let mut some = work(g);
+            let out = model.step(&mut some, &[false, true]).expect("step");
+            assert_eq!(out.rows, vec![None, Some((g, 0))], "tp{tp} dp{dp}");
+            let rows: usize = out
+                .groups
+                .iter()
+                .map(|l| l.counts.iter().sum::<usize>())
+                .sum();
+            assert_eq!(rows, 1, "one row computed");
+            let (ag, ar) = all.rows[1].expect("row");
+            let want = all.groups[ag].to_host(&model.group_backends(ag)[0], vocab);
+            let got = out.groups[g].to_host(&model.group_backends(g)[0], vocab);
+            let want_row =
+                &want.iter().flatten().copied().collect::<Vec<f32>>()[ar * vocab..(ar + 1) * vocab];
+            assert_eq!(got.concat(), want_row, "tp{tp} dp{dp}: the same logits");
+            assert!(
+                model.step(&mut work(g), &[true]).is_err(),
+                "a wish per item"
+            );
+        }
+    }
+
     /// The handoff size the model states (what a decode worker sizes its landing slot by)
     /// is exactly the body an actual handoff carries, for both tiny models on one rank and
     /// on two, and its manifest fits the stated segment count.
@@ -444,7 +486,7 @@ mod tests {
                 let model = KdaModel::load(&dir, layout, None).expect("load");
                 let prompt = vec![5u32, 9, 33, 7, 120, 64, 3, 11, 2];
                 let mut work = vec![(0, prompt.clone(), model.group_states())];
-                model.step(&mut work).expect("prefill");
+                model.step(&mut work, &[true]).expect("prefill");
                 let h = encode_group(
                     &model.group_backends(0),
                     layout,

@@ -140,9 +140,16 @@ impl<B: HybridOps> KdaModel<B> {
     /// is `(group, ids, that request's states on the group's ranks)`. A group's requests share
     /// its GEMMs; a group with no request still joins the step's collectives. Returns each
     /// group's logits where its attention-TP rank 0 left them (a row per work item given
-    /// tokens) and where each work item's row is: `(group, row)`, `None` for an item given
-    /// no tokens.
-    pub(crate) fn step(&self, work: &mut [WorkItem<B>]) -> Result<GroupLogits<B>> {
+    /// tokens whose `wants[i]`: the others sample nothing) and where each work item's row is:
+    /// `(group, row)`, `None` for an item without one.
+    pub(crate) fn step(&self, work: &mut [WorkItem<B>], wants: &[bool]) -> Result<GroupLogits<B>> {
+        if wants.len() != work.len() {
+            return Err(Error::InvalidRequest(format!(
+                "{} logits wishes for {} work items",
+                wants.len(),
+                work.len()
+            )));
+        }
         // Decodes run the recurrent form, prompt chunks the chunked one, in the same step.
         let form = KdaForm::Auto;
         match self {
@@ -151,7 +158,7 @@ impl<B: HybridOps> KdaModel<B> {
                     .iter_mut()
                     .map(|(_, ids, st)| (ids.as_slice(), &mut st[0]))
                     .unzip();
-                let logits = m.extend_batch_logits(&ids, &mut states, form);
+                let logits = m.extend_batch_logits(&ids, &mut states, form, Some(wants));
                 let rows = rows_of(&logits.counts).map(|r| r.map(|r| (0, r))).collect();
                 Ok(GroupLogits {
                     groups: vec![logits],
@@ -165,14 +172,16 @@ impl<B: HybridOps> KdaModel<B> {
                     (0..s.layout().tp()).map(|_| Vec::new()).collect();
                 // Where each work item sits: (group, index within the group's batch).
                 let mut place = Vec::with_capacity(work.len());
-                for (g, group_ids, st) in work.iter_mut() {
+                let mut group_wants: Vec<Vec<bool>> = vec![Vec::new(); dp];
+                for ((g, group_ids, st), &want) in work.iter_mut().zip(wants) {
                     place.push((*g, ids[*g].len()));
+                    group_wants[*g].push(want);
                     ids[*g].push(std::mem::take(group_ids));
                     for (k, state) in st.iter_mut().enumerate() {
                         states[*g * a + k].push(std::mem::take(state));
                     }
                 }
-                let out = s.extend_batch_logits(&ids, &mut states, form, false);
+                let out = s.extend_batch_logits(&ids, &mut states, form, false, Some(&group_wants));
                 // The states go back to their requests whatever the outcome.
                 for (&(g, i), (_, _, st)) in place.iter().zip(work.iter_mut()) {
                     for (k, state) in st.iter_mut().enumerate() {
