@@ -444,14 +444,18 @@ mod avx512 {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod avx2 {
+pub(crate) mod avx2 {
     use super::WeightElem;
     use std::any::TypeId;
     use std::arch::x86_64::*;
 
+    /// Eight values of `p` (f32, or bf16 widened) as f32.
+    ///
+    /// # Safety
+    /// `p` holds 8 readable values; AVX2 present.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn load8<W: WeightElem>(p: *const W) -> __m256 {
+    pub(crate) unsafe fn load8<W: WeightElem>(p: *const W) -> __m256 {
         if TypeId::of::<W>() == TypeId::of::<f32>() {
             _mm256_loadu_ps(p as *const f32)
         } else {
@@ -460,9 +464,13 @@ mod avx2 {
         }
     }
 
+    /// The sum of the eight lanes.
+    ///
+    /// # Safety
+    /// AVX2 present.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn hsum(v: __m256) -> f32 {
+    pub(crate) unsafe fn hsum(v: __m256) -> f32 {
         let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
         let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
         let s = _mm_add_ss(s, _mm_shuffle_ps::<1>(s, s));

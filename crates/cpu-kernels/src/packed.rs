@@ -309,19 +309,8 @@ unsafe fn portable_tile<W: PackElem>(
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use super::{PackElem, PANEL};
-    use std::any::TypeId;
+    use crate::matmul::avx2::load8;
     use std::arch::x86_64::*;
-
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn load8<W: PackElem>(p: *const W) -> __m256 {
-        if TypeId::of::<W>() == TypeId::of::<f32>() {
-            _mm256_loadu_ps(p as *const f32)
-        } else {
-            let h = _mm_loadu_si128(p as *const __m128i);
-            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
-        }
-    }
 
     /// # Safety
     /// AVX2 and FMA present; `x`: `R` rows of `k`; `w`: one panel of `k × 16`; `out`: `R`

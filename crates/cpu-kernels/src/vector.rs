@@ -119,6 +119,7 @@ fn portable_dot<W: WeightElem>(a: &[f32], b: &[W]) -> f32 {
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod x86 {
+    use crate::matmul::avx2::{hsum, load8};
     use crate::matmul::WeightElem;
     use std::any::TypeId;
     use std::arch::x86_64::*;
@@ -189,6 +190,17 @@ pub(crate) mod x86 {
 
     /// `e^v` lane by lane (see [`super::exp_inplace`]); `-inf` gives 0.
     ///
+    /// 2^f on [-0.5, 0.5]: minimax-style coefficients of ln(2)^k / k!, lowest first.
+    const EXP2_POLY: [f32; 7] = [
+        1.0,
+        std::f32::consts::LN_2,
+        0.240_226_5,
+        0.055_504_11,
+        0.009_618_129,
+        0.001_333_355_8,
+        0.000_154_035_3,
+    ];
+
     /// # Safety
     /// AVX-512 F present.
     #[inline]
@@ -197,16 +209,7 @@ pub(crate) mod x86 {
         let log2e = _mm512_set1_ps(std::f32::consts::LOG2_E);
         let lo = _mm512_set1_ps(-126.0);
         let hi = _mm512_set1_ps(127.0);
-        // 2^f on [-0.5, 0.5], minimax-style coefficients of ln(2)^k / k!.
-        let c = [
-            1.0f32,
-            std::f32::consts::LN_2,
-            0.240_226_5,
-            0.055_504_11,
-            0.009_618_129,
-            0.001_333_355_8,
-            0.000_154_035_3,
-        ];
+        let c = EXP2_POLY;
         let t = _mm512_mul_ps(v, log2e);
         // -inf (masked-out scores) and tiny values clamp to 2^-126 · 2^f, then flush to 0.
         let underflow = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(t, lo);
@@ -278,32 +281,6 @@ pub(crate) mod x86 {
         }
     }
 
-    /// Eight values of `p` (f32, or bf16 widened) as f32.
-    ///
-    /// # Safety
-    /// `p` holds 8 readable values; AVX2 present.
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn load8<W: WeightElem>(p: *const W) -> __m256 {
-        if TypeId::of::<W>() == TypeId::of::<f32>() {
-            _mm256_loadu_ps(p as *const f32)
-        } else {
-            let h = _mm_loadu_si128(p as *const __m128i);
-            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
-        }
-    }
-
-    /// # Safety
-    /// AVX2 present.
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn hsum256(v: __m256) -> f32 {
-        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        let s = _mm_add_ss(s, _mm_shuffle_ps::<1>(s, s));
-        _mm_cvtss_f32(s)
-    }
-
     /// # Safety
     /// `a` and `b` hold `n` values; AVX2 and FMA present.
     #[target_feature(enable = "avx2,fma")]
@@ -322,7 +299,7 @@ pub(crate) mod x86 {
             i += 8;
         }
         let v = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
-        let mut s = hsum256(v);
+        let mut s = hsum(v);
         while i < n {
             s += *a.add(i) * (*b.add(i)).to_f32();
             i += 1;
@@ -337,15 +314,7 @@ pub(crate) mod x86 {
     #[inline]
     #[target_feature(enable = "avx2,fma")]
     unsafe fn exp_ps256(v: __m256) -> __m256 {
-        let c = [
-            1.0f32,
-            std::f32::consts::LN_2,
-            0.240_226_5,
-            0.055_504_11,
-            0.009_618_129,
-            0.001_333_355_8,
-            0.000_154_035_3,
-        ];
+        let c = EXP2_POLY;
         let lo = _mm256_set1_ps(-126.0);
         let t = _mm256_mul_ps(v, _mm256_set1_ps(std::f32::consts::LOG2_E));
         let underflow = _mm256_cmp_ps::<_CMP_LT_OQ>(t, lo);
@@ -436,7 +405,7 @@ pub(crate) mod x86 {
             i += 32;
         }
         let v = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
-        let mut s = hsum256(v);
+        let mut s = hsum(v);
         while i < n {
             s += *x.add(i);
             i += 1;

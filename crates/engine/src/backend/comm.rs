@@ -63,10 +63,15 @@ impl<C: Communicator> HostStaged<C> {
         Ok(v)
     }
 
-    /// Writes `values` over the first values of `t`.
+    /// Writes `values` over the first values of `t` (the rest read back to keep them).
     fn put<B: Backend>(b: &B, t: &mut Tensor<B>, values: &[f32], what: &str) -> Result<()> {
         let mut all = Self::host(b, t, values.len(), what)?;
         all[..values.len()].copy_from_slice(values);
+        Self::write(b, t, all)
+    }
+
+    /// Writes all of `t`'s values.
+    fn write<B: Backend>(b: &B, t: &mut Tensor<B>, all: Vec<f32>) -> Result<()> {
         let host = crate::tensor::HostTensor::from_f32(t.shape(), all)?;
         b.overwrite(t, &host)
     }
@@ -84,7 +89,8 @@ impl<B: Backend, C: Communicator + Send + Sync> TensorComm<B> for HostStaged<C> 
     fn all_reduce_sum(&self, b: &B, t: &mut Tensor<B>, elems: usize) -> Result<()> {
         let mut v = Self::host(b, t, elems, "all_reduce")?;
         self.0.all_reduce_sum(&mut v[..elems]).map_err(collective)?;
-        Self::put(b, t, &v[..elems], "all_reduce")
+        // `v` holds the whole tensor already: no second read.
+        Self::write(b, t, v)
     }
 
     fn all_gather(
