@@ -18,6 +18,13 @@ pub trait TensorComm<B: Backend>: Send + Sync {
     fn rank(&self) -> usize;
     /// Ranks in the group.
     fn size(&self) -> usize;
+    /// Whether its collectives may be recorded into a step a backend replays (a CUDA graph):
+    /// true only for one that works on device memory on the step's stream. One that reads
+    /// tensors to the host (as [`HostStaged`] does) is not: a recorded copy would replay into
+    /// a host buffer long freed, so a step with it runs eagerly.
+    fn replayable(&self) -> bool {
+        false
+    }
     /// Replaces the first `elems` f32 values of `t` on every rank with their sum over ranks.
     fn all_reduce_sum(&self, backend: &B, t: &mut Tensor<B>, elems: usize) -> Result<()>;
     /// Writes every rank's first `elems` f32 values of `local`, in rank order, into the first

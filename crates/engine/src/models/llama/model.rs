@@ -230,6 +230,12 @@ impl<B: Ops> LlamaModel<B> {
         Self::load_shard(dir, backend, dtype, TpShard::WHOLE, None)
     }
 
+    /// Whether a step of this rank may be recorded and replayed (see
+    /// [`TensorComm::replayable`]): always alone, with a communicator only if it allows.
+    pub fn replayable(&self) -> bool {
+        self.comm.as_ref().is_none_or(|c| c.replayable())
+    }
+
     /// Loads tensor-parallel shard `shard` of a checkpoint; `comm` joins it to the other
     /// ranks (required when `shard.size > 1`): each layer's o_proj and down_proj partial sums
     /// are all-reduced, so every rank ends a layer with the full hidden state.

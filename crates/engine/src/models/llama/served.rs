@@ -50,11 +50,8 @@ impl<B: Ops> Rank<B> {
         let b = self.model.backend();
         self.meta.upload(b, batch)?;
         // Decode-only steps repeat their shape step after step: those a backend may record
-        // once and replay (CUDA graphs).
-        let shape = batch
-            .seqs
-            .iter()
-            .all(|s| s.len == 1)
+        // once and replay (CUDA graphs), unless the rank's collectives go through the host.
+        let shape = (self.model.replayable() && batch.seqs.iter().all(|s| s.len == 1))
             .then(|| self.meta.shape());
         let Rank {
             model,
