@@ -32,7 +32,7 @@ VALUE_SETS = {
     "ci-hpa": [os.path.join(CHART, "ci", "hpa-values.yaml")],
     "ci-tls": [os.path.join(CHART, "ci", "tls-values.yaml")],
 }
-# crates/router/src/config.rs: RawConfig and its sections (deny_unknown_fields).
+# crates/router/src/config/: RawConfig and its sections (deny_unknown_fields).
 ROUTER_CONFIG_KEYS = {"listen", "model", "prefill", "decode", "aggregated", "policy", "timeouts", "discovery", "auth", "tls", "worker_tls"}
 ROUTER_SECTION_KEYS = {
     "tls": {"cert", "key", "client_ca"},

@@ -246,9 +246,9 @@ pub fn run(
             vec![handle("d", &d_addr)?],
             tandem_router::pd::RetryPolicy::default(),
         ));
-        let state = tandem_router::server::RouterState::new(
+        let state = tandem_router::RouterState::new(
             Arc::new(tandem_router::pd::SharedPd(pd.clone())),
-            &tandem_router::model::ModelInfo::new("bench", dir),
+            &tandem_router::ModelInfo::new("bench", dir),
         )
         .map_err(|e| anyhow::anyhow!("{e}"))?;
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
@@ -260,7 +260,7 @@ pub fn run(
         let client = reqwest::Client::builder().pool_max_idle_per_host(512).build()?;
         let body = serde_json::json!({"model": "bench", "prompt": "The capital of France is",
                                       "max_tokens": max_tokens, "ignore_eos": true});
-        let prompt = tandem_router::model::ModelInfo::new("bench", crate::models::resolve(crate::models::DEFAULT_MODEL)?)
+        let prompt = tandem_router::ModelInfo::new("bench", crate::models::resolve(crate::models::DEFAULT_MODEL)?)
             .load()
             .map_err(|e| anyhow::anyhow!("{e}"))?
             .encode_prompt("The capital of France is")

@@ -4,7 +4,7 @@
 
 use std::hint::black_box;
 use std::time::Instant;
-use tandem_router::policy::{block_hashes, pick, Candidate, Policy, Pool, PrefixIndex};
+use tandem_router::pd::policy::{block_hashes, pick, Candidate, Policy, Pool, PrefixIndex};
 
 fn per_call(calls: u32, mut f: impl FnMut(u32)) -> f64 {
     (0..5)

@@ -3,9 +3,10 @@
 //! `/admin/workers`).
 
 use crate::config::RouterConfig;
-use crate::model::ModelInfo;
+use crate::openai::model::ModelInfo;
 use crate::pd::{PdGenerator, RetryPolicy, SharedPd, WorkerHandle};
-use crate::server::{app, RouterState};
+use crate::server::app;
+use crate::state::RouterState;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::routing::get;
@@ -214,7 +215,7 @@ pub async fn run_from_config(
             .with_chat_template(config.model.chat_template.clone()),
     )?;
     state.admission().configure(config.admission.clone());
-    let pool_metrics = crate::pool_metrics::PoolMetrics::register(state.metrics().registry());
+    let pool_metrics = crate::pd::pool_metrics::PoolMetrics::register(state.metrics().registry());
     state
         .metrics()
         .registry()

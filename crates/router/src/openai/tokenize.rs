@@ -3,9 +3,9 @@
 //! can count a prompt's tokens before sending it.
 
 use crate::error::ApiError;
-use crate::protocol::ChatMessage;
-use crate::server::RouterState;
-use crate::validation;
+use crate::openai::protocol::ChatMessage;
+use crate::openai::validation;
+use crate::state::RouterState;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::State;

@@ -3,8 +3,8 @@
 //! a 400 naming the field.
 
 use crate::error::ApiError;
-use crate::model::ModelAssets;
-use crate::protocol::GenerationParams;
+use crate::openai::model::ModelAssets;
+use crate::openai::protocol::GenerationParams;
 use serde_json::Value;
 use tandem_core::SamplingParams;
 
@@ -131,8 +131,11 @@ pub(crate) fn check_controls(
                         Some("logit_bias"),
                     )
                 })?;
-                let ids =
-                    crate::validation::client_token_ids(&[i64::from(id)], model, "logit_bias")?;
+                let ids = crate::openai::validation::client_token_ids(
+                    &[i64::from(id)],
+                    model,
+                    "logit_bias",
+                )?;
                 let bias =
                     number_in(&Some(v.clone()), "logit_bias", -100.0..=100.0)?.unwrap_or(0.0);
                 logit_bias.push((ids[0], bias as f32));

@@ -2,13 +2,13 @@
 //! hand). The tests below hold its request fields to the code's; the schemathesis run in
 //! `tests/tests/api_fuzz.rs` holds the running router's answers to it.
 
-use crate::server::RouterState;
+use crate::state::RouterState;
 use axum::extract::State;
 use axum::Json;
 use serde_json::{json, Value};
 
 /// The document's text.
-pub const DOCUMENT: &str = include_str!("../api/openapi.json");
+pub const DOCUMENT: &str = include_str!("../../api/openapi.json");
 
 /// The document for a router serving `served_name`: requests' `model` is that name (or absent).
 pub fn document(served_name: &str) -> Value {
@@ -31,7 +31,7 @@ pub(crate) async fn openapi(State(state): State<RouterState>) -> Json<Value> {
 #[allow(clippy::expect_used)]
 mod tests {
     use super::DOCUMENT;
-    use crate::protocol::{CHAT_FIELDS, COMPLETION_FIELDS, IGNORED_FIELDS, SHARED_FIELDS};
+    use crate::openai::protocol::{CHAT_FIELDS, COMPLETION_FIELDS, IGNORED_FIELDS, SHARED_FIELDS};
     use serde_json::Value;
     use std::collections::BTreeSet;
 

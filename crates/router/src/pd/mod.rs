@@ -1,21 +1,49 @@
-//! The P/D generator: each request opens `Decode` on a decode worker (which reserves KV and
-//! answers with a `KvTarget`), then sends `Prefill` with that target to a prefill worker
-//! (which computes the prompt, pushes the KV over the transport and returns the first
-//! token), then streams the decode worker's tokens. Failures before the first token reaches
-//! the caller are retried on another pair, with backoff, within a budget; dropping the
-//! returned stream cancels the decode leg, which frees its KV.
+//! The P/D generator and its parts: how a request finds workers and gets its tokens from them.
+//!
+//! [`PdGenerator`] (here) runs each request on workers: it opens `Decode` on a decode worker
+//! (which reserves KV and answers with a `KvTarget`), then sends `Prefill` with that target to
+//! a prefill worker (which computes the prompt, pushes the KV over the transport and returns
+//! the first token), then streams the decode worker's tokens; or it sends the whole request to
+//! one aggregated worker. Failures before the first token reaches the caller are retried on
+//! another pair, with backoff, within a budget; dropping the returned stream cancels the
+//! decode leg, which frees its KV.
+//!
+//! The parts are plain modules: worker handles and pools ([`workers`]), the choice of a worker
+//! ([`policy`], pure and benchmarked alone), per-worker circuit breakers ([`breaker`]), one
+//! attempt on its workers (`attempt`), the table of requests in flight ([`inflight`]) and the
+//! per-pool gauges ([`pool_metrics`]).
+//!
+//! [`PdGenerator`]: crate::pd::PdGenerator
+//! [`workers`]: crate::pd::workers
+//! [`policy`]: crate::pd::policy
+//! [`breaker`]: crate::pd::breaker
+//! [`inflight`]: crate::pd::inflight
+//! [`pool_metrics`]: crate::pd::pool_metrics
 
-use crate::attempt::{try_aggregated, try_pair, Budget, Leg};
+/// One attempt of a request on its workers (the gRPC calls and their token streams).
+mod attempt;
+/// Per-worker circuit breakers.
+pub mod breaker;
+/// The table of requests in flight (`/admin/requests`).
+pub mod inflight;
+/// Worker selection policies.
+pub mod policy;
+/// Per-pool gauges for autoscalers.
+pub mod pool_metrics;
+/// Worker handles and pools.
+pub mod workers;
+
 use crate::generator::{
     ChoicesFuture, GenerateError, GenerateFuture, Generator, TokenStream, ValidGenerateRequest,
 };
-pub use crate::workers::{classify_status, Pools, WorkerHandle};
-use crate::workers::{Outcome, LOAD_RELEASED, WORKERS_CHANGED};
+use attempt::{try_aggregated, try_pair, Budget, Leg};
 use futures::StreamExt;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 use tandem_core::{ErrorClass, WorkerId};
+pub use workers::{classify_status, Pools, WorkerHandle};
+use workers::{Outcome, LOAD_RELEASED, WORKERS_CHANGED};
 
 /// Retry policy for failures before the first token.
 #[derive(Clone, Copy, Debug)]
@@ -54,14 +82,14 @@ pub struct PdGenerator {
     next: AtomicUsize,
     retry: RetryPolicy,
     timeouts: crate::config::Timeouts,
-    breaker: crate::breaker::BreakerPolicy,
+    breaker: breaker::BreakerPolicy,
     health: crate::config::HealthConfig,
-    policy: crate::policy::Policy,
+    policy: policy::Policy,
     admission: crate::config::AdmissionConfig,
     /// What each prefill worker was sent recently (cache-aware routing).
-    prefixes: Mutex<crate::policy::PrefixIndex>,
+    prefixes: Mutex<policy::PrefixIndex>,
     /// Requests in flight, by phase.
-    in_flight: Arc<crate::inflight::InFlightTable>,
+    in_flight: Arc<inflight::InFlightTable>,
     /// Mutual TLS for connections to workers found later (discovery).
     worker_tls: Option<tonic::transport::ClientTlsConfig>,
 }
@@ -93,11 +121,11 @@ impl PdGenerator {
             next: AtomicUsize::new(0),
             retry,
             timeouts: crate::config::Timeouts::default(),
-            breaker: crate::breaker::BreakerPolicy::default(),
+            breaker: breaker::BreakerPolicy::default(),
             health: crate::config::HealthConfig::default(),
-            policy: crate::policy::Policy::RoundRobin,
+            policy: policy::Policy::RoundRobin,
             admission: crate::config::AdmissionConfig::default(),
-            prefixes: Mutex::new(crate::policy::PrefixIndex::new(PREFIX_INDEX_BLOCKS)),
+            prefixes: Mutex::new(policy::PrefixIndex::new(PREFIX_INDEX_BLOCKS)),
             in_flight: Arc::default(),
             worker_tls: None,
         }
@@ -110,12 +138,12 @@ impl PdGenerator {
     }
 
     /// Requests in flight, by phase (`/admin/requests`).
-    pub fn in_flight(&self) -> &crate::inflight::InFlightTable {
+    pub fn in_flight(&self) -> &inflight::InFlightTable {
         &self.in_flight
     }
 
     /// The same generator picking workers by `policy`.
-    pub fn with_policy(mut self, policy: crate::policy::Policy) -> Self {
+    pub fn with_policy(mut self, policy: policy::Policy) -> Self {
         self.policy = policy;
         self
     }
@@ -161,7 +189,7 @@ impl PdGenerator {
     }
 
     /// The same generator with breaker settings `policy`.
-    pub fn with_breaker(mut self, policy: crate::breaker::BreakerPolicy) -> Self {
+    pub fn with_breaker(mut self, policy: breaker::BreakerPolicy) -> Self {
         self.breaker = policy;
         self
     }
@@ -262,7 +290,7 @@ impl PdGenerator {
     pub async fn poll_health(
         self: Arc<Self>,
         interval: Duration,
-        metrics: Option<crate::pool_metrics::PoolMetrics>,
+        metrics: Option<pool_metrics::PoolMetrics>,
     ) {
         let mut tick = tokio::time::interval(interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -282,7 +310,7 @@ impl PdGenerator {
                         .ok()
                         .and_then(Result::ok);
                     this.observe_poll(w, stats.as_ref());
-                    crate::pool_metrics::WorkerSample {
+                    pool_metrics::WorkerSample {
                         role,
                         state: w.state(),
                         stats,
@@ -325,14 +353,14 @@ impl PdGenerator {
         d: usize,
         prompt: &[u32],
     ) -> Option<(WorkerHandle, WorkerHandle)> {
-        use crate::policy::{pick, Pool};
+        use self::policy::{pick, Pool};
         if pools.prefill.is_empty() || pools.decode.is_empty() {
             return None;
         }
         let limit = self.admission.max_in_flight_per_worker;
-        let cache_aware = matches!(self.policy, crate::policy::Policy::CacheAware { .. });
+        let cache_aware = matches!(self.policy, policy::Policy::CacheAware { .. });
         let hashes = if cache_aware {
-            crate::policy::block_hashes(prompt)
+            policy::block_hashes(prompt)
         } else {
             Vec::new()
         };
@@ -421,7 +449,7 @@ impl PdGenerator {
         n: u32,
         cursor: &mut Cursor,
         deadline: tokio::time::Instant,
-        tracker: &crate::inflight::Tracker,
+        tracker: &inflight::Tracker,
     ) -> Result<Vec<TokenStream>, GenerateError> {
         let started = tokio::time::Instant::now();
         let give_up = (started + self.retry.outage_wait).min(deadline);
@@ -481,7 +509,7 @@ impl PdGenerator {
         n: u32,
         cursor: &mut Cursor,
         deadline: tokio::time::Instant,
-        tracker: &crate::inflight::Tracker,
+        tracker: &inflight::Tracker,
     ) -> Result<Vec<TokenStream>, GenerateError> {
         let mut last = no_workers();
         let t = self.timeouts;
@@ -620,7 +648,7 @@ fn resuming(
     cursor: Cursor,
     deadline: tokio::time::Instant,
     tokens: TokenStream,
-    tracker: crate::inflight::Tracker,
+    tracker: inflight::Tracker,
 ) -> TokenStream {
     struct State {
         generator: Arc<PdGenerator>,
@@ -630,7 +658,7 @@ fn resuming(
         tokens: TokenStream,
         sent: Vec<u32>,
         migrations: u32,
-        tracker: crate::inflight::Tracker,
+        tracker: inflight::Tracker,
     }
     let state = State {
         generator,
@@ -754,5 +782,4 @@ impl Generator for SharedPd {
 }
 
 #[cfg(test)]
-#[path = "pd_tests.rs"]
 mod tests;

@@ -2,15 +2,15 @@
 //! templated and tokenized, lengths checked against the context. Every rejection is an
 //! `InvalidRequest` [`ApiError`] naming the offending field.
 
-use crate::chat_template::TemplateMessage;
 use crate::error::ApiError;
 use crate::generator::ValidGenerateRequest;
-use crate::model::ModelAssets;
-use crate::protocol::{
+use crate::openai::chat_template::TemplateMessage;
+use crate::openai::model::ModelAssets;
+use crate::openai::protocol::{
     ChatCompletionRequest, ChatMessage, CompletionRequest, GenerationParams, MessageContent,
     PromptInput, StopSpec,
 };
-use crate::sampling_fields::{chat_logprobs, check_controls, logprob_count};
+use crate::openai::sampling_fields::{chat_logprobs, check_controls, logprob_count};
 use serde_json::Value;
 use tandem_core::{OutputConstraint, RequestId, SamplingParams};
 
@@ -44,7 +44,7 @@ pub struct Prepared {
     /// End the text with the matched stop string.
     pub include_stop_str: bool,
     /// How to read calls out of the output (chat requests with tools).
-    pub tools: Option<crate::tools::ToolMode>,
+    pub tools: Option<crate::openai::tools::ToolMode>,
     /// Completions with `echo`: the prompt's text, put before the generated text.
     pub echo: Option<String>,
     /// The request's `priority` (lower goes first in the admission queue), when it set one.
@@ -84,11 +84,11 @@ pub fn prepare_chat(
     request: ChatCompletionRequest,
 ) -> Result<Prepared, ApiError> {
     check_model(request.model.as_deref(), served_name)?;
-    check_unknown(&request.unknown, &crate::protocol::CHAT_FIELDS)?;
+    check_unknown(&request.unknown, &crate::openai::protocol::CHAT_FIELDS)?;
     let params = &request.params;
     let mut common = check_params(params, model)?;
     common.sampling.logprobs = chat_logprobs(&params.logprobs, &request.top_logprobs)?;
-    let tools = crate::tools::check(
+    let tools = crate::openai::tools::check(
         request.tools.as_ref(),
         request.tool_choice.as_ref(),
         request.parallel_tool_calls.as_ref(),
@@ -248,7 +248,10 @@ pub fn prepare_completion_batch(
     request: CompletionRequest,
 ) -> Result<Vec<Prepared>, ApiError> {
     check_model(request.model.as_deref(), served_name)?;
-    check_unknown(&request.unknown, &crate::protocol::COMPLETION_FIELDS)?;
+    check_unknown(
+        &request.unknown,
+        &crate::openai::protocol::COMPLETION_FIELDS,
+    )?;
     let params = &request.params;
     let mut common = check_params(params, model)?;
     common.sampling.logprobs = match &params.logprobs {
@@ -374,7 +377,7 @@ fn check_unknown(
     unknown: &std::collections::BTreeMap<String, Value>,
     own: &[&str],
 ) -> Result<(), ApiError> {
-    use crate::protocol::{IGNORED_FIELDS, SHARED_FIELDS};
+    use crate::openai::protocol::{IGNORED_FIELDS, SHARED_FIELDS};
     match unknown
         .keys()
         .map(String::as_str)
@@ -462,14 +465,12 @@ fn check_params(params: &GenerationParams, model: &ModelAssets) -> Result<Common
     let stream = params.stream.unwrap_or(false);
     let include_usage = match &params.stream_options {
         None | Some(Value::Null) => false,
-        Some(v @ Value::Object(_)) => {
-            serde_json::from_value::<crate::protocol::StreamOptions>(v.clone())
-                .map_err(|e| {
-                    ApiError::invalid(format!("`stream_options`: {e}"), Some("stream_options"))
-                })?
-                .include_usage
-                .unwrap_or(false)
-        }
+        Some(v @ Value::Object(_)) => serde_json::from_value::<
+            crate::openai::protocol::StreamOptions,
+        >(v.clone())
+        .map_err(|e| ApiError::invalid(format!("`stream_options`: {e}"), Some("stream_options")))?
+        .include_usage
+        .unwrap_or(false),
         Some(other) => {
             return Err(ApiError::invalid(
                 format!("`stream_options` must be an object, got {other}"),
@@ -679,10 +680,9 @@ fn template_messages(messages: &[ChatMessage]) -> Result<Vec<TemplateMessage>, A
             };
             let tool_calls = match &message.tool_calls {
                 None | Some(Value::Null) => None,
-                Some(calls) if message.role == "assistant" => Some(crate::tools::template_calls(
-                    calls,
-                    &format!("messages[{i}]"),
-                )?),
+                Some(calls) if message.role == "assistant" => Some(
+                    crate::openai::tools::template_calls(calls, &format!("messages[{i}]"))?,
+                ),
                 Some(_) => {
                     return Err(ApiError::invalid(
                         format!("messages[{i}]: only assistant messages carry `tool_calls`"),

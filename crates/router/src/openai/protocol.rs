@@ -5,6 +5,7 @@
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
+use std::time::{SystemTime, UNIX_EPOCH};
 use tandem_core::FinishReason;
 
 /// Fields shared by `/v1/chat/completions` and `/v1/completions`. Numbers are parsed wide so
@@ -551,4 +552,11 @@ pub struct ModelCard {
     pub owned_by: &'static str,
     /// Context length (vLLM's extension).
     pub max_model_len: u32,
+}
+
+/// Seconds since the Unix epoch: the `created` of answers and model cards.
+pub(crate) fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
 }

@@ -1,7 +1,7 @@
 //! Tests of the P/D generator: routing, retries, outage rounds, migration.
 
+use super::workers::{LoadClaim, ERROR_CLASS_HEADER};
 use super::*;
-use crate::workers::{LoadClaim, ERROR_CLASS_HEADER};
 
 fn handles(prefix: &str, n: usize) -> Vec<WorkerHandle> {
     (0..n)
@@ -48,7 +48,7 @@ fn statuses_no_worker_classified_are_transport_failures_and_retried() {
 
 #[tokio::test]
 async fn an_ejected_worker_is_skipped_until_its_cooldown_ends() {
-    let policy = crate::breaker::BreakerPolicy {
+    let policy = crate::pd::breaker::BreakerPolicy {
         threshold: 2,
         cooldown: Duration::from_secs(3600),
     };
@@ -127,7 +127,7 @@ async fn a_full_pool_holds_requests_until_a_claim_ends_or_the_queue_timeout() {
 #[tokio::test]
 async fn power_of_two_and_cache_aware_route_by_load_and_prefix() {
     let pd = PdGenerator::new(handles("p", 2), handles("d", 2), RetryPolicy::default())
-        .with_policy(crate::policy::Policy::PowerOfTwo);
+        .with_policy(crate::pd::policy::Policy::PowerOfTwo);
     let pools = pd.pools();
     // d-0 carries three streams of this router's: with two workers both are always
     // drawn, and the idle one wins every time.
@@ -140,7 +140,7 @@ async fn power_of_two_and_cache_aware_route_by_load_and_prefix() {
     assert_eq!(pools.decode[0].load(), 0, "claims are released");
 
     let pd = PdGenerator::new(handles("p", 3), handles("d", 1), RetryPolicy::default())
-        .with_policy(crate::policy::Policy::CacheAware { balance: 2 });
+        .with_policy(crate::pd::policy::Policy::CacheAware { balance: 2 });
     let pools = pd.pools();
     let prompt: Vec<u32> = (0..80).collect();
     let (first, _) = pd.pick(&pools, 0, 0, &prompt).expect("pair");
@@ -201,7 +201,7 @@ async fn discovered_workers_join_leave_and_drain_keeping_the_handles_of_known_on
     assert_eq!(first.routes(), 1);
     first.decode[0].report(
         Outcome::Failed(ErrorClass::Unavailable),
-        crate::breaker::BreakerPolicy::default(),
+        crate::pd::breaker::BreakerPolicy::default(),
     );
     // A scale-up: d1 joins; d0 keeps its handle (the failure it had is still counted).
     pd.set_workers(&set(vec![
@@ -282,7 +282,7 @@ async fn failed_health_polls_eject_a_worker_until_it_answers_and_a_restart_drops
     );
     assert_eq!(d0.instance_id(), "run-2");
     let p0 = &pools.prefill[0];
-    let hashes = crate::policy::block_hashes(&(0..256).collect::<Vec<u32>>());
+    let hashes = crate::pd::policy::block_hashes(&(0..256).collect::<Vec<u32>>());
     pd.observe_poll(p0, Some(&answer("p-run-1")));
     pd.prefixes.lock().expect("lock").record(&p0.id.0, &hashes);
     assert!(pd.prefixes.lock().expect("lock").cached(&p0.id.0, &hashes) > 0);

@@ -80,7 +80,7 @@ pub struct WorkerHandle {
     /// Requests in flight per attention-DP group (decode workers), learned on first use.
     pub(crate) dp_load: Arc<Mutex<Option<Vec<usize>>>>,
     /// Ejects the worker from new routing after repeated failures of its own.
-    pub(crate) breaker: Arc<Mutex<crate::breaker::Breaker>>,
+    pub(crate) breaker: Arc<Mutex<crate::pd::breaker::Breaker>>,
     /// Set while the worker drains (its stats or its discovery record say so): it gets no
     /// new requests.
     pub(crate) draining: Arc<AtomicBool>,
@@ -192,7 +192,7 @@ impl WorkerHandle {
             address: address.to_string(),
             client: pb::worker_client::WorkerClient::new(endpoint.connect_lazy()),
             dp_load: Arc::new(Mutex::new(None)),
-            breaker: Arc::new(Mutex::new(crate::breaker::Breaker::default())),
+            breaker: Arc::new(Mutex::new(crate::pd::breaker::Breaker::default())),
             draining: Arc::new(AtomicBool::new(false)),
             reachable: Arc::new(AtomicBool::new(true)),
             health_failures: Arc::new(AtomicU32::new(0)),
@@ -215,8 +215,12 @@ impl WorkerHandle {
         self.load.load(Ordering::Relaxed)
     }
 
-    pub(crate) fn candidate(&self, cached_blocks: usize, limit: usize) -> crate::policy::Candidate {
-        crate::policy::Candidate {
+    pub(crate) fn candidate(
+        &self,
+        cached_blocks: usize,
+        limit: usize,
+    ) -> crate::pd::policy::Candidate {
+        crate::pd::policy::Candidate {
             usable: !self.is_draining()
                 && (limit == 0 || self.load() < limit)
                 && !self.is_health_ejected()
@@ -401,10 +405,10 @@ impl WorkerHandle {
     pub(crate) fn admit(&self) -> bool {
         self.breaker
             .lock()
-            .is_ok_and(|mut b| b.admit(std::time::Instant::now()) != crate::breaker::Admit::No)
+            .is_ok_and(|mut b| b.admit(std::time::Instant::now()) != crate::pd::breaker::Admit::No)
     }
 
-    pub(crate) fn report(&self, outcome: Outcome, policy: crate::breaker::BreakerPolicy) {
+    pub(crate) fn report(&self, outcome: Outcome, policy: crate::pd::breaker::BreakerPolicy) {
         if let Ok(mut b) = self.breaker.lock() {
             match outcome {
                 Outcome::Ok => b.on_success(),

@@ -11,7 +11,7 @@
 //! - `none`: the tools are not shown to the model and nothing is parsed.
 
 use crate::error::ApiError;
-use crate::protocol::{FunctionCallDelta, ToolCall, ToolCallDelta};
+use crate::openai::protocol::{FunctionCallDelta, ToolCall, ToolCallDelta};
 use serde_json::{json, Map, Value};
 use tandem_core::OutputConstraint;
 
@@ -695,7 +695,7 @@ pub fn gather(pieces: Vec<Piece>) -> (Option<String>, Vec<ToolCall>) {
                 Some(id) => calls.push(ToolCall {
                     id,
                     kind: "function",
-                    function: crate::protocol::FunctionCall {
+                    function: crate::openai::protocol::FunctionCall {
                         name: delta.function.name.unwrap_or_default(),
                         arguments: delta.function.arguments.unwrap_or_default(),
                     },

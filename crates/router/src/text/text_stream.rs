@@ -6,12 +6,12 @@
 //! at once, which cancels the generation on every leg. The [`TextStream`] is the only owner of
 //! the token stream: dropping it (the client went away) cancels too.
 
-use crate::detokenizer::Detokenizer;
 use crate::error::ApiError;
 use crate::generator::TokenStream;
 use crate::metrics::RequestRecord;
-use crate::protocol::StopReason;
-use crate::stop_strings::StopMatcher;
+use crate::openai::protocol::StopReason;
+use crate::text::detokenizer::Detokenizer;
+use crate::text::stop_strings::StopMatcher;
 use futures::StreamExt;
 use std::collections::VecDeque;
 use tandem_core::{FinishReason, TokenLogprobs};

@@ -2,8 +2,8 @@
 //! special tokens, the context length and the EOS ids (`config.json` fields read as
 //! `tandem_model::card` reads them). Weights are never read here.
 
-use crate::chat_template::ChatTemplate;
 use crate::error::{Error, Result};
+use crate::openai::chat_template::ChatTemplate;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -51,7 +51,7 @@ pub struct ModelAssets {
     /// The template for requests with tools when the model ships one apart (`tool_use`).
     tool_template: Option<ChatTemplate>,
     /// How the tools template has the model write calls, when tandem can read it.
-    tool_format: Option<crate::tools::ToolFormat>,
+    tool_format: Option<crate::openai::tools::ToolFormat>,
     bos_token_id: Option<u32>,
     add_bos_token: bool,
     context_length: u32,
@@ -107,10 +107,10 @@ impl ModelAssets {
         let source = match template_file {
             Some(path) if !path.exists() => {
                 let name = path.to_string_lossy();
-                match crate::chat_template::built_in(&name) {
+                match crate::openai::chat_template::built_in(&name) {
                     Some(source) => Some(source.to_owned()),
                     None => {
-                        let names: Vec<&str> = crate::chat_template::BUILT_IN
+                        let names: Vec<&str> = crate::openai::chat_template::BUILT_IN
                             .iter()
                             .map(|(n, _)| *n)
                             .collect();
@@ -143,7 +143,7 @@ impl ModelAssets {
         let tool_format = tool_source
             .as_deref()
             .or(source.as_deref())
-            .and_then(crate::tools::ToolFormat::detect);
+            .and_then(crate::openai::tools::ToolFormat::detect);
 
         let max_position_embeddings = config
             .as_ref()
@@ -232,7 +232,7 @@ impl ModelAssets {
     }
 
     /// How the tools template has the model write calls, when tandem can read that format.
-    pub fn tool_format(&self) -> Option<crate::tools::ToolFormat> {
+    pub fn tool_format(&self) -> Option<crate::openai::tools::ToolFormat> {
         self.tool_format
     }
 

@@ -1,15 +1,16 @@
 //! How the answers of one request look: ids, object names, usage, log-probabilities, echoed
 //! prompts and tool calls, as whole JSON documents or as stream chunks.
 
-use super::Whole;
+use super::{Whole, SYSTEM_FINGERPRINT};
 use crate::metrics::Endpoint;
-use crate::protocol::{
+use crate::openai::protocol::unix_now;
+use crate::openai::protocol::{
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatDelta,
     ChatLogprobs, ChatTokenLogprob, ChatTopLogprob, ChoiceFinishReason, Completion,
     CompletionChoice, CompletionLogprobs, StopReason, Usage,
 };
-use crate::server::{unix_now, RouterState, SYSTEM_FINGERPRINT};
-use crate::tools::{CallReader, Piece, ToolMode};
+use crate::openai::tools::{CallReader, Piece, ToolMode};
+use crate::state::RouterState;
 use axum::response::sse::Event;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -129,7 +130,7 @@ impl Shape {
             Some(reader) => {
                 let mut pieces = reader.push(&w.text);
                 pieces.extend(reader.finish());
-                let (content, calls) = crate::tools::gather(pieces);
+                let (content, calls) = crate::openai::tools::gather(pieces);
                 (content, Some(calls).filter(|c| !c.is_empty()))
             }
         };

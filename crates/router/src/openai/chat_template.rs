@@ -14,7 +14,7 @@ const TEMPLATE_NAME: &str = "chat";
 /// Templates built into tandem, by the name `--chat-template` takes instead of a file.
 pub const BUILT_IN: [(&str, &str); 1] = [(
     "chatml-tools",
-    include_str!("../../../templates/chatml-tools.jinja"),
+    include_str!("../../../../templates/chatml-tools.jinja"),
 )];
 
 /// The source of built-in template `name`.

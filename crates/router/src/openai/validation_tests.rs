@@ -15,7 +15,7 @@ fn chat_with(model: &ModelAssets, body: serde_json::Value) -> Result<Prepared, A
 
 #[test]
 fn tools_need_a_template_that_reads_them_and_set_the_mode() {
-    use crate::tools::{ToolFormat, ToolMode};
+    use crate::openai::tools::{ToolFormat, ToolMode};
     use serde_json::json;
     let tools = json!([{"type": "function", "function": {"name": "get_weather",
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]);

@@ -8,14 +8,14 @@
 
 use crate::admission::Ticket;
 use crate::auth::Caller;
-use crate::detokenizer::Detokenizer;
 use crate::error::ApiError;
 use crate::generator::TokenStream;
 use crate::metrics::Endpoint;
-use crate::protocol::{ChatCompletion, Completion, StopReason, Usage};
-use crate::server::{RouterState, SYSTEM_FINGERPRINT};
-use crate::text_stream::{TextEvent, TextStream};
-use crate::validation::{self, Prepared};
+use crate::openai::protocol::{ChatCompletion, Completion, StopReason, Usage};
+use crate::openai::validation::{self, Prepared};
+use crate::state::RouterState;
+use crate::text::detokenizer::Detokenizer;
+use crate::text::text_stream::{TextEvent, TextStream};
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
@@ -30,6 +30,9 @@ use tandem_core::{FinishReason, RequestId, TokenLogprobs};
 
 mod response;
 use response::{json_event, Shape};
+
+/// `system_fingerprint` of every answer: the server build that produced it.
+const SYSTEM_FINGERPRINT: &str = concat!("fp_tandem_", env!("CARGO_PKG_VERSION"));
 
 /// `POST /v1/chat/completions`
 pub(crate) async fn chat_completions(

@@ -3,7 +3,7 @@
 //! the first token, so a failure before it can still be retried elsewhere.
 
 use crate::generator::{GenerateError, GeneratedToken, TokenStream, ValidGenerateRequest};
-use crate::workers::{classify_status, WorkerHandle};
+use crate::pd::workers::{classify_status, WorkerHandle};
 use futures::StreamExt;
 use tandem_core::{ErrorClass, TokenLogprobs};
 use tandem_proto::convert::finish_from_wire;
@@ -110,10 +110,10 @@ pub(crate) async fn try_aggregated(
     req: &ValidGenerateRequest,
     n: u32,
     budget: Budget,
-    tracker: &crate::inflight::Tracker,
+    tracker: &crate::pd::inflight::Tracker,
 ) -> Result<Vec<TokenStream>, GenerateError> {
     let claim = w.claim();
-    tracker.phase(crate::inflight::Phase::Prefilling);
+    tracker.phase(crate::pd::inflight::Phase::Prefilling);
     let events = w
         .client
         .clone()
@@ -144,7 +144,7 @@ pub(crate) async fn try_aggregated(
             }
         }
     }
-    tracker.phase(crate::inflight::Phase::Decoding);
+    tracker.phase(crate::pd::inflight::Phase::Decoding);
     Ok(streams
         .into_iter()
         .zip(firsts)
@@ -193,7 +193,7 @@ pub(crate) async fn try_pair(
     req: &ValidGenerateRequest,
     n: u32,
     budget: Budget,
-    tracker: &crate::inflight::Tracker,
+    tracker: &crate::pd::inflight::Tracker,
 ) -> Result<Vec<TokenStream>, (Leg, GenerateError)> {
     let on_decode = |e: GenerateError| (Leg::Decode, e);
     let request = to_pb(req, n);
@@ -232,7 +232,7 @@ pub(crate) async fn try_pair(
             )))
         }
     };
-    tracker.phase(crate::inflight::Phase::Prefilling);
+    tracker.phase(crate::pd::inflight::Phase::Prefilling);
     let mut prefill_client = p.client.clone();
     let prefill_call = prefill_client.prefill(with_deadline(
         pb::PrefillRequest {
@@ -275,7 +275,7 @@ pub(crate) async fn try_pair(
         })?
         .into_inner();
     drop(prefill_claim);
-    tracker.phase(crate::inflight::Phase::Decoding);
+    tracker.phase(crate::pd::inflight::Phase::Decoding);
     // The prompt's log-probabilities (when asked for) are every choice's.
     let prompt_logprobs: Vec<_> = first
         .prompt_logprobs
