@@ -120,6 +120,14 @@ kernels!(
     delta_rule_d64,
     delta_rule_d128,
     delta_rule_d128_q2,
+    delta_chunk_prep_d16,
+    delta_chunk_prep_d32,
+    delta_chunk_prep_d64,
+    delta_chunk_prep_d128,
+    delta_chunk_state_d16,
+    delta_chunk_state_d32,
+    delta_chunk_state_d64,
+    delta_chunk_state_d128,
 );
 
 /// The fewest tokens of a step that takes the tensor-core prefill attention.
@@ -189,6 +197,8 @@ pub(crate) struct Scratch {
     pub(crate) best: Option<CudaStorage>,
     /// A hybrid operation's host-built table (its sequences, an expert's rows and weights).
     pub(crate) hybrid_table: Option<CudaStorage>,
+    /// The chunked delta rule's per-(chunk, head) workspace (delta_rule.rs).
+    pub(crate) delta_work: Option<CudaStorage>,
     pub(crate) host_params: Vec<f32>,
     /// Buffers outgrown: recorded graphs of smaller shapes still use their addresses.
     pub(crate) retired: Vec<CudaStorage>,
@@ -221,6 +231,9 @@ pub(crate) struct Inner {
     pub(crate) decode_rope: bool,
     /// MoE steps of up to this many tokens run their experts as one grouped product.
     pub(crate) moe_grouped_rows: usize,
+    /// Whether prompts take the chunked delta-rule kernels (they need more than the default
+    /// 48 KiB of shared memory; see delta_rule.rs).
+    pub(crate) delta_chunks: bool,
 }
 
 /// A CUDA device running tandem's kernels. Cheap to clone (clones share the device).
@@ -333,6 +346,8 @@ impl CudaBackend {
             cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
         )? as usize;
         let gemv_smem = gemv_shared_memory(&kernels);
+        let delta_chunks =
+            crate::env::delta_chunks() && crate::delta_rule::chunk_shared_memory(&kernels);
         let pdl = crate::env::programmatic_launches() && arch.0 >= 9 && {
             match probe_programmatic_launches(&ctx, &stream, &kernels.pdl_probe) {
                 Ok(()) => true,
@@ -362,6 +377,7 @@ impl CudaBackend {
                 attention_blocks_per_sm: crate::env::attention_blocks_per_sm(),
                 decode_rope: crate::env::decode_rope(),
                 moe_grouped_rows: crate::env::moe_grouped_rows(),
+                delta_chunks,
                 pdl,
             }),
         })

@@ -58,3 +58,9 @@ pub(crate) fn decode_rope() -> bool {
 pub(crate) fn kernels_file() -> Option<std::path::PathBuf> {
     std::env::var_os("TANDEM_CUDA_KERNELS_FILE").map(Into::into)
 }
+
+/// `TANDEM_CUDA_DELTA_CHUNKS=0`: prompts run the delta rule token by token (the recurrent
+/// kernel) instead of the chunked kernels, for A/B runs.
+pub(crate) fn delta_chunks() -> bool {
+    std::env::var("TANDEM_CUDA_DELTA_CHUNKS").map_or(true, |v| v != "0")
+}

@@ -2052,3 +2052,261 @@ DELTA_RULE(delta_rule_d128, 128, 4)
 // Twice the warps per head, for steps of a few sequences (hybrid.rs picks).
 DELTA_RULE(delta_rule_d128_q2, 128, 2)
 
+
+// ---- the chunked delta rule (prompts; delta_rule.rs) ------------------------------------------
+//
+// shared/specs/kda.md's chunked form, as the CPU's `chunk_step` computes it, in two kernels per
+// round of chunks. `delta_chunk_prep` works on every (chunk, head) at once: the within-chunk
+// cumulative log-decay Γ, the β-scaled strictly lower M and the lower Pm (each entry a sum over
+// the head width of decays e^{Γr−Γc} ≤ 1, so nothing overflows however strong the gate), the
+// forward substitution (I + M) X = X₀ for W and U, and Q ⊙ e^Γ, K ⊙ e^{Γn−Γ} and e^{Γn}, all
+// written to a workspace. `delta_chunk_state` then walks each sequence's chunks in order with a
+// slice of its state's value columns in shared memory: V' = U − W S, O = (Q ⊙ e^Γ) S + Pm V',
+// S ← diag(e^{Γn}) S + (K ⊙ e^{Γn−Γ})ᵀ V'. Rows past a short last chunk are zeros throughout.
+
+#define DC 64
+#define DC_THREADS 256
+// Row stride of the transposed tiles in `delta_chunk_state` (keeps float2 loads aligned).
+#define DCP (DC + 4)
+
+// One chunk of a sequence: its first row in the step and its rows (1..=DC).
+struct ChunkItem {
+    long first;
+    long rows;
+};
+
+// A sequence's chunks in a round: its state, its first item and how many.
+struct ChunkRun {
+    unsigned long long state;
+    long item;
+    long chunks;
+};
+
+// Floats of the workspace per (item, head), at these offsets (`chunk_work_floats` in
+// delta_rule.rs): W, U, Q ⊙ e^Γ, K ⊙ e^{Γn−Γ} [DC][D]; Pm [DC][DC]; e^{Γn} [D].
+template <int D>
+struct ChunkWork {
+    static constexpr long W = 0, U = DC * D, QG = 2L * DC * D, KD = 3L * DC * D, PM = 4L * DC * D;
+    static constexpr long GL = PM + DC * DC, SIZE = GL + D;
+};
+
+template <int D>
+__device__ void delta_chunk_prep_impl(const float* __restrict__ q, const float* __restrict__ k,
+                                      const float* __restrict__ v, const float* __restrict__ g,
+                                      const float* __restrict__ beta, int heads,
+                                      const ChunkItem* items, float* __restrict__ work) {
+    using WK = ChunkWork<D>;
+    extern __shared__ float sm[];
+    float* G = sm;            // [DC][D] Γ
+    float* K = G + DC * D;    // [DC][D] k, then U
+    float* Q = K + DC * D;    // [DC][D] q, then W
+    float* M = Q + DC * D;    // [DC][DC]
+    float* B = M + DC * DC;   // [DC] β
+    pdl_start();
+    const ChunkItem it = items[blockIdx.x];
+    const int h = blockIdx.y, n = (int)it.rows, t = threadIdx.x, lane = t & 31, warp = t >> 5;
+    const long hd = (long)heads * D, at0 = it.first * hd + (long)h * D;
+    float* wk = work + ((long)blockIdx.x * heads + h) * WK::SIZE;
+    for (int i = t; i < DC * D; i += DC_THREADS) {
+        const int r = i / D, c = i % D;
+        const bool in = r < n;
+        const long at = at0 + (long)r * hd + c;
+        G[i] = in ? g[at] : 0.0f;
+        K[i] = in ? k[at] : 0.0f;
+        Q[i] = in ? q[at] : 0.0f;
+    }
+    if (t < DC) B[t] = t < n ? beta[(it.first + t) * heads + h] : 0.0f;
+    __syncthreads();
+    if (t < D) {
+        float acc = 0.0f;
+        for (int r = 0; r < n; ++r) {
+            acc += G[r * D + t];
+            G[r * D + t] = acc;
+        }
+    }
+    __syncthreads();
+    // M and Pm, a warp per row: k_c e^{Γr−Γc} dotted with k_r (M, times β_r) and q_r (Pm).
+    for (int r = warp; r < DC; r += DC_THREADS / 32) {
+        for (int c = 0; c < DC; ++c) {
+            float pm = 0.0f, m = 0.0f;
+            if (c <= r && r < n) {
+                for (int d = lane; d < D; d += 32) {
+                    const float kd = K[c * D + d] * __expf(G[r * D + d] - G[c * D + d]);
+                    pm += Q[r * D + d] * kd;
+                    m += K[r * D + d] * kd;
+                }
+                pm = warp_sum(pm);
+                m = warp_sum(m);
+            }
+            if (lane == 0) {
+                wk[WK::PM + r * DC + c] = pm;
+                M[r * DC + c] = c < r ? B[r] * m : 0.0f;
+            }
+        }
+    }
+    __syncthreads();
+    // Q ⊙ e^Γ and K ⊙ e^{Γn−Γ} out; then W₀ = β e^Γ ⊙ k over q, U₀ = β v over k.
+    const float* gl = G + (n - 1) * D;
+    for (int i = t; i < DC * D; i += DC_THREADS) {
+        const int r = i / D, c = i % D;
+        const bool in = r < n;
+        const float e = __expf(G[i]);
+        wk[WK::QG + i] = Q[i] * e;
+        wk[WK::KD + i] = in ? K[i] * __expf(gl[c] - G[i]) : 0.0f;
+        Q[i] = B[r] * e * K[i];
+        K[i] = in ? B[r] * v[at0 + (long)r * hd + c] : 0.0f;
+    }
+    if (t < D) wk[WK::GL + t] = __expf(gl[t]);
+    __syncthreads();
+    // (I + M) X = X₀ by forward substitution, a column of W (t < D) or of U (D ≤ t < 2D) each.
+    if (t < 2 * D) {
+        float* x = (t < D ? Q : K) + (t % D);
+        for (int r = 1; r < n; ++r) {
+            float s = x[r * D];
+            for (int c = 0; c < r; ++c) s -= M[r * DC + c] * x[c * D];
+            x[r * D] = s;
+        }
+    }
+    __syncthreads();
+    for (int i = t; i < DC * D; i += DC_THREADS) {
+        wk[WK::W + i] = Q[i];
+        wk[WK::U + i] = K[i];
+    }
+}
+
+// A `delta_chunk_state` block's share: CW value columns of the state, as NCG float4 groups;
+// threads tile a chunk's rows RPT at a time and the state's rows KPT at a time.
+template <int D>
+struct ChunkCols {
+    static constexpr int CW = D < 32 ? D : 32, NCG = CW / 4, RG = DC_THREADS / NCG;
+    static constexpr int RPT = DC / RG > 0 ? DC / RG : 1, KPT = D / RG > 0 ? D / RG : 1;
+    static constexpr int SHARED = D * CW + DC * CW + D * DCP + DC * DCP;  // floats
+};
+
+template <int D>
+__device__ void delta_chunk_state_impl(const ChunkItem* items, const ChunkRun* runs, int heads,
+                                       const float* __restrict__ work, float* __restrict__ out) {
+    using WK = ChunkWork<D>;
+    using X = ChunkCols<D>;
+    constexpr int CW = X::CW, NCG = X::NCG, RPT = X::RPT, KPT = X::KPT;
+    extern __shared__ float sm[];
+    float* S = sm;               // [D][CW] the state's columns
+    float* VP = S + D * CW;      // [DC][CW] V'
+    float* T = VP + DC * CW;     // [D][DCP] Wᵀ or (Q ⊙ e^Γ)ᵀ; [DC][D] K ⊙ e^{Γn−Γ}
+    float* P = T + D * DCP;      // [DC][DCP] Pmᵀ
+    pdl_start();
+    const ChunkRun run = runs[blockIdx.x];
+    const int h = blockIdx.y, t = threadIdx.x, col0 = blockIdx.z * CW;
+    const int c4 = (t % NCG) * 4, rg = t / NCG, r0 = rg * RPT, k0 = rg * KPT;
+    const bool rows_on = r0 < DC, state_on = k0 < D;
+    float* state = reinterpret_cast<float*>(run.state) + (long)h * D * D + col0;
+    for (int i = t; i < D * NCG; i += DC_THREADS) {
+        const int kk = i / NCG, q4 = (i % NCG) * 4;
+        *reinterpret_cast<float4*>(S + kk * CW + q4) = *reinterpret_cast<const float4*>(state + (long)kk * D + q4);
+    }
+    const long hd = (long)heads * D;
+    for (long ci = 0; ci < run.chunks; ++ci) {
+        const long item = run.item + ci;
+        const ChunkItem it = items[item];
+        const int n = (int)it.rows;
+        const float* wk = work + (item * heads + h) * WK::SIZE;
+        __syncthreads();
+        for (int i = t; i < DC * D; i += DC_THREADS) T[(i % D) * DCP + i / D] = wk[WK::W + i];
+        for (int i = t; i < DC * DC; i += DC_THREADS) P[(i % DC) * DCP + i / DC] = wk[WK::PM + i];
+        __syncthreads();
+        // V' = U − W S.
+        float4 acc[RPT];
+        if (rows_on) {
+            #pragma unroll
+            for (int j = 0; j < RPT; ++j) acc[j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            for (int kk = 0; kk < D; ++kk) {
+                const float4 s = *reinterpret_cast<const float4*>(S + kk * CW + c4);
+                #pragma unroll
+                for (int j = 0; j < RPT; ++j) {
+                    const float w = T[kk * DCP + r0 + j];
+                    acc[j].x += w * s.x, acc[j].y += w * s.y, acc[j].z += w * s.z, acc[j].w += w * s.w;
+                }
+            }
+            #pragma unroll
+            for (int j = 0; j < RPT; ++j) {
+                const int r = r0 + j;
+                const float4 u = *reinterpret_cast<const float4*>(wk + WK::U + r * D + col0 + c4);
+                *reinterpret_cast<float4*>(VP + r * CW + c4) =
+                    make_float4(u.x - acc[j].x, u.y - acc[j].y, u.z - acc[j].z, u.w - acc[j].w);
+            }
+        }
+        __syncthreads();
+        for (int i = t; i < DC * D; i += DC_THREADS) T[(i % D) * DCP + i / D] = wk[WK::QG + i];
+        __syncthreads();
+        // O = (Q ⊙ e^Γ) S + Pm V'.
+        if (rows_on) {
+            #pragma unroll
+            for (int j = 0; j < RPT; ++j) acc[j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            for (int kk = 0; kk < D; ++kk) {
+                const float4 s = *reinterpret_cast<const float4*>(S + kk * CW + c4);
+                #pragma unroll
+                for (int j = 0; j < RPT; ++j) {
+                    const float w = T[kk * DCP + r0 + j];
+                    acc[j].x += w * s.x, acc[j].y += w * s.y, acc[j].z += w * s.z, acc[j].w += w * s.w;
+                }
+            }
+            for (int c = 0; c < n; ++c) {
+                const float4 x = *reinterpret_cast<const float4*>(VP + c * CW + c4);
+                #pragma unroll
+                for (int j = 0; j < RPT; ++j) {
+                    const float w = P[c * DCP + r0 + j];
+                    acc[j].x += w * x.x, acc[j].y += w * x.y, acc[j].z += w * x.z, acc[j].w += w * x.w;
+                }
+            }
+            #pragma unroll
+            for (int j = 0; j < RPT; ++j) {
+                const int r = r0 + j;
+                if (r < n)
+                    *reinterpret_cast<float4*>(out + (it.first + r) * hd + (long)h * D + col0 + c4) = acc[j];
+            }
+        }
+        __syncthreads();
+        for (int i = t; i < DC * D; i += DC_THREADS) T[i] = wk[WK::KD + i];
+        __syncthreads();
+        // S ← diag(e^{Γn}) S + (K ⊙ e^{Γn−Γ})ᵀ V'.
+        if (state_on) {
+            float4 s[KPT];
+            #pragma unroll
+            for (int j = 0; j < KPT; ++j) {
+                const float e = wk[WK::GL + k0 + j];
+                s[j] = *reinterpret_cast<const float4*>(S + (k0 + j) * CW + c4);
+                s[j].x *= e, s[j].y *= e, s[j].z *= e, s[j].w *= e;
+            }
+            for (int r = 0; r < n; ++r) {
+                const float4 x = *reinterpret_cast<const float4*>(VP + r * CW + c4);
+                #pragma unroll
+                for (int j = 0; j < KPT; ++j) {
+                    const float w = T[r * D + k0 + j];
+                    s[j].x += w * x.x, s[j].y += w * x.y, s[j].z += w * x.z, s[j].w += w * x.w;
+                }
+            }
+            #pragma unroll
+            for (int j = 0; j < KPT; ++j) *reinterpret_cast<float4*>(S + (k0 + j) * CW + c4) = s[j];
+        }
+    }
+    __syncthreads();
+    for (int i = t; i < D * NCG; i += DC_THREADS) {
+        const int kk = i / NCG, q4 = (i % NCG) * 4;
+        *reinterpret_cast<float4*>(state + (long)kk * D + q4) = *reinterpret_cast<const float4*>(S + kk * CW + q4);
+    }
+}
+
+#define DELTA_CHUNK(D) \
+    extern "C" __global__ void __launch_bounds__(DC_THREADS) delta_chunk_prep_d##D( \
+            const float* q, const float* k, const float* v, const float* g, const float* beta, int heads, \
+            const ChunkItem* items, float* work) { \
+        delta_chunk_prep_impl<D>(q, k, v, g, beta, heads, items, work); \
+    } \
+    extern "C" __global__ void __launch_bounds__(DC_THREADS) delta_chunk_state_d##D( \
+            const ChunkItem* items, const ChunkRun* runs, int heads, const float* work, float* out) { \
+        delta_chunk_state_impl<D>(items, runs, heads, work, out); \
+    }
+DELTA_CHUNK(16)
+DELTA_CHUNK(32)
+DELTA_CHUNK(64)
+DELTA_CHUNK(128)

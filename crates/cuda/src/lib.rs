@@ -23,14 +23,20 @@
 
 /// NVRTC compilation of the kernels with an on-disk cache.
 pub mod compile;
+/// KDA's delta rule: the recurrent kernel (decode) and the chunked kernels (prompts).
+mod delta_rule;
 mod device;
 /// The environment variables the backend reads.
 mod env;
 mod gemm;
 /// Decode steps captured as CUDA graphs and replayed.
 pub mod graph;
-/// The KDA-hybrid family's operations (`HybridOps`), with MLA and MoE routing on the host.
+/// The KDA-hybrid family's operations (`HybridOps`): KDA, MLA over paged latents, MoE.
 mod hybrid;
+/// MLA over paged latents (`HybridOps` bodies).
+mod mla;
+/// MoE routing and grouped experts (`HybridOps` bodies).
+mod moe;
 mod ops;
 /// Tensor-core attention for prompt-shaped steps.
 mod prefill;
