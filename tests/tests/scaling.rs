@@ -404,9 +404,26 @@ async fn in_flight(c: &reqwest::Client, url: &str) -> Value {
         .unwrap()
 }
 
+/// The names of an attempt's phases in `/admin/requests`, in order.
+fn phase_names(attempt: &Value) -> Vec<&str> {
+    attempt["phases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["phase"].as_str().unwrap())
+        .collect()
+}
+
 #[test]
-fn the_in_flight_table_shows_a_stream_while_it_runs_and_forgets_it_after() {
-    let cluster = Cluster::start(ClusterOptions::default());
+fn the_in_flight_table_shows_each_attempts_phases_while_a_stream_runs_and_forgets_it_after() {
+    // The first prefill worker listed is dead (connections refused) and stays routable (no
+    // ejection by health polls during the test): the first request's first attempt reserves
+    // KV on the decode worker, fails on the prefill, and the second attempt streams.
+    let cluster = Cluster::start(ClusterOptions {
+        dead_workers: true,
+        router_config: "health: {eject_after: 100}\n".into(),
+        ..ClusterOptions::default()
+    });
     let url = cluster.url.clone();
     rt().block_on(async {
         let c = reqwest::Client::new();
@@ -433,13 +450,59 @@ fn the_in_flight_table_shows_a_stream_while_it_runs_and_forgets_it_after() {
             (Some("prefill-0"), Some("decode-0"))
         );
         assert!(r["tokens"].as_u64().unwrap() >= 2, "{table}");
-        assert_eq!(r["attempts"], 1);
+        assert_eq!(r["attempts"], 2, "{table}");
+        let history = r["history"].as_array().unwrap();
+        assert_eq!(history.len(), 2, "{table}");
+        let (failed, streaming) = (&history[0], &history[1]);
+        assert_eq!(
+            (failed["prefill"].as_str(), failed["decode"].as_str()),
+            (Some("prefill-dead"), Some("decode-0")),
+            "{table}"
+        );
+        assert_eq!(
+            phase_names(failed),
+            ["admitted", "decode_reserved", "prefilling", "failed"],
+            "{table}"
+        );
+        assert_eq!(failed["phases"][3]["class"], "unavailable", "{table}");
+        assert_eq!(
+            phase_names(streaming),
+            [
+                "admitted",
+                "decode_reserved",
+                "prefilling",
+                "kv_ready",
+                "decoding"
+            ],
+            "{table}"
+        );
+        assert_eq!(streaming["resumed_after"], 0, "a retry, not a migration");
+        let times: Vec<u64> = history
+            .iter()
+            .flat_map(|a| a["phases"].as_array().unwrap())
+            .map(|t| t["at_ms"].as_u64().unwrap())
+            .collect();
+        assert!(times.windows(2).all(|w| w[0] <= w[1]), "{table}");
+        assert!(
+            r["phase_ms"].as_u64().unwrap() <= r["age_ms"].as_u64().unwrap(),
+            "{table}"
+        );
+        let metrics = tandem_e2e::metrics_text(&c, &url).await;
+        assert!(
+            metrics.contains(r#"tandem_requests_in_phase{phase="decoding"} 1"#),
+            "{metrics}"
+        );
         // The client goes away: the request leaves the table (and its KV the worker).
         drop(body);
         let workers = tandem_e2e::workers_when_idle(&c, &url).await;
         assert!(tandem_e2e::pools_full(&workers, None), "{workers}");
         let table = in_flight(&c, &url).await;
         assert_eq!(table["count"], 0, "{table}");
+        let metrics = tandem_e2e::metrics_text(&c, &url).await;
+        assert!(
+            metrics.contains(r#"tandem_requests_in_phase{phase="decoding"} 0"#),
+            "{metrics}"
+        );
     });
 }
 

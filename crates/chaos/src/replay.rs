@@ -1,5 +1,6 @@
 //! Replaying a request trace against a router and judging the result against a fault-free
-//! run of the same trace: what was lost, hung, answered differently, and whether the
+//! run of the same trace: what was lost, hung, answered with tokens repeated (a stream that
+//! re-sent what the client already had), answered differently otherwise, and whether the
 //! workers hold anything afterwards.
 //!
 //! A trace is JSON lines, one request each: `{"path": "/v1/completions", "body": {...}}`
@@ -308,8 +309,16 @@ pub struct Verdict {
     pub failed: BTreeMap<String, usize>,
     /// Not answered within the limit.
     pub hung: usize,
-    /// Completed with a text different from the baseline's (duplicated, skipped or corrupted
-    /// tokens all show here).
+    /// Completed with the baseline's text with some stretch of it repeated ([`compare`]):
+    /// tokens sent twice, as by a retried or migrated stream that re-sent what the client
+    /// already had.
+    #[serde(default)]
+    pub duplicated: usize,
+    /// Indices of the requests with repeated tokens (at most 20).
+    #[serde(default)]
+    pub duplicated_examples: Vec<usize>,
+    /// Completed with a text that differs from the baseline's otherwise (skipped, corrupted
+    /// or other tokens).
     pub differ: usize,
     /// Indices of the requests that differ (at most 20).
     pub differ_examples: Vec<usize>,
@@ -338,11 +347,20 @@ impl Verdict {
                 Some(e) => *v.failed.entry(e.clone()).or_default() += 1,
                 None => {
                     v.completed += 1;
-                    if b.completed() && o.text != b.text {
-                        v.differ += 1;
-                        if v.differ_examples.len() < 20 {
-                            v.differ_examples.push(o.index);
-                        }
+                    let (Some(text), Some(expected)) = (&o.text, &b.text) else {
+                        continue;
+                    };
+                    if !b.completed() {
+                        continue;
+                    }
+                    let (count, examples) = match compare(text, expected) {
+                        Comparison::Same => continue,
+                        Comparison::Duplicated => (&mut v.duplicated, &mut v.duplicated_examples),
+                        Comparison::Differs => (&mut v.differ, &mut v.differ_examples),
+                    };
+                    *count += 1;
+                    if examples.len() < 20 {
+                        examples.push(o.index);
                     }
                 }
             }
@@ -355,9 +373,11 @@ impl Verdict {
         self.failed.values().sum::<usize>() + self.hung
     }
 
-    /// Nothing lost, hung, different or leaked (and the baseline itself complete).
+    /// Nothing lost, hung, duplicated, different or leaked (and the baseline itself
+    /// complete).
     pub fn passed(&self) -> bool {
         self.lost() == 0
+            && self.duplicated == 0
             && self.differ == 0
             && self.baseline_failed == 0
             && self.leaks.leaking.is_empty()
@@ -388,23 +408,72 @@ impl Verdict {
             (None, false) => format!("on {}", self.leaks.leaking.join(", ")),
         };
         format!(
-            "  sent            {}\n  completed       {}\n  failed          {}{}\n  hung            {}\n  differ          {}{}\n  baseline failed {}\n  leaked          {}\n  injected        {}\nverdict: {}\n",
+            "  sent            {}\n  completed       {}\n  failed          {}{}\n  hung            {}\n  duplicated      {}{}\n  differ          {}{}\n  baseline failed {}\n  leaked          {}\n  injected        {}\nverdict: {}\n",
             self.sent,
             self.completed,
             self.failed.values().sum::<usize>(),
             failed,
             self.hung,
+            self.duplicated,
+            examples(&self.duplicated_examples),
             self.differ,
-            if self.differ_examples.is_empty() {
-                String::new()
-            } else {
-                format!("   (requests {:?})", self.differ_examples)
-            },
+            examples(&self.differ_examples),
             self.baseline_failed,
             leaks,
             if injected.is_empty() { "nothing".to_string() } else { injected.join(", ") },
             if self.passed() { "PASS" } else { "FAIL" },
         )
+    }
+}
+
+fn examples(indices: &[usize]) -> String {
+    if indices.is_empty() {
+        String::new()
+    } else {
+        format!("   (requests {indices:?})")
+    }
+}
+
+/// How a completed answer compares with the fault-free one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Comparison {
+    /// The same text.
+    Same,
+    /// The fault-free text with one or more stretches of it repeated: read from the start,
+    /// the answer follows the fault-free text, at times going back to an earlier point and
+    /// following it again from there, and ends where it ends. Tokens re-sent by a retried
+    /// stream look like this (the text cannot tell which repeated characters were meant as a
+    /// repeat, so an answer that merely happens to have this shape counts here too).
+    Duplicated,
+    /// Any other difference: tokens skipped, corrupted or replaced, or an answer cut short.
+    Differs,
+}
+
+/// Compares `answer` with the fault-free `expected` answer to the same request.
+pub fn compare(answer: &str, expected: &str) -> Comparison {
+    if answer == expected {
+        return Comparison::Same;
+    }
+    let expected: Vec<char> = expected.chars().collect();
+    let Some(last) = expected.len().checked_sub(1) else {
+        return Comparison::Differs;
+    };
+    // How far into `expected` the answer so far can have got. Going back to any earlier
+    // point is allowed, so every position up to it is reachable too, and the furthest one
+    // is all there is to keep: the next character continues from the latest position at or
+    // before it where `expected` has that character.
+    let mut reach = 0usize;
+    for c in answer.chars() {
+        match (0..=reach.min(last)).rev().find(|&q| expected[q] == c) {
+            Some(q) => reach = q + 1,
+            None => return Comparison::Differs,
+        }
+    }
+    // Ending at the end after having gone back at least once (the texts are not equal).
+    if reach == expected.len() {
+        Comparison::Duplicated
+    } else {
+        Comparison::Differs
     }
 }
 
@@ -440,13 +509,15 @@ mod tests {
             ok(2, "c"),
             ok(3, "d"),
             failed(4, "x"),
+            ok(5, "The sky is blue."),
         ];
         let run = vec![
             ok(0, "a"),
-            ok(1, "bb"),
+            ok(1, "bc"),
             failed(2, "unavailable"),
             failed(3, "hung"),
             ok(4, "e"),
+            ok(5, "The sky is sky is blue."),
         ];
         let v = Verdict::judge(
             &run,
@@ -457,9 +528,13 @@ mod tests {
                 error: None,
             },
         );
-        assert_eq!((v.sent, v.completed, v.hung, v.differ), (5, 3, 1, 1));
+        assert_eq!((v.sent, v.completed, v.hung), (6, 4, 1));
+        assert_eq!((v.duplicated, v.differ), (1, 1), "{v:?}");
         assert_eq!(v.failed["unavailable"], 1);
-        assert_eq!(v.differ_examples, [1]);
+        assert_eq!(
+            (&v.duplicated_examples[..], &v.differ_examples[..]),
+            (&[5][..], &[1][..])
+        );
         assert_eq!(v.baseline_failed, 1);
         assert_eq!(v.lost(), 2);
         assert!(!v.passed());
@@ -468,6 +543,27 @@ mod tests {
             t.contains("verdict: FAIL") && t.contains("on decode") && t.contains("unavailable: 1"),
             "{t}"
         );
+        assert!(
+            t.contains("duplicated      1   (requests [5])")
+                && t.contains("differ          1   (requests [1])"),
+            "{t}"
+        );
+        // Repeated tokens alone fail a run.
+        let only_repeats = Verdict::judge(
+            &[ok(0, "The sky is blue. blue.")],
+            &baseline[5..],
+            Leaks::default(),
+        );
+        assert_eq!((only_repeats.duplicated, only_repeats.differ), (1, 0));
+        assert!(!only_repeats.passed());
+        // A verdict written before the count existed still reads.
+        let mut old = serde_json::to_value(clean_of(&baseline)).expect("json");
+        old.as_object_mut().expect("object").remove("duplicated");
+        old.as_object_mut()
+            .expect("object")
+            .remove("duplicated_examples");
+        let read: Verdict = serde_json::from_value(old).expect("reads");
+        assert_eq!(read.duplicated, 0);
         let clean = Verdict::judge(
             &baseline[..4],
             &baseline[..4],
@@ -477,6 +573,61 @@ mod tests {
             },
         );
         assert!(clean.passed(), "{}", clean.table());
+    }
+
+    fn clean_of(baseline: &[Outcome]) -> Verdict {
+        Verdict::judge(baseline, baseline, Leaks::default())
+    }
+
+    #[test]
+    fn repeated_tokens_are_told_from_other_differences() {
+        let expected = "The capital of France is Paris.";
+        let cases = [
+            (expected, Comparison::Same),
+            // A retried stream that re-sent a run of tokens, in the middle, at the start,
+            // at the end, twice.
+            (
+                "The capital of France is capital of France is Paris.",
+                Comparison::Duplicated,
+            ),
+            (
+                "The The capital of France is Paris.",
+                Comparison::Duplicated,
+            ),
+            (
+                "The capital of France is Paris. Paris.",
+                Comparison::Duplicated,
+            ),
+            (
+                "The capital of France is Paris.Paris.",
+                Comparison::Duplicated,
+            ),
+            (
+                "The capital of capital of France is France is Paris.",
+                Comparison::Duplicated,
+            ),
+            // Tokens skipped, replaced, cut short, or repeated and then wrong.
+            ("The capital of is Paris.", Comparison::Differs),
+            ("The capital of Spain is Paris.", Comparison::Differs),
+            ("The capital of France is", Comparison::Differs),
+            ("", Comparison::Differs),
+            (
+                "The capital of France is France is Madrid.",
+                Comparison::Differs,
+            ),
+            ("The capital of France is Paris. Lyon.", Comparison::Differs),
+            // Repeated in the wrong order: not the fault-free text read again.
+            (
+                "The capital of France is Paris.capital The",
+                Comparison::Differs,
+            ),
+        ];
+        for (answer, want) in cases {
+            assert_eq!(compare(answer, expected), want, "{answer:?}");
+        }
+        assert_eq!(compare("héllo héllo", "héllo"), Comparison::Differs);
+        assert_eq!(compare("hélhéllo", "héllo"), Comparison::Duplicated);
+        assert_eq!(compare("x", ""), Comparison::Differs);
     }
 
     #[test]

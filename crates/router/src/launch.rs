@@ -98,7 +98,8 @@ async fn workers(
     Ok(Json(json!({"workers": worker_report(&pd, wait).await})))
 }
 
-/// The requests in flight and their phases.
+/// The requests in flight, oldest first: each one's phase and how long it has been in it, and
+/// its latest attempts with the phases they went through (`pd::inflight`).
 async fn requests(State(pd): State<Arc<PdGenerator>>) -> Json<Value> {
     let list = pd.in_flight().snapshot();
     Json(json!({"count": list.len(), "requests": list}))
@@ -216,10 +217,12 @@ pub async fn run_from_config(
     )?;
     state.admission().configure(config.admission.clone());
     let pool_metrics = crate::pd::pool_metrics::PoolMetrics::register(state.metrics().registry());
-    state
-        .metrics()
-        .registry()
+    let registry = state.metrics().registry();
+    registry
         .register(Box::new(pd.in_flight().migrations_counter()))
+        .expect("metric names are unique within this registry");
+    registry
+        .register(Box::new(pd.in_flight().phase_gauges()))
         .expect("metric names are unique within this registry");
     tokio::spawn(
         pd.clone()

@@ -1,8 +1,11 @@
 //! One attempt of a request on its workers: a P/D pair (reserve on the decode worker,
 //! prefill with its KV target, stream the rest) or an aggregated worker. Each resolves with
-//! the first token, so a failure before it can still be retried elsewhere.
+//! the first token, so a failure before it can still be retried elsewhere, and enters each
+//! phase of the in-flight table's handoff where the workers' answers show it (the failure
+//! itself is recorded by the caller, which classifies it).
 
 use crate::generator::{GenerateError, GeneratedToken, TokenStream, ValidGenerateRequest};
+use crate::pd::inflight::{AttemptTracker, Phase};
 use crate::pd::workers::{classify_status, WorkerHandle};
 use futures::StreamExt;
 use tandem_core::{ErrorClass, TokenLogprobs};
@@ -110,10 +113,10 @@ pub(crate) async fn try_aggregated(
     req: &ValidGenerateRequest,
     n: u32,
     budget: Budget,
-    tracker: &crate::pd::inflight::Tracker,
+    attempt: &AttemptTracker,
 ) -> Result<Vec<TokenStream>, GenerateError> {
     let claim = w.claim();
-    tracker.phase(crate::pd::inflight::Phase::Prefilling);
+    attempt.enter(Phase::Prefilling);
     let events = w
         .client
         .clone()
@@ -144,7 +147,7 @@ pub(crate) async fn try_aggregated(
             }
         }
     }
-    tracker.phase(crate::pd::inflight::Phase::Decoding);
+    attempt.enter(Phase::Decoding);
     Ok(streams
         .into_iter()
         .zip(firsts)
@@ -193,7 +196,7 @@ pub(crate) async fn try_pair(
     req: &ValidGenerateRequest,
     n: u32,
     budget: Budget,
-    tracker: &crate::pd::inflight::Tracker,
+    attempt: &AttemptTracker,
 ) -> Result<Vec<TokenStream>, (Leg, GenerateError)> {
     let on_decode = |e: GenerateError| (Leg::Decode, e);
     let request = to_pb(req, n);
@@ -232,7 +235,7 @@ pub(crate) async fn try_pair(
             )))
         }
     };
-    tracker.phase(crate::pd::inflight::Phase::Prefilling);
+    attempt.enter(Phase::DecodeReserved);
     let mut prefill_client = p.client.clone();
     let prefill_call = prefill_client.prefill(with_deadline(
         pb::PrefillRequest {
@@ -241,6 +244,7 @@ pub(crate) async fn try_pair(
         },
         budget.first_token,
     ));
+    attempt.enter(Phase::Prefilling);
     tokio::pin!(prefill_call);
     // Watch the decode stream while the prefill runs: a decode worker that goes away ends the
     // attempt at once, and dropping the prefill call cancels the prompt's computation on the
@@ -275,7 +279,6 @@ pub(crate) async fn try_pair(
         })?
         .into_inner();
     drop(prefill_claim);
-    tracker.phase(crate::pd::inflight::Phase::Decoding);
     // The prompt's log-probabilities (when asked for) are every choice's.
     let prompt_logprobs: Vec<_> = first
         .prompt_logprobs
@@ -312,17 +315,27 @@ pub(crate) async fn try_pair(
         .into_iter()
         .map(|first| futures::stream::once(async move { Ok(first) }).boxed());
     if !open.contains(&true) {
-        // Dropping `decode` here cancels the reservation on the decode worker.
+        // Every choice ended with its first token: no KV was sent, and dropping `decode`
+        // here cancels the reservation on the decode worker.
         return Ok(heads.collect());
     }
-    // A token that arrived during the prefill, then the rest of the stream.
+    // The prefill worker pushed the KV before answering.
+    attempt.enter(Phase::KvReady);
+    // A token that arrived during the prefill, then the rest of the stream; the first of
+    // them starts the decoding phase.
     let early = futures::stream::iter(early.flatten().map(Ok::<_, tonic::Status>));
+    let mut decoding = Some(attempt.clone());
     let rest = early
         .chain(decode)
-        .map(|m| match m {
+        .map(move |m| match m {
             Ok(pb::DecodeEvent {
                 event: Some(pb::decode_event::Event::Token(t)),
-            }) => Ok(t),
+            }) => {
+                if let Some(a) = decoding.take() {
+                    a.enter(Phase::Decoding);
+                }
+                Ok(t)
+            }
             Ok(other) => Err(GenerateError::new(
                 ErrorClass::Internal,
                 format!("unexpected decode event {other:?}"),

@@ -24,7 +24,7 @@
 mod attempt;
 /// Per-worker circuit breakers.
 pub mod breaker;
-/// The table of requests in flight (`/admin/requests`).
+/// The table of requests in flight and their attempts' phases (`/admin/requests`).
 pub mod inflight;
 /// Worker selection policies.
 pub mod policy;
@@ -424,7 +424,7 @@ impl PdGenerator {
         self.admit().await?;
         // Choice 0's request (the base seed) asks for them all.
         let streams = self
-            .first_streams(&choices[0], n, &mut cursor, deadline, &trackers[0])
+            .first_streams(&choices[0], n, &mut cursor, deadline, &trackers)
             .await?;
         Ok(streams
             .into_iter()
@@ -449,7 +449,7 @@ impl PdGenerator {
         n: u32,
         cursor: &mut Cursor,
         deadline: tokio::time::Instant,
-        tracker: &inflight::Tracker,
+        trackers: &[inflight::Tracker],
     ) -> Result<Vec<TokenStream>, GenerateError> {
         let started = tokio::time::Instant::now();
         let give_up = (started + self.retry.outage_wait).min(deadline);
@@ -460,7 +460,7 @@ impl PdGenerator {
             // The pools as they are now: a migration after a scale change sees the new ones.
             let pools = self.pools();
             let result = self
-                .attempts(&pools, req, n, cursor, deadline, tracker)
+                .attempts(&pools, req, n, cursor, deadline, trackers)
                 .await;
             let e = match result {
                 Ok(streams) => {
@@ -501,7 +501,8 @@ impl PdGenerator {
 
     /// Attempts until one yields the first token of each of `n` choices (or the retry
     /// budget, a non-retryable error or the request deadline ends it), moving `cursor`
-    /// past the routes that failed.
+    /// past the routes that failed. Each attempt is recorded in the in-flight table for
+    /// the requests of `trackers` (one per choice), a failed one with its class.
     async fn attempts(
         &self,
         pools: &Pools,
@@ -509,7 +510,7 @@ impl PdGenerator {
         n: u32,
         cursor: &mut Cursor,
         deadline: tokio::time::Instant,
-        tracker: &inflight::Tracker,
+        trackers: &[inflight::Tracker],
     ) -> Result<Vec<TokenStream>, GenerateError> {
         let mut last = no_workers();
         let t = self.timeouts;
@@ -535,13 +536,13 @@ impl PdGenerator {
             };
             let result = if let Some(w) = pools.aggregated.get(cursor.route) {
                 let _ = w.admit();
-                tracker.attempt(&w.id.0, None);
+                let phases = inflight::Tracker::attempt(trackers, &w.id.0, None);
                 let legs = Budget {
                     first_token: budget,
                     request: left,
                 };
                 let attempt_result =
-                    tokio::time::timeout(budget, try_aggregated(w, req, n, legs, tracker))
+                    tokio::time::timeout(budget, try_aggregated(w, req, n, legs, &phases))
                         .await
                         .unwrap_or_else(|_| Err(stalled(format!("worker {}", w.id))));
                 w.report(
@@ -551,6 +552,7 @@ impl PdGenerator {
                     self.breaker,
                 );
                 attempt_result.inspect_err(|e| {
+                    phases.enter(inflight::Phase::Failed { class: e.class });
                     tracing::warn!(request = %req.id, worker = %w.id, attempt,
                         class = e.class.as_str(), error = %e.message, "aggregated attempt failed");
                 })
@@ -559,13 +561,13 @@ impl PdGenerator {
                 else {
                     break;
                 };
-                tracker.attempt(&p.id.0, Some(&d.id.0));
+                let phases = inflight::Tracker::attempt(trackers, &p.id.0, Some(&d.id.0));
                 let legs = Budget {
                     first_token: budget,
                     request: left,
                 };
                 let attempt_result =
-                    tokio::time::timeout(budget, try_pair(&p, &d, req, n, legs, tracker))
+                    tokio::time::timeout(budget, try_pair(&p, &d, req, n, legs, &phases))
                         .await
                         .unwrap_or_else(|_| {
                             // Which side stalled is not known: move both.
@@ -583,6 +585,7 @@ impl PdGenerator {
                 p.report(p_out, self.breaker);
                 d.report(d_out, self.breaker);
                 attempt_result.map_err(|(leg, e)| {
+                    phases.enter(inflight::Phase::Failed { class: e.class });
                     match leg {
                         Leg::Prefill => cursor.pi += 1,
                         Leg::Decode => cursor.di += 1,
@@ -678,6 +681,9 @@ fn resuming(
                     s.sent.push(tok.token_id);
                     s.tracker.token();
                     let more = tok.finish_reason.is_none();
+                    if !more {
+                        s.tracker.enter(inflight::Phase::Done);
+                    }
                     return Some((Ok(tok), more.then_some(s)));
                 }
                 None => return None,
@@ -688,6 +694,7 @@ fn resuming(
                         && (s.sent.len() as u32) < s.req.sampling.max_tokens =>
                 {
                     s.migrations += 1;
+                    s.tracker.enter(inflight::Phase::Failed { class: e.class });
                     s.tracker.migration();
                     tracing::warn!(request = %s.req.id, tokens = s.sent.len(),
                         migration = s.migrations, class = e.class.as_str(), error = %e.message,
@@ -698,14 +705,23 @@ fn resuming(
                     let resumed = resumed_request(&s.req, &s.sent);
                     s.tokens = match s
                         .generator
-                        .first_streams(&resumed, 1, &mut s.cursor, s.deadline, &s.tracker)
+                        .first_streams(
+                            &resumed,
+                            1,
+                            &mut s.cursor,
+                            s.deadline,
+                            std::slice::from_ref(&s.tracker),
+                        )
                         .await
                     {
                         Ok(mut t) => t.remove(0),
                         Err(e) => return Some((Err(e), None)),
                     };
                 }
-                Some(Err(e)) => return Some((Err(e), None)),
+                Some(Err(e)) => {
+                    s.tracker.enter(inflight::Phase::Failed { class: e.class });
+                    return Some((Err(e), None));
+                }
             }
         }
     })
