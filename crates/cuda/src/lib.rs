@@ -37,6 +37,8 @@ mod hybrid;
 mod mla;
 /// MoE routing and grouped experts (`HybridOps` bodies).
 mod moe;
+/// NCCL communicators for tensor-parallel ranks on distinct GPUs.
+pub mod nccl;
 mod ops;
 /// Tensor-core attention for prompt-shaped steps.
 mod prefill;
