@@ -360,12 +360,25 @@ impl WithBackend for DeviceDeltaRule {
                 h,
                 d,
             )?;
+            // The token loop on the same prompt, for the ratio in the same run.
+            let loop_secs = delta_time(
+                &b,
+                std::slice::from_ref(&(0..t)),
+                DeltaForm::Recurrent,
+                5,
+                h,
+                d,
+            )?;
             println!(
-                "  chunked prefill {t:>6} tokens {:>9.3} ms ({:>10.0} tok/s)",
+                "  chunked prefill {t:>6} tokens {:>9.3} ms ({:>10.0} tok/s); token loop {:>9.3} ms, chunked {:.2}x faster",
                 secs * 1e3,
-                t as f64 / secs
+                t as f64 / secs,
+                loop_secs * 1e3,
+                loop_secs / secs
             );
-            prefill.push(serde_json::json!({"tokens": t, "ms": secs * 1e3}));
+            prefill.push(
+                serde_json::json!({"tokens": t, "ms": secs * 1e3, "token_loop_ms": loop_secs * 1e3}),
+            );
         }
         let mut decode = Vec::new();
         for &n in &self.decode {

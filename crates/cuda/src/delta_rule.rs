@@ -34,7 +34,7 @@ pub(crate) const CHUNK: usize = 64;
 /// Threads per block of the chunked kernels (`DC_THREADS`).
 const CHUNK_THREADS: u32 = 256;
 /// Row stride of the chunked state kernel's transposed tiles (`DCP`).
-const CHUNK_PADDED: usize = CHUNK + 4;
+const CHUNK_PADDED: usize = CHUNK + 1;
 /// The most workspace one call of the chunked form uses (its rounds are sized to it).
 const WORK_BYTES: usize = 128 << 20;
 
@@ -54,11 +54,11 @@ fn state_columns(d: usize) -> usize {
     d.min(32)
 }
 
-/// Dynamic shared memory of `delta_chunk_state_d{d}`: the state slice, V', a transposed tile
-/// and Pmᵀ (`ChunkCols::SHARED`).
+/// Dynamic shared memory of `delta_chunk_state_d{d}`: the state slice, V', two tiles (one
+/// in use, one filling) and Pmᵀ (`ChunkCols::SHARED`).
 fn state_shared_bytes(d: usize) -> usize {
     let cw = state_columns(d);
-    4 * (d * cw + CHUNK * cw + d * CHUNK_PADDED + CHUNK * CHUNK_PADDED)
+    4 * (d * cw + CHUNK * cw + 2 * d * CHUNK_PADDED + CHUNK * CHUNK_PADDED)
 }
 
 /// Lets the chunked kernels take the shared memory they need; false (and a warning) where

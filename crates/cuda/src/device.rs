@@ -231,9 +231,12 @@ pub(crate) struct Inner {
     pub(crate) decode_rope: bool,
     /// MoE steps of up to this many tokens run their experts as one grouped product.
     pub(crate) moe_grouped_rows: usize,
-    /// Whether prompts take the chunked delta-rule kernels (they need more than the default
-    /// 48 KiB of shared memory; see delta_rule.rs).
+    /// Whether the chunked delta-rule kernels could be set up (they need more than the
+    /// default 48 KiB of shared memory; see delta_rule.rs): sequences asking for the chunked
+    /// form take them.
     pub(crate) delta_chunks: bool,
+    /// Whether prompts ask for the chunked form ([`tandem_engine::backend::HybridOps::prompt_form`]).
+    pub(crate) chunked_prompts: bool,
 }
 
 /// A CUDA device running tandem's kernels. Cheap to clone (clones share the device).
@@ -346,8 +349,8 @@ impl CudaBackend {
             cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
         )? as usize;
         let gemv_smem = gemv_shared_memory(&kernels);
-        let delta_chunks =
-            crate::env::delta_chunks() && crate::delta_rule::chunk_shared_memory(&kernels);
+        let delta_chunks = crate::delta_rule::chunk_shared_memory(&kernels);
+        let chunked_prompts = delta_chunks && crate::env::chunked_prompts();
         let pdl = crate::env::programmatic_launches() && arch.0 >= 9 && {
             match probe_programmatic_launches(&ctx, &stream, &kernels.pdl_probe) {
                 Ok(()) => true,
@@ -378,6 +381,7 @@ impl CudaBackend {
                 decode_rope: crate::env::decode_rope(),
                 moe_grouped_rows: crate::env::moe_grouped_rows(),
                 delta_chunks,
+                chunked_prompts,
                 pdl,
             }),
         })

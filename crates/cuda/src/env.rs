@@ -59,8 +59,10 @@ pub(crate) fn kernels_file() -> Option<std::path::PathBuf> {
     std::env::var_os("TANDEM_CUDA_KERNELS_FILE").map(Into::into)
 }
 
-/// `TANDEM_CUDA_DELTA_CHUNKS=0`: prompts run the delta rule token by token (the recurrent
-/// kernel) instead of the chunked kernels, for A/B runs.
-pub(crate) fn delta_chunks() -> bool {
-    std::env::var("TANDEM_CUDA_DELTA_CHUNKS").map_or(true, |v| v != "0")
+/// `TANDEM_CUDA_DELTA_CHUNKS=1|0`: whether prompts run the delta rule in its chunked form
+/// (the chunked kernels) or token by token (the recurrent kernel). Default: the recurrent
+/// kernel, which measured faster than the chunked kernels so far (docs/benchmarks.md,
+/// session 30).
+pub(crate) fn chunked_prompts() -> bool {
+    std::env::var("TANDEM_CUDA_DELTA_CHUNKS").is_ok_and(|v| v == "1")
 }

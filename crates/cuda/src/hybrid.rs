@@ -44,10 +44,10 @@ pub(crate) struct SeqEntry {
 }
 
 impl HybridOps for CudaBackend {
-    /// The chunked form where its kernels could be set up (they need more than the default
-    /// shared memory), else the recurrent one, so a prompt asks for the form that runs.
+    /// The recurrent form unless `TANDEM_CUDA_DELTA_CHUNKS=1` (and the chunked kernels could
+    /// be set up): so far the token loop measured faster (docs/benchmarks.md, session 30).
     fn prompt_form(&self) -> DeltaForm {
-        if self.inner.delta_chunks {
+        if self.inner.chunked_prompts {
             DeltaForm::Chunked
         } else {
             DeltaForm::Recurrent

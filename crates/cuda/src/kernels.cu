@@ -2066,8 +2066,9 @@ DELTA_RULE(delta_rule_d128_q2, 128, 2)
 
 #define DC 64
 #define DC_THREADS 256
-// Row stride of the transposed tiles in `delta_chunk_state` (keeps float2 loads aligned).
-#define DCP (DC + 4)
+// Row stride of the transposed tiles in `delta_chunk_state` (odd: a warp's transposing
+// stores spread over the banks).
+#define DCP (DC + 1)
 
 // One chunk of a sequence: its first row in the step and its rows (1..=DC).
 struct ChunkItem {
@@ -2107,13 +2108,24 @@ __device__ void delta_chunk_prep_impl(const float* __restrict__ q, const float* 
     const int h = blockIdx.y, n = (int)it.rows, t = threadIdx.x, lane = t & 31, warp = t >> 5;
     const long hd = (long)heads * D, at0 = it.first * hd + (long)h * D;
     float* wk = work + ((long)blockIdx.x * heads + h) * WK::SIZE;
-    for (int i = t; i < DC * D; i += DC_THREADS) {
-        const int r = i / D, c = i % D;
-        const bool in = r < n;
+    // Rows as float4s, all of a thread's loads issued before any is stored.
+    constexpr int NL = DC * D / 4 / DC_THREADS;
+    float4 lg[NL], lk[NL], lq[NL];
+    #pragma unroll
+    for (int j = 0; j < NL; ++j) {
+        const int f = t + j * DC_THREADS, r = f / (D / 4), c = (f % (D / 4)) * 4;
+        const float4 z = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         const long at = at0 + (long)r * hd + c;
-        G[i] = in ? g[at] : 0.0f;
-        K[i] = in ? k[at] : 0.0f;
-        Q[i] = in ? q[at] : 0.0f;
+        lg[j] = r < n ? __ldg(reinterpret_cast<const float4*>(g + at)) : z;
+        lk[j] = r < n ? __ldg(reinterpret_cast<const float4*>(k + at)) : z;
+        lq[j] = r < n ? __ldg(reinterpret_cast<const float4*>(q + at)) : z;
+    }
+    #pragma unroll
+    for (int j = 0; j < NL; ++j) {
+        const int f = t + j * DC_THREADS;
+        reinterpret_cast<float4*>(G)[f] = lg[j];
+        reinterpret_cast<float4*>(K)[f] = lk[j];
+        reinterpret_cast<float4*>(Q)[f] = lq[j];
     }
     if (t < DC) B[t] = t < n ? beta[(it.first + t) * heads + h] : 0.0f;
     __syncthreads();
@@ -2158,14 +2170,25 @@ __device__ void delta_chunk_prep_impl(const float* __restrict__ q, const float* 
     }
     if (t < D) wk[WK::GL + t] = __expf(gl[t]);
     __syncthreads();
-    // (I + M) X = X₀ by forward substitution, a column of W (t < D) or of U (D ≤ t < 2D) each.
+    // (I + M) X = X₀ by forward substitution, a column of W (t < D) or of U (D ≤ t < 2D) each,
+    // held in registers (rows past n stay zero: their X₀ and M rows are).
     if (t < 2 * D) {
-        float* x = (t < D ? Q : K) + (t % D);
-        for (int r = 1; r < n; ++r) {
-            float s = x[r * D];
-            for (int c = 0; c < r; ++c) s -= M[r * DC + c] * x[c * D];
-            x[r * D] = s;
+        float* col = (t < D ? Q : K) + (t % D);
+        float x[DC];
+        #pragma unroll
+        for (int r = 0; r < DC; ++r) x[r] = col[r * D];
+        #pragma unroll
+        for (int r = 1; r < DC; ++r) {
+            float a0 = 0.0f, a1 = 0.0f;
+            #pragma unroll
+            for (int c = 0; c < r; ++c) {
+                if (c & 1) a1 += M[r * DC + c] * x[c];
+                else a0 += M[r * DC + c] * x[c];
+            }
+            x[r] -= a0 + a1;
         }
+        #pragma unroll
+        for (int r = 0; r < DC; ++r) col[r * D] = x[r];
     }
     __syncthreads();
     for (int i = t; i < DC * D; i += DC_THREADS) {
@@ -2180,8 +2203,48 @@ template <int D>
 struct ChunkCols {
     static constexpr int CW = D < 32 ? D : 32, NCG = CW / 4, RG = DC_THREADS / NCG;
     static constexpr int RPT = DC / RG > 0 ? DC / RG : 1, KPT = D / RG > 0 ? D / RG : 1;
-    static constexpr int SHARED = D * CW + DC * CW + D * DCP + DC * DCP;  // floats
+    static constexpr int SHARED = D * CW + DC * CW + 2 * D * DCP + DC * DCP;  // floats
 };
+
+// A [DC][D] tile of the workspace as a thread's float4s (all loads issued at once), and its
+// stores into shared memory, transposed ([D][DCP]) or as it is.
+template <int D>
+struct ChunkTile {
+    static constexpr int N = DC * D / 4 / DC_THREADS;
+    float4 x[N];
+    __device__ __forceinline__ void load(const float* src) {
+        #pragma unroll
+        for (int j = 0; j < N; ++j) x[j] = __ldg(reinterpret_cast<const float4*>(src) + threadIdx.x + j * DC_THREADS);
+    }
+    __device__ __forceinline__ void store_transposed(float* dst) const {
+        #pragma unroll
+        for (int j = 0; j < N; ++j) {
+            const int f = threadIdx.x + j * DC_THREADS, r = f / (D / 4), c = (f % (D / 4)) * 4;
+            dst[(c + 0) * DCP + r] = x[j].x;
+            dst[(c + 1) * DCP + r] = x[j].y;
+            dst[(c + 2) * DCP + r] = x[j].z;
+            dst[(c + 3) * DCP + r] = x[j].w;
+        }
+    }
+    __device__ __forceinline__ void store(float* dst) const {
+        #pragma unroll
+        for (int j = 0; j < N; ++j) reinterpret_cast<float4*>(dst)[threadIdx.x + j * DC_THREADS] = x[j];
+    }
+};
+
+// `acc[j] += Σ_kk T[kk][r0 + j] · S[kk][c4..c4+4]` over the D rows of a transposed tile.
+template <int D, int CW, int RPT>
+__device__ __forceinline__ void chunk_rows_times_state(const float* T, const float* S, int r0, int c4, float4* acc) {
+    #pragma unroll 8
+    for (int kk = 0; kk < D; ++kk) {
+        const float4 s = *reinterpret_cast<const float4*>(S + kk * CW + c4);
+        #pragma unroll
+        for (int j = 0; j < RPT; ++j) {
+            const float w = T[kk * DCP + r0 + j];
+            acc[j].x += w * s.x, acc[j].y += w * s.y, acc[j].z += w * s.z, acc[j].w += w * s.w;
+        }
+    }
+}
 
 template <int D>
 __device__ void delta_chunk_state_impl(const ChunkItem* items, const ChunkRun* runs, int heads,
@@ -2192,8 +2255,9 @@ __device__ void delta_chunk_state_impl(const ChunkItem* items, const ChunkRun* r
     extern __shared__ float sm[];
     float* S = sm;               // [D][CW] the state's columns
     float* VP = S + D * CW;      // [DC][CW] V'
-    float* T = VP + DC * CW;     // [D][DCP] Wᵀ or (Q ⊙ e^Γ)ᵀ; [DC][D] K ⊙ e^{Γn−Γ}
-    float* P = T + D * DCP;      // [DC][DCP] Pmᵀ
+    float* A = VP + DC * CW;     // [D][DCP] Wᵀ; then [DC][D] K ⊙ e^{Γn−Γ}
+    float* B = A + D * DCP;      // [D][DCP] (Q ⊙ e^Γ)ᵀ; then the next chunk's Wᵀ
+    float* P = B + D * DCP;      // [DC][DCP] Pmᵀ
     pdl_start();
     const ChunkRun run = runs[blockIdx.x];
     const int h = blockIdx.y, t = threadIdx.x, col0 = blockIdx.z * CW;
@@ -2205,51 +2269,45 @@ __device__ void delta_chunk_state_impl(const ChunkItem* items, const ChunkRun* r
         *reinterpret_cast<float4*>(S + kk * CW + q4) = *reinterpret_cast<const float4*>(state + (long)kk * D + q4);
     }
     const long hd = (long)heads * D;
+    ChunkTile<D> tile;
+    ChunkTile<DC> pm;
+    // The first chunk's W and Pm; each later chunk's are loaded during the one before.
+    {
+        const float* wk = work + (run.item * heads + h) * WK::SIZE;
+        tile.load(wk + WK::W);
+        pm.load(wk + WK::PM);
+        tile.store_transposed(A);
+        pm.store_transposed(P);
+    }
     for (long ci = 0; ci < run.chunks; ++ci) {
         const long item = run.item + ci;
         const ChunkItem it = items[item];
         const int n = (int)it.rows;
         const float* wk = work + (item * heads + h) * WK::SIZE;
         __syncthreads();
-        for (int i = t; i < DC * D; i += DC_THREADS) T[(i % D) * DCP + i / D] = wk[WK::W + i];
-        for (int i = t; i < DC * DC; i += DC_THREADS) P[(i % DC) * DCP + i / DC] = wk[WK::PM + i];
-        __syncthreads();
+        tile.load(wk + WK::QG);
         // V' = U − W S.
         float4 acc[RPT];
         if (rows_on) {
             #pragma unroll
             for (int j = 0; j < RPT; ++j) acc[j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            for (int kk = 0; kk < D; ++kk) {
-                const float4 s = *reinterpret_cast<const float4*>(S + kk * CW + c4);
-                #pragma unroll
-                for (int j = 0; j < RPT; ++j) {
-                    const float w = T[kk * DCP + r0 + j];
-                    acc[j].x += w * s.x, acc[j].y += w * s.y, acc[j].z += w * s.z, acc[j].w += w * s.w;
-                }
-            }
+            chunk_rows_times_state<D, CW, RPT>(A, S, r0, c4, acc);
             #pragma unroll
             for (int j = 0; j < RPT; ++j) {
                 const int r = r0 + j;
-                const float4 u = *reinterpret_cast<const float4*>(wk + WK::U + r * D + col0 + c4);
+                const float4 u = __ldg(reinterpret_cast<const float4*>(wk + WK::U + r * D + col0 + c4));
                 *reinterpret_cast<float4*>(VP + r * CW + c4) =
                     make_float4(u.x - acc[j].x, u.y - acc[j].y, u.z - acc[j].z, u.w - acc[j].w);
             }
         }
+        tile.store_transposed(B);
         __syncthreads();
-        for (int i = t; i < DC * D; i += DC_THREADS) T[(i % D) * DCP + i / D] = wk[WK::QG + i];
-        __syncthreads();
+        tile.load(wk + WK::KD);
         // O = (Q ⊙ e^Γ) S + Pm V'.
         if (rows_on) {
             #pragma unroll
             for (int j = 0; j < RPT; ++j) acc[j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            for (int kk = 0; kk < D; ++kk) {
-                const float4 s = *reinterpret_cast<const float4*>(S + kk * CW + c4);
-                #pragma unroll
-                for (int j = 0; j < RPT; ++j) {
-                    const float w = T[kk * DCP + r0 + j];
-                    acc[j].x += w * s.x, acc[j].y += w * s.y, acc[j].z += w * s.z, acc[j].w += w * s.w;
-                }
-            }
+            chunk_rows_times_state<D, CW, RPT>(B, S, r0, c4, acc);
             for (int c = 0; c < n; ++c) {
                 const float4 x = *reinterpret_cast<const float4*>(VP + c * CW + c4);
                 #pragma unroll
@@ -2265,9 +2323,14 @@ __device__ void delta_chunk_state_impl(const ChunkItem* items, const ChunkRun* r
                     *reinterpret_cast<float4*>(out + (it.first + r) * hd + (long)h * D + col0 + c4) = acc[j];
             }
         }
+        tile.store(A);
         __syncthreads();
-        for (int i = t; i < DC * D; i += DC_THREADS) T[i] = wk[WK::KD + i];
-        __syncthreads();
+        const bool more = ci + 1 < run.chunks;
+        if (more) {
+            const float* next = wk + (long)heads * WK::SIZE;
+            tile.load(next + WK::W);
+            pm.load(next + WK::PM);
+        }
         // S ← diag(e^{Γn}) S + (K ⊙ e^{Γn−Γ})ᵀ V'.
         if (state_on) {
             float4 s[KPT];
@@ -2281,12 +2344,20 @@ __device__ void delta_chunk_state_impl(const ChunkItem* items, const ChunkRun* r
                 const float4 x = *reinterpret_cast<const float4*>(VP + r * CW + c4);
                 #pragma unroll
                 for (int j = 0; j < KPT; ++j) {
-                    const float w = T[r * D + k0 + j];
+                    const float w = A[r * D + k0 + j];
                     s[j].x += w * x.x, s[j].y += w * x.y, s[j].z += w * x.z, s[j].w += w * x.w;
                 }
             }
             #pragma unroll
             for (int j = 0; j < KPT; ++j) *reinterpret_cast<float4*>(S + (k0 + j) * CW + c4) = s[j];
+        }
+        if (more) {
+            // B and P were last read before the sync above; A is read until the next sync.
+            tile.store_transposed(B);
+            pm.store_transposed(P);
+            float* w = A;
+            A = B;
+            B = w;
         }
     }
     __syncthreads();
