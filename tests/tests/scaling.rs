@@ -498,6 +498,14 @@ fn the_in_flight_table_shows_each_attempts_phases_while_a_stream_runs_and_forget
         assert!(tandem_e2e::pools_full(&workers, None), "{workers}");
         let table = in_flight(&c, &url).await;
         assert_eq!(table["count"], 0, "{table}");
+        // Listed among the ended requests, its stream's attempt cancelled with its client.
+        let ended = &table["ended"][0];
+        assert_eq!(
+            (&ended["phase"], &ended["class"]),
+            (&json!("failed"), &json!("cancelled")),
+            "{table}"
+        );
+        assert_eq!(ended["attempts"], 2, "{table}");
         let metrics = tandem_e2e::metrics_text(&c, &url).await;
         assert!(
             metrics.contains(r#"tandem_requests_in_phase{phase="decoding"} 0"#),

@@ -99,10 +99,12 @@ async fn workers(
 }
 
 /// The requests in flight, oldest first: each one's phase and how long it has been in it, and
-/// its latest attempts with the phases they went through (`pd::inflight`).
+/// its latest attempts with the phases they went through (`pd::inflight`); then the latest
+/// requests that ended, newest first, with their final phases.
 async fn requests(State(pd): State<Arc<PdGenerator>>) -> Json<Value> {
     let list = pd.in_flight().snapshot();
-    Json(json!({"count": list.len(), "requests": list}))
+    let ended = pd.in_flight().ended();
+    Json(json!({"count": list.len(), "requests": list, "ended": ended}))
 }
 
 /// What the command line sets over a router's config file.

@@ -9,9 +9,15 @@
 //! its earlier attempts ended. An attempt on an aggregated worker skips `decode_reserved` and
 //! `kv_ready`. A phase entered after the attempt ended (a late event of a stream already
 //! given up) is ignored: a finished attempt's record does not change.
+//!
+//! The code that ends a request enters its last phase before the tracker drops (`done`, or
+//! `failed` with the class: a worker's error, the request's deadline); a tracker dropped with
+//! its latest attempt still running belongs to a request whose client went away, and that
+//! attempt ends `failed(cancelled)`. The latest [`ENDED_KEPT`] requests that left stay listed,
+//! with their final phases, so how a request ended can be read after it has.
 
 use serde::Serialize;
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 use tandem_core::ErrorClass;
@@ -106,6 +112,9 @@ impl AttemptRecord {
 /// Attempts kept per request (the latest); `attempts` counts them all.
 pub const ATTEMPTS_KEPT: usize = 8;
 
+/// Requests that left the table kept listed (the latest), with their final phases.
+pub const ENDED_KEPT: usize = 32;
+
 /// One request as the table shows it.
 #[derive(Clone, Debug, Serialize)]
 pub struct Entry {
@@ -163,12 +172,33 @@ impl Request {
     fn now_ms(&self) -> u64 {
         self.started.elapsed().as_millis() as u64
     }
+
+    /// As the table shows it.
+    fn entry(&self, id: &str) -> Entry {
+        let age_ms = self.now_ms();
+        let latest = self.history.last();
+        Entry {
+            id: id.to_string(),
+            phase: self.phase(),
+            phase_ms: age_ms.saturating_sub(self.phase_at_ms()),
+            prefill: latest.map(|a| a.prefill.clone()),
+            decode: latest.and_then(|a| a.decode.clone()),
+            attempts: self.attempts,
+            history: self.history.clone(),
+            migrations: self.migrations,
+            tokens: self.tokens,
+            prompt_tokens: self.prompt_tokens,
+            age_ms,
+        }
+    }
 }
 
 /// Every request in flight.
 #[derive(Debug)]
 pub struct InFlightTable {
     entries: Mutex<HashMap<String, Request>>,
+    /// The latest requests that left, newest last.
+    ended: Mutex<VecDeque<Entry>>,
     /// Moves after tokens were sent, all requests together (`tandem_migrations_total`).
     migrations_total: prometheus::IntCounter,
     /// Requests by the phase of their latest attempt (`tandem_requests_in_phase`).
@@ -190,6 +220,7 @@ impl Default for InFlightTable {
         }
         Self {
             entries: Mutex::default(),
+            ended: Mutex::default(),
             migrations_total: prometheus::IntCounter::new(
                 "tandem_migrations_total",
                 "Requests moved to another pair after their stream broke mid-generation",
@@ -235,29 +266,16 @@ impl InFlightTable {
 
     /// The requests now, oldest first.
     pub fn snapshot(&self) -> Vec<Entry> {
-        let mut v: Vec<Entry> = self
-            .lock()
-            .iter()
-            .map(|(id, r)| {
-                let age_ms = r.now_ms();
-                let latest = r.history.last();
-                Entry {
-                    id: id.clone(),
-                    phase: r.phase(),
-                    phase_ms: age_ms.saturating_sub(r.phase_at_ms()),
-                    prefill: latest.map(|a| a.prefill.clone()),
-                    decode: latest.and_then(|a| a.decode.clone()),
-                    attempts: r.attempts,
-                    history: r.history.clone(),
-                    migrations: r.migrations,
-                    tokens: r.tokens,
-                    prompt_tokens: r.prompt_tokens,
-                    age_ms,
-                }
-            })
-            .collect();
+        let mut v: Vec<Entry> = self.lock().iter().map(|(id, r)| r.entry(id)).collect();
         v.sort_by(|a, b| b.age_ms.cmp(&a.age_ms).then_with(|| a.id.cmp(&b.id)));
         v
+    }
+
+    /// The latest [`ENDED_KEPT`] requests that left the table, newest first, as they were
+    /// when they left (`age_ms`: how long each ran).
+    pub fn ended(&self) -> Vec<Entry> {
+        let ended = self.ended.lock().unwrap_or_else(|e| e.into_inner());
+        ended.iter().rev().cloned().collect()
     }
 
     /// Requests in flight.
@@ -372,9 +390,19 @@ impl Tracker {
 
 impl Drop for Tracker {
     fn drop(&mut self) {
+        // Whoever ended the request entered its last phase; one still running was dropped
+        // with its client.
+        self.enter(Phase::Failed {
+            class: ErrorClass::Cancelled,
+        });
         let removed = self.table.lock().remove(&self.id);
         if let Some(r) = removed {
             self.table.count(r.phase(), -1);
+            let mut ended = self.table.ended.lock().unwrap_or_else(|e| e.into_inner());
+            if ended.len() == ENDED_KEPT {
+                ended.pop_front();
+            }
+            ended.push_back(r.entry(&self.id));
         }
     }
 }

@@ -34,7 +34,8 @@ pub mod pool_metrics;
 pub mod workers;
 
 use crate::generator::{
-    ChoicesFuture, GenerateError, GenerateFuture, Generator, TokenStream, ValidGenerateRequest,
+    ChoicesFuture, GenerateError, GenerateFuture, GeneratedToken, Generator, TokenStream,
+    ValidGenerateRequest,
 };
 use attempt::{try_aggregated, try_pair, Budget, Leg};
 use futures::StreamExt;
@@ -431,8 +432,7 @@ impl PdGenerator {
             .zip(choices)
             .zip(trackers)
             .map(|((stream, req), tracker)| {
-                let resumed = resuming(self.clone(), req, cursor, deadline, stream, tracker);
-                paced(resumed, t.inter_token, deadline, t.request)
+                resuming(self.clone(), req, cursor, deadline, stream, tracker)
             })
             .collect())
     }
@@ -528,11 +528,18 @@ impl PdGenerator {
                 return Err(request_deadline(t.request));
             }
             let budget = t.first_token.min(left);
+            // A stall cut short by the request's deadline is the deadline's (not retried);
+            // one that used the whole first-token limit is the worker's (tried elsewhere).
             let stalled = |who: String| {
-                GenerateError::new(
-                    ErrorClass::Unavailable,
-                    format!("no first token from {who} within {budget:?}"),
-                )
+                if budget < t.first_token {
+                    let e = request_deadline(t.request);
+                    GenerateError::new(e.class, format!("{}: no first token from {who}", e.message))
+                } else {
+                    GenerateError::new(
+                        ErrorClass::Unavailable,
+                        format!("no first token from {who} within {budget:?}"),
+                    )
+                }
             };
             let result = if let Some(w) = pools.aggregated.get(cursor.route) {
                 let _ = w.admit();
@@ -645,6 +652,11 @@ struct Cursor {
 /// ([`SamplingParams::resumed`]: they count for penalties, `min_tokens` and the sampling
 /// step), for what is left of `max_tokens`; the new pair's tokens continue the stream. A
 /// migration costs one prefill of prompt + sent tokens, not a replay of the decode steps.
+///
+/// Paced by the limits between two tokens (`timeouts.inter_token`, a migration included) and
+/// on the whole request (`deadline`): a stream that stalls ends with a `DeadlineExceeded`
+/// error instead of holding its client, its latest attempt entered as failed with that class
+/// before the request leaves the in-flight table.
 fn resuming(
     generator: Arc<PdGenerator>,
     req: ValidGenerateRequest,
@@ -653,17 +665,8 @@ fn resuming(
     tokens: TokenStream,
     tracker: inflight::Tracker,
 ) -> TokenStream {
-    struct State {
-        generator: Arc<PdGenerator>,
-        req: ValidGenerateRequest,
-        cursor: Cursor,
-        deadline: tokio::time::Instant,
-        tokens: TokenStream,
-        sent: Vec<u32>,
-        migrations: u32,
-        tracker: inflight::Tracker,
-    }
-    let state = State {
+    let timeouts = generator.timeouts;
+    let state = Resuming {
         generator,
         req,
         cursor,
@@ -673,59 +676,101 @@ fn resuming(
         migrations: 0,
         tracker,
     };
-    futures::stream::unfold(Some(state), |state| async move {
+    futures::stream::unfold(Some(state), move |state| async move {
         let mut s = state?;
+        let left = s
+            .deadline
+            .saturating_duration_since(tokio::time::Instant::now());
+        let wait = timeouts.inter_token.min(left);
+        let (item, more) = match tokio::time::timeout(wait, s.next()).await {
+            Ok(Some(step)) => step,
+            Ok(None) => return None,
+            Err(_) => {
+                let e = if wait < timeouts.inter_token {
+                    request_deadline(timeouts.request)
+                } else {
+                    GenerateError::new(
+                        ErrorClass::DeadlineExceeded,
+                        format!(
+                            "no token for {:?} (timeouts.inter_token)",
+                            timeouts.inter_token
+                        ),
+                    )
+                };
+                (Err(e), false)
+            }
+        };
+        match &item {
+            Ok(_) if !more => s.tracker.enter(inflight::Phase::Done),
+            Err(e) => s.tracker.enter(inflight::Phase::Failed { class: e.class }),
+            Ok(_) => {}
+        }
+        Some((item, more.then_some(s)))
+    })
+    .boxed()
+}
+
+/// One choice's stream as [`resuming`] drives it.
+struct Resuming {
+    generator: Arc<PdGenerator>,
+    req: ValidGenerateRequest,
+    cursor: Cursor,
+    deadline: tokio::time::Instant,
+    tokens: TokenStream,
+    sent: Vec<u32>,
+    migrations: u32,
+    tracker: inflight::Tracker,
+}
+
+impl Resuming {
+    /// The next token or error, and whether more may follow; `None` once the stream ended.
+    /// The caller enters the request's final phase.
+    async fn next(&mut self) -> Option<(Result<GeneratedToken, GenerateError>, bool)> {
         loop {
-            match s.tokens.next().await {
+            match self.tokens.next().await {
                 Some(Ok(tok)) => {
-                    s.sent.push(tok.token_id);
-                    s.tracker.token();
+                    self.sent.push(tok.token_id);
+                    self.tracker.token();
                     let more = tok.finish_reason.is_none();
-                    if !more {
-                        s.tracker.enter(inflight::Phase::Done);
-                    }
-                    return Some((Ok(tok), more.then_some(s)));
+                    return Some((Ok(tok), more));
                 }
                 None => return None,
                 Some(Err(e))
                     if e.class.is_retryable()
-                        && !s.sent.is_empty()
-                        && s.migrations < s.generator.retry.migration_limit
-                        && (s.sent.len() as u32) < s.req.sampling.max_tokens =>
+                        && !self.sent.is_empty()
+                        && self.migrations < self.generator.retry.migration_limit
+                        && (self.sent.len() as u32) < self.req.sampling.max_tokens =>
                 {
-                    s.migrations += 1;
-                    s.tracker.enter(inflight::Phase::Failed { class: e.class });
-                    s.tracker.migration();
-                    tracing::warn!(request = %s.req.id, tokens = s.sent.len(),
-                        migration = s.migrations, class = e.class.as_str(), error = %e.message,
+                    self.migrations += 1;
+                    self.tracker
+                        .enter(inflight::Phase::Failed { class: e.class });
+                    self.tracker.migration();
+                    tracing::warn!(request = %self.req.id, tokens = self.sent.len(),
+                        migration = self.migrations, class = e.class.as_str(), error = %e.message,
                         "stream broke after tokens were sent: continuing on another pair");
                     // The decode leg broke: move it (and the route) on.
-                    s.cursor.di += 1;
-                    s.cursor.route = (s.cursor.route + 1) % s.cursor.routes;
-                    let resumed = resumed_request(&s.req, &s.sent);
-                    s.tokens = match s
+                    self.cursor.di += 1;
+                    self.cursor.route = (self.cursor.route + 1) % self.cursor.routes;
+                    let resumed = resumed_request(&self.req, &self.sent);
+                    self.tokens = match self
                         .generator
                         .first_streams(
                             &resumed,
                             1,
-                            &mut s.cursor,
-                            s.deadline,
-                            std::slice::from_ref(&s.tracker),
+                            &mut self.cursor,
+                            self.deadline,
+                            std::slice::from_ref(&self.tracker),
                         )
                         .await
                     {
                         Ok(mut t) => t.remove(0),
-                        Err(e) => return Some((Err(e), None)),
+                        Err(e) => return Some((Err(e), false)),
                     };
                 }
-                Some(Err(e)) => {
-                    s.tracker.enter(inflight::Phase::Failed { class: e.class });
-                    return Some((Err(e), None));
-                }
+                Some(Err(e)) => return Some((Err(e), false)),
             }
         }
-    })
-    .boxed()
+    }
 }
 
 /// `req` continued after `sent` of its tokens: those appended to the prompt as resumed
@@ -752,34 +797,6 @@ fn request_deadline(limit: Duration) -> GenerateError {
         ErrorClass::DeadlineExceeded,
         format!("the request did not finish within {limit:?} (timeouts.request)"),
     )
-}
-
-/// `tokens` with a limit between two tokens and on the whole request: a stream that stalls
-/// ends with a `DeadlineExceeded` error instead of holding its client.
-fn paced(
-    tokens: TokenStream,
-    inter_token: Duration,
-    deadline: tokio::time::Instant,
-    request: Duration,
-) -> TokenStream {
-    futures::stream::unfold(Some(tokens), move |state| async move {
-        let mut tokens = state?;
-        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-        let wait = inter_token.min(left);
-        match tokio::time::timeout(wait, tokens.next()).await {
-            Ok(Some(item)) => Some((item, Some(tokens))),
-            Ok(None) => None,
-            Err(_) if wait < inter_token => Some((Err(request_deadline(request)), None)),
-            Err(_) => Some((
-                Err(GenerateError::new(
-                    ErrorClass::DeadlineExceeded,
-                    format!("no token for {inter_token:?} (timeouts.inter_token)"),
-                )),
-                None,
-            )),
-        }
-    })
-    .boxed()
 }
 
 /// Shared handle implementing [`Generator`].

@@ -2,6 +2,7 @@
 
 use super::workers::{LoadClaim, ERROR_CLASS_HEADER};
 use super::*;
+use tandem_proto::v1 as pb;
 
 fn handles(prefix: &str, n: usize) -> Vec<WorkerHandle> {
     (0..n)
@@ -294,4 +295,257 @@ async fn failed_health_polls_eject_a_worker_until_it_answers_and_a_restart_drops
         0,
         "the restarted prefill worker's cache index entries are dropped"
     );
+}
+
+/// A worker that stalls: its decode stream names a KV target (unless `reserve` is false) and
+/// sends `tokens` tokens, then sends nothing more until the router drops it; its prefill
+/// answers a first token at once.
+#[derive(Clone)]
+struct StallingWorker {
+    reserve: bool,
+    tokens: u32,
+}
+
+#[tonic::async_trait]
+impl pb::worker_server::Worker for StallingWorker {
+    type DecodeStream =
+        tokio_stream::wrappers::ReceiverStream<Result<pb::DecodeEvent, tonic::Status>>;
+    type GenerateStream =
+        tokio_stream::wrappers::ReceiverStream<Result<pb::TokenEvent, tonic::Status>>;
+
+    async fn decode(
+        &self,
+        _: tonic::Request<pb::DecodeRequest>,
+    ) -> Result<tonic::Response<Self::DecodeStream>, tonic::Status> {
+        let (tx, rx) = tokio::sync::mpsc::channel(8);
+        let StallingWorker { reserve, tokens } = self.clone();
+        tokio::spawn(async move {
+            if reserve {
+                let target = pb::KvTarget {
+                    layout: Some(pb::KvLayout::default()),
+                    epoch: 1,
+                    ..pb::KvTarget::default()
+                };
+                let event = pb::decode_event::Event::KvTarget(target);
+                let _ = tx.send(Ok(pb::DecodeEvent { event: Some(event) })).await;
+                for i in 0..tokens {
+                    let t = pb::TokenEvent {
+                        token_id: 100 + i,
+                        ..pb::TokenEvent::default()
+                    };
+                    let event = pb::decode_event::Event::Token(t);
+                    let _ = tx.send(Ok(pb::DecodeEvent { event: Some(event) })).await;
+                }
+            }
+            // The stall: the stream stays open, silent, until the router drops it.
+            tx.closed().await;
+        });
+        Ok(tonic::Response::new(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        ))
+    }
+
+    async fn prefill(
+        &self,
+        _: tonic::Request<pb::PrefillRequest>,
+    ) -> Result<tonic::Response<pb::PrefillResponse>, tonic::Status> {
+        Ok(tonic::Response::new(pb::PrefillResponse {
+            first_token_id: 42,
+            ..pb::PrefillResponse::default()
+        }))
+    }
+
+    async fn generate(
+        &self,
+        _: tonic::Request<pb::GenerateRequest>,
+    ) -> Result<tonic::Response<Self::GenerateStream>, tonic::Status> {
+        Err(tonic::Status::unimplemented("P/D only"))
+    }
+
+    async fn stats(
+        &self,
+        _: tonic::Request<pb::StatsRequest>,
+    ) -> Result<tonic::Response<pb::StatsResponse>, tonic::Status> {
+        Ok(tonic::Response::new(pb::StatsResponse::default()))
+    }
+
+    async fn refresh_weights(
+        &self,
+        _: tonic::Request<pb::RefreshWeightsRequest>,
+    ) -> Result<tonic::Response<pb::RefreshWeightsResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("no weights"))
+    }
+
+    async fn drain(
+        &self,
+        _: tonic::Request<pb::DrainRequest>,
+    ) -> Result<tonic::Response<pb::DrainResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("no drain"))
+    }
+}
+
+/// A P/D pair of one [`StallingWorker`] serving both roles, with a 300 ms request limit (the
+/// first-token and inter-token limits stay at their minute-long defaults).
+async fn stalling_pair(worker: StallingWorker) -> Arc<PdGenerator> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let address = format!("http://{}", listener.local_addr().expect("bound"));
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(pb::worker_server::WorkerServer::new(worker))
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+    );
+    let handle = |id: &str| WorkerHandle::new(WorkerId(id.into()), &address).expect("address");
+    let timeouts = crate::config::Timeouts {
+        request: Duration::from_millis(300),
+        ..crate::config::Timeouts::default()
+    };
+    Arc::new(
+        PdGenerator::new(vec![handle("p")], vec![handle("d")], RetryPolicy::default())
+            .with_timeouts(timeouts),
+    )
+}
+
+fn greedy(id: &str, max_tokens: u32) -> ValidGenerateRequest {
+    ValidGenerateRequest {
+        id: tandem_core::RequestId(id.into()),
+        prompt_token_ids: vec![1, 2, 3],
+        sampling: tandem_core::SamplingParams::greedy(max_tokens),
+    }
+}
+
+/// The phase names of one ended request's attempts, and its final phase.
+fn ended_phases(pd: &PdGenerator, id: &str) -> (Vec<Vec<&'static str>>, inflight::Phase) {
+    let ended = pd.in_flight().ended();
+    let e = ended
+        .iter()
+        .find(|e| e.id == id)
+        .unwrap_or_else(|| panic!("{id} not among the ended requests: {ended:?}"));
+    let names = e
+        .history
+        .iter()
+        .map(|a| a.phases.iter().map(|t| t.phase.name()).collect())
+        .collect();
+    (names, e.phase)
+}
+
+fn assert_no_request_counted(pd: &PdGenerator) {
+    assert!(pd.in_flight().is_empty());
+    let gauges = pd.in_flight().phase_gauges();
+    for name in inflight::Phase::NAMES {
+        assert_eq!(gauges.with_label_values(&[name]).get(), 0, "{name}");
+    }
+}
+
+#[tokio::test]
+async fn a_stream_past_its_deadline_ends_failed_with_deadline_exceeded_in_the_table() {
+    let pd = stalling_pair(StallingWorker {
+        reserve: true,
+        tokens: 2,
+    })
+    .await;
+    let mut stream = SharedPd(pd.clone())
+        .generate(greedy("late", 64))
+        .await
+        .expect("the first token comes at once");
+    let mut tokens = 0;
+    let error = loop {
+        match stream.next().await.expect("the stream ends with an error") {
+            Ok(_) => tokens += 1,
+            Err(e) => break e,
+        }
+    };
+    assert_eq!(tokens, 3, "the prefill's first token and the decode's two");
+    assert_eq!(
+        error.class,
+        ErrorClass::DeadlineExceeded,
+        "{}",
+        error.message
+    );
+    assert!(stream.next().await.is_none(), "nothing after the error");
+    drop(stream);
+    let (attempts, phase) = ended_phases(&pd, "late");
+    assert_eq!(
+        attempts,
+        [[
+            "admitted",
+            "decode_reserved",
+            "prefilling",
+            "kv_ready",
+            "decoding",
+            "failed"
+        ]]
+    );
+    assert_eq!(
+        phase,
+        inflight::Phase::Failed {
+            class: ErrorClass::DeadlineExceeded
+        }
+    );
+    assert_no_request_counted(&pd);
+}
+
+#[tokio::test]
+async fn a_first_token_cut_short_by_the_request_deadline_is_not_retried_as_unavailable() {
+    // The decode worker never answers with a KV target: the attempt stalls until the
+    // request's 300 ms are up, well inside the first-token limit.
+    let pd = stalling_pair(StallingWorker {
+        reserve: false,
+        tokens: 0,
+    })
+    .await;
+    let error = SharedPd(pd.clone())
+        .generate(greedy("stuck", 8))
+        .await
+        .err()
+        .expect("no first token");
+    assert_eq!(
+        error.class,
+        ErrorClass::DeadlineExceeded,
+        "{}",
+        error.message
+    );
+    let (attempts, phase) = ended_phases(&pd, "stuck");
+    assert_eq!(
+        attempts,
+        [["admitted", "failed"]],
+        "one attempt, not retried"
+    );
+    assert_eq!(
+        phase,
+        inflight::Phase::Failed {
+            class: ErrorClass::DeadlineExceeded
+        }
+    );
+    assert_no_request_counted(&pd);
+}
+
+#[tokio::test]
+async fn a_request_dropped_by_its_client_ends_cancelled_in_the_table() {
+    let pd = stalling_pair(StallingWorker {
+        reserve: true,
+        tokens: 1,
+    })
+    .await;
+    let mut stream = SharedPd(pd.clone())
+        .generate(greedy("gone", 64))
+        .await
+        .expect("the first token comes at once");
+    for _ in 0..2 {
+        assert!(matches!(stream.next().await, Some(Ok(_))));
+    }
+    assert_eq!(
+        pd.in_flight().snapshot()[0].phase,
+        inflight::Phase::Decoding
+    );
+    drop(stream);
+    let (_, phase) = ended_phases(&pd, "gone");
+    assert_eq!(
+        phase,
+        inflight::Phase::Failed {
+            class: ErrorClass::Cancelled
+        }
+    );
+    assert_no_request_counted(&pd);
 }
