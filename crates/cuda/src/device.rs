@@ -15,8 +15,11 @@ const BLAS_WORKSPACE: usize = 32 << 20;
 
 /// One tensor's bytes in device memory, with its address kept at hand for kernel arguments.
 pub struct CudaStorage {
-    buf: CudaSlice<u8>,
+    /// The allocation it owns; `None` for a traced step's temporary, which borrows the step
+    /// arena (trace.rs) until the next traced step begins.
+    _owner: Option<CudaSlice<u8>>,
     ptr: u64,
+    bytes: usize,
 }
 
 impl CudaStorage {
@@ -26,7 +29,15 @@ impl CudaStorage {
     }
     /// Bytes allocated.
     pub fn bytes(&self) -> usize {
-        self.buf.len()
+        self.bytes
+    }
+    /// `bytes` at `ptr` of memory someone else owns (a traced step's arena or staging).
+    pub(crate) fn borrowed(ptr: u64, bytes: usize) -> Self {
+        Self {
+            _owner: None,
+            ptr,
+            bytes,
+        }
     }
 }
 
@@ -215,6 +226,13 @@ pub(crate) struct Inner {
     pub(crate) kernels: Kernels,
     pub(crate) attention: AttentionKernels,
     pub(crate) scratch: Mutex<Scratch>,
+    /// Traced steps: the recording, its arena and staging, and the graphs replayed.
+    pub(crate) trace: Mutex<crate::trace::Tracer>,
+    /// Whether a traced step is under way (what every launch and allocation checks first).
+    pub(crate) tracing: std::sync::atomic::AtomicBool,
+    /// Whether steps may be traced and replayed (`TANDEM_CUDA_TRACED_STEPS`, or
+    /// [`CudaBackend::set_traced_steps`]).
+    pub(crate) trace_enabled: std::sync::atomic::AtomicBool,
     /// Streaming multiprocessors.
     pub(crate) sms: usize,
     /// Dynamic shared memory the RMSNorm-fused GEMVs may take.
@@ -373,6 +391,9 @@ impl CudaBackend {
                 kernels,
                 attention,
                 scratch: Mutex::new(Scratch::default()),
+                trace: Mutex::new(crate::trace::Tracer::default()),
+                tracing: std::sync::atomic::AtomicBool::new(false),
+                trace_enabled: std::sync::atomic::AtomicBool::new(crate::env::traced_steps()),
                 sms,
                 gemv_smem,
                 gemv_rows: crate::env::gemv_rows(),
@@ -419,7 +440,22 @@ impl CudaBackend {
             ptr % 16 == 0,
             "device allocation at {ptr:#x} not 16-byte aligned"
         );
-        CudaStorage { buf, ptr }
+        CudaStorage {
+            bytes: buf.len(),
+            _owner: Some(buf),
+            ptr,
+        }
+    }
+
+    /// A zeroed buffer for a tensor: from the step arena inside a traced step, else its own
+    /// allocation.
+    fn alloc_tensor(&self, bytes: usize) -> CudaStorage {
+        if self.traced() {
+            if let Some(s) = self.arena_zeros(bytes) {
+                return s;
+            }
+        }
+        self.alloc(bytes)
     }
 
     /// A scratch buffer of at least `bytes` (zeroed when new), reallocated only when it must
@@ -443,24 +479,66 @@ impl CudaBackend {
             bytes.len() <= dst.bytes(),
             "host copy larger than its buffer"
         );
-        let mut view = dst.buf.slice_mut(..bytes.len());
-        check(
-            self.inner.stream.memcpy_htod(bytes, &mut view),
-            "host-to-device copy",
-        );
+        if self.traced() && self.staged_copy(dst.ptr(), bytes) {
+            return;
+        }
+        self.htod_now(dst.ptr(), bytes);
+    }
+
+    /// Copies `bytes` to device address `dst` on the stream (the host buffer may be reused as
+    /// soon as this returns: pageable memory is staged by the driver before the call returns).
+    pub(crate) fn htod_now(&self, dst: u64, bytes: &[u8]) {
+        if bytes.is_empty() {
+            return;
+        }
+        check(self.inner.ctx.bind_to_thread(), "context");
+        // SAFETY: the caller's buffer at `dst` holds at least `bytes.len()` bytes.
+        let r = unsafe {
+            cudarc::driver::result::memcpy_htod_async(dst, bytes, self.inner.stream.cu_stream())
+        };
+        check(r, "host-to-device copy");
     }
 
     pub(crate) fn dtoh(&self, src: &CudaStorage, bytes: usize) -> Vec<u8> {
-        let view = src.buf.slice(..bytes);
-        check(self.inner.stream.clone_dtoh(&view), "device-to-host copy")
+        assert!(bytes <= src.bytes(), "device copy larger than its buffer");
+        // A traced step's deferred work must run before its results are read.
+        self.break_trace();
+        let mut out = vec![0u8; bytes];
+        if bytes == 0 {
+            return out;
+        }
+        check(self.inner.ctx.bind_to_thread(), "context");
+        // SAFETY: `src` holds at least `bytes` bytes and `out` is `bytes` long; the stream is
+        // synchronised before `out` is read.
+        let r = unsafe {
+            cudarc::driver::result::memcpy_dtoh_async(
+                &mut out[..],
+                src.ptr(),
+                self.inner.stream.cu_stream(),
+            )
+        };
+        check(r, "device-to-host copy");
+        check(self.inner.stream.synchronize(), "synchronize");
+        out
     }
 
-    /// Launches `f` on the stream with `args`, in the order of the kernel's parameters.
+    /// Launches `f` on the stream with `args`, in the order of the kernel's parameters (or
+    /// records the launch, inside a traced step).
     pub(crate) fn launch(&self, f: &CudaFunction, cfg: LaunchConfig, args: &[Arg]) {
+        self.submit(crate::trace::Op::kernel(
+            f.cu_function(),
+            cfg,
+            args,
+            self.inner.pdl,
+        ));
+    }
+
+    /// Queues a kernel launch on the stream now.
+    pub(crate) fn launch_now(&self, k: &crate::trace::KernelOp) {
         check(self.inner.ctx.bind_to_thread(), "context");
-        // SAFETY: every call site passes the argument list of its kernel's signature in
-        // kernels.cu, and the buffers it indexes are sized by the callers' assertions.
-        let r = unsafe { launch_on(&self.inner.stream, f, cfg, args, self.inner.pdl) };
+        // SAFETY: every kernel op was made from a call site passing the argument list of its
+        // kernel's signature in kernels.cu, with buffers sized by the callers' assertions.
+        let r = unsafe { launch_words(&self.inner.stream, k) };
         check(r, "kernel launch");
     }
 }
@@ -478,29 +556,44 @@ unsafe fn launch_on(
     args: &[Arg],
     programmatic: bool,
 ) -> std::result::Result<(), cudarc::driver::DriverError> {
+    let op = crate::trace::Op::kernel(f.cu_function(), cfg, args, programmatic);
+    let crate::trace::Op::Kernel(k) = &op else {
+        unreachable!("Op::kernel makes a kernel op")
+    };
+    // SAFETY: as the caller promises.
+    unsafe { launch_words(stream, k) }
+}
+
+/// Launches the kernel `k` describes on `stream`.
+///
+/// # Safety
+/// `k`'s words must be its kernel's parameters in order, and the memory they point to sized
+/// for the launch.
+unsafe fn launch_words(
+    stream: &CudaStream,
+    k: &crate::trace::KernelOp,
+) -> std::result::Result<(), cudarc::driver::DriverError> {
     use cudarc::driver::sys;
-    const MAX: usize = 24;
-    assert!(args.len() <= MAX, "kernel with more than {MAX} arguments");
     // Each argument lives in a 64-bit word; the driver reads as many bytes as the
     // parameter's type has (little-endian, so 32-bit values sit in the low half).
-    let mut words = [0u64; MAX];
-    for (w, a) in words.iter_mut().zip(args) {
-        *w = a.word();
-    }
-    let mut params: [*mut std::ffi::c_void; MAX] = [std::ptr::null_mut(); MAX];
+    let mut words = k.words;
+    let mut params: [*mut std::ffi::c_void; crate::trace::MAX_ARGS] =
+        [std::ptr::null_mut(); crate::trace::MAX_ARGS];
     for (p, w) in params.iter_mut().zip(words.iter_mut()) {
         *p = (w as *mut u64).cast();
     }
-    if !programmatic {
+    let f = k.function();
+    let n = usize::from(k.args);
+    if !k.programmatic {
         // SAFETY: as the caller promises.
         return unsafe {
             cudarc::driver::result::launch_kernel(
-                f.cu_function(),
-                cfg.grid_dim,
-                cfg.block_dim,
-                cfg.shared_mem_bytes,
+                f,
+                k.grid,
+                k.block,
+                k.shared_mem_bytes,
                 stream.cu_stream(),
-                &mut params[..args.len()],
+                &mut params[..n],
             )
         };
     }
@@ -509,27 +602,19 @@ unsafe fn launch_on(
     attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
     attr.value.programmaticStreamSerializationAllowed = 1;
     let config = sys::CUlaunchConfig {
-        gridDimX: cfg.grid_dim.0,
-        gridDimY: cfg.grid_dim.1,
-        gridDimZ: cfg.grid_dim.2,
-        blockDimX: cfg.block_dim.0,
-        blockDimY: cfg.block_dim.1,
-        blockDimZ: cfg.block_dim.2,
-        sharedMemBytes: cfg.shared_mem_bytes,
+        gridDimX: k.grid.0,
+        gridDimY: k.grid.1,
+        gridDimZ: k.grid.2,
+        blockDimX: k.block.0,
+        blockDimY: k.block.1,
+        blockDimZ: k.block.2,
+        sharedMemBytes: k.shared_mem_bytes,
         hStream: stream.cu_stream(),
         attrs: &mut attr,
         numAttrs: 1,
     };
     // SAFETY: `config` and `attr` outlive the call; the parameters as the caller promises.
-    unsafe {
-        sys::cuLaunchKernelEx(
-            &config,
-            f.cu_function(),
-            params.as_mut_ptr(),
-            std::ptr::null_mut(),
-        )
-    }
-    .result()
+    unsafe { sys::cuLaunchKernelEx(&config, f, params.as_mut_ptr(), std::ptr::null_mut()) }.result()
 }
 
 /// Lets the RMSNorm-fused GEMVs take up to [`GEMV_SMEM`] of dynamic shared memory; where the
@@ -625,7 +710,7 @@ pub(crate) enum Arg {
 }
 
 impl Arg {
-    fn word(self) -> u64 {
+    pub(crate) fn word(self) -> u64 {
         match self {
             Arg::Ptr(p) => p,
             Arg::I32(v) => u64::from(v as u32),
@@ -674,13 +759,26 @@ impl Backend for CudaBackend {
         Self::new(self.inner.ordinal).map_err(|e| tandem_engine::Error::Device(e.to_string()))
     }
 
+    /// Inside a traced step, from the step arena (valid until the next traced step begins).
     fn zeros(&self, dtype: DType, shape: &[usize]) -> Tensor<Self> {
+        let n: usize = shape.iter().product();
+        Tensor::from_storage(self.alloc_tensor(n * dtype.size()), dtype, shape)
+    }
+
+    fn zeros_lasting(&self, dtype: DType, shape: &[usize]) -> Tensor<Self> {
         let n: usize = shape.iter().product();
         Tensor::from_storage(self.alloc(n * dtype.size()), dtype, shape)
     }
 
+    /// Inside a traced step, into the step's staging (valid until the next traced step).
     fn upload(&self, host: &HostTensor) -> Tensor<Self> {
         let bytes = host.to_le_bytes();
+        if self.traced() {
+            if let Some(at) = self.stage(&bytes) {
+                let s = CudaStorage::borrowed(at, bytes.len().max(16));
+                return Tensor::from_storage(s, host.dtype(), host.shape());
+            }
+        }
         let mut s = self.alloc(bytes.len());
         self.htod(&mut s, &bytes);
         Tensor::from_storage(s, host.dtype(), host.shape())
@@ -714,7 +812,12 @@ impl Backend for CudaBackend {
     }
 
     fn synchronize(&self) {
+        self.break_trace();
         check(self.inner.stream.synchronize(), "synchronize");
+    }
+
+    fn run_traced(&self, step: &mut dyn FnMut()) {
+        self.trace_step(step);
     }
 
     fn run_step(

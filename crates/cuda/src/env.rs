@@ -6,6 +6,13 @@ pub(crate) fn graphs() -> bool {
     std::env::var("TANDEM_CUDA_GRAPHS").map_or(true, |v| v != "0")
 }
 
+/// `TANDEM_CUDA_TRACED_STEPS=1|0`: whether KDA-hybrid decode steps are traced and replayed
+/// as CUDA graphs (trace.rs). Off unless asked for until measured on a GPU; `TANDEM_CUDA_GRAPHS=0`
+/// turns it off too.
+pub(crate) fn traced_steps() -> bool {
+    graphs() && std::env::var("TANDEM_CUDA_TRACED_STEPS").is_ok_and(|v| v == "1")
+}
+
 /// `TANDEM_CUDA_PDL=0`: launch kernels without programmatic dependencies.
 pub(crate) fn programmatic_launches() -> bool {
     std::env::var("TANDEM_CUDA_PDL").map_or(true, |v| v != "0")

@@ -9,7 +9,7 @@ use cudarc::driver::LaunchConfig;
 use tandem_engine::DType;
 
 /// One `out (rows, n) (+)= x (rows, k) · W (n, k)ᵀ` on device addresses.
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) struct Product {
     pub(crate) x: u64,
     pub(crate) rows: usize,
@@ -18,6 +18,15 @@ pub(crate) struct Product {
     pub(crate) k: usize,
     pub(crate) out: u64,
     pub(crate) accumulate: bool,
+}
+
+/// A cuBLAS product with its operand types, as a traced step records it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct GemmOp {
+    p: Product,
+    x_type: blas_sys::cudaDataType,
+    w_type: blas_sys::cudaDataType,
+    out_type: blas_sys::cudaDataType,
 }
 
 impl CudaBackend {
@@ -39,6 +48,22 @@ impl CudaBackend {
         w_type: blas_sys::cudaDataType,
         out_type: blas_sys::cudaDataType,
     ) {
+        self.submit(crate::trace::Op::Gemm(GemmOp {
+            p,
+            x_type,
+            w_type,
+            out_type,
+        }));
+    }
+
+    /// Queues the cuBLAS call of `g` on the stream now.
+    pub(crate) fn gemm_now(&self, g: &GemmOp) {
+        let GemmOp {
+            p,
+            x_type,
+            w_type,
+            out_type,
+        } = *g;
         let (alpha, beta) = (1.0f32, if p.accumulate { 1.0f32 } else { 0.0f32 });
         // Row-major out (rows, n) = x (rows, k) · Wᵀ is, column-major, out (n, rows) =
         // W(k, n)ᵀ · x(k, rows).

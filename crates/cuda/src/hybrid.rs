@@ -566,7 +566,13 @@ impl CudaBackend {
 
     /// Copies `bytes` into the hybrid operations' scratch table on the stream and returns its
     /// address. Launches queued earlier read the previous contents: the copy runs after them.
+    /// Inside a traced step each table gets its own place in the step's staging instead.
     pub(crate) fn upload_table(&self, bytes: &[u8]) -> u64 {
+        if self.traced() {
+            if let Some(at) = self.stage(bytes) {
+                return at;
+            }
+        }
         let mut scratch = self.inner.scratch.lock();
         let s = &mut *scratch;
         let at = self.ensure(&mut s.retired, &mut s.hybrid_table, bytes.len());

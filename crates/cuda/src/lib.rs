@@ -42,8 +42,11 @@ pub mod nccl;
 mod ops;
 /// Tensor-core attention for prompt-shaped steps.
 mod prefill;
+/// Traced steps: device work recorded while the host code runs, replayed as CUDA graphs.
+mod trace;
 
 pub use device::{kernel_names, CudaBackend, CudaStorage};
+pub use trace::TraceStats;
 
 /// Why the CUDA backend could not start or run.
 #[derive(Debug, thiserror::Error)]

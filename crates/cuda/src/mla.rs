@@ -204,7 +204,8 @@ fn row_address(rows: &PagedRows<CudaBackend>, row: usize) -> u64 {
 
 /// One cuBLAS strided batched f32 product, column-major: `C_i (m × n) = op(A_i) · B_i`, each
 /// operand given as (address, leading dimension, stride between batch entries).
-struct BatchedGemm {
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct BatchedGemm {
     trans_a: bool,
     m: usize,
     n: usize,
@@ -218,6 +219,11 @@ struct BatchedGemm {
 
 impl CudaBackend {
     fn batched_gemm(&self, g: BatchedGemm) {
+        self.submit(crate::trace::Op::Batched(g));
+    }
+
+    /// Queues the cuBLAS call of `g` on the stream now.
+    pub(crate) fn batched_gemm_now(&self, g: &BatchedGemm) {
         let (alpha, beta) = (1.0f32, 0.0f32);
         let op = |t: bool| {
             if t {

@@ -416,16 +416,10 @@ impl Ops for CudaBackend {
         let (l, v) = (ptr(logits), vocab as i32);
         // Greedy rows: a max over vocabulary slices, many blocks per row.
         let best = self.ensure(&mut s.retired, &mut s.best, rows.len() * 8);
-        // SAFETY: `best` holds at least `rows * 8` bytes.
-        let zeroed = unsafe {
-            cudarc::driver::result::memset_d8_async(
-                best,
-                0,
-                rows.len() * 8,
-                self.stream().cu_stream(),
-            )
-        };
-        check(zeroed, "memset");
+        self.submit(crate::trace::Op::Memset {
+            at: best,
+            bytes: rows.len() * 8,
+        });
         let slices = vocab.div_ceil(4096).clamp(1, 64) as u32;
         let cfg = LaunchConfig {
             grid_dim: (rows.len() as u32, slices, 1),

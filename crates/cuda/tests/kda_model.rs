@@ -136,6 +136,88 @@ fn bf16_weights_pick_the_f32_models_tokens() {
     }
 }
 
+/// Decode steps traced and replayed as CUDA graphs give the eager steps' logits bit for bit,
+/// while sequences join and leave the batch (new state and latent addresses in the step's
+/// tables, the launches unchanged), and replays do happen.
+#[test]
+fn traced_decode_steps_replay_the_eager_steps_bit_for_bit() {
+    let Some(g) = gpu() else { return };
+    g.set_traced_steps(true);
+    let eager_backend = g.new_stream().expect("a second stream");
+    eager_backend.set_traced_steps(false);
+    for name in MODELS {
+        for dtype in [DType::F32, DType::BF16] {
+            let traced = load(g.clone(), name, dtype);
+            let eager = load(eager_backend.clone(), name, dtype);
+            let before = g.trace_stats();
+            let prompts: Vec<Vec<u32>> = (0..4u32)
+                .map(|s| {
+                    (0..5 + 7 * s)
+                        .map(|i| 3 + (i * 31 + s * 11) % 300)
+                        .collect()
+                })
+                .collect();
+            let (mut st_t, mut st_e) = (Vec::new(), Vec::new());
+            let mut next = Vec::new();
+            // Three sequences at first; the fourth joins at step 8, the first leaves at 16.
+            let join = |k: usize, st_t: &mut Vec<_>, st_e: &mut Vec<_>, next: &mut Vec<u32>| {
+                let (mut a, mut b) = (traced.new_state(), eager.new_state());
+                let la = traced.prefill(&prompts[k], &mut a);
+                let lb = eager.prefill(&prompts[k], &mut b);
+                assert_eq!(la, lb, "{name} {dtype:?}: prompt {k} logits differ");
+                st_t.push(a);
+                st_e.push(b);
+                next.push(tandem_engine::sampling::argmax(&la));
+            };
+            for k in 0..3 {
+                join(k, &mut st_t, &mut st_e, &mut next);
+            }
+            for step in 0..24 {
+                if step == 8 {
+                    join(3, &mut st_t, &mut st_e, &mut next);
+                }
+                if step == 16 {
+                    st_t.remove(0);
+                    st_e.remove(0);
+                    next.remove(0);
+                }
+                let ids: Vec<[u32; 1]> = next.iter().map(|&t| [t]).collect();
+                let ids: Vec<&[u32]> = ids.iter().map(|a| a.as_slice()).collect();
+                let mut refs_t: Vec<_> = st_t.iter_mut().collect();
+                let mut refs_e: Vec<_> = st_e.iter_mut().collect();
+                let form = tandem_engine::models::kda_hybrid::KdaForm::Recurrent;
+                let lt = traced.extend_batch(&ids, &mut refs_t, form);
+                let le = eager.extend_batch(&ids, &mut refs_e, form);
+                for (i, (a, b)) in lt.iter().zip(&le).enumerate() {
+                    let same = a.len() == b.len()
+                        && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+                    assert!(
+                        same,
+                        "{name} {dtype:?} step {step} sequence {i}: traced logits differ from \
+                         eager by up to {}",
+                        max_abs_diff(a, b)
+                    );
+                }
+                next = lt
+                    .iter()
+                    .map(|l| tandem_engine::sampling::argmax(l))
+                    .collect();
+            }
+            let after = g.trace_stats();
+            eprintln!("{name} {dtype:?}: traced steps {before:?} -> {after:?}");
+            assert!(
+                after.captured > before.captured && after.replayed >= before.replayed + 12,
+                "{name} {dtype:?}: decode steps were not replayed ({before:?} -> {after:?})"
+            );
+            assert_eq!(
+                eager_backend.trace_stats(),
+                tandem_cuda::TraceStats::default(),
+                "a backend with tracing off traced"
+            );
+        }
+    }
+}
+
 /// Checkpoint `name` in f32 over `layout`, every rank on the one GPU (rank 0 on `g`, the
 /// others each on a stream of its own).
 fn on_one_gpu(g: &CudaBackend, name: &str, layout: Layout) -> KdaModel<CudaBackend> {

@@ -2,6 +2,9 @@
 
 use tandem_cuda::CudaBackend;
 
+/// Helpers of the KDA-hybrid op tests.
+pub mod hybrid;
+
 /// The GPU, or `None` (the test passes) where this machine has none. Any other failure to
 /// start fails the test, and `TANDEM_REQUIRE_GPU=1` (set by the GPU run) fails it there too.
 pub fn gpu() -> Option<CudaBackend> {

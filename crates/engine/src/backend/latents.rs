@@ -237,7 +237,9 @@ impl<B: Backend> PagedRows<B> {
 
     fn allocate(&mut self, n: usize) {
         for _ in 0..n {
-            let block = self.backend.zeros(DType::F32, &[BLOCK_ROWS, self.width]);
+            let block = self
+                .backend
+                .zeros_lasting(DType::F32, &[BLOCK_ROWS, self.width]);
             self.blocks.push(block);
         }
     }

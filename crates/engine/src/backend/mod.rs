@@ -104,8 +104,14 @@ pub trait Backend: Clone + Send + Sync + Sized + 'static {
     fn in_process_comm(comm: tandem_topology::InProcessCommunicator) -> Box<dyn TensorComm<Self>> {
         Box::new(comm::HostStaged(comm))
     }
-    /// A zero-filled tensor.
+    /// A zero-filled tensor. Inside [`Backend::run_traced`] it may live only until the next
+    /// traced step begins (a step's activations and logits).
     fn zeros(&self, dtype: DType, shape: &[usize]) -> Tensor<Self>;
+    /// A zero-filled tensor that outlives the step it is made in (cache blocks a step adds).
+    /// The default is [`Backend::zeros`].
+    fn zeros_lasting(&self, dtype: DType, shape: &[usize]) -> Tensor<Self> {
+        self.zeros(dtype, shape)
+    }
     /// Copies host data to the device.
     fn upload(&self, host: &HostTensor) -> Tensor<Self>;
     /// Uploads a weight matrix `(out, in)` that only [`Ops::matmul`] reads: the backend may
@@ -148,6 +154,14 @@ pub trait Backend: Clone + Send + Sync + Sized + 'static {
         step: &mut dyn FnMut(),
     ) {
         let _ = (graphs, shape);
+        step();
+    }
+    /// Runs `step`, a forward pass whose host code must run every time (it builds tables as
+    /// it goes) but whose device work often repeats: a backend may record that work and
+    /// replay it in one launch when it equals work recorded before. Tensors `step` makes with
+    /// [`Backend::zeros`] or [`Backend::upload`] may then live only until the next traced
+    /// step begins. The default runs it.
+    fn run_traced(&self, step: &mut dyn FnMut()) {
         step();
     }
 }

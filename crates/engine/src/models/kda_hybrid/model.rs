@@ -544,6 +544,33 @@ impl<B: HybridOps> KdaHybridModel<B> {
         trace: &mut Option<Vec<Vec<f32>>>,
         comm: Option<&dyn RankCollectives<B>>,
     ) -> Result<StepLogits<B>> {
+        // A decode step of one rank: its device work repeats from step to step (the tables of
+        // state and latent addresses change, the launches do not), which a backend may replay.
+        let decode = ids.iter().all(|s| s.len() <= 1) && ids.iter().any(|s| s.len() == 1);
+        if decode && comm.is_none() && trace.is_none() {
+            let mut out = None;
+            self.backend.run_traced(&mut || {
+                out = Some(self.forward_pass(ids, states, form, logit_rows, &mut None, None));
+            });
+            return out.unwrap_or_else(|| {
+                Err(crate::Error::Device(
+                    "the backend did not run the traced step".into(),
+                ))
+            });
+        }
+        self.forward_pass(ids, states, form, logit_rows, trace, comm)
+    }
+
+    /// [`KdaHybridModel::run`]'s pass.
+    fn forward_pass(
+        &self,
+        ids: &[&[u32]],
+        states: &mut [&mut KdaHybridState<B>],
+        form: KdaForm,
+        logit_rows: LogitRows<'_>,
+        trace: &mut Option<Vec<Vec<f32>>>,
+        comm: Option<&dyn RankCollectives<B>>,
+    ) -> Result<StepLogits<B>> {
         let b = &self.backend;
         let c = &self.config;
         let segments: Vec<usize> = ids.iter().map(|s| s.len()).collect();
