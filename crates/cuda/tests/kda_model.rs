@@ -218,6 +218,106 @@ fn traced_decode_steps_replay_the_eager_steps_bit_for_bit() {
     }
 }
 
+/// Largest `|a - b|` relative to the largest `|a|`.
+fn relative_diff(a: &[f32], b: &[f32]) -> f32 {
+    let scale = a.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
+    max_abs_diff(a, b) / scale
+}
+
+/// Seeds 000 and 002 on the GPU: the fused input projection and the paired f_b/g_b give the
+/// separate projections' logits for prompts of 1, 32, 2048 and 8192 rows, and in decode steps
+/// of three sequences, eager and traced (replayed as graphs). A projection split at the wrong
+/// column would be off by the logits' own size.
+#[test]
+fn fused_and_paired_projections_equal_separate_ones_on_the_gpu() {
+    let Some(g) = gpu() else { return };
+    let dir = tempfile::tempdir().expect("tmp");
+    tandem_model::synth::synth_kda_hybrid("tiny", dir.path(), false, 7).expect("synth");
+    let tokens = |n: usize, seed: u32| -> Vec<u32> {
+        (0..n as u32)
+            .map(|i| (i.wrapping_mul(2_654_435_761).wrapping_add(seed * 977) >> 7) % 509 + 3)
+            .collect()
+    };
+    for (dtype, tol) in [(DType::F32, 1e-4f32), (DType::BF16, 3e-2)] {
+        let options = |fusion| LoadOptions {
+            dtype,
+            fusion,
+            ..LoadOptions::default()
+        };
+        let fused = KdaHybridModel::load_on(
+            g.clone(),
+            dir.path(),
+            &options(tandem_engine::models::kda_hybrid::FusionPolicy::Auto),
+        )
+        .expect("load fused");
+        let separate = KdaHybridModel::load_on(
+            g.clone(),
+            dir.path(),
+            &options(tandem_engine::models::kda_hybrid::FusionPolicy::Never),
+        )
+        .expect("load separate");
+        let layer = |m: &KdaHybridModel<CudaBackend>| {
+            let l = m.kda_layer(0).expect("a KDA layer");
+            (l.input.is_fused(), l.gate.is_paired())
+        };
+        assert_eq!(
+            layer(&fused),
+            (true, true),
+            "the synthetic checkpoint fuses"
+        );
+        assert_eq!(layer(&separate), (false, false));
+        let form = tandem_engine::models::kda_hybrid::KdaForm::Auto;
+        for rows in [1usize, 32, 2048, 8192] {
+            let ids = tokens(rows, rows as u32);
+            let a = fused.extend(&ids, &mut fused.new_state(), form, false);
+            let b = separate.extend(&ids, &mut separate.new_state(), form, false);
+            let d = relative_diff(&b, &a);
+            eprintln!("{dtype:?} prompt of {rows}: fused vs separate, relative {d:.2e}");
+            assert!(
+                d <= tol,
+                "{dtype:?} prompt of {rows}: fused and separate differ by {d}"
+            );
+        }
+        for traced in [false, true] {
+            g.set_traced_steps(traced);
+            let mut st_f: Vec<_> = (0..3).map(|_| fused.new_state()).collect();
+            let mut st_s: Vec<_> = (0..3).map(|_| separate.new_state()).collect();
+            let mut next = Vec::new();
+            for (k, (a, b)) in st_f.iter_mut().zip(st_s.iter_mut()).enumerate() {
+                let ids = tokens(9 + 20 * k, k as u32);
+                let la = fused.prefill(&ids, a);
+                separate.prefill(&ids, b);
+                next.push(tandem_engine::sampling::argmax(&la));
+            }
+            let mut worst = 0.0f32;
+            for _ in 0..12 {
+                let ids: Vec<[u32; 1]> = next.iter().map(|&t| [t]).collect();
+                let ids: Vec<&[u32]> = ids.iter().map(|a| a.as_slice()).collect();
+                let mut rf: Vec<_> = st_f.iter_mut().collect();
+                let mut rs: Vec<_> = st_s.iter_mut().collect();
+                let lf = fused.extend_batch(&ids, &mut rf, form);
+                let ls = separate.extend_batch(&ids, &mut rs, form);
+                for (a, b) in lf.iter().zip(&ls) {
+                    worst = worst.max(relative_diff(b, a));
+                }
+                // Both continue with the fused model's choice: the comparison stays on one path.
+                next = lf
+                    .iter()
+                    .map(|l| tandem_engine::sampling::argmax(l))
+                    .collect();
+            }
+            eprintln!(
+                "{dtype:?} decode (traced {traced}): fused vs separate, relative {worst:.2e}"
+            );
+            assert!(
+                worst <= tol,
+                "{dtype:?} decode (traced {traced}): fused and separate differ by {worst}"
+            );
+        }
+        g.set_traced_steps(false);
+    }
+}
+
 /// Checkpoint `name` in f32 over `layout`, every rank on the one GPU (rank 0 on `g`, the
 /// others each on a stream of its own).
 fn on_one_gpu(g: &CudaBackend, name: &str, layout: Layout) -> KdaModel<CudaBackend> {
