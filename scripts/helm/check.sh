@@ -72,7 +72,7 @@ import sys, yaml
 for doc in yaml.safe_load_all(open(sys.argv[1])):
     if doc and doc.get("kind") == "ConfigMap" and "router.yaml" in doc.get("data", {}):
         text = doc["data"]["router.yaml"]
-        for mount in ("/etc/tandem-tls", "/etc/tandem-grpc"):
+        for mount in ("/etc/tandem-tls", "/etc/tandem-grpc", "/etc/tandem-etcd"):
             text = text.replace(mount, sys.argv[3])
         open(sys.argv[2], "w").write(text)
         break

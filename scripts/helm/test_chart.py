@@ -172,10 +172,13 @@ def check_release(docs, where=""):
         extra = set(config.get(section) or {}) - allowed
         assert not extra, f"{where}: router config {section} has unknown keys {extra}"
     etcd = config["discovery"]["etcd"]
-    assert set(etcd) <= {"endpoints", "prefix"}, f"{where}: discovery.etcd keys {set(etcd)}"
+    assert set(etcd) <= {"endpoints", "prefix", "tls"}, f"{where}: discovery.etcd keys {set(etcd)}"
+    assert set(etcd.get("tls") or {}) <= {"ca", "cert", "key"}, f"{where}: discovery.etcd.tls keys {set(etcd['tls'])}"
     endpoints = etcd["endpoints"]
     assert isinstance(endpoints, list) and endpoints, f"{where}: discovery.etcd.endpoints must be a non-empty list"
     assert all(re.fullmatch(r"https?://[^/\s]+(:\d+)?/?", e) for e in endpoints), f"{where}: bad etcd endpoints {endpoints}"
+    etcd_scheme = "https://" if etcd.get("tls") else "http://"
+    assert all(e.startswith(etcd_scheme) for e in endpoints), f"{where}: etcd endpoints {endpoints} with tls {etcd.get('tls')}"
     prefix = etcd.get("prefix", "/tandem")
     assert prefix.startswith("/"), f"{where}: discovery prefix {prefix!r}"
     for name, value in (config.get("timeouts") or {}).items():
@@ -384,6 +387,47 @@ class Examples(unittest.TestCase):
         args = container(by(docs, "Deployment", "decode"), "worker")["args"]
         self.assertFalse(any(a.startswith("--tls") for a in args), args)
 
+    def test_etcd_tls_mounts_the_client_secret_everywhere_and_the_bundled_etcd_requires_certificates(self):
+        docs = render(sets=["tls.etcd.enabled=true", "tls.etcd.clientSecretName=etcd-client",
+                            "tls.etcd.serverSecretName=etcd-server"])
+        cfg = yaml.safe_load(by(docs, "ConfigMap", "router")["data"]["router.yaml"])
+        etcd = cfg["discovery"]["etcd"]
+        self.assertEqual(etcd["tls"], {"ca": "/etc/tandem-etcd/ca.crt", "cert": "/etc/tandem-etcd/tls.crt",
+                                       "key": "/etc/tandem-etcd/tls.key"})
+        self.assertTrue(all(e.startswith("https://") for e in etcd["endpoints"]), etcd)
+        for kind, name, c in (("Deployment", "router", "router"), ("Deployment", "prefill", "worker"),
+                              ("Deployment", "decode", "worker")):
+            d = by(docs, kind, name)
+            self.assertEqual({v["name"]: v for v in pod_spec(d)["volumes"]}["etcd-tls"]["secret"]["secretName"],
+                             "etcd-client", name)
+            mounts = {m["name"]: m["mountPath"] for m in container(d, c)["volumeMounts"]}
+            self.assertEqual(mounts["etcd-tls"], "/etc/tandem-etcd", name)
+        for pool in ("prefill", "decode"):
+            f = flags(container(by(docs, "Deployment", pool), "worker")["args"][1:])
+            self.assertEqual((f["etcd-ca"], f["etcd-cert"], f["etcd-key"]),
+                             ("/etc/tandem-etcd/ca.crt", "/etc/tandem-etcd/tls.crt", "/etc/tandem-etcd/tls.key"))
+            self.assertTrue(f["discovery"].startswith("etcd://https://"), f["discovery"])
+        e = by(docs, "StatefulSet", "etcd")
+        ec = container(e, "etcd")
+        args = ec["args"]
+        for flag in ("--client-cert-auth", "--trusted-ca-file=/etc/etcd-tls/ca.crt", "--cert-file=/etc/etcd-tls/tls.crt"):
+            self.assertIn(flag, args)
+        self.assertTrue(any(a.startswith("--listen-client-urls=https://") for a in args), args)
+        self.assertEqual({v["name"]: v for v in pod_spec(e)["volumes"]}["etcd-tls"]["secret"]["secretName"],
+                         "etcd-server")
+        # The kubelet has no client certificate: the probes use the plain metrics port.
+        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+            kind, spec = probe_handler(ec[probe])
+            self.assertEqual((kind, spec["port"], spec.get("scheme", "HTTP")), ("httpGet", "metrics", "HTTP"), probe)
+        self.assertIn("metrics", [p["name"] for p in ec["ports"]])
+        # Off by default: plain etcd, no etcd flags or volumes.
+        docs = render()
+        cfg = yaml.safe_load(by(docs, "ConfigMap", "router")["data"]["router.yaml"])
+        self.assertNotIn("tls", cfg["discovery"]["etcd"])
+        args = container(by(docs, "Deployment", "decode"), "worker")["args"]
+        self.assertFalse(any(a.startswith("--etcd") for a in args), args)
+        self.assertNotIn("--client-cert-auth", container(by(docs, "StatefulSet", "etcd"), "etcd")["args"])
+
     def test_default_image_is_the_app_version(self):
         docs = render()
         image = container(by(docs, "Deployment", "router"), "router")["image"]
@@ -433,7 +477,8 @@ class Examples(unittest.TestCase):
     def test_external_etcd_urls(self):
         docs = render(*VALUE_SETS["ci-hpa"])
         f = flags(container(by(docs, "Deployment", "aggregated"), "worker")["args"][1:])
-        self.assertEqual(f["discovery"], "etcd://https://etcd.infra.svc:2379,etcd-b.infra.svc:2379")
+        self.assertEqual(f["discovery"], "etcd://https://etcd.infra.svc:2379,https://etcd-b.infra.svc:2379")
+        self.assertEqual(f["etcd-cert"], "/etc/tandem-etcd/tls.crt")
         self.assertEqual(pod_spec(by(docs, "Deployment", "aggregated"))["terminationGracePeriodSeconds"], 90)
 
 
@@ -512,6 +557,13 @@ class RenderRefuses(unittest.TestCase):
 
     def test_mutual_tls_needs_both_secrets(self):
         self.refused("tls.grpc.enabled=true", "tls.grpc.routerSecretName=r", says="tls.grpc.workerSecretName")
+
+    def test_etcd_tls_needs_its_secrets_and_https_endpoints(self):
+        self.refused("tls.etcd.enabled=true", says="tls.etcd.clientSecretName")
+        self.refused("tls.etcd.enabled=true", "tls.etcd.clientSecretName=c", says="tls.etcd.serverSecretName")
+        external = ("etcd.bundled.enabled=false", "tls.etcd.enabled=true", "tls.etcd.clientSecretName=c")
+        self.refused(*external, "etcd.endpoints[0]=http://e:2379", says="must be https://")
+        self.refused("etcd.bundled.enabled=false", "etcd.endpoints[0]=https://e:2379", says="set tls.etcd.enabled")
 
     def test_grace_shorter_than_drain_deadline(self):
         self.refused("decode.terminationGracePeriodSeconds=20", says="must be at least the drain deadline")

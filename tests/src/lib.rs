@@ -200,7 +200,8 @@ pub struct ClusterOptions {
     /// Extra arguments of the router (e.g. `--record-trace FILE`).
     pub router_args: Vec<String>,
     /// HTTPS on the router and mutual TLS between it and the workers, with certificates
-    /// from `tandem tls generate` in [`Cluster::tls_dir`].
+    /// from `tandem tls generate` in [`Cluster::tls_dir`]; with `discovery`, etcd serves TLS
+    /// too and requires client certificates (each process presents its own).
     pub tls: bool,
 }
 
@@ -275,7 +276,33 @@ impl Cluster {
         // Every process binds port 0 and names its address in its ready line, so concurrent
         // tests never race for a port.
         let (tx, events) = mpsc::channel();
-        let etcd = opts.discovery.then(tandem_testkit::Etcd::start);
+        let tls_dir = opts.tls.then(|| {
+            let out = dir.path().join("tls");
+            generate_certs(
+                &out,
+                None,
+                &[
+                    "router",
+                    "admin",
+                    "prefill",
+                    "decode",
+                    "decode2=decode",
+                    "both=worker",
+                    // etcd's server certificate: etcd checks only the chain and the address,
+                    // not the role it names.
+                    "etcd=admin",
+                ],
+            );
+            out
+        });
+        let etcd = opts.discovery.then(|| match &tls_dir {
+            Some(t) => tandem_testkit::Etcd::start_tls(tandem_testkit::EtcdServerTls {
+                cert: t.join("etcd.crt"),
+                key: t.join("etcd.key"),
+                client_ca: t.join("ca.crt"),
+            }),
+            None => tandem_testkit::Etcd::start(),
+        });
         let mut worker_args = vec![
             "--listen".to_string(),
             "127.0.0.1:0".into(),
@@ -292,22 +319,6 @@ impl Cluster {
                 "3s".into(),
             ]);
         }
-        let tls_dir = opts.tls.then(|| {
-            let out = dir.path().join("tls");
-            generate_certs(
-                &out,
-                None,
-                &[
-                    "router",
-                    "admin",
-                    "prefill",
-                    "decode",
-                    "decode2=decode",
-                    "both=worker",
-                ],
-            );
-            out
-        });
         let scheme = if opts.tls { "https" } else { "http" };
         let mut cluster = Self {
             tls_dir,
@@ -424,6 +435,15 @@ impl Cluster {
                 "discovery:\n  etcd:\n    endpoints: ['{}']\n    prefix: /e2e\n",
                 e.url()
             ));
+            if let Some(t) = &cluster.tls_dir {
+                let file = |name: &str| t.join(name).display().to_string();
+                config.push_str(&format!(
+                    "    tls: {{ca: '{}', cert: '{}', key: '{}'}}\n",
+                    file("ca.crt"),
+                    file("router.crt"),
+                    file("router.key")
+                ));
+            }
         } else if opts.pd_pair {
             config.push_str(&format!(
                 "prefill:\n{dead_p}  - id: prefill-0\n    address: {}\ndecode:\n  - id: decode-0\n    address: {}\n{dead_d}",
@@ -525,21 +545,28 @@ impl Cluster {
     /// Starts a worker process named `name` in `role` with the cluster's common arguments
     /// and `args` (it is adopted; wait for it with [`Cluster::wait_ready`]).
     fn spawn_worker(&mut self, name: &str, role: &str, args: &[String]) {
-        let tls: Vec<String> = self
-            .tls_dir
-            .iter()
-            .flat_map(|t| {
-                let file = |n: String| t.join(n).display().to_string();
-                [
-                    "--tls-cert".to_string(),
-                    file(format!("{name}.crt")),
-                    "--tls-key".into(),
-                    file(format!("{name}.key")),
-                    "--tls-client-ca".into(),
+        let mut tls: Vec<String> = Vec::new();
+        if let Some(t) = &self.tls_dir {
+            let file = |n: String| t.join(n).display().to_string();
+            tls.extend([
+                "--tls-cert".to_string(),
+                file(format!("{name}.crt")),
+                "--tls-key".into(),
+                file(format!("{name}.key")),
+                "--tls-client-ca".into(),
+                file("ca.crt".into()),
+            ]);
+            if self.etcd.is_some() {
+                tls.extend([
+                    "--etcd-ca".to_string(),
                     file("ca.crt".into()),
-                ]
-            })
-            .collect();
+                    "--etcd-cert".into(),
+                    file(format!("{name}.crt")),
+                    "--etcd-key".into(),
+                    file(format!("{name}.key")),
+                ]);
+            }
+        }
         let child = Command::new(tandem_bin())
             .args(["worker", "--role", role])
             .args(&self.worker_args)
@@ -572,7 +599,12 @@ impl Cluster {
         ];
         self.spawn_worker(name, role, &args);
         let mut addrs = self.wait_ready(1, Instant::now() + Duration::from_secs(120));
-        format!("http://{}", addrs.remove(name).unwrap_or_default())
+        let scheme = if self.tls_dir.is_some() {
+            "https"
+        } else {
+            "http"
+        };
+        format!("{scheme}://{}", addrs.remove(name).unwrap_or_default())
     }
 
     /// Waits (up to `limit`) until the process started as `name` exits; its exit status.
@@ -596,10 +628,11 @@ impl Cluster {
         child.wait().expect("wait")
     }
 
-    /// Keeps `child`; its log is teed to a file and its "… ready" line (logged once its
-    /// listener is bound, with the address) or the end of its output arrives on the
-    /// cluster's event channel.
-    fn adopt(&mut self, name: &str, mut child: Child) {
+    /// Keeps `child` (its stderr piped) as process `name`; its log is teed to a file
+    /// ([`Cluster::log`]) and its "… ready" line (logged once its listener is bound, with the
+    /// address) or the end of its output arrives on the cluster's event channel
+    /// ([`Cluster::wait_exit`] waits for the latter).
+    pub fn adopt(&mut self, name: &str, mut child: Child) {
         let stderr = child.stderr.take().expect("stderr is piped");
         let log = std::fs::File::create(self._dir.path().join(format!("{name}.log"))).unwrap();
         let (owned, tx) = (name.to_string(), self.tx.clone());

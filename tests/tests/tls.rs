@@ -213,3 +213,74 @@ fn rewriting_the_routers_certificate_files_serves_the_new_certificate_without_a_
     });
     assert!(cluster.log("router").contains("HTTPS certificate reloaded"));
 }
+
+#[test]
+fn with_etcd_over_tls_workers_holding_a_client_certificate_register_and_one_without_is_refused() {
+    // etcd serves TLS with --client-cert-auth; the workers and the router present their own
+    // certificates to it. The cluster being ready means the router found both workers there.
+    let mut cluster = Cluster::start(ClusterOptions {
+        tls: true,
+        discovery: true,
+        ..ClusterOptions::default()
+    });
+    let certs = cluster.tls_dir.clone().expect("certificates");
+    let etcd = cluster.etcd.as_ref().expect("an etcd").url();
+    assert!(etcd.starts_with("https://"), "{etcd}");
+    let url = cluster.url.clone();
+    rt().block_on(async {
+        let https = cluster.https_client();
+        let workers: serde_json::Value = https
+            .get(format!("{url}/admin/workers"))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let mut ids: Vec<&str> = workers["workers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|w| w["id"].as_str().unwrap())
+            .collect();
+        ids.sort_unstable();
+        assert_eq!(ids, ["decode", "prefill"], "{workers}");
+        let (status, body) = post(
+            &https,
+            &format!("{url}/v1/completions"),
+            json!({"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}),
+        )
+        .await;
+        assert_eq!(status, 200, "{body}");
+    });
+    // A worker that trusts etcd's CA but has no client certificate is refused at its first
+    // registration and exits with the reason.
+    let file = |name: &str| certs.join(name).display().to_string();
+    let model = tandem_testkit::smollm2_dir().display().to_string();
+    let child = std::process::Command::new(tandem_e2e::tandem_bin())
+        .args(["worker", "--role", "decode", "--model", &model])
+        .args(["--listen", "127.0.0.1:0", "--kv-blocks", "64"])
+        .args(["--discovery", &etcd, "--discovery-prefix", "/e2e"])
+        .args(["--etcd-ca", &file("ca.crt")])
+        .args([
+            "--tls-cert",
+            &file("decode2.crt"),
+            "--tls-key",
+            &file("decode2.key"),
+        ])
+        .args(["--tls-client-ca", &file("ca.crt")])
+        .env("UCX_NET_DEVICES", "lo")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    cluster.adopt("uncertified", child);
+    let status = cluster.wait_exit("uncertified", Duration::from_secs(120));
+    let log = cluster.log("uncertified");
+    assert!(
+        !status.success(),
+        "registered without a client certificate\n{log}"
+    );
+    assert!(log.contains("registering in etcd"), "{log}");
+    assert!(!log.contains("worker ready"), "{log}");
+}

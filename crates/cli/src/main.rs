@@ -435,6 +435,17 @@ struct WorkerArgs {
     /// Key prefix of this deployment in etcd.
     #[arg(long, default_value = "/tandem")]
     discovery_prefix: String,
+    /// Reach etcd over TLS, checking its certificate against these CA certificates (PEM);
+    /// the --discovery endpoints are then https://.
+    #[arg(long, env = "TANDEM_ETCD_CA", requires = "discovery")]
+    etcd_ca: Option<PathBuf>,
+    /// The client certificate (PEM) presented to etcd, for an etcd started with
+    /// --client-cert-auth; needs --etcd-key and --etcd-ca.
+    #[arg(long, env = "TANDEM_ETCD_CERT", requires_all = ["etcd_key", "etcd_ca"])]
+    etcd_cert: Option<PathBuf>,
+    /// The private key of --etcd-cert (PEM).
+    #[arg(long, env = "TANDEM_ETCD_KEY", requires = "etcd_cert")]
+    etcd_key: Option<PathBuf>,
     /// Lease TTL of the etcd registration: a worker killed without deregistering disappears
     /// after this long.
     #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
@@ -686,11 +697,19 @@ async fn worker(args: WorkerArgs) -> Result<()> {
     let scheme = if tls.is_some() { "https" } else { "http" };
     let registration = match &args.discovery {
         Some(url) => {
-            let config = tandem_discovery::EtcdConfig::from_url(
+            let mut config = tandem_discovery::EtcdConfig::from_url(
                 url,
                 &args.discovery_prefix,
                 args.lease_ttl,
             )?;
+            if let Some(ca) = &args.etcd_ca {
+                let identity = args.etcd_cert.clone().zip(args.etcd_key.clone());
+                config = config.with_tls(tandem_discovery::EtcdTls {
+                    ca: ca.clone(),
+                    identity: identity
+                        .map(|(cert, key)| tandem_discovery::ClientIdentity { cert, key }),
+                });
+            }
             let address = match &args.advertise {
                 Some(a) => a.clone(),
                 None if bound.ip().is_unspecified() => anyhow::bail!(

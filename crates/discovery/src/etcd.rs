@@ -1,9 +1,16 @@
-//! etcd: the router's watch of the worker prefix and a worker's leased registration.
+//! etcd: the router's watch of the worker prefix and a worker's leased registration, over
+//! plain gRPC or TLS (with a client certificate for an etcd started with
+//! `--client-cert-auth`). The certificate files are read at every connection, so files
+//! rotated in place are used from the next reconnection on.
 
 use crate::{
     worker_key, workers_prefix, Discovery, Error, Result, WorkerRecord, WorkerSet, WorkerState,
 };
-use etcd_client::{Client, ConnectOptions, EventType, GetOptions, PutOptions, WatchOptions};
+use etcd_client::{
+    Certificate, Client, ConnectOptions, EventType, GetOptions, Identity, PutOptions, TlsOptions,
+    WatchOptions,
+};
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot, watch};
 
@@ -16,6 +23,44 @@ pub struct EtcdConfig {
     pub prefix: String,
     /// Lease time-to-live of a worker's registration.
     pub ttl: Duration,
+    /// TLS to etcd (`https://` endpoints); `None`: plain gRPC (`http://`).
+    pub tls: Option<EtcdTls>,
+}
+
+/// How to reach etcd over TLS: the CA its server certificate is checked against, and the
+/// certificate this client presents (required by an etcd with `--client-cert-auth`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EtcdTls {
+    /// The CA that signed etcd's server certificate (PEM).
+    pub ca: PathBuf,
+    /// This client's certificate and key.
+    pub identity: Option<ClientIdentity>,
+}
+
+/// A client certificate and its private key (PEM files).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ClientIdentity {
+    /// The certificate (chain).
+    pub cert: PathBuf,
+    /// Its private key.
+    pub key: PathBuf,
+}
+
+impl EtcdTls {
+    /// The client's TLS settings, the files read now.
+    fn options(&self) -> Result<TlsOptions> {
+        let read = |path: &Path| {
+            std::fs::read(path).map_err(|source| Error::File {
+                path: path.to_path_buf(),
+                source,
+            })
+        };
+        let mut options = TlsOptions::new().ca_certificate(Certificate::from_pem(read(&self.ca)?));
+        if let Some(id) = &self.identity {
+            options = options.identity(Identity::from_pem(read(&id.cert)?, read(&id.key)?));
+        }
+        Ok(options)
+    }
 }
 
 impl EtcdConfig {
@@ -38,13 +83,50 @@ impl EtcdConfig {
             endpoints,
             prefix: prefix.to_string(),
             ttl,
+            tls: None,
         };
-        config.check()?;
+        // The scheme is checked once the TLS setting is known (`with_tls`, then `check`).
+        config.check_shape()?;
         Ok(config)
     }
 
-    /// Refuses an empty endpoint list, a prefix not starting with `/`, or a TTL under 1 s.
+    /// The same etcd reached over TLS: `http://` endpoints (and those given as `host:port`)
+    /// become `https://`.
+    pub fn with_tls(mut self, tls: EtcdTls) -> Self {
+        for e in &mut self.endpoints {
+            if let Some(rest) = e.strip_prefix("http://") {
+                *e = format!("https://{rest}");
+            }
+        }
+        self.tls = Some(tls);
+        self
+    }
+
+    /// Refuses an empty endpoint list, a prefix not starting with `/`, a TTL under 1 s, or
+    /// an endpoint whose scheme does not match the TLS setting.
     pub fn check(&self) -> Result<()> {
+        self.check_shape()?;
+        let want = if self.tls.is_some() {
+            "https://"
+        } else {
+            "http://"
+        };
+        if let Some(e) = self.endpoints.iter().find(|e| !e.starts_with(want)) {
+            return Err(Error::Config(if self.tls.is_some() {
+                format!(
+                    "etcd endpoint `{e}`: etcd is reached over TLS (a CA is given): use https://"
+                )
+            } else {
+                format!(
+                    "etcd endpoint `{e}`: an https:// endpoint needs the CA of etcd's certificate"
+                )
+            }));
+        }
+        Ok(())
+    }
+
+    /// [`EtcdConfig::check`] but for the endpoints' schemes.
+    fn check_shape(&self) -> Result<()> {
         if self.endpoints.is_empty() {
             return Err(Error::Config("etcd: no endpoints given".into()));
         }
@@ -75,9 +157,12 @@ impl EtcdConfig {
     }
 
     async fn connect(&self) -> Result<Client> {
-        let options = ConnectOptions::new()
+        let mut options = ConnectOptions::new()
             .with_connect_timeout(Duration::from_secs(2))
             .with_keep_alive(Duration::from_secs(5), Duration::from_secs(3));
+        if let Some(tls) = &self.tls {
+            options = options.with_tls(tls.options()?);
+        }
         Client::connect(&self.endpoints, Some(options))
             .await
             .map_err(|e| self.err(e))
@@ -439,6 +524,20 @@ mod tests {
         assert_eq!(c.endpoints, ["http://a:1", "http://b:2"]);
         let c = EtcdConfig::from_url("http://a:1", "/t", Duration::from_secs(10)).expect("valid");
         assert_eq!(c.endpoints, ["http://a:1"]);
+        let tls = EtcdTls {
+            ca: "ca.crt".into(),
+            identity: None,
+        };
+        let c = EtcdConfig::from_url("etcd://a:1,http://b:2", "/t", Duration::from_secs(10))
+            .expect("valid")
+            .with_tls(tls);
+        assert_eq!(c.endpoints, ["https://a:1", "https://b:2"]);
+        c.check().expect("https with a CA");
+        let https = EtcdConfig::from_url("https://a:1", "/t", Duration::from_secs(10))
+            .expect("TLS may follow")
+            .check()
+            .expect_err("https without a CA");
+        assert!(https.to_string().contains("needs the CA"), "{https}");
         for (url, prefix, ttl) in [
             ("etcd://", "/t", 10),
             ("etcd://a:1", "t", 10),

@@ -15,7 +15,7 @@ mod etcd;
 /// A throwaway single-node etcd for tests and benchmarks.
 pub mod local;
 
-pub use etcd::{EtcdConfig, EtcdDiscovery, Registration};
+pub use etcd::{ClientIdentity, EtcdConfig, EtcdDiscovery, EtcdTls, Registration};
 
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -23,6 +23,7 @@ use tokio::sync::watch;
 
 /// Errors of discovery and registration.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
     /// The etcd client failed (connect, lease, put, watch).
     #[error("etcd at {endpoints}: {source}")]
@@ -36,6 +37,15 @@ pub enum Error {
     /// A configuration value is unusable.
     #[error("{0}")]
     Config(String),
+    /// A file named in the configuration (a certificate, a key) could not be read.
+    #[error("reading {}: {source}", path.display())]
+    File {
+        /// The file.
+        path: std::path::PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 /// Result of this crate.

@@ -1,6 +1,8 @@
 //! A single-node etcd on loopback, started as a child process (Debian's `etcd-server`; `.ci/run`
 //! installs it): its own data folder and ports, ready once it logs that it serves clients,
-//! killed on drop. For tests (`tandem_testkit::Etcd`) and benchmarks, not for deployments.
+//! killed on drop; plain, or serving TLS and requiring client certificates
+//! ([`LocalEtcd::start_tls`]). For tests (`tandem_testkit::Etcd`) and benchmarks, not for
+//! deployments.
 
 use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
@@ -16,6 +18,18 @@ pub struct LocalEtcd {
     client_port: u16,
     peer_port: u16,
     dir: tempfile::TempDir,
+    tls: Option<ServerTls>,
+}
+
+/// The PEM files of an etcd serving TLS to clients that present a certificate.
+#[derive(Clone, Debug)]
+pub struct ServerTls {
+    /// Its server certificate (valid for 127.0.0.1).
+    pub cert: PathBuf,
+    /// The certificate's key.
+    pub key: PathBuf,
+    /// The CA client certificates must be signed by.
+    pub client_ca: PathBuf,
 }
 
 fn free_port() -> std::io::Result<u16> {
@@ -31,20 +45,33 @@ impl LocalEtcd {
 
     /// Starts one and waits (up to 30 s) until it serves clients.
     pub fn try_start() -> Result<Self, String> {
+        Self::try_start_with(None)
+    }
+
+    /// Starts one serving its client port over TLS with `tls`, with `--client-cert-auth`
+    /// (a client without a certificate signed by `tls.client_ca` is refused); panics with the
+    /// reason when it cannot (tests).
+    pub fn start_tls(tls: ServerTls) -> Self {
+        Self::try_start_with(Some(tls)).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    fn try_start_with(tls: Option<ServerTls>) -> Result<Self, String> {
         let io = |e: std::io::Error| format!("starting etcd: {e}");
         let mut etcd = Self {
             child: None,
             client_port: free_port().map_err(io)?,
             peer_port: free_port().map_err(io)?,
             dir: tempfile::tempdir().map_err(io)?,
+            tls,
         };
         etcd.spawn()?;
         Ok(etcd)
     }
 
-    /// Its client URL, `http://127.0.0.1:PORT`.
+    /// Its client URL, `http://127.0.0.1:PORT` (`https://` with TLS).
     pub fn url(&self) -> String {
-        format!("http://127.0.0.1:{}", self.client_port)
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        format!("{scheme}://127.0.0.1:{}", self.client_port)
     }
 
     /// Its data folder.
@@ -69,7 +96,18 @@ impl LocalEtcd {
     fn spawn(&mut self) -> Result<(), String> {
         let client = self.url();
         let peer = format!("http://127.0.0.1:{}", self.peer_port);
-        let mut child = Command::new("etcd")
+        let mut command = Command::new("etcd");
+        if let Some(tls) = &self.tls {
+            command
+                .arg("--cert-file")
+                .arg(&tls.cert)
+                .arg("--key-file")
+                .arg(&tls.key)
+                .arg("--trusted-ca-file")
+                .arg(&tls.client_ca)
+                .arg("--client-cert-auth");
+        }
+        let mut child = command
             .args(["--name", "t", "--data-dir"])
             .arg(self.data_dir())
             .args([

@@ -5,8 +5,8 @@
 use std::time::Duration;
 use tandem_discovery::local::LocalEtcd as Etcd;
 use tandem_discovery::{
-    Discovery, EtcdConfig, EtcdDiscovery, Registration, WorkerRecord, WorkerRole, WorkerSet,
-    WorkerState,
+    ClientIdentity, Discovery, EtcdConfig, EtcdDiscovery, EtcdTls, Registration, WorkerRecord,
+    WorkerRole, WorkerSet, WorkerState,
 };
 use tokio::sync::watch;
 
@@ -147,4 +147,115 @@ async fn the_watch_lists_again_after_etcd_restarts() {
     );
     assert!(*a.registered().borrow());
     drop(b);
+}
+
+/// A throwaway CA in `dir` (`NAME-ca.crt`) and, per leaf name, a certificate for 127.0.0.1
+/// signed by it (`LEAF.crt`, `LEAF.key`), usable as a server and a client certificate.
+fn issue(dir: &std::path::Path, name: &str, leaves: &[&str]) {
+    let ca_key = rcgen::KeyPair::generate().unwrap();
+    let mut ca = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    ca.key_usages = vec![
+        rcgen::KeyUsagePurpose::KeyCertSign,
+        rcgen::KeyUsagePurpose::CrlSign,
+    ];
+    std::fs::write(
+        dir.join(format!("{name}-ca.crt")),
+        ca.self_signed(&ca_key).unwrap().pem(),
+    )
+    .unwrap();
+    let issuer = rcgen::Issuer::new(ca, ca_key);
+    for leaf in leaves {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let mut params =
+            rcgen::CertificateParams::new(vec!["127.0.0.1".to_string(), "localhost".into()])
+                .unwrap();
+        params.extended_key_usages = vec![
+            rcgen::ExtendedKeyUsagePurpose::ServerAuth,
+            rcgen::ExtendedKeyUsagePurpose::ClientAuth,
+        ];
+        let cert = params.signed_by(&key, &issuer).unwrap();
+        std::fs::write(dir.join(format!("{leaf}.crt")), cert.pem()).unwrap();
+        std::fs::write(dir.join(format!("{leaf}.key")), key.serialize_pem()).unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn over_tls_a_client_certificate_from_the_ca_is_served_and_any_other_client_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    issue(d, "cluster", &["etcd", "router", "worker"]);
+    issue(d, "other", &["stranger"]);
+    let etcd = Etcd::start_tls(tandem_discovery::local::ServerTls {
+        cert: d.join("etcd.crt"),
+        key: d.join("etcd.key"),
+        client_ca: d.join("cluster-ca.crt"),
+    });
+    assert!(etcd.url().starts_with("https://"), "{}", etcd.url());
+    let plain = EtcdConfig::from_url(
+        &etcd.url().replace("https", "http"),
+        "/tls",
+        Duration::from_secs(10),
+    )
+    .unwrap();
+    let as_client = |cert: Option<&str>| {
+        plain.clone().with_tls(EtcdTls {
+            ca: d.join("cluster-ca.crt"),
+            identity: cert.map(|c| ClientIdentity {
+                cert: d.join(format!("{c}.crt")),
+                key: d.join(format!("{c}.key")),
+            }),
+        })
+    };
+
+    let discovery = EtcdDiscovery::start(as_client(Some("router"))).unwrap();
+    let mut rx = discovery.subscribe();
+    let registered =
+        Registration::start(as_client(Some("worker")), record("p0", WorkerRole::Prefill))
+            .await
+            .expect("a worker with a certificate from the cluster's CA registers");
+    let set = until(&mut rx, "p0 seen over TLS", |s| {
+        s.workers.contains_key("p0")
+    })
+    .await;
+    assert_eq!(set.workers["p0"], record("p0", WorkerRole::Prefill));
+
+    // Refused: no client certificate, one from another CA, and plain text to the TLS port.
+    let stranger = plain.clone().with_tls(EtcdTls {
+        ca: d.join("cluster-ca.crt"),
+        identity: Some(ClientIdentity {
+            cert: d.join("stranger.crt"),
+            key: d.join("stranger.key"),
+        }),
+    });
+    for (who, config) in [
+        ("no client certificate", as_client(None)),
+        ("a certificate from another CA", stranger),
+        ("plain text", plain.clone()),
+    ] {
+        let attempt = tokio::time::timeout(
+            Duration::from_secs(30),
+            Registration::start(config, record("intruder", WorkerRole::Decode)),
+        )
+        .await
+        .unwrap_or_else(|_| panic!("{who}: neither registered nor refused within 30 s"));
+        let e = attempt.expect_err(who);
+        assert!(
+            matches!(e, tandem_discovery::Error::Etcd { .. }),
+            "{who}: {e}"
+        );
+    }
+    // A missing certificate file is named.
+    let missing = as_client(Some("nobody"));
+    let e = Registration::start(missing, record("x", WorkerRole::Decode))
+        .await
+        .expect_err("no such file");
+    assert!(e.to_string().contains("nobody.crt"), "{e}");
+
+    // The intruders left nothing: the watcher still lists only p0.
+    let listed = EtcdDiscovery::start(as_client(Some("router"))).unwrap();
+    let mut rx = listed.subscribe();
+    let set = until(&mut rx, "a fresh list", |s| s.revision > 0).await;
+    assert_eq!(set.workers.keys().collect::<Vec<_>>(), ["p0"]);
+    drop(registered);
 }

@@ -187,13 +187,9 @@ pub async fn run_from_config(
         .with_worker_tls(worker_tls),
     );
     if let Some(d) = &config.discovery {
-        let etcd = tandem_discovery::EtcdConfig {
-            endpoints: d.etcd.endpoints.clone(),
-            prefix: d.etcd.prefix.clone(),
-            ttl: Duration::from_secs(10),
-        };
+        let etcd = d.etcd.etcd_config(Duration::from_secs(10));
         tracing::info!(endpoints = %etcd.endpoints.join(","), prefix = %etcd.prefix,
-            "finding workers through etcd");
+            tls = etcd.tls.is_some(), "finding workers through etcd");
         let source: Arc<dyn tandem_discovery::Discovery> =
             Arc::new(tandem_discovery::EtcdDiscovery::start(etcd)?);
         // Ready means knowing the workers: wait (a while) for the first list.

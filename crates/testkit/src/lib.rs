@@ -89,3 +89,5 @@ pub fn noise(seed: u64, len: usize) -> Vec<f32> {
 
 /// A real etcd on loopback for tests.
 pub use tandem_discovery::local::LocalEtcd as Etcd;
+/// The files of an etcd serving TLS to clients with certificates ([`Etcd::start_tls`]).
+pub use tandem_discovery::local::ServerTls as EtcdServerTls;

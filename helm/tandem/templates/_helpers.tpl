@@ -106,10 +106,10 @@ initContainers:
 {{- end }}
 {{- end -}}
 
-{{/* etcd client URLs (`http://host:port`) as a JSON list: the bundled one or etcd.endpoints. */}}
+{{/* etcd client URLs (`http://host:port`, `https://` with tls.etcd) as a JSON list: the bundled one or etcd.endpoints. */}}
 {{- define "tandem.etcdEndpoints" -}}
 {{- if .Values.etcd.bundled.enabled -}}
-{{- list (printf "http://%s.%s.svc:%d" (include "tandem.componentName" (dict "root" . "component" "etcd")) .Release.Namespace (int .Values.etcd.bundled.clientPort)) | toJson -}}
+{{- list (printf "%s://%s.%s.svc:%d" (ternary "https" "http" .Values.tls.etcd.enabled) (include "tandem.componentName" (dict "root" . "component" "etcd")) .Release.Namespace (int .Values.etcd.bundled.clientPort)) | toJson -}}
 {{- else -}}
 {{- .Values.etcd.endpoints | toJson -}}
 {{- end -}}
@@ -199,6 +199,18 @@ topologySpreadConstraints:
 {{- if not (or (hasPrefix "http://" .) (hasPrefix "https://" .)) -}}
 {{- fail (printf "etcd.endpoints: %q must be an http:// or https:// URL" .) -}}
 {{- end -}}
+{{- if and $v.tls.etcd.enabled (not (hasPrefix "https://" .)) -}}
+{{- fail (printf "etcd.endpoints: %q must be https:// with tls.etcd.enabled" .) -}}
+{{- end -}}
+{{- if and (not $v.tls.etcd.enabled) (hasPrefix "https://" .) -}}
+{{- fail (printf "etcd.endpoints: %q is https://: set tls.etcd.enabled and tls.etcd.clientSecretName (the CA and the client certificate)" .) -}}
+{{- end -}}
+{{- end -}}
+{{- if and $v.tls.etcd.enabled (not $v.tls.etcd.clientSecretName) -}}
+{{- fail "tls.etcd.enabled needs tls.etcd.clientSecretName (the routers' and workers' certificate for etcd)" -}}
+{{- end -}}
+{{- if and $v.tls.etcd.enabled $v.etcd.bundled.enabled (not $v.tls.etcd.serverSecretName) -}}
+{{- fail "tls.etcd.enabled with etcd.bundled.enabled needs tls.etcd.serverSecretName (the bundled etcd's certificate)" -}}
 {{- end -}}
 {{- if not (hasPrefix "/" $v.discovery.prefix) -}}
 {{- fail (printf "discovery.prefix %q must start with /" $v.discovery.prefix) -}}

@@ -22,7 +22,8 @@ mod workers;
 pub use admission::{AdmissionConfig, KeyAdmission, RateLimits, DEFAULT_QUEUE_CAPACITY};
 pub use faults::{BreakerConfig, HealthConfig, RetryConfig, Timeouts};
 pub use workers::{
-    DiscoveryConfig, EtcdDiscoveryConfig, PolicyConfig, RawWorker, WorkerAddress, WorkerEndpoint,
+    DiscoveryConfig, EtcdDiscoveryConfig, EtcdTlsConfig, PolicyConfig, RawWorker, WorkerAddress,
+    WorkerEndpoint,
 };
 
 use crate::error::{Error, Result};
@@ -160,20 +161,7 @@ impl RawConfig {
         let pd_needed = self.discovery.is_none()
             && (self.aggregated.is_empty() || !self.prefill.is_empty() || !self.decode.is_empty());
         if let Some(d) = &self.discovery {
-            if d.etcd.endpoints.is_empty() {
-                problems.push("discovery.etcd.endpoints must list at least one URL".to_owned());
-            }
-            for e in &d.etcd.endpoints {
-                if let Err(p) = WorkerAddress::parse(e) {
-                    problems.push(format!("discovery.etcd.endpoints: {p}"));
-                }
-            }
-            if !d.etcd.prefix.starts_with('/') {
-                problems.push(format!(
-                    "discovery.etcd.prefix `{}` must start with /",
-                    d.etcd.prefix
-                ));
-            }
+            d.etcd.check(&mut problems);
         }
         let prefill = check_workers("prefill", self.prefill, pd_needed, &mut ids, &mut problems);
         let decode = check_workers("decode", self.decode, pd_needed, &mut ids, &mut problems);

@@ -134,6 +134,43 @@ fn discovery_alone_needs_no_static_workers_and_checks_its_endpoints() {
 }
 
 #[test]
+fn etcd_over_tls_takes_https_endpoints_a_ca_and_a_client_certificate_with_its_key() {
+    let base = "listen: 127.0.0.1:8000\nmodel: {served_name: m}\n";
+    let tls = "tls: {ca: /c/ca.crt, cert: /c/router.crt, key: /c/router.key}";
+    let c = RouterConfig::from_yaml(&format!(
+        "{base}discovery: {{etcd: {{endpoints: ['https://127.0.0.1:2379'], {tls}}}}}\n"
+    ))
+    .expect("etcd over TLS");
+    let etcd = c
+        .discovery
+        .expect("discovery kept")
+        .etcd
+        .etcd_config(std::time::Duration::from_secs(10));
+    etcd.check().expect("the discovery crate agrees");
+    let tls = etcd.tls.expect("TLS kept");
+    assert_eq!(tls.ca, std::path::Path::new("/c/ca.crt"));
+    let id = tls.identity.expect("a client certificate");
+    assert_eq!(
+        (id.cert.to_str(), id.key.to_str()),
+        (Some("/c/router.crt"), Some("/c/router.key"))
+    );
+    for (endpoint, tls, wanted) in [
+        ("http://h:1", "tls: {ca: /c/ca.crt}", "must be https://"),
+        ("https://h:1", "prefix: /t", "needs discovery.etcd.tls"),
+        (
+            "https://h:1",
+            "tls: {ca: /c/ca.crt, cert: /c/r.crt}",
+            "cert and key go together",
+        ),
+    ] {
+        let message = invalid(&format!(
+            "{base}discovery: {{etcd: {{endpoints: ['{endpoint}'], {tls}}}}}\n"
+        ));
+        assert!(message.contains(wanted), "{endpoint} {tls}: {message}");
+    }
+}
+
+#[test]
 fn the_retry_budget_defaults_to_three_and_is_bounded() {
     let c = RouterConfig::from_yaml(GOOD).expect("valid");
     assert_eq!(c.retry, RetryConfig::default());

@@ -5,6 +5,7 @@ use axum::http::Uri;
 use serde::{Deserialize, Serialize};
 use std::collections::HashSet;
 use std::fmt;
+use std::path::PathBuf;
 use tandem_core::WorkerId;
 
 /// A worker as written in the file.
@@ -64,11 +65,86 @@ pub struct DiscoveryConfig {
 #[derive(Clone, Debug, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct EtcdDiscoveryConfig {
-    /// Client URLs, `http://host:port`.
+    /// Client URLs, `http://host:port` (`https://` with `tls`).
     pub endpoints: Vec<String>,
     /// Key prefix of this deployment (the workers' `--discovery-prefix`).
     #[serde(default = "default_prefix")]
     pub prefix: String,
+    /// TLS to etcd, with a client certificate when etcd requires one.
+    #[serde(default)]
+    pub tls: Option<EtcdTlsConfig>,
+}
+
+/// The `discovery.etcd.tls` section: etcd's CA and the router's client certificate (read at
+/// every connection to etcd, so rotated files are used from the next reconnection on).
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct EtcdTlsConfig {
+    /// PEM CA certificates etcd's server certificate must chain to.
+    pub ca: PathBuf,
+    /// The router's client certificate, PEM (for an etcd with `--client-cert-auth`).
+    #[serde(default)]
+    pub cert: Option<PathBuf>,
+    /// Its private key, PEM.
+    #[serde(default)]
+    pub key: Option<PathBuf>,
+}
+
+impl EtcdDiscoveryConfig {
+    /// Adds what is wrong to `problems`: no endpoint, one that is not a URL or whose
+    /// scheme does not match `tls`, a prefix not starting with `/`, a certificate without
+    /// its key (or the reverse).
+    pub(super) fn check(&self, problems: &mut Vec<String>) {
+        if self.endpoints.is_empty() {
+            problems.push("discovery.etcd.endpoints must list at least one URL".to_owned());
+        }
+        let want = if self.tls.is_some() { "https" } else { "http" };
+        for e in &self.endpoints {
+            match WorkerAddress::parse(e) {
+                Err(p) => problems.push(format!("discovery.etcd.endpoints: {p}")),
+                Ok(a) if a.uri().scheme_str() != Some(want) => problems.push(format!(
+                    "discovery.etcd.endpoints: `{e}` must be {want}:// ({})",
+                    if self.tls.is_some() {
+                        "etcd is reached over TLS (discovery.etcd.tls)"
+                    } else {
+                        "an https:// etcd needs discovery.etcd.tls with its CA"
+                    }
+                )),
+                Ok(_) => {}
+            }
+        }
+        if !self.prefix.starts_with('/') {
+            problems.push(format!(
+                "discovery.etcd.prefix `{}` must start with /",
+                self.prefix
+            ));
+        }
+        if let Some(tls) = &self.tls {
+            if tls.cert.is_some() != tls.key.is_some() {
+                problems.push(
+                    "discovery.etcd.tls: cert and key go together (the router's client certificate)"
+                        .to_owned(),
+                );
+            }
+        }
+    }
+
+    /// The discovery crate's settings, with `ttl` for leases.
+    pub fn etcd_config(&self, ttl: std::time::Duration) -> tandem_discovery::EtcdConfig {
+        tandem_discovery::EtcdConfig {
+            endpoints: self.endpoints.clone(),
+            prefix: self.prefix.clone(),
+            ttl,
+            tls: self.tls.as_ref().map(|t| tandem_discovery::EtcdTls {
+                ca: t.ca.clone(),
+                identity: t
+                    .cert
+                    .clone()
+                    .zip(t.key.clone())
+                    .map(|(cert, key)| tandem_discovery::ClientIdentity { cert, key }),
+            }),
+        }
+    }
 }
 
 fn default_prefix() -> String {
