@@ -502,7 +502,7 @@ impl CudaBackend {
     pub(crate) fn dtoh(&self, src: &CudaStorage, bytes: usize) -> Vec<u8> {
         assert!(bytes <= src.bytes(), "device copy larger than its buffer");
         // A traced step's deferred work must run before its results are read.
-        self.break_trace();
+        self.break_trace("a download");
         let mut out = vec![0u8; bytes];
         if bytes == 0 {
             return out;
@@ -812,7 +812,7 @@ impl Backend for CudaBackend {
     }
 
     fn synchronize(&self) {
-        self.break_trace();
+        self.break_trace("a synchronize");
         check(self.inner.stream.synchronize(), "synchronize");
     }
 

@@ -137,7 +137,7 @@ impl NcclComm {
     /// The rank's stream, for a collective queued on it now (a traced step stops recording:
     /// NCCL calls cannot be deferred).
     fn stream(backend: &CudaBackend) -> sys::cudaStream_t {
-        backend.break_trace();
+        backend.break_trace("an NCCL collective");
         backend.stream().cu_stream() as sys::cudaStream_t
     }
 

@@ -325,7 +325,7 @@ impl CudaBackend {
 
     /// Inside a recording traced step, runs what was recorded now and the rest of the step
     /// eagerly: something is about to read the device (or use the stream directly).
-    pub(crate) fn break_trace(&self) {
+    pub(crate) fn break_trace(&self, why: &str) {
         if !self.traced() {
             return;
         }
@@ -338,6 +338,11 @@ impl CudaBackend {
             t.broken = true;
             std::mem::take(&mut t.ops)
         };
+        tracing::debug!(
+            why,
+            recorded = ops.len(),
+            "a traced step runs eagerly from here"
+        );
         self.upload_staging();
         for op in &ops {
             self.exec(op);

@@ -138,7 +138,7 @@ fn bf16_weights_pick_the_f32_models_tokens() {
 
 /// Decode steps traced and replayed as CUDA graphs give the eager steps' logits bit for bit,
 /// while sequences join and leave the batch (new state and latent addresses in the step's
-/// tables, the launches unchanged), and replays do happen.
+/// tables, the launches unchanged), and with bf16 weights replays do happen.
 #[test]
 fn traced_decode_steps_replay_the_eager_steps_bit_for_bit() {
     let Some(g) = gpu() else { return };
@@ -205,10 +205,14 @@ fn traced_decode_steps_replay_the_eager_steps_bit_for_bit() {
             }
             let after = g.trace_stats();
             eprintln!("{name} {dtype:?}: traced steps {before:?} -> {after:?}");
-            assert!(
-                after.captured > before.captured && after.replayed >= before.replayed + 12,
-                "{name} {dtype:?}: decode steps were not replayed ({before:?} -> {after:?})"
-            );
+            // f32 experts run one by one, reading the routing back: such steps break off
+            // their recordings (and must still equal eager). bf16 ones replay.
+            if dtype == DType::BF16 {
+                assert!(
+                    after.captured > before.captured && after.replayed >= before.replayed + 12,
+                    "{name} {dtype:?}: decode steps were not replayed ({before:?} -> {after:?})"
+                );
+            }
             assert_eq!(
                 eager_backend.trace_stats(),
                 tandem_cuda::TraceStats::default(),
