@@ -18,7 +18,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 use std::path::PathBuf;
 use std::time::Duration;
 use tandem_core::SamplingParams;
-use tandem_engine::{DType, Engine, EngineConfig, LlamaModel, SeqKind};
+use tandem_engine::{DType, Engine, EngineConfig, SeqKind};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -294,7 +294,7 @@ enum EngineKind {
 impl EngineArgs {
     fn start(&self) -> Result<Engine> {
         let dir = models::resolve(&self.model)?;
-        self.start_llama(&dir)
+        self.start_model(&dir)
     }
 
     /// The engine's settings for the checkpoint in `dir` (its tokenizer, where it has one,
@@ -309,26 +309,31 @@ impl EngineArgs {
         }
     }
 
-    fn start_llama(&self, dir: &std::path::Path) -> Result<Engine> {
-        let tp = eval::llama_tp(self.layout)?;
-        struct Start<'a>(&'a EngineArgs, &'a std::path::Path, usize);
-        impl device::WithBackend for Start<'_> {
+    /// The checkpoint in `dir` (any family) loaded by the engine's loader and served.
+    fn start_model(&self, dir: &std::path::Path) -> Result<Engine> {
+        struct Serve<'a>(&'a EngineArgs, &'a std::path::Path);
+        impl eval::WithLoaded for Serve<'_> {
             type Out = Engine;
-            fn run<B: tandem_engine::backend::HybridOps>(self, backend: B) -> Result<Engine> {
-                let Start(args, dir, tp) = self;
-                if tp > 1 {
-                    let shards = eval::llama_shards(dir, args.dtype.dtype(), tp, &backend)?;
-                    let name = tandem_engine::Backend::name(&backend);
-                    tracing::info!(tp, backend = %name, dtype = %shards[0].dtype(), "model loaded as tensor-parallel ranks");
-                    return Ok(Engine::start_sharded(shards, args.engine_config(dir))?);
-                }
-                let model = LlamaModel::load(dir, backend, args.dtype.dtype())
-                    .with_context(|| format!("loading {}", dir.display()))?;
-                tracing::info!(backend = %tandem_engine::Backend::name(model.backend()), dtype = %model.dtype(), "model loaded");
-                Ok(Engine::start(model, args.engine_config(dir)))
+            fn run<B: tandem_engine::backend::HybridOps>(
+                self,
+                model: tandem_engine::Loaded<B>,
+            ) -> Result<Engine> {
+                let Serve(args, dir) = self;
+                let config = EngineConfig {
+                    state_slots: args.state_slots,
+                    ..args.engine_config(dir)
+                };
+                Ok(model.serve(config)?)
             }
         }
-        self.device.run(Start(self, dir, tp))
+        eval::with_model(
+            dir,
+            self.layout,
+            self.lora.as_deref(),
+            self.dtype.dtype(),
+            self.device,
+            Serve(self, dir),
+        )
     }
 
     /// The engine for a worker: Llama or KDA hybrid, from the checkpoint's `model_type`.
@@ -354,47 +359,7 @@ impl EngineArgs {
             )?
             .into());
         }
-        Ok(match eval::family(&dir)? {
-            eval::Family::Llama => {
-                if self.lora.is_some() {
-                    bail!("--lora is supported for KDA-hybrid models only");
-                }
-                self.start_llama(&dir)?.into()
-            }
-            eval::Family::KdaHybrid => {
-                struct StartKda<'a>(&'a EngineArgs, &'a std::path::Path);
-                impl eval::WithKdaModel for StartKda<'_> {
-                    type Out = Engine;
-                    fn run<B: tandem_engine::backend::HybridOps>(
-                        self,
-                        model: tandem_engine::models::kda_hybrid::served::KdaModel<B>,
-                    ) -> Result<Engine> {
-                        let StartKda(args, dir) = self;
-                        let exact = model.config().mla.indexer.map(|ix| ix.topk);
-                        let card = eval::card(dir)?;
-                        let context = card.context_length(4096, exact);
-                        let eos = card.eos_token_ids;
-                        let config = EngineConfig {
-                            state_slots: args.state_slots,
-                            ..args.engine_config(dir)
-                        };
-                        Ok(tandem_engine::models::kda_hybrid::served::KdaServed::start(
-                            model, config, eos, context,
-                        )?)
-                    }
-                }
-                let (lora, dtype) = (self.lora.as_deref(), self.dtype.dtype());
-                eval::run_kda(
-                    &dir,
-                    self.layout,
-                    lora,
-                    dtype,
-                    self.device,
-                    StartKda(self, &dir),
-                )?
-                .into()
-            }
-        })
+        Ok(self.start_model(&dir)?.into())
     }
 }
 

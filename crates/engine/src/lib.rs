@@ -17,6 +17,8 @@ mod fp8_weights;
 pub mod handoff;
 /// Paged KV pool: block allocator with RAII allocations, and the cache storage.
 pub mod kv_pool;
+/// One loader for every family: the checkpoint's card, its family, its ranks.
+pub mod load;
 /// The model families: Llama, the KDA hybrids, a synthetic model.
 pub mod models;
 /// Token sampling: greedy, temperature, top-k, top-p, seeded.
@@ -33,6 +35,7 @@ pub mod tensor;
 pub use backend::{Backend, CpuBackend, Ops, StepShape};
 pub use handoff::{Body, Handoff, Segment, SegmentKind};
 pub use kv_pool::{BlockAllocation, BlockAllocator, KvCache, KvLayout};
+pub use load::{load, LoadSpec, Loaded};
 pub use models::llama::{LlamaModel, LlamaRanks, LlamaServed, LlamaWorkspace, TpShard};
 pub use scheduler::{
     blocking_tokens, Engine, EngineConfig, EngineEvent, EngineStats, Sampled, SeqKind,

@@ -124,6 +124,15 @@ pub struct RankPosition {
 }
 
 impl Layout {
+    /// One rank: tp = dp = ep = 1.
+    pub fn single() -> Self {
+        Layout {
+            tp: 1,
+            dp: 1,
+            ep: 1,
+        }
+    }
+
     /// Same as `RawLayout { tp, dp, ep }.check()`.
     pub fn new(tp: usize, dp: usize, ep: usize) -> Result<Self> {
         RawLayout { tp, dp, ep }.check()
@@ -414,6 +423,7 @@ mod tests {
             ..ModelShape::default()
         };
         let l1 = Layout::new(1, 1, 1).expect("valid");
+        assert_eq!(l1, Layout::single());
         l1.validate_for(&gqa).expect("tp1 serves anything");
         let l3 = Layout::new(3, 1, 1).expect("valid");
         l3.validate_for(&gqa)
