@@ -103,6 +103,7 @@ kernels!(
     prefill_attention_bf16_d128_b16,
     copy_block,
     add_assign,
+    sum_ranks,
     sigmoid_in_place,
     rms_norm_in_place_f32,
     rms_norm_in_place_bf16,
@@ -763,6 +764,18 @@ impl Backend for CudaBackend {
     fn zeros(&self, dtype: DType, shape: &[usize]) -> Tensor<Self> {
         let n: usize = shape.iter().product();
         Tensor::from_storage(self.alloc_tensor(n * dtype.size()), dtype, shape)
+    }
+
+    /// Ranks sharing the GPU meet in device memory ([`crate::device_comm::SameDevice`]) with
+    /// `TANDEM_CUDA_DEVICE_COLLECTIVES=1`; otherwise through host memory.
+    fn in_process_comm(
+        comm: tandem_topology::InProcessCommunicator,
+    ) -> Box<dyn tandem_engine::backend::TensorComm<Self>> {
+        if crate::env::device_collectives() {
+            Box::new(crate::device_comm::SameDevice::new(comm))
+        } else {
+            Box::new(tandem_engine::backend::HostStaged(comm))
+        }
     }
 
     fn zeros_lasting(&self, dtype: DType, shape: &[usize]) -> Tensor<Self> {

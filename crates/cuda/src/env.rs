@@ -13,6 +13,12 @@ pub(crate) fn traced_steps() -> bool {
     graphs() && std::env::var("TANDEM_CUDA_TRACED_STEPS").is_ok_and(|v| v == "1")
 }
 
+/// `TANDEM_CUDA_DEVICE_COLLECTIVES=1`: ranks of a layout sharing the GPU meet in device memory
+/// (device_comm.rs) instead of through host memory; off until measured on a GPU.
+pub(crate) fn device_collectives() -> bool {
+    std::env::var("TANDEM_CUDA_DEVICE_COLLECTIVES").is_ok_and(|v| v == "1")
+}
+
 /// `TANDEM_CUDA_PDL=0`: launch kernels without programmatic dependencies.
 pub(crate) fn programmatic_launches() -> bool {
     std::env::var("TANDEM_CUDA_PDL").map_or(true, |v| v != "0")

@@ -1331,6 +1331,21 @@ extern "C" __global__ void add_assign(float* y, const float* x, long n) {
     if (t < n) y[t] += x[t];
 }
 
+// out = (accumulate ? out : 0) + a0 + ... over the first `count` (<= 8) sources: a collective's
+// sum over ranks whose buffers share the device (device_comm.rs).
+extern "C" __global__ void sum_ranks(float* out, long n, int count, int accumulate,
+                                     const float* a0, const float* a1, const float* a2,
+                                     const float* a3, const float* a4, const float* a5,
+                                     const float* a6, const float* a7) {
+    pdl_start();
+    long t = blockIdx.x * (long)blockDim.x + threadIdx.x;
+    if (t >= n) return;
+    const float* src[8] = {a0, a1, a2, a3, a4, a5, a6, a7};
+    float s = accumulate ? out[t] : 0.0f;
+    for (int j = 0; j < count; ++j) s += src[j][t];
+    out[t] = s;
+}
+
 extern "C" __global__ void sigmoid_in_place(float* x, long n) {
     pdl_start();
     long t = blockIdx.x * (long)blockDim.x + threadIdx.x;

@@ -26,6 +26,8 @@ pub mod compile;
 /// KDA's delta rule: the recurrent kernel (decode) and the chunked kernels (prompts).
 mod delta_rule;
 mod device;
+/// Collectives between ranks sharing one GPU, in device memory.
+pub mod device_comm;
 /// The environment variables the backend reads.
 mod env;
 mod gemm;
