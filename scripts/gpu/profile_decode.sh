@@ -5,6 +5,8 @@
 # --cache-control none --clock-control none), so small kernels read close to what they take
 # in a real step (the weights of a step do not fit in L2 either way). Kernels still run one
 # at a time: the programmatic-launch overlap of a real step is not in these figures.
+# For a KDA-hybrid checkpoint in $M (tandem model synth --arch kda-hybrid ...), set SKIP=0 and
+# COUNT large enough for a few steps (the last complete step between two embeddings is read).
 set -u
 HERE="$(cd "$(dirname "$0")" && pwd)"
 M=${M:-/tmp/tandem-models/1b}
@@ -14,7 +16,7 @@ mkdir -p "$OUT"
 [ -f "$M/config.json" ] || "$HERE/bin/tandem" model synth --arch llama --preset 1b --out "$M" >/dev/null
 export TANDEM_CUDA_GRAPHS=0 TANDEM_LOG=warn
 ncu --metrics gpu__time_duration.sum,dram__bytes_read.sum --csv --cache-control none --clock-control none \
-  --launch-skip 1500 --launch-count 300 \
+  --launch-skip "${SKIP:-1500}" --launch-count "${COUNT:-300}" \
   "$HERE/bin/tandem" bench engine --device cuda:0 --dtype bf16 --model "$M" --step-batches "$B" --step-prefill 0 \
   > "$OUT/ncu-decode-$B.csv" 2>"$OUT/ncu-decode-$B.err"
 python3 - "$OUT/ncu-decode-$B.csv" <<'PY'
