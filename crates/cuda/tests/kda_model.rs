@@ -322,6 +322,116 @@ fn fused_and_paired_projections_equal_separate_ones_on_the_gpu() {
     }
 }
 
+/// The KDA-hybrid engine on CUDA, started through the one loader, with the sampling controls
+/// the API offers (penalties, bias, `min_tokens`, log-probabilities): the CPU engine's tokens
+/// and log-probabilities on the same f32 checkpoint; and `n` seeded choices of one prompt on
+/// CUDA each equal to its seed alone. Decode steps are traced.
+#[test]
+fn kda_sampling_controls_and_choices_on_cuda_match() {
+    let Some(g) = gpu() else { return };
+    g.set_traced_steps(true);
+    let config = || EngineConfig {
+        num_blocks: 64,
+        state_slots: 8,
+        ..EngineConfig::default()
+    };
+    for name in MODELS {
+        let dir = reference_dir(name);
+        let spec = tandem_engine::LoadSpec::default();
+        let cuda = tandem_engine::load(&dir, |_| Ok(g.clone()), &spec)
+            .expect("load on the GPU")
+            .serve(config())
+            .expect("serve");
+        let cpu = tandem_engine::load(&dir, |_| Ok(CpuBackend::new()), &spec)
+            .expect("load on the CPU")
+            .serve(config())
+            .expect("serve");
+        let params = SamplingParams {
+            frequency_penalty: 1.5,
+            repetition_penalty: 1.3,
+            logit_bias: vec![(7, 3.0)],
+            min_tokens: 6,
+            logprobs: Some(3),
+            ignore_eos: false,
+            ..SamplingParams::greedy(10)
+        };
+        let prompt: Vec<u32> = (0..21u32).map(|i| (i * 17) % 300 + 3).collect();
+        let collect = |e: &Engine, p: &SamplingParams| {
+            let mut rx = e
+                .submit(prompt.clone(), p.clone(), SeqKind::Generate)
+                .expect("submitted");
+            let mut out = Vec::new();
+            while let Some(ev) = rx.blocking_recv() {
+                if let EngineEvent::Token {
+                    token_id,
+                    finish,
+                    logprobs,
+                } = ev
+                {
+                    out.push((token_id, logprobs));
+                    if finish.is_some() {
+                        break;
+                    }
+                }
+            }
+            out
+        };
+        let (a, b) = (collect(&cuda, &params), collect(&cpu, &params));
+        let ids = |v: &[(u32, Option<tandem_core::TokenLogprobs>)]| {
+            v.iter().map(|t| t.0).collect::<Vec<_>>()
+        };
+        assert_eq!(ids(&a), ids(&b), "{name}: tokens differ from the CPU's");
+        for ((_, x), (_, y)) in a.iter().zip(&b) {
+            let (x, y) = (
+                x.as_ref().expect("asked for"),
+                y.as_ref().expect("asked for"),
+            );
+            assert!(
+                (x.logprob - y.logprob).abs() < 1e-3,
+                "{name}: {x:?} vs {y:?}"
+            );
+            assert_eq!(x.top.len(), 3);
+            assert_eq!(x.top[0].0, y.top[0].0);
+        }
+        let plain = collect(&cuda, &SamplingParams::greedy(10));
+        assert_ne!(
+            ids(&plain),
+            ids(&a),
+            "{name}: the controls changed nothing on CUDA"
+        );
+        // Three seeded choices of one prompt, each what its seed gives alone.
+        let sampled = |seed: u64| SamplingParams {
+            temperature: 0.9,
+            top_k: 40,
+            top_p: 0.9,
+            seed,
+            ignore_eos: true,
+            ..SamplingParams::greedy(8)
+        };
+        let together: Vec<Vec<u32>> = cuda
+            .submit_choices(
+                prompt.clone(),
+                (0..3).map(|j| sampled(11 + j)).collect(),
+                SeqKind::Generate,
+            )
+            .expect("submitted")
+            .into_iter()
+            .map(blocking_tokens)
+            .collect();
+        for (j, got) in together.iter().enumerate() {
+            let alone = ids(&collect(&cuda, &sampled(11 + j as u64)));
+            assert_eq!(
+                got, &alone,
+                "{name}: choice {j} differs from its seed alone"
+            );
+        }
+        assert!(
+            together.iter().any(|t| t != &together[0]),
+            "{name}: three seeds gave one continuation"
+        );
+    }
+}
+
 /// Checkpoint `name` in f32 over `layout`, every rank on the one GPU (rank 0 on `g`, the
 /// others each on a stream of its own).
 fn on_one_gpu(g: &CudaBackend, name: &str, layout: Layout) -> KdaModel<CudaBackend> {
