@@ -190,7 +190,8 @@ enum ModelCommand {
         /// Model family.
         #[arg(long, value_parser = ["kda-hybrid", "llama"], default_value = "kda-hybrid")]
         arch: String,
-        /// Size preset (kda-hybrid: tiny, medium, 1b; llama: tiny, smollm2, 1b, 8b).
+        /// Size preset (kda-hybrid: tiny, medium, 1b, 48b = Kimi-Linear-48B-A3B's dimensions;
+        /// llama: tiny, smollm2, 1b, 8b).
         #[arg(long, default_value = "tiny")]
         preset: String,
         /// Output directory.
@@ -203,6 +204,10 @@ enum ModelCommand {
         /// Seed of the values.
         #[arg(long, default_value_t = 0)]
         seed: u64,
+        /// KDA-hybrid only: this many decoder layers instead of the preset's (same per-layer
+        /// dimensions; the 48b preset's 27 layers do not load on one GPU's host in f32).
+        #[arg(long)]
+        layers: Option<usize>,
     },
 }
 
@@ -525,12 +530,16 @@ fn main() -> Result<()> {
                     out,
                     fp8,
                     seed,
+                    layers,
                 },
         } => {
             let written = if arch == "llama" {
+                if layers.is_some() {
+                    bail!("--layers is for KDA-hybrid presets");
+                }
                 tandem_model::synth::synth_llama_with(&preset, &out, seed, fp8)
             } else {
-                tandem_model::synth::synth_kda_hybrid(&preset, &out, fp8, seed)
+                tandem_model::synth::synth_kda_hybrid_layers(&preset, &out, fp8, seed, layers)
             };
             written.with_context(|| format!("writing {}", out.display()))?;
             println!("{}", out.display());

@@ -103,6 +103,27 @@ pub fn presets() -> Vec<Preset> {
             top_k: 4,
             moe_intermediate: 384,
         },
+        // Kimi-Linear-48B-A3B's dimensions (its published config.json); its MLA layers sit at
+        // 1-based multiples of 4 and the last, this preset's at 2, 6, 10, … and the last (the
+        // same 3:1 mix). ~48B parameters at 27 layers: `--layers N` writes fewer, for per-layer
+        // figures on one GPU.
+        Preset {
+            name: "48b",
+            vocab: 163_840,
+            hidden: 2304,
+            layers: 27,
+            kda_heads: 32,
+            kda_head_dim: 128,
+            mla_heads: 32,
+            kv_lora_rank: 512,
+            qk_nope: 128,
+            qk_rope: 64,
+            v_head: 128,
+            intermediate: 9216,
+            experts: 256,
+            top_k: 8,
+            moe_intermediate: 1024,
+        },
     ]
 }
 
@@ -378,7 +399,19 @@ fn kda_projection_names(p: &Preset) -> Vec<String> {
 
 /// Writes preset `preset` into `out` (created; must be empty or absent).
 pub fn synth_kda_hybrid(preset: &str, out: &Path, fp8: bool, seed: u64) -> Result<()> {
-    let p = presets()
+    synth_kda_hybrid_layers(preset, out, fp8, seed, None)
+}
+
+/// [`synth_kda_hybrid`] with `layers` decoder layers instead of the preset's (the same
+/// per-layer dimensions; at least 2, so one dense and one MoE layer).
+pub fn synth_kda_hybrid_layers(
+    preset: &str,
+    out: &Path,
+    fp8: bool,
+    seed: u64,
+    layers: Option<usize>,
+) -> Result<()> {
+    let mut p = presets()
         .into_iter()
         .find(|p| p.name == preset)
         .ok_or_else(|| {
@@ -391,6 +424,14 @@ pub fn synth_kda_hybrid(preset: &str, out: &Path, fp8: bool, seed: u64) -> Resul
                     .join(", ")
             ))
         })?;
+    if let Some(n) = layers {
+        if n < 2 {
+            return Err(Error::Unsupported(format!(
+                "--layers {n}: a KDA-hybrid checkpoint needs at least 2 (a dense and an MoE layer)"
+            )));
+        }
+        p.layers = n;
+    }
     let io = |path: &Path, source| Error::Io {
         path: path.to_path_buf(),
         source,
@@ -681,6 +722,49 @@ mod tests {
         let bytes = std::fs::read(path).expect("read safetensors");
         let n = u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes")) as usize;
         serde_json::from_slice(&bytes[8..8 + n]).expect("header json")
+    }
+
+    #[test]
+    fn the_48b_preset_has_kimi_linears_dimensions_and_layers_can_be_fewer() {
+        let p = presets()
+            .into_iter()
+            .find(|p| p.name == "48b")
+            .expect("48b preset");
+        let c = config_json(&p, None);
+        assert_eq!(c["hidden_size"], 2304);
+        assert_eq!(c["num_hidden_layers"], 27);
+        assert_eq!(c["num_experts"], 256);
+        assert_eq!(c["num_experts_per_token"], 8);
+        assert_eq!(c["moe_intermediate_size"], 1024);
+        assert_eq!(c["linear_attn_config"]["num_heads"], 32);
+        assert_eq!(c["linear_attn_config"]["head_dim"], 128);
+        let kda = c["linear_attn_config"]["kda_layers"]
+            .as_array()
+            .map_or(0, Vec::len);
+        let full = c["linear_attn_config"]["full_attn_layers"]
+            .as_array()
+            .map_or(0, Vec::len);
+        assert_eq!((kda, full), (19, 8), "a 3:1 mix over 27 layers");
+        // Every parameter: ~48B, as the name says.
+        let params: usize = tensor_specs(&p)
+            .iter()
+            .map(|(_, shape, _)| shape.iter().product::<usize>())
+            .sum();
+        assert!(
+            (45e9..51e9).contains(&(params as f64)),
+            "{params} parameters"
+        );
+        // Fewer layers: the tiny preset with 3, and a refusal below 2 (before writing).
+        let dir = tempfile::tempdir().expect("tmp");
+        synth_kda_hybrid_layers("tiny", dir.path(), false, 1, Some(3)).expect("synth");
+        let h = header(&dir.path().join("model.safetensors"));
+        assert!(h.contains_key("model.layers.2.input_layernorm.weight"));
+        assert!(!h.contains_key("model.layers.3.input_layernorm.weight"));
+        let empty = tempfile::tempdir().expect("tmp");
+        let err = synth_kda_hybrid_layers("48b", &empty.path().join("x"), false, 1, Some(1))
+            .expect_err("one layer");
+        assert!(err.to_string().contains("at least 2"), "{err}");
+        assert!(!empty.path().join("x").exists(), "nothing written");
     }
 
     #[test]
