@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine from the repository root, with .gpu/ carried along (see bundle.sh).
-# Phases (default: tests): tests | bench | gemv | hf | pd | all. Logs and JSON go to $OUT (or .gpu/out).
+# Phases (default: tests): tests | bench | gemv | hf | pd | kda | kda48 | all. Logs and JSON go to $OUT (or .gpu/out).
 set -uo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
 BIN="$HERE/bin"
@@ -182,6 +182,22 @@ PY
   done
 }
 
+# Kimi-Linear-48B-A3B's per-layer dimensions, block-FP8 as published (KDA projections BF16),
+# LAYERS layers (default 4: one dense, three MoE, MLA among them): whole decode steps at batch
+# 1 / 32 / 128 eager and traced (TANDEM_CUDA_TRACED_STEPS=1), and an 8k prefill, per layer
+# being the figure to report (the 27-layer checkpoint does not load through host f32 here).
+phase_kda48() {
+  local d="$MODELS/kda48-${LAYERS:-4}"
+  [ -f "$d/config.json" ] || "$BIN/tandem" model synth --arch kda-hybrid --preset 48b --fp8 \
+    --layers "${LAYERS:-4}" --out "$d" >/dev/null || { status=1; return; }
+  for traced in 0 1; do
+    echo "== 48b dimensions, ${LAYERS:-4} layers, bf16, traced steps $traced"
+    TANDEM_CUDA_TRACED_STEPS=$traced "$BIN/tandem" bench engine --device cuda:0 --dtype bf16 \
+      --model "$d" --step-batches 1,32,128 --step-prefill 8192 \
+      --json "$OUT/kda48-traced$traced.json" || status=1
+  done
+}
+
 case "${1:-tests}" in
   tests) phase_tests ;;
   bench) phase_bench ;;
@@ -189,7 +205,8 @@ case "${1:-tests}" in
   hf) phase_hf ;;
   pd) phase_pd ;;
   kda) phase_kda ;;
+  kda48) phase_kda48 ;;
   all) phase_tests; phase_bench; phase_hf; phase_pd; phase_kda ;;
-  *) echo "usage: run.sh tests|bench|gemv|hf|pd|kda|all"; exit 2 ;;
+  *) echo "usage: run.sh tests|bench|gemv|hf|pd|kda|kda48|all"; exit 2 ;;
 esac
 exit $status
