@@ -3,8 +3,10 @@
 //! returning a first token, a decode worker streaming the rest without delay. The baseline, measured in
 //! the same run, is the same P/D exchange made directly over gRPC (Decode, Prefill, read the
 //! stream) with no router; the difference of the two latencies is the router's share (HTTP,
-//! validation, tokenization, routing, detokenization, SSE/JSON). With etcd installed it also
-//! measures how long a newly registered worker takes to appear in the router's pools.
+//! validation, tokenization, routing, detokenization, SSE/JSON). The router's own clock (its
+//! service's time per request, which leaves out the load generator's HTTP client and the
+//! loopback hop to the router) is reported beside it. With etcd installed it also measures how
+//! long a newly registered worker takes to appear in the router's pools.
 
 use anyhow::{Context, Result};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -186,6 +188,33 @@ async fn direct(
     Ok(())
 }
 
+/// Latencies of the requests the router answered, in microseconds, by its own clock.
+#[derive(Clone, Default)]
+struct RouterClock(Arc<std::sync::Mutex<Vec<f64>>>);
+
+impl RouterClock {
+    /// The latencies since the last call, sorted.
+    fn take(&self) -> Vec<f64> {
+        let mut v = std::mem::take(&mut *self.0.lock().unwrap_or_else(|e| e.into_inner()));
+        v.sort_by(f64::total_cmp);
+        v
+    }
+}
+
+/// Middleware: times a request from its arrival at the router's service to its answer (a
+/// whole JSON answer: the handler returns once the last token is in).
+async fn time_request(
+    axum::extract::State(clock): axum::extract::State<RouterClock>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    let t = Instant::now();
+    let response = next.run(req).await;
+    let us = t.elapsed().as_secs_f64() * 1e6;
+    clock.0.lock().unwrap_or_else(|e| e.into_inner()).push(us);
+    response
+}
+
 fn percentile(sorted: &[f64], p: f64) -> f64 {
     if sorted.is_empty() {
         return f64::NAN;
@@ -253,8 +282,15 @@ pub fn run(
         .map_err(|e| anyhow::anyhow!("{e}"))?;
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let url = format!("http://{}", listener.local_addr()?);
+        // The router's own clock: each request from its arrival at the HTTP service to its
+        // answer, without the load generator's HTTP client.
+        let clock = RouterClock::default();
+        let app = tandem_router::server::app(state).layer(axum::middleware::from_fn_with_state(
+            clock.clone(),
+            time_request,
+        ));
         tokio::spawn(async move {
-            let _ = axum::serve(listener, tandem_router::server::app(state)).await;
+            let _ = axum::serve(tandem_router::server::no_delay(listener), app).await;
         });
         let total = (rate * seconds).round().max(1.0) as usize;
         let client = reqwest::Client::builder().pool_max_idle_per_host(512).build()?;
@@ -282,6 +318,7 @@ pub fn run(
                 async move { direct(&mut p, &mut d, &prompt, max_tokens).await.is_ok() }
             })
             .await;
+            clock.take();
             let (c2, u2, b2) = (client.clone(), url.clone(), body.clone());
             let (r_lat, r_err) = open_loop(rate, total, move || {
                 let (c, u, b) = (c2.clone(), u2.clone(), b2.clone());
@@ -293,15 +330,19 @@ pub fn run(
                 }
             })
             .await;
+            let own = clock.take();
             let (d50, d99) = (percentile(&d_lat, 0.5), percentile(&d_lat, 0.99));
             let (r50, r99) = (percentile(&r_lat, 0.5), percentile(&r_lat, 0.99));
+            let (o50, o99) = (percentile(&own, 0.5), percentile(&own, 0.99));
             println!(
-                "  round {round}: direct gRPC p50 {d50:.0} µs p99 {d99:.0} µs ({d_err} errors) | through the router p50 {r50:.0} µs p99 {r99:.0} µs ({r_err} errors) | router adds p50 {:.0} µs, p99 {:.0} µs",
+                "  round {round}: direct gRPC p50 {d50:.0} µs p99 {d99:.0} µs ({d_err} errors) | through the router p50 {r50:.0} µs p99 {r99:.0} µs ({r_err} errors) | router adds p50 {:.0} µs, p99 {:.0} µs | router's own clock p50 {o50:.0} µs p99 {o99:.0} µs: adds p50 {:.0} µs",
                 r50 - d50,
-                r99 - d99
+                r99 - d99,
+                o50 - d50
             );
             rows.push(serde_json::json!({"direct_p50_us": d50, "direct_p99_us": d99, "router_p50_us": r50,
                 "router_p99_us": r99, "added_p50_us": r50 - d50, "added_p99_us": r99 - d99,
+                "router_own_p50_us": o50, "router_own_p99_us": o99, "added_own_p50_us": o50 - d50,
                 "direct_errors": d_err, "router_errors": r_err}));
         }
         let scale_up = scale_up_delay(&pd).await;

@@ -262,7 +262,7 @@ pub async fn run_from_config(
                 .await?
         }
         None => {
-            axum::serve(listener, app)
+            axum::serve(crate::server::no_delay(listener), app)
                 .with_graceful_shutdown(shutdown)
                 .await?
         }

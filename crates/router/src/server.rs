@@ -34,7 +34,7 @@ pub fn app(state: RouterState) -> Router {
 
 /// Serves [`app`]`(state)` on `listener` until the process ends or an I/O error.
 pub async fn serve(listener: tokio::net::TcpListener, state: RouterState) -> std::io::Result<()> {
-    axum::serve(listener, app(state)).await
+    axum::serve(no_delay(listener), app(state)).await
 }
 
 /// Serves until `shutdown` resolves, then stops accepting and lets in-flight requests finish.
@@ -43,9 +43,23 @@ pub async fn serve_with_shutdown(
     state: RouterState,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, app(state))
+    axum::serve(no_delay(listener), app(state))
         .with_graceful_shutdown(shutdown)
         .await
+}
+
+/// `listener` with `TCP_NODELAY` on every accepted connection (axum leaves it off): the
+/// router's answers are small writes — a stream's events one by one — and Nagle's algorithm
+/// would hold each behind the client's acknowledgement of the one before.
+pub fn no_delay(
+    listener: tokio::net::TcpListener,
+) -> impl axum::serve::Listener<Io = tokio::net::TcpStream, Addr = std::net::SocketAddr> {
+    use axum::serve::ListenerExt;
+    listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!(error = %e, "could not set TCP_NODELAY on a connection");
+        }
+    })
 }
 
 async fn list_models(State(state): State<RouterState>) -> Json<ModelList> {

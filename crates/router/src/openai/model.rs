@@ -254,13 +254,14 @@ impl ModelAssets {
     /// Tokenizes a rendered chat prompt: special tokens in the text are matched as added
     /// tokens, and nothing is added around it (the template already placed BOS if it wants one).
     pub fn encode_chat(&self, text: &str) -> std::result::Result<Vec<u32>, tokenizers::Error> {
-        Ok(self.tokenizer.encode(text, false)?.get_ids().to_vec())
+        // `encode_fast`: the same ids without the offsets nothing here reads.
+        Ok(self.tokenizer.encode_fast(text, false)?.get_ids().to_vec())
     }
 
     /// Tokenizes a raw completion prompt with the tokenizer's own post-processing, then
     /// prepends BOS when `tokenizer_config.json` says `add_bos_token` and it is not there yet.
     pub fn encode_prompt(&self, text: &str) -> std::result::Result<Vec<u32>, tokenizers::Error> {
-        let mut ids = self.tokenizer.encode(text, true)?.get_ids().to_vec();
+        let mut ids = self.tokenizer.encode_fast(text, true)?.get_ids().to_vec();
         if let (true, Some(bos)) = (self.add_bos_token, self.bos_token_id) {
             if ids.first() != Some(&bos) {
                 ids.insert(0, bos);
@@ -323,6 +324,27 @@ fn named_template<'a>(config: &'a Value, name: &str) -> Option<&'a str> {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn prompts_encode_to_the_ids_of_the_tokenizers_offset_tracking_encode() {
+        let dir =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-chatml");
+        let model = ModelAssets::load(&dir).expect("fixture model loads");
+        for text in [
+            "The capital of France is",
+            "<|im_start|>user\nhé, 東京 ☃ 1234  tabs\tand\nlines<|im_end|>",
+            "",
+        ] {
+            for special in [false, true] {
+                let slow = model.tokenizer.encode(text, special).expect("encodes");
+                let fast = model.tokenizer.encode_fast(text, special).expect("encodes");
+                assert_eq!(fast.get_ids(), slow.get_ids(), "{text:?} special {special}");
+            }
+            let chat = model.encode_chat(text).expect("encodes");
+            let with_offsets = model.tokenizer.encode(text, false).expect("encodes");
+            assert_eq!(chat, with_offsets.get_ids(), "{text:?}");
+        }
+    }
 
     #[test]
     fn eos_ids_accept_int_or_list() {

@@ -42,12 +42,16 @@ type ChoiceEvents = futures::stream::BoxStream<'static, Result<pb::TokenEvent, G
 /// order), on a task of its own that holds `hold` (the stream's load claims) until every
 /// choice has ended or been dropped. Choices not `open` (they ended with their first
 /// token) get nothing; a stream that fails or ends early fails every choice still open.
+/// A single choice needs no task: its stream reads the worker's directly.
 fn split_choices(
     mut events: ChoiceEvents,
     mut open: Vec<bool>,
     ended: impl Fn() -> GenerateError + Send + 'static,
     hold: impl Send + 'static,
 ) -> Vec<TokenStream> {
+    if open == [true] {
+        return vec![one_choice(events, ended, hold)];
+    }
     let (txs, rxs): (Vec<_>, Vec<_>) = open
         .iter()
         .map(|_| tokio::sync::mpsc::unbounded_channel())
@@ -103,6 +107,35 @@ fn split_choices(
     rxs.into_iter()
         .map(|rx| tokio_stream::wrappers::UnboundedReceiverStream::new(rx).boxed())
         .collect()
+}
+
+/// [`split_choices`] of a stream of one choice: its tokens until the last, then the end;
+/// `hold` and the worker's stream are dropped with it (or when it ends).
+fn one_choice(
+    events: ChoiceEvents,
+    ended: impl Fn() -> GenerateError + Send + 'static,
+    hold: impl Send + 'static,
+) -> TokenStream {
+    futures::stream::unfold(Some((events, ended, hold)), |state| async move {
+        let (mut events, ended, hold) = state?;
+        let item = match events.next().await {
+            Some(Ok(t)) if t.choice == 0 => {
+                let tok = token_from_pb(t);
+                if tok.finish_reason.is_none() {
+                    return Some((Ok(tok), Some((events, ended, hold))));
+                }
+                Ok(tok)
+            }
+            Some(Ok(t)) => Err(GenerateError::new(
+                ErrorClass::Internal,
+                format!("a token of choice {} of 1", t.choice),
+            )),
+            Some(Err(e)) => Err(e),
+            None => Err(ended()),
+        };
+        Some((item, None))
+    })
+    .boxed()
 }
 
 /// A whole request's `n` choices on one aggregated worker: resolves with every choice's
