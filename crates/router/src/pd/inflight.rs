@@ -146,6 +146,8 @@ pub struct Entry {
 /// A request's state in the table.
 #[derive(Debug)]
 struct Request {
+    /// Which opening of the id this is (a client may reuse an id while the first still runs).
+    serial: u64,
     started: Instant,
     attempts: u32,
     history: Vec<AttemptRecord>,
@@ -197,6 +199,8 @@ impl Request {
 #[derive(Debug)]
 pub struct InFlightTable {
     entries: Mutex<HashMap<String, Request>>,
+    /// The next request's serial.
+    serials: std::sync::atomic::AtomicU64,
     /// The latest requests that left, newest last.
     ended: Mutex<VecDeque<Entry>>,
     /// Moves after tokens were sent, all requests together (`tandem_migrations_total`).
@@ -220,6 +224,7 @@ impl Default for InFlightTable {
         }
         Self {
             entries: Mutex::default(),
+            serials: std::sync::atomic::AtomicU64::new(0),
             ended: Mutex::default(),
             migrations_total: prometheus::IntCounter::new(
                 "tandem_migrations_total",
@@ -244,7 +249,11 @@ impl InFlightTable {
 
     /// Adds a request; the returned tracker removes it when dropped.
     pub fn open(self: &Arc<Self>, id: &str, prompt_tokens: usize) -> Tracker {
+        let serial = self
+            .serials
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let request = Request {
+            serial,
             started: Instant::now(),
             attempts: 0,
             history: Vec::new(),
@@ -255,13 +264,24 @@ impl InFlightTable {
         let replaced = self.lock().insert(id.to_string(), request);
         self.count(Phase::Admitted, 1);
         if let Some(old) = replaced {
-            // A client reusing a request id: the table shows the newer request.
+            // A client reusing a request id: the table shows the newer request; the older
+            // one's tracker no longer reaches it (serials differ) and it is listed as ended.
             self.count(old.phase(), -1);
+            self.push_ended(old.entry(id));
         }
         Tracker {
             table: self.clone(),
             id: id.to_string(),
+            serial,
         }
+    }
+
+    fn push_ended(&self, entry: Entry) {
+        let mut ended = self.ended.lock().unwrap_or_else(|e| e.into_inner());
+        if ended.len() == ENDED_KEPT {
+            ended.pop_front();
+        }
+        ended.push_back(entry);
     }
 
     /// The requests now, oldest first.
@@ -296,11 +316,11 @@ impl InFlightTable {
         self.in_phase.with_label_values(&[phase.name()]).add(delta);
     }
 
-    /// Enters `phase` on attempt `attempt` of request `id` (its latest with `None`), unless
-    /// that attempt has ended.
-    fn enter(&self, id: &str, attempt: Option<u32>, phase: Phase) {
+    /// Enters `phase` on attempt `attempt` of request `id` opened as `serial` (its latest
+    /// attempt with `None`), unless that attempt has ended.
+    fn enter(&self, id: &str, serial: u64, attempt: Option<u32>, phase: Phase) {
         let mut entries = self.lock();
-        let Some(r) = entries.get_mut(id) else {
+        let Some(r) = entries.get_mut(id).filter(|r| r.serial == serial) else {
             return;
         };
         let before = r.phase();
@@ -327,11 +347,17 @@ impl InFlightTable {
 pub struct Tracker {
     table: Arc<InFlightTable>,
     id: String,
+    serial: u64,
 }
 
 impl Tracker {
     fn update(&self, f: impl FnOnce(&mut Request)) {
-        if let Some(r) = self.table.lock().get_mut(&self.id) {
+        if let Some(r) = self
+            .table
+            .lock()
+            .get_mut(&self.id)
+            .filter(|r| r.serial == self.serial)
+        {
             f(r);
         }
     }
@@ -342,7 +368,7 @@ impl Tracker {
         let mut slots = Vec::with_capacity(trackers.len());
         for t in trackers {
             let mut entries = t.table.lock();
-            let Some(r) = entries.get_mut(&t.id) else {
+            let Some(r) = entries.get_mut(&t.id).filter(|r| r.serial == t.serial) else {
                 continue;
             };
             let before = r.phase();
@@ -361,7 +387,7 @@ impl Tracker {
                 r.history.remove(0);
             }
             r.history.push(record);
-            slots.push((t.table.clone(), t.id.clone(), r.attempts));
+            slots.push((t.table.clone(), t.id.clone(), t.serial, r.attempts));
             drop(entries);
             if before != Phase::Admitted {
                 t.table.count(before, -1);
@@ -373,7 +399,7 @@ impl Tracker {
 
     /// Enters `phase` on the latest attempt (unless it has ended).
     pub fn enter(&self, phase: Phase) {
-        self.table.enter(&self.id, None, phase);
+        self.table.enter(&self.id, self.serial, None, phase);
     }
 
     /// A move after tokens were sent (the next attempt records where it goes).
@@ -395,14 +421,17 @@ impl Drop for Tracker {
         self.enter(Phase::Failed {
             class: ErrorClass::Cancelled,
         });
-        let removed = self.table.lock().remove(&self.id);
+        let removed = {
+            let mut entries = self.table.lock();
+            // Only its own request: a newer one under the same id stays.
+            match entries.get(&self.id) {
+                Some(r) if r.serial == self.serial => entries.remove(&self.id),
+                _ => None,
+            }
+        };
         if let Some(r) = removed {
             self.table.count(r.phase(), -1);
-            let mut ended = self.table.ended.lock().unwrap_or_else(|e| e.into_inner());
-            if ended.len() == ENDED_KEPT {
-                ended.pop_front();
-            }
-            ended.push_back(r.entry(&self.id));
+            self.table.push_ended(r.entry(&self.id));
         }
     }
 }
@@ -411,15 +440,15 @@ impl Drop for Tracker {
 /// of the request's lifetime, so a worker's stream can carry it).
 #[derive(Clone, Debug)]
 pub struct AttemptTracker {
-    /// Per request of the attempt: its table, id and attempt number.
-    slots: Vec<(Arc<InFlightTable>, String, u32)>,
+    /// Per request of the attempt: its table, id, serial and attempt number.
+    slots: Vec<(Arc<InFlightTable>, String, u64, u32)>,
 }
 
 impl AttemptTracker {
     /// Enters `phase`, unless the attempt has ended.
     pub fn enter(&self, phase: Phase) {
-        for (table, id, attempt) in &self.slots {
-            table.enter(id, Some(*attempt), phase);
+        for (table, id, serial, attempt) in &self.slots {
+            table.enter(id, *serial, Some(*attempt), phase);
         }
     }
 }
@@ -438,6 +467,38 @@ mod tests {
 
     fn in_phase(table: &InFlightTable, phase: &str) -> i64 {
         table.phase_gauges().with_label_values(&[phase]).get()
+    }
+
+    /// A client reusing a request id while the first request runs: the table shows the newer
+    /// one, the older one's tracker neither moves nor removes it, and the gauges stay whole.
+    #[test]
+    fn a_reused_request_id_leaves_the_newer_request_in_place() {
+        let table = Arc::new(InFlightTable::default());
+        let old = table.open("dup", 5);
+        let new = table.open("dup", 9);
+        assert_eq!(table.len(), 1);
+        assert_eq!(in_phase(&table, "admitted"), 1);
+        let old_attempt = Tracker::attempt(std::slice::from_ref(&old), "p0", Some("d0"));
+        old_attempt.enter(Phase::Prefilling);
+        old.enter(Phase::Decoding);
+        let newer = Tracker::attempt(std::slice::from_ref(&new), "p1", Some("d1"));
+        newer.enter(Phase::DecodeReserved);
+        drop(old);
+        let now = table.snapshot();
+        assert_eq!(now.len(), 1, "the newer request is still in flight");
+        assert_eq!(now[0].prompt_tokens, 9);
+        assert_eq!(now[0].history.len(), 1, "only the newer request's attempt");
+        assert_eq!(phases(&now[0], 0), vec!["admitted", "decode_reserved"]);
+        assert_eq!(in_phase(&table, "decode_reserved"), 1);
+        assert_eq!(
+            table.ended()[0].prompt_tokens,
+            5,
+            "the replaced one is listed as ended"
+        );
+        drop(new);
+        assert!(table.is_empty());
+        let total: i64 = Phase::NAMES.iter().map(|p| in_phase(&table, p)).sum();
+        assert_eq!(total, 0, "every gauge back to zero");
     }
 
     #[test]
