@@ -452,9 +452,7 @@ impl CudaBackend {
     /// allocation.
     fn alloc_tensor(&self, bytes: usize) -> CudaStorage {
         if self.traced() {
-            if let Some(s) = self.arena_zeros(bytes) {
-                return s;
-            }
+            return self.arena_zeros(bytes);
         }
         self.alloc(bytes)
     }
@@ -480,8 +478,8 @@ impl CudaBackend {
             bytes.len() <= dst.bytes(),
             "host copy larger than its buffer"
         );
-        if self.traced() && self.staged_copy(dst.ptr(), bytes) {
-            return;
+        if self.traced() {
+            return self.staged_copy(dst.ptr(), bytes);
         }
         self.htod_now(dst.ptr(), bytes);
     }
@@ -526,12 +524,12 @@ impl CudaBackend {
     /// Launches `f` on the stream with `args`, in the order of the kernel's parameters (or
     /// records the launch, inside a traced step).
     pub(crate) fn launch(&self, f: &CudaFunction, cfg: LaunchConfig, args: &[Arg]) {
-        self.submit(crate::trace::Op::kernel(
+        self.submit(crate::trace::Op::Kernel(crate::trace::KernelOp::new(
             f.cu_function(),
             cfg,
             args,
             self.inner.pdl,
-        ));
+        )));
     }
 
     /// Queues a kernel launch on the stream now.
@@ -557,12 +555,9 @@ unsafe fn launch_on(
     args: &[Arg],
     programmatic: bool,
 ) -> std::result::Result<(), cudarc::driver::DriverError> {
-    let op = crate::trace::Op::kernel(f.cu_function(), cfg, args, programmatic);
-    let crate::trace::Op::Kernel(k) = &op else {
-        unreachable!("Op::kernel makes a kernel op")
-    };
+    let k = crate::trace::KernelOp::new(f.cu_function(), cfg, args, programmatic);
     // SAFETY: as the caller promises.
-    unsafe { launch_words(stream, k) }
+    unsafe { launch_words(stream, &k) }
 }
 
 /// Launches the kernel `k` describes on `stream`.
@@ -787,10 +782,8 @@ impl Backend for CudaBackend {
     fn upload(&self, host: &HostTensor) -> Tensor<Self> {
         let bytes = host.to_le_bytes();
         if self.traced() {
-            if let Some(at) = self.stage(&bytes) {
-                let s = CudaStorage::borrowed(at, bytes.len().max(16));
-                return Tensor::from_storage(s, host.dtype(), host.shape());
-            }
+            let s = CudaStorage::borrowed(self.stage(&bytes), bytes.len().max(16));
+            return Tensor::from_storage(s, host.dtype(), host.shape());
         }
         let mut s = self.alloc(bytes.len());
         self.htod(&mut s, &bytes);

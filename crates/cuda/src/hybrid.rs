@@ -569,9 +569,7 @@ impl CudaBackend {
     /// Inside a traced step each table gets its own place in the step's staging instead.
     pub(crate) fn upload_table(&self, bytes: &[u8]) -> u64 {
         if self.traced() {
-            if let Some(at) = self.stage(bytes) {
-                return at;
-            }
+            return self.stage(bytes);
         }
         let mut scratch = self.inner.scratch.lock();
         let s = &mut *scratch;

@@ -80,14 +80,14 @@ pub(crate) enum Op {
     },
 }
 
-impl Op {
+impl KernelOp {
     /// A launch of `function` with `args` in the order of its parameters.
-    pub(crate) fn kernel(
+    pub(crate) fn new(
         function: sys::CUfunction,
         cfg: LaunchConfig,
         args: &[Arg],
         programmatic: bool,
-    ) -> Op {
+    ) -> Self {
         assert!(
             args.len() <= MAX_ARGS,
             "kernel with more than {MAX_ARGS} arguments"
@@ -96,7 +96,7 @@ impl Op {
         for (w, a) in words.iter_mut().zip(args) {
             *w = a.word();
         }
-        Op::Kernel(KernelOp {
+        KernelOp {
             function: function as usize,
             grid: cfg.grid_dim,
             block: cfg.block_dim,
@@ -104,7 +104,7 @@ impl Op {
             programmatic,
             args: args.len() as u8,
             words,
-        })
+        }
     }
 }
 
@@ -199,7 +199,6 @@ pub(crate) struct Tracer {
     arena: Bump,
     staging: Bump,
     graphs: HashMap<u64, Vec<Graph>>,
-    graph_count: usize,
     seen: HashSet<u64>,
     stats: TraceStats,
 }
@@ -274,21 +273,21 @@ impl CudaBackend {
         }
     }
 
-    /// A zeroed temporary of `bytes` from the step arena, inside a traced step.
-    pub(crate) fn arena_zeros(&self, bytes: usize) -> Option<CudaStorage> {
+    /// A zeroed temporary of `bytes` from the step arena (inside a traced step).
+    pub(crate) fn arena_zeros(&self, bytes: usize) -> CudaStorage {
         let at = {
             let mut t = self.inner.trace.lock();
             t.arena.take(self, bytes).2
         };
         let bytes = bytes.max(16);
         self.submit(Op::Memset { at, bytes });
-        Some(CudaStorage::borrowed(at, bytes))
+        CudaStorage::borrowed(at, bytes)
     }
 
-    /// Puts `bytes` in the step's staging and returns their device address, inside a traced
-    /// step. Sizes are rounded up to a power of two so a table that grows a little (one more
+    /// Puts `bytes` in the step's staging and returns their device address (inside a traced
+    /// step). Sizes are rounded up to a power of two so a table that grows a little (one more
     /// latent block) leaves every later table where it was.
-    pub(crate) fn stage(&self, bytes: &[u8]) -> Option<u64> {
+    pub(crate) fn stage(&self, bytes: &[u8]) -> u64 {
         let (at, now) = {
             let mut t = self.inner.trace.lock();
             let room = bytes.len().max(16).next_power_of_two();
@@ -304,23 +303,18 @@ impl CudaBackend {
             // The step broke: what follows runs eagerly, so the data goes up now.
             self.htod_now(at, bytes);
         }
-        Some(at)
+        at
     }
 
-    /// Inside a traced step, `bytes` for device address `dst` travel through the staging
-    /// (one copy op from there); false outside one.
-    pub(crate) fn staged_copy(&self, dst: u64, bytes: &[u8]) -> bool {
-        match self.stage(bytes) {
-            Some(src) => {
-                self.submit(Op::Copy {
-                    dst,
-                    src,
-                    bytes: bytes.len(),
-                });
-                true
-            }
-            None => false,
-        }
+    /// `bytes` for device address `dst` through the staging: one copy op from there (inside a
+    /// traced step).
+    pub(crate) fn staged_copy(&self, dst: u64, bytes: &[u8]) {
+        let src = self.stage(bytes);
+        self.submit(Op::Copy {
+            dst,
+            src,
+            bytes: bytes.len(),
+        });
     }
 
     /// Inside a recording traced step, runs what was recorded now and the rest of the step
@@ -437,17 +431,11 @@ impl CudaBackend {
         match graph {
             Some(g) => {
                 check(g.launch(), "graph launch");
-                if t.graph_count >= MAX_GRAPHS {
+                if t.graphs.values().map(Vec::len).sum::<usize>() >= MAX_GRAPHS {
                     t.graphs.clear();
-                    t.graph_count = 0;
                 }
-                t.graph_count += 1;
                 t.stats.captured += 1;
-                tracing::debug!(
-                    ops = ops.len(),
-                    graphs = t.graph_count,
-                    "captured a traced step as a CUDA graph"
-                );
+                tracing::debug!(ops = ops.len(), "captured a traced step as a CUDA graph");
                 t.graphs.entry(key).or_default().push(Graph {
                     ops,
                     exec: Recorded(g),

@@ -356,26 +356,7 @@ fn kda_sampling_controls_and_choices_on_cuda_match() {
             ..SamplingParams::greedy(10)
         };
         let prompt: Vec<u32> = (0..21u32).map(|i| (i * 17) % 300 + 3).collect();
-        let collect = |e: &Engine, p: &SamplingParams| {
-            let mut rx = e
-                .submit(prompt.clone(), p.clone(), SeqKind::Generate)
-                .expect("submitted");
-            let mut out = Vec::new();
-            while let Some(ev) = rx.blocking_recv() {
-                if let EngineEvent::Token {
-                    token_id,
-                    finish,
-                    logprobs,
-                } = ev
-                {
-                    out.push((token_id, logprobs));
-                    if finish.is_some() {
-                        break;
-                    }
-                }
-            }
-            out
-        };
+        let collect = |e: &Engine, p: &SamplingParams| common::generated(e, &prompt, p);
         let (a, b) = (collect(&cuda, &params), collect(&cpu, &params));
         let ids = |v: &[(u32, Option<tandem_core::TokenLogprobs>)]| {
             v.iter().map(|t| t.0).collect::<Vec<_>>()

@@ -525,24 +525,10 @@ fn sampling_controls_and_logprobs_on_cuda_match_the_cpu_engine() {
     };
     let prompt: Vec<u32> = (0..21u32).map(|i| (i * 17) % 300 + 3).collect();
     let collect = |e: &Engine| {
-        let mut rx = e
-            .submit(prompt.clone(), params.clone(), SeqKind::Generate)
-            .expect("submitted");
-        let mut out = Vec::new();
-        while let Some(ev) = rx.blocking_recv() {
-            if let tandem_engine::EngineEvent::Token {
-                token_id,
-                finish,
-                logprobs,
-            } = ev
-            {
-                out.push((token_id, logprobs.expect("asked for")));
-                if finish.is_some() {
-                    break;
-                }
-            }
-        }
-        out
+        common::generated(e, &prompt, &params)
+            .into_iter()
+            .map(|(t, lp)| (t, lp.expect("asked for")))
+            .collect::<Vec<_>>()
     };
     let (a, b) = (collect(&cuda), collect(&cpu));
     let ids = |v: &[(u32, tandem_core::TokenLogprobs)]| v.iter().map(|t| t.0).collect::<Vec<_>>();

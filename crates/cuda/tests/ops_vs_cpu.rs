@@ -12,17 +12,7 @@ use tandem_engine::{
     Backend, CpuBackend, DType, HostTensor, KvCache, KvLayout, Ops, StepLimits, StepMeta,
 };
 
-fn noise(seed: u64, n: usize) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
-}
+use common::hybrid::noise;
 
 fn host(shape: &[usize], data: Vec<f32>, dtype: DType) -> HostTensor {
     HostTensor::from_f32(shape, data)

@@ -186,8 +186,3 @@ impl<B: HybridOps> std::fmt::Debug for Loaded<B> {
             .finish_non_exhaustive()
     }
 }
-
-/// `dir`'s card without loading weights (what the router asks for EOS ids and context).
-pub fn card(dir: &Path) -> Result<ModelCard> {
-    Ok(ModelCard::read(dir)?)
-}

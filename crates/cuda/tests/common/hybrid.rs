@@ -21,14 +21,7 @@ pub fn seqs() -> Vec<Range<usize>> {
 }
 
 pub fn seqs_of(segments: &[usize]) -> Vec<Range<usize>> {
-    let mut at = 0;
-    segments
-        .iter()
-        .map(|&n| {
-            at += n;
-            at - n..at
-        })
-        .collect()
+    tandem_engine::backend::hybrid::row_ranges(segments)
 }
 
 pub fn noise(seed: u64, n: usize) -> Vec<f32> {
