@@ -438,9 +438,7 @@ pub fn synth_kda_hybrid_layers(
     };
     std::fs::create_dir_all(out).map_err(|e| io(out, e))?;
     let ignored = kda_projection_names(&p);
-    let mut bytes: BTreeMap<String, (Dtype, Vec<usize>, Vec<u8>)> = BTreeMap::new();
-    for (name, shape, init) in tensor_specs(&p) {
-        let v = values(&name, &shape, init, seed);
+    let specs = tensor_specs(&p).into_iter().map(|(name, shape, init)| {
         let module = name.strip_suffix(".weight").unwrap_or(&name);
         let quantize = fp8
             && shape.len() == 2
@@ -450,16 +448,50 @@ pub fn synth_kda_hybrid_layers(
             && !name.starts_with("lm_head")
             && !name.ends_with("gate.weight")
             && !ignored.iter().any(|i| i == module);
-        insert_weight(&mut bytes, name, shape, &v, quantize);
-    }
+        (name, shape, init, quantize)
+    });
+    let bytes = weights(specs.collect(), seed);
     let config = config_json(&p, fp8.then_some(ignored.as_slice()));
     write_checkpoint(out, &bytes, &config)
 }
 
+/// The tensors of `specs` (name, shape, initialisation, whether block-FP8), each drawn from its
+/// own seeded stream, on every core (a 48B-shaped layer is gigabytes): the same bytes
+/// whatever the core count.
+fn weights(specs: Vec<(String, Vec<usize>, Init, bool)>, seed: u64) -> Weights {
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let specs = &specs;
+    std::thread::scope(|scope| {
+        let workers: Vec<_> = (0..threads.min(specs.len()).max(1))
+            .map(|_| {
+                scope.spawn(|| {
+                    let mut part = Weights::new();
+                    while let Some((name, shape, init, quantize)) =
+                        specs.get(next.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
+                    {
+                        let v = values(name, shape, *init, seed);
+                        insert_weight(&mut part, name.clone(), shape.clone(), &v, *quantize);
+                    }
+                    part
+                })
+            })
+            .collect();
+        let mut all = Weights::new();
+        for w in workers {
+            all.extend(w.join().expect("a synthesis thread panicked"));
+        }
+        all
+    })
+}
+
+/// Tensors by name: dtype, shape and little-endian bytes.
+type Weights = BTreeMap<String, (Dtype, Vec<usize>, Vec<u8>)>;
+
 /// Adds tensor `name` of `values`: as block-FP8 codes plus its `weight_scale_inv` (128×128
 /// tiles) when `quantize`, else as BF16.
 fn insert_weight(
-    bytes: &mut BTreeMap<String, (Dtype, Vec<usize>, Vec<u8>)>,
+    bytes: &mut Weights,
     name: String,
     shape: Vec<usize>,
     values: &[f32],
@@ -488,11 +520,7 @@ fn insert_weight(
 }
 
 /// Writes `model.safetensors`, `config.json` and a `generation_config.json` into `out`.
-fn write_checkpoint(
-    out: &Path,
-    bytes: &BTreeMap<String, (Dtype, Vec<usize>, Vec<u8>)>,
-    config: &Value,
-) -> Result<()> {
+fn write_checkpoint(out: &Path, bytes: &Weights, config: &Value) -> Result<()> {
     let io = |path: &Path, source| Error::Io {
         path: path.to_path_buf(),
         source,
@@ -688,12 +716,11 @@ pub fn synth_llama_with(preset: &str, out: &Path, seed: u64, fp8: bool) -> Resul
         path: out.to_path_buf(),
         source,
     })?;
-    let mut bytes: BTreeMap<String, (Dtype, Vec<usize>, Vec<u8>)> = BTreeMap::new();
-    for (name, shape, init) in specs {
-        let v = values(&name, &shape, init, seed);
+    let specs = specs.into_iter().map(|(name, shape, init)| {
         let projection = name.contains("_proj.");
-        insert_weight(&mut bytes, name, shape, &v, fp8 && projection);
-    }
+        (name, shape, init, fp8 && projection)
+    });
+    let bytes = weights(specs.collect(), seed);
     let mut config = json!({
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
