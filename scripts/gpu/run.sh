@@ -183,18 +183,23 @@ PY
 }
 
 # Kimi-Linear-48B-A3B's per-layer dimensions, block-FP8 as published (KDA projections BF16),
-# LAYERS layers (default 4: one dense, three MoE, MLA among them): whole decode steps at batch
-# 1 / 32 / 128 eager and traced (TANDEM_CUDA_TRACED_STEPS=1), and an 8k prefill, per layer
-# being the figure to report (the 27-layer checkpoint does not load through host f32 here).
+# LAYERS layers (default 4: one dense, three MoE, MLA among them), and the 1b preset in
+# block-FP8: whole decode steps at batch 1 / 32 / 128 (traced) and an 8k prefill, with the
+# routed experts kept as FP8 and dequantised to bf16 at load (TANDEM_CUDA_FP8_WEIGHTS=0), per
+# layer being the figure to report for the 48b shape.
 phase_kda48() {
-  local d="$MODELS/kda48-${LAYERS:-4}"
+  local d="$MODELS/kda48-${LAYERS:-4}" s="$MODELS/kda1b-fp8"
   [ -f "$d/config.json" ] || "$BIN/tandem" model synth --arch kda-hybrid --preset 48b --fp8 \
     --layers "${LAYERS:-4}" --out "$d" >/dev/null || { status=1; return; }
-  for traced in 0 1; do
-    echo "== 48b dimensions, ${LAYERS:-4} layers, bf16, traced steps $traced"
-    TANDEM_CUDA_TRACED_STEPS=$traced "$BIN/tandem" bench engine --device cuda:0 --dtype bf16 \
-      --model "$d" --step-batches 1,32,128 --step-prefill 8192 \
-      --json "$OUT/kda48-traced$traced.json" || status=1
+  [ -f "$s/config.json" ] || "$BIN/tandem" model synth --arch kda-hybrid --preset 1b --fp8 \
+    --out "$s" >/dev/null || { status=1; return; }
+  for m in "$s" "$d"; do
+    for fp8 in 0 1; do
+      echo "== $(basename "$m"), bf16, FP8 experts $fp8"
+      TANDEM_CUDA_FP8_WEIGHTS=$fp8 "$BIN/tandem" bench engine --device cuda:0 --dtype bf16 \
+        --model "$m" --step-batches 1,32,128 --step-prefill 8192 \
+        --json "$OUT/$(basename "$m")-fp8$fp8.json" || status=1
+    done
   done
 }
 

@@ -118,6 +118,9 @@ kernels!(
     moe_sort,
     moe_gate_up,
     moe_down,
+    moe_gate_up_fp8,
+    moe_down_fp8,
+    fp8_to_bf16,
     moe_combine,
     mla_append,
     mla_attention,
@@ -234,6 +237,8 @@ pub(crate) struct Inner {
     /// Whether steps may be traced and replayed (`TANDEM_CUDA_TRACED_STEPS`, or
     /// [`CudaBackend::set_traced_steps`]).
     pub(crate) trace_enabled: std::sync::atomic::AtomicBool,
+    /// Whether block-FP8 weights are taken as FP8 ([`CudaBackend::set_fp8_weights`]).
+    pub(crate) fp8_weights: std::sync::atomic::AtomicBool,
     /// Streaming multiprocessors.
     pub(crate) sms: usize,
     /// Dynamic shared memory the RMSNorm-fused GEMVs may take.
@@ -395,6 +400,7 @@ impl CudaBackend {
                 trace: Mutex::new(crate::trace::Tracer::default()),
                 tracing: std::sync::atomic::AtomicBool::new(false),
                 trace_enabled: std::sync::atomic::AtomicBool::new(crate::env::traced_steps()),
+                fp8_weights: std::sync::atomic::AtomicBool::new(crate::env::fp8_weights()),
                 sms,
                 gemv_smem,
                 gemv_rows: crate::env::gemv_rows(),
@@ -761,8 +767,8 @@ impl Backend for CudaBackend {
         Tensor::from_storage(self.alloc_tensor(n * dtype.size()), dtype, shape)
     }
 
-    /// Ranks sharing the GPU meet in device memory ([`crate::device_comm::SameDevice`]) with
-    /// `TANDEM_CUDA_DEVICE_COLLECTIVES=1`; otherwise through host memory.
+    /// Ranks sharing the GPU meet in device memory ([`crate::device_comm::SameDevice`]), or
+    /// through host memory with `TANDEM_CUDA_DEVICE_COLLECTIVES=0`.
     fn in_process_comm(
         comm: tandem_topology::InProcessCommunicator,
     ) -> Box<dyn tandem_engine::backend::TensorComm<Self>> {
@@ -788,6 +794,26 @@ impl Backend for CudaBackend {
         let mut s = self.alloc(bytes.len());
         self.htod(&mut s, &bytes);
         Tensor::from_storage(s, host.dtype(), host.shape())
+    }
+
+    /// One buffer: the codes (padded to 16 bytes), then the tile scales, as the FP8 kernels
+    /// read it (kernels.cu, "Block-FP8 weights"). 128-wide tiles and rows of whole 8-byte
+    /// loads only; off with [`CudaBackend::set_fp8_weights`] or `TANDEM_CUDA_FP8_WEIGHTS=0`.
+    fn upload_fp8_weight(&self, w: &tandem_engine::BlockFp8) -> Option<Tensor<Self>> {
+        let fits = w.block == crate::moe::FP8_TILE
+            && w.cols.is_multiple_of(8)
+            && w.codes.len() == w.rows * w.cols
+            && w.scales.len() == w.rows.div_ceil(w.block) * w.cols.div_ceil(w.block);
+        if !fits || !self.fp8_weights() {
+            return None;
+        }
+        let at = w.codes.len().next_multiple_of(16);
+        let mut bytes = w.codes.clone();
+        bytes.resize(at, 0);
+        bytes.extend(w.scales.iter().flat_map(|s| s.to_le_bytes()));
+        let mut s = self.alloc(bytes.len());
+        self.htod(&mut s, &bytes);
+        Some(Tensor::from_storage(s, DType::F8E4M3, &[w.rows, w.cols]))
     }
 
     fn download(&self, t: &Tensor<Self>) -> HostTensor {

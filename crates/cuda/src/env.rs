@@ -6,17 +6,22 @@ pub(crate) fn graphs() -> bool {
     std::env::var("TANDEM_CUDA_GRAPHS").map_or(true, |v| v != "0")
 }
 
-/// `TANDEM_CUDA_TRACED_STEPS=1|0`: whether KDA-hybrid decode steps are traced and replayed
-/// as CUDA graphs (trace.rs). Off unless asked for until measured on a GPU; `TANDEM_CUDA_GRAPHS=0`
-/// turns it off too.
+/// `TANDEM_CUDA_TRACED_STEPS=0`: KDA-hybrid decode steps run eagerly instead of being traced
+/// and replayed as CUDA graphs (trace.rs); `TANDEM_CUDA_GRAPHS=0` turns tracing off too.
 pub(crate) fn traced_steps() -> bool {
-    graphs() && std::env::var("TANDEM_CUDA_TRACED_STEPS").is_ok_and(|v| v == "1")
+    graphs() && std::env::var("TANDEM_CUDA_TRACED_STEPS").map_or(true, |v| v != "0")
 }
 
-/// `TANDEM_CUDA_DEVICE_COLLECTIVES=1`: ranks of a layout sharing the GPU meet in device memory
-/// (device_comm.rs) instead of through host memory; off until measured on a GPU.
+/// `TANDEM_CUDA_DEVICE_COLLECTIVES=0`: ranks of a layout sharing the GPU meet through host
+/// memory instead of in device memory (device_comm.rs).
 pub(crate) fn device_collectives() -> bool {
-    std::env::var("TANDEM_CUDA_DEVICE_COLLECTIVES").is_ok_and(|v| v == "1")
+    std::env::var("TANDEM_CUDA_DEVICE_COLLECTIVES").map_or(true, |v| v != "0")
+}
+
+/// `TANDEM_CUDA_FP8_WEIGHTS=0`: block-FP8 expert weights are dequantised to the model's dtype
+/// at load instead of kept as FP8.
+pub(crate) fn fp8_weights() -> bool {
+    std::env::var("TANDEM_CUDA_FP8_WEIGHTS").map_or(true, |v| v != "0")
 }
 
 /// `TANDEM_CUDA_PDL=0`: launch kernels without programmatic dependencies.

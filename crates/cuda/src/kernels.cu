@@ -1455,6 +1455,59 @@ extern "C" __global__ void scatter_add_rows(float* y, const float* src, const u3
     for (int c = threadIdx.x; c < dim; c += blockDim.x) y[dst + c] += w * src[i * dim + c];
 }
 
+// ---- Block-FP8 weights ----------------------------------------------------------------------
+//
+// A block-FP8 weight matrix [rows, cols] is one buffer: its E4M3 codes row-major, padded to 16
+// bytes, then one f32 scale per FP8_TILE × FP8_TILE tile ([rows, cols] / FP8_TILE rounded up,
+// row-major); a weight is its code × its tile's scale (the checkpoint's `weight_scale_inv`).
+
+#define FP8_TILE 128
+
+// An E4M3 code's value: its sign and 7 exponent/mantissa bits placed where an f32's go make
+// the value × 2^-120 (subnormal codes become f32 subnormals), so one exact multiply.
+__device__ __forceinline__ float e4m3_value(u32 b) {
+    return __uint_as_float(((b & 0x80u) << 24) | ((b & 0x7fu) << 20)) * 0x1p120f;
+}
+
+__device__ __forceinline__ const float* fp8_scales(const unsigned char* w, long rows, int cols) {
+    return reinterpret_cast<const float*>(w + ((rows * cols + 15) & ~15L));
+}
+
+// An 8-byte weight load that bypasses L1.
+__device__ __forceinline__ uint2 ld_weights8(const uint2* p) {
+    uint2 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+    return v;
+}
+
+// 8 codes × their tile's scale `s`.
+__device__ __forceinline__ void unpack_fp8x8(uint2 v, float s, float* f) {
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        f[i] = e4m3_value((v.x >> (8 * i)) & 0xffu) * s;
+        f[4 + i] = e4m3_value((v.y >> (8 * i)) & 0xffu) * s;
+    }
+}
+
+// out = the bf16 values of block-FP8 matrix w (rounded to nearest even, as the loader's
+// dequantisation to bf16 rounds them), 8 a thread (cols a multiple of 8): what products of more
+// rows than the grouped expert kernels take read.
+extern "C" __global__ void fp8_to_bf16(const unsigned char* w, long rows, int cols, __nv_bfloat16* out) {
+    pdl_start();
+    long i = blockIdx.x * (long)blockDim.x + threadIdx.x;
+    int chunks = cols >> 3, tiles = (cols + FP8_TILE - 1) / FP8_TILE;
+    if (i >= rows * chunks) return;
+    long r = i / chunks;
+    int c = (int)(i - r * chunks);
+    float f[8];
+    unpack_fp8x8(reinterpret_cast<const uint2*>(w + r * cols)[c],
+                 fp8_scales(w, rows, cols)[(r / FP8_TILE) * tiles + (c * 8) / FP8_TILE], f);
+    __nv_bfloat162 h[4];
+    #pragma unroll
+    for (int j = 0; j < 4; ++j) h[j] = __floats2bfloat162_rn(f[2 * j], f[2 * j + 1]);
+    reinterpret_cast<uint4*>(out)[i] = *reinterpret_cast<const uint4*>(h);
+}
+
 // ---- MoE on the device ----------------------------------------------------------------------
 //
 // Routing, then the experts as one grouped product: `moe_sort` lists each local expert's
@@ -1467,54 +1520,95 @@ extern "C" __global__ void scatter_add_rows(float* y, const float* src, const u3
 #define MOE_MAX_GROUPS 64
 #define MOE_ROWS 8
 
-// One thread per token: sigmoid scores s, choice on s + bias within the best `topk_groups`
-// groups (ranked by the sum of their two best choices; the rest choose as -inf), the `k`
-// best choices (ties: lower index first), weights s / (Σ s + 1e-20 when renormalising) * scale.
-extern "C" __global__ void moe_route(const float* logits, int rows, int e, const float* bias, int k, int groups,
-                                     int topk_groups, int renorm, float scale, u32* ids, float* weights) {
+// A block per token (MOE_ROUTE_THREADS threads, experts strided over them; e <=
+// MOE_ROUTE_MAX): sigmoid scores s, choice on c = s + bias within the best `topk_groups` groups
+// (ranked by the sum of their two best c; the rest choose as -inf), the `k` best choices (ties:
+// lower index first: k rounds of a block-wide arg-max), weights s / (Σ s + 1e-20 when
+// renormalising) * scale, summed in choice order.
+#define MOE_ROUTE_THREADS 256
+#define MOE_ROUTE_MAX 1024
+
+// Whether candidate (v, i) beats (bv, bi): any candidate beats none (index < 0); then the
+// larger value, then the lower index.
+__device__ __forceinline__ bool route_beats(float v, int i, float bv, int bi) {
+    return i >= 0 && (bi < 0 || v > bv || (v == bv && i < bi));
+}
+
+extern "C" __global__ void __launch_bounds__(MOE_ROUTE_THREADS) moe_route(const float* logits, int rows, int e,
+                                                                          const float* bias, int k, int groups,
+                                                                          int topk_groups, int renorm, float scale,
+                                                                          u32* ids, float* weights) {
     pdl_start();
-    int t = blockIdx.x * blockDim.x + threadIdx.x;
+    __shared__ float choice[MOE_ROUTE_MAX];
+    __shared__ unsigned char taken[MOE_ROUTE_MAX];
+    __shared__ float group_score[MOE_MAX_GROUPS];
+    __shared__ float warp_v[MOE_ROUTE_THREADS / 32];
+    __shared__ int warp_i[MOE_ROUTE_THREADS / 32];
+    __shared__ u32 chosen[MOE_MAX_K];
+    __shared__ unsigned long long kept_groups;
+    int t = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     if (t >= rows) return;
     const float* l = logits + (long)t * e;
-    unsigned long long kept = ~0ull;
     int per = e / groups;
+    for (int i = tid; i < e; i += blockDim.x) {
+        choice[i] = sigmoid_f(l[i]) + bias[i];
+        taken[i] = 0;
+    }
+    __syncthreads();
     if (groups > 1 && topk_groups < groups) {
-        float gs[MOE_MAX_GROUPS];
-        for (int g = 0; g < groups; ++g) {
+        for (int g = tid; g < groups; g += blockDim.x) {
             float b1 = -INFINITY, b2 = -INFINITY;
             for (int i = g * per; i < (g + 1) * per; ++i) {
-                float c = sigmoid_f(l[i]) + bias[i];
+                float c = choice[i];
                 if (c > b1) { b2 = b1; b1 = c; } else if (c > b2) { b2 = c; }
             }
-            gs[g] = per > 1 ? b1 + b2 : b1;
+            group_score[g] = per > 1 ? b1 + b2 : b1;
         }
-        kept = 0ull;
-        for (int n = 0; n < topk_groups; ++n) {
-            int best = -1;
-            for (int g = 0; g < groups; ++g)
-                if (!((kept >> g) & 1ull) && (best < 0 || gs[g] > gs[best])) best = g;
-            kept |= 1ull << best;
+        __syncthreads();
+        if (tid == 0) {
+            unsigned long long kept = 0ull;
+            for (int n = 0; n < topk_groups; ++n) {
+                int best = -1;
+                for (int g = 0; g < groups; ++g)
+                    if (!((kept >> g) & 1ull) && (best < 0 || group_score[g] > group_score[best])) best = g;
+                kept |= 1ull << best;
+            }
+            kept_groups = kept;
         }
+        __syncthreads();
+        for (int i = tid; i < e; i += blockDim.x)
+            if (!((kept_groups >> (i / per)) & 1ull)) choice[i] = -INFINITY;
+        __syncthreads();
     }
-    u32 chosen[MOE_MAX_K];
-    float sum = 0.0f;
     for (int j = 0; j < k; ++j) {
-        int best = -1;
-        float bc = -INFINITY;
-        for (int i = 0; i < e; ++i) {
-            bool taken = false;
-            for (int m = 0; m < j; ++m) taken |= chosen[m] == (u32)i;
-            if (taken) continue;
-            float c = ((kept >> (i / per)) & 1ull) ? sigmoid_f(l[i]) + bias[i] : -INFINITY;
-            if (best < 0 || c > bc) { best = i; bc = c; }
+        float bv = 0.0f;
+        int bi = -1;
+        for (int i = tid; i < e; i += blockDim.x)
+            if (!taken[i] && route_beats(choice[i], i, bv, bi)) { bv = choice[i]; bi = i; }
+        #pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (route_beats(ov, oi, bv, bi)) { bv = ov; bi = oi; }
         }
-        chosen[j] = (u32)best;
-        sum += sigmoid_f(l[best]);
+        if (lane == 0) { warp_v[warp] = bv; warp_i[warp] = bi; }
+        __syncthreads();
+        if (tid == 0) {
+            for (int w = 1; w < (int)(blockDim.x >> 5); ++w)
+                if (route_beats(warp_v[w], warp_i[w], bv, bi)) { bv = warp_v[w]; bi = warp_i[w]; }
+            chosen[j] = (u32)bi;
+            taken[bi] = 1;
+        }
+        __syncthreads();
     }
-    float norm = renorm ? sum + 1e-20f : 1.0f;
-    for (int j = 0; j < k; ++j) {
-        ids[(long)t * k + j] = chosen[j];
-        weights[(long)t * k + j] = sigmoid_f(l[chosen[j]]) / norm * scale;
+    if (tid == 0) {
+        float sum = 0.0f;
+        for (int j = 0; j < k; ++j) sum += sigmoid_f(l[chosen[j]]);
+        float norm = renorm ? sum + 1e-20f : 1.0f;
+        for (int j = 0; j < k; ++j) {
+            ids[(long)t * k + j] = chosen[j];
+            weights[(long)t * k + j] = sigmoid_f(l[chosen[j]]) / norm * scale;
+        }
     }
 }
 
@@ -1538,19 +1632,33 @@ extern "C" __global__ void moe_sort(const u32* ids, int pairs, u32 first, int ex
         if (ids[p] - first == (u32)e) { order[at++] = p; --n; }
 }
 
+// Weights 8c .. 8c + 7 of row `row` of an expert's [rows, cols] matrix at `w`, as floats: bf16,
+// or block-FP8 (codes, then tile scales: see "Block-FP8 weights").
+template <bool FP8>
+__device__ __forceinline__ void expert_weights8(const void* w, long rows, int cols, long row, int c, float* f) {
+    if constexpr (FP8) {
+        const unsigned char* codes = static_cast<const unsigned char*>(w);
+        int tiles = (cols + FP8_TILE - 1) / FP8_TILE;
+        float s = fp8_scales(codes, rows, cols)[(row / FP8_TILE) * tiles + (c * 8) / FP8_TILE];
+        unpack_fp8x8(ld_weights8(reinterpret_cast<const uint2*>(codes + row * cols) + c), s, f);
+    } else {
+        unpack16<__nv_bfloat16>(ld_weights(static_cast<const uint4*>(w) + row * (cols >> 3) + c), f);
+    }
+}
+
 // act[p] = swiglu(gate_j · x[p / k], up_j · x[p / k]) for feature j (a warp each) of expert
-// blockIdx.y's pairs; table[e] holds the expert's bf16 [2 * inter, K] gate/up matrix.
-extern "C" __global__ void __launch_bounds__(128) moe_gate_up(const float* x, int K, const unsigned long long* table,
-                                                              const u32* offsets, const u32* order, int k, int inter,
-                                                              int clamp, float limit, float* act) {
+// blockIdx.y's pairs; table[e] holds the expert's [2 * inter, K] gate/up matrix.
+template <bool FP8>
+__device__ __forceinline__ void moe_gate_up_body(const float* x, int K, const unsigned long long* table,
+                                                 const u32* offsets, const u32* order, int k, int inter,
+                                                 int clamp, float limit, float* act) {
     pdl_start();
     int e = blockIdx.y, lane = threadIdx.x & 31;
     int j = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     u32 start = offsets[e], n = offsets[e + 1] - start;
     if (j >= inter || n == 0) return;
     int chunks = K >> 3;
-    const uint4* wg = reinterpret_cast<const uint4*>(table[e]) + (long)j * chunks;
-    const uint4* wu = wg + (long)inter * chunks;
+    const void* w = reinterpret_cast<const void*>(table[e]);
     for (u32 g0 = 0; g0 < n; g0 += MOE_ROWS) {
         int m = min((u32)MOE_ROWS, n - g0);
         const float* xr[MOE_ROWS];
@@ -1562,8 +1670,8 @@ extern "C" __global__ void __launch_bounds__(128) moe_gate_up(const float* x, in
         #pragma unroll 2
         for (int c = lane; c < chunks; c += 32) {
             float g[8], u[8];
-            unpack16<__nv_bfloat16>(ld_weights(wg + c), g);
-            unpack16<__nv_bfloat16>(ld_weights(wu + c), u);
+            expert_weights8<FP8>(w, 2L * inter, K, j, c, g);
+            expert_weights8<FP8>(w, 2L * inter, K, (long)inter + j, c, u);
             #pragma unroll
             for (int r = 0; r < MOE_ROWS; ++r) {
                 if (r < m) {
@@ -1590,18 +1698,31 @@ extern "C" __global__ void __launch_bounds__(128) moe_gate_up(const float* x, in
     }
 }
 
+extern "C" __global__ void __launch_bounds__(128) moe_gate_up(const float* x, int K, const unsigned long long* table,
+                                                              const u32* offsets, const u32* order, int k, int inter,
+                                                              int clamp, float limit, float* act) {
+    moe_gate_up_body<false>(x, K, table, offsets, order, k, inter, clamp, limit, act);
+}
+
+extern "C" __global__ void __launch_bounds__(128) moe_gate_up_fp8(const float* x, int K, const unsigned long long* table,
+                                                                  const u32* offsets, const u32* order, int k, int inter,
+                                                                  int clamp, float limit, float* act) {
+    moe_gate_up_body<true>(x, K, table, offsets, order, k, inter, clamp, limit, act);
+}
+
 // out[p] = weights[p] · (down_h · act[p]) for feature h (a warp each) of expert blockIdx.y's
-// pairs; table[e] holds the expert's bf16 [hidden, inter] down matrix.
-extern "C" __global__ void __launch_bounds__(128) moe_down(const float* act, int inter, const unsigned long long* table,
-                                                           const u32* offsets, const u32* order, const float* weights,
-                                                           int hidden, float* out) {
+// pairs; table[e] holds the expert's [hidden, inter] down matrix.
+template <bool FP8>
+__device__ __forceinline__ void moe_down_body(const float* act, int inter, const unsigned long long* table,
+                                              const u32* offsets, const u32* order, const float* weights,
+                                              int hidden, float* out) {
     pdl_start();
     int e = blockIdx.y, lane = threadIdx.x & 31;
     int h = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     u32 start = offsets[e], n = offsets[e + 1] - start;
     if (h >= hidden || n == 0) return;
     int chunks = inter >> 3;
-    const uint4* w = reinterpret_cast<const uint4*>(table[e]) + (long)h * chunks;
+    const void* w = reinterpret_cast<const void*>(table[e]);
     for (u32 g0 = 0; g0 < n; g0 += MOE_ROWS) {
         int m = min((u32)MOE_ROWS, n - g0);
         const float* ar[MOE_ROWS];
@@ -1613,7 +1734,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_down(const float* act, int
         #pragma unroll 2
         for (int c = lane; c < chunks; c += 32) {
             float wv[8];
-            unpack16<__nv_bfloat16>(ld_weights(w + c), wv);
+            expert_weights8<FP8>(w, hidden, inter, h, c, wv);
             #pragma unroll
             for (int r = 0; r < MOE_ROWS; ++r) {
                 if (r < m) {
@@ -1632,6 +1753,18 @@ extern "C" __global__ void __launch_bounds__(128) moe_down(const float* act, int
             }
         }
     }
+}
+
+extern "C" __global__ void __launch_bounds__(128) moe_down(const float* act, int inter, const unsigned long long* table,
+                                                           const u32* offsets, const u32* order, const float* weights,
+                                                           int hidden, float* out) {
+    moe_down_body<false>(act, inter, table, offsets, order, weights, hidden, out);
+}
+
+extern "C" __global__ void __launch_bounds__(128) moe_down_fp8(const float* act, int inter, const unsigned long long* table,
+                                                               const u32* offsets, const u32* order, const float* weights,
+                                                               int hidden, float* out) {
+    moe_down_body<true>(act, inter, table, offsets, order, weights, hidden, out);
 }
 
 // y[t] += Σ over the slots routed to a local expert (ids in [first, first + experts)) of

@@ -4,6 +4,10 @@
 //! tokens the experts as one grouped product (sort, gate/up, down, combine: four launches
 //! whatever the number of experts); larger steps read the routing back and run expert by
 //! expert through cuBLAS, their rows scattered back with `scatter_add_rows`.
+//!
+//! Experts whose weights stayed block-FP8 (`Backend::upload_fp8_weight`) run the grouped
+//! product on their FP8 tiles (`moe_gate_up_fp8`, `moe_down_fp8`: half the bytes of bf16 read
+//! per step); larger steps dequantise each expert to bf16 for cuBLAS (`fp8_to_bf16`).
 
 use crate::device::{Arg as A, CudaBackend};
 use crate::ops::{flat_cfg, need, ptr, rows_cfg, threads_for, T};
@@ -16,12 +20,49 @@ use tandem_engine::{Backend, DType, HostTensor};
 const MOE_MAX_K: usize = 32;
 /// Expert groups the MoE router takes (`MOE_MAX_GROUPS` in kernels.cu).
 const MOE_MAX_GROUPS: usize = 64;
+/// Threads of a token's routing block (`MOE_ROUTE_THREADS` in kernels.cu).
+const MOE_ROUTE_THREADS: usize = 256;
+/// Experts the MoE router takes (`MOE_ROUTE_MAX` in kernels.cu).
+const MOE_ROUTE_MAX: usize = 1024;
 /// Experts one rank's grouped product takes (a thread each in `moe_sort`).
 const MOE_MAX_EXPERTS: usize = 1024;
 /// Warps per block of the grouped expert kernels (their `__launch_bounds__`).
 const MOE_WARPS: usize = 4;
+/// The block-FP8 tile side the kernels take (`FP8_TILE` in kernels.cu).
+pub(crate) const FP8_TILE: usize = 128;
+
+/// The format word that ends an expert table of block-FP8 weights (bf16 tables have none).
+const FP8_TABLE: u32 = 8;
 
 impl CudaBackend {
+    /// Whether block-FP8 weights are taken as FP8 (the default, unless
+    /// `TANDEM_CUDA_FP8_WEIGHTS=0`); off, the loader dequantises them. Set before loading.
+    pub fn set_fp8_weights(&self, on: bool) {
+        self.inner
+            .fp8_weights
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub(crate) fn fp8_weights(&self) -> bool {
+        self.inner
+            .fp8_weights
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// `out` `[rows, cols]` bf16 = the values of block-FP8 weight `w`.
+    pub(crate) fn fp8_to_bf16(&self, w: &T, rows: usize, cols: usize, out: u64) {
+        self.launch(
+            &self.inner.kernels.fp8_to_bf16,
+            flat_cfg(rows * cols / 8),
+            &[
+                A::from(ptr(w)),
+                A::from(rows as i64),
+                A::from(cols as i32),
+                A::from(out),
+            ],
+        );
+    }
+
     pub(crate) fn run_route_topk(
         &self,
         logits: &T,
@@ -42,6 +83,10 @@ impl CudaBackend {
             cfg.num_groups
         );
         assert!(
+            e <= MOE_ROUTE_MAX,
+            "the CUDA MoE router takes at most {MOE_ROUTE_MAX} experts, not {e}"
+        );
+        assert!(
             k <= e && e.is_multiple_of(cfg.num_groups) && cfg.topk_groups <= cfg.num_groups,
             "MoE routing of {k} of {e} experts in {} groups (top {}) is not a valid configuration",
             cfg.num_groups,
@@ -54,8 +99,8 @@ impl CudaBackend {
         self.launch(
             &self.inner.kernels.moe_route,
             LaunchConfig {
-                grid_dim: (rows.div_ceil(128) as u32, 1, 1),
-                block_dim: (128, 1, 1),
+                grid_dim: (rows as u32, 1, 1),
+                block_dim: (MOE_ROUTE_THREADS as u32, 1, 1),
                 shared_mem_bytes: 0,
             },
             &[
@@ -74,21 +119,28 @@ impl CudaBackend {
         );
     }
 
-    /// The weights' device addresses, when all are bf16 with rows of whole 16-byte chunks
-    /// (what the grouped kernels load) and there are at most [`MOE_MAX_EXPERTS`].
+    /// The weights' device addresses, when all are bf16 or all block-FP8 with rows of whole
+    /// 8-value chunks (what the grouped kernels load) and there are at most
+    /// [`MOE_MAX_EXPERTS`]; an FP8 table ends with the word [`FP8_TABLE`].
     pub(crate) fn run_expert_table(&self, weights: &[&Linear<Self>]) -> Option<T> {
-        let fits =
-            |w: &&Linear<Self>| w.weight.dtype() == DType::BF16 && w.in_features.is_multiple_of(8);
-        if weights.is_empty() || weights.len() > MOE_MAX_EXPERTS || !weights.iter().all(fits) {
+        let dtype = weights.first()?.weight.dtype();
+        let fits = |w: &&Linear<Self>| w.weight.dtype() == dtype && w.in_features.is_multiple_of(8);
+        if weights.len() > MOE_MAX_EXPERTS
+            || !matches!(dtype, DType::BF16 | DType::F8E4M3)
+            || !weights.iter().all(fits)
+        {
             return None;
         }
-        let words = weights
+        let mut words: Vec<u32> = weights
             .iter()
             .flat_map(|w| {
                 let at = ptr(&w.weight);
                 [at as u32, (at >> 32) as u32]
             })
             .collect();
+        if dtype == DType::F8E4M3 {
+            words.push(FP8_TABLE);
+        }
         Some(self.upload(&HostTensor::from_u32(words)))
     }
 
@@ -120,6 +172,18 @@ impl CudaBackend {
             "moe_grouped gate/up table",
         );
         need(bank.down, DType::U32, 2 * experts, "moe_grouped down table");
+        let fp8 = bank.gate_up.len() > 2 * experts;
+        let (gate_up_kernel, down_kernel) = if fp8 {
+            (
+                &self.inner.kernels.moe_gate_up_fp8,
+                &self.inner.kernels.moe_down_fp8,
+            )
+        } else {
+            (
+                &self.inner.kernels.moe_gate_up,
+                &self.inner.kernels.moe_down,
+            )
+        };
         let offsets = self.zeros(DType::U32, &[experts + 1]);
         let order = self.zeros(DType::U32, &[pairs]);
         let act = self.zeros(DType::F32, &[pairs, inter]);
@@ -148,7 +212,7 @@ impl CudaBackend {
             shared_mem_bytes: 0,
         };
         self.launch(
-            &self.inner.kernels.moe_gate_up,
+            gate_up_kernel,
             per_expert(inter),
             &[
                 A::from(ptr(x)),
@@ -164,7 +228,7 @@ impl CudaBackend {
             ],
         );
         self.launch(
-            &self.inner.kernels.moe_down,
+            down_kernel,
             per_expert(hidden),
             &[
                 A::from(ptr(&act)),

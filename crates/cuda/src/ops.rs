@@ -174,7 +174,14 @@ impl Ops for CudaBackend {
                 );
                 self.gemm(Product { x: xb, ..p }, bf16_t, bf16_t);
             }
-            other => panic!("CUDA matmul takes f32 or bf16 weights, not {other}"),
+            DType::F8E4M3 => {
+                // Dequantise to bf16 (what the loader would have kept) and take the bf16 path.
+                let wb =
+                    tandem_engine::Backend::zeros(self, DType::BF16, &[out_features, in_features]);
+                self.fp8_to_bf16(w, out_features, in_features, ptr(&wb));
+                self.matmul(x, rows, &wb, out_features, in_features, out, accumulate);
+            }
+            other => panic!("CUDA matmul takes f32, bf16 or block-FP8 weights, not {other}"),
         }
     }
 

@@ -630,3 +630,51 @@ fn mla_over_device_blocks_matches_the_cpu() {
         );
     }
 }
+
+/// Routing over as many experts as Kimi-Linear-48B (256, in 8 groups of which 4 are kept, 8
+/// chosen) and over more experts than a routing block has threads (300, ungrouped), with
+/// logits of few distinct values so that ties decide choices: the CPU's experts, in its order,
+/// and its weights.
+#[test]
+fn routing_over_hundreds_of_experts_matches_the_cpu() {
+    let Some(g) = gpu() else { return };
+    let c = CpuBackend::new();
+    for (experts, groups, kept) in [(256, 8, 4), (300, 1, 1), (1024, 16, 3)] {
+        let rows = 37;
+        let cfg = MoeConfig {
+            num_experts: experts,
+            experts_per_token: 8,
+            num_shared_experts: 1,
+            intermediate_size: 32,
+            routed_scaling_factor: 2.827,
+            renormalize: true,
+            num_groups: groups,
+            topk_groups: kept,
+        };
+        // Logits rounded to tenths: many tie with another expert's.
+        let logits: Vec<f32> = noise(experts as u64, rows * experts)
+            .iter()
+            .map(|v| (v * 20.0).round() / 10.0)
+            .collect();
+        let (l_c, l_g) = both(&c, &g, &[rows, experts], logits);
+        let bias: Vec<f32> = noise(3, experts).iter().map(|v| 0.01 * v).collect();
+        let (b_c, b_g) = both(&c, &g, &[experts], bias);
+        let k = cfg.experts_per_token;
+        let (mut ids_c, mut w_c) = (
+            c.zeros(DType::U32, &[rows, k]),
+            c.zeros(DType::F32, &[rows, k]),
+        );
+        let (mut ids_g, mut w_g) = (
+            g.zeros(DType::U32, &[rows, k]),
+            g.zeros(DType::F32, &[rows, k]),
+        );
+        c.route_topk(&l_c, rows, &b_c, &cfg, &mut ids_c, &mut w_c);
+        g.route_topk(&l_g, rows, &b_g, &cfg, &mut ids_g, &mut w_g);
+        assert_eq!(
+            c.download(&ids_c),
+            g.download(&ids_g),
+            "{experts} experts in {groups} groups: the same experts, best first"
+        );
+        close_tensors("route_topk weights", &c, &w_c, &g, &w_g, 1e-6);
+    }
+}

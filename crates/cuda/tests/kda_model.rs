@@ -346,21 +346,24 @@ fn kda_sampling_controls_and_choices_on_cuda_match() {
             .expect("load on the CPU")
             .serve(config())
             .expect("serve");
+        let prompt: Vec<u32> = (0..21u32).map(|i| (i * 17) % 300 + 3).collect();
+        let collect = |e: &Engine, p: &SamplingParams| common::generated(e, &prompt, p);
+        let ids = |v: &[(u32, Option<tandem_core::TokenLogprobs>)]| {
+            v.iter().map(|t| t.0).collect::<Vec<_>>()
+        };
+        let plain = ids(&collect(&cuda, &SamplingParams::greedy(10)));
+        // The penalties alone may leave a short greedy run as it was (nothing in it repeats);
+        // banning the plain run's second token cannot.
         let params = SamplingParams {
             frequency_penalty: 1.5,
             repetition_penalty: 1.3,
-            logit_bias: vec![(7, 3.0)],
+            logit_bias: vec![(7, 3.0), (plain[1], -100.0)],
             min_tokens: 6,
             logprobs: Some(3),
             ignore_eos: false,
             ..SamplingParams::greedy(10)
         };
-        let prompt: Vec<u32> = (0..21u32).map(|i| (i * 17) % 300 + 3).collect();
-        let collect = |e: &Engine, p: &SamplingParams| common::generated(e, &prompt, p);
         let (a, b) = (collect(&cuda, &params), collect(&cpu, &params));
-        let ids = |v: &[(u32, Option<tandem_core::TokenLogprobs>)]| {
-            v.iter().map(|t| t.0).collect::<Vec<_>>()
-        };
         assert_eq!(ids(&a), ids(&b), "{name}: tokens differ from the CPU's");
         for ((_, x), (_, y)) in a.iter().zip(&b) {
             let (x, y) = (
@@ -374,9 +377,8 @@ fn kda_sampling_controls_and_choices_on_cuda_match() {
             assert_eq!(x.top.len(), 3);
             assert_eq!(x.top[0].0, y.top[0].0);
         }
-        let plain = collect(&cuda, &SamplingParams::greedy(10));
         assert_ne!(
-            ids(&plain),
+            plain,
             ids(&a),
             "{name}: the controls changed nothing on CUDA"
         );
@@ -642,5 +644,55 @@ fn a_block_fp8_checkpoint_runs_on_the_gpu() {
     assert!(
         same * 10 >= clear * 9,
         "greedy equal at only {same}/{clear}"
+    );
+}
+
+/// A block-FP8 checkpoint (the medium preset's dimensions, 3 layers) with its routed experts
+/// kept as FP8 on the GPU, against the same checkpoint dequantised to bf16 at load: a prompt
+/// longer than the grouped expert product takes dequantises each expert per step to the very
+/// bf16 the loader keeps (logits bit for bit); a short one runs the FP8 grouped kernels, whose
+/// exact tile values move the logits a little from the bf16 run's, and stay as close to the
+/// CPU's f32 run of the same checkpoint.
+#[test]
+fn fp8_experts_on_the_gpu_match_dequantised_experts() {
+    let Some(g) = gpu() else { return };
+    let dir = tempfile::tempdir().expect("temp dir");
+    tandem_model::synth::synth_kda_hybrid_layers("medium", dir.path(), true, 7, Some(3))
+        .expect("synth");
+    let options = LoadOptions {
+        dtype: DType::BF16,
+        ..LoadOptions::default()
+    };
+    let load_cuda = |fp8: bool| {
+        g.set_fp8_weights(fp8);
+        let m = KdaHybridModel::load_on(g.clone(), dir.path(), &options).expect("load");
+        g.set_fp8_weights(true);
+        m
+    };
+    let (fp8, bf16) = (load_cuda(true), load_cuda(false));
+    let cpu = KdaHybridModel::load_on(CpuBackend::new(), dir.path(), &LoadOptions::default())
+        .expect("load on the CPU");
+    let long: Vec<u32> = (0..160u32).map(|i| (i * 37) % 31_000 + 5).collect();
+    assert_eq!(
+        fp8.forward_full(&long),
+        bf16.forward_full(&long),
+        "experts dequantised per step differ from experts dequantised at load"
+    );
+    let short = &long[..6];
+    let (a, b, want) = (
+        fp8.forward_full(short),
+        bf16.forward_full(short),
+        cpu.forward_full(short),
+    );
+    let spread = want.iter().fold(0f32, |m, x| m.max(x.abs()));
+    let (fp8_err, bf16_err) = (max_abs_diff(&a, &want), max_abs_diff(&b, &want));
+    eprintln!(
+        "short prompt: |fp8 - f32| {fp8_err}, |bf16 - f32| {bf16_err}, |fp8 - bf16| {}, max |logit| {spread}",
+        max_abs_diff(&a, &b)
+    );
+    assert_ne!(a, b, "the short prompt did not run the FP8 experts");
+    assert!(
+        fp8_err <= 0.05 * spread && bf16_err <= 0.05 * spread,
+        "bf16-model logits drift from the f32 model's: fp8 {fp8_err}, bf16 {bf16_err} of {spread}"
     );
 }

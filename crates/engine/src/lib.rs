@@ -33,6 +33,7 @@ pub mod step;
 pub mod tensor;
 
 pub use backend::{Backend, CpuBackend, Ops, StepShape};
+pub use fp8_weights::BlockFp8;
 pub use handoff::{Body, Handoff, Segment, SegmentKind};
 pub use kv_pool::{BlockAllocation, BlockAllocator, KvCache, KvLayout};
 pub use load::{load, LoadSpec, Loaded};

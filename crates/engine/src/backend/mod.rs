@@ -125,6 +125,13 @@ pub trait Backend: Clone + Send + Sync + Sized + 'static {
     fn upload_exact_weight(&self, host: &HostTensor) -> Tensor<Self> {
         self.upload_weight(host)
     }
+    /// A block-FP8 weight matrix kept as FP8 (an `F8E4M3` tensor of its shape whose products
+    /// apply the tile scales as they read it), or `None` when this backend has no FP8 products
+    /// (or not for this tile size): then the loader dequantises it to the model's dtype.
+    fn upload_fp8_weight(&self, w: &crate::BlockFp8) -> Option<Tensor<Self>> {
+        let _ = w;
+        None
+    }
     /// Copies a tensor back to the host (row-major, whatever layout the device keeps).
     fn download(&self, t: &Tensor<Self>) -> HostTensor;
     /// Rows `rows` (each `width` values) of an f32 tensor, as host values one row after

@@ -312,6 +312,7 @@ impl<B: HybridOps> KdaHybridModel<B> {
                         c.swiglu_limit,
                         rs.dense,
                         &up,
+                        false,
                     )?)
                 }
                 FfnKind::Moe => {

@@ -32,6 +32,8 @@ pub struct SwiGlu<B: Ops = CpuBackend> {
 impl<B: HybridOps> SwiGlu<B> {
     /// Loads the first present of each (gate, up, down) name triple; intermediate channels
     /// `shard` only (column-parallel gate/up, row-parallel down: outputs are partial sums).
+    /// With `fp8`, block-FP8 weights stay FP8 where the backend has FP8 products and the
+    /// shard keeps whole tiles ([`SwiGlu::is_fp8`]); otherwise they are dequantised.
     pub(crate) fn load(
         ck: &mut Checkpoint,
         names: &[[String; 3]],
@@ -39,10 +41,37 @@ impl<B: HybridOps> SwiGlu<B> {
         limit: Option<f32>,
         shard: Shard,
         up: &Upload<'_, B>,
+        fp8: bool,
     ) -> Result<Self> {
         let pick = |i: usize| names.iter().map(|n| n[i].as_str()).collect::<Vec<_>>();
         let range = part(shard, inter, &names[0][0])?;
         let local = range.len();
+        if fp8 {
+            let tiles = |ck: &mut Checkpoint, i: usize, shape, axis| {
+                ck.fp8_slice(&pick(i), shape, axis, range.clone())
+            };
+            let gate_up = tiles(ck, 0, [inter, hidden], 0)
+                .zip(tiles(ck, 1, [inter, hidden], 0))
+                .and_then(|(g, u)| g.stack(u))
+                .and_then(|m| up.backend.upload_fp8_weight(&m));
+            let down =
+                tiles(ck, 2, [hidden, inter], 1).and_then(|m| up.backend.upload_fp8_weight(&m));
+            if let (Some(gate_up), Some(down)) = (gate_up, down) {
+                return Ok(Self {
+                    gate_up: Linear {
+                        weight: gate_up,
+                        out_features: 2 * local,
+                        in_features: hidden,
+                    },
+                    down: Linear {
+                        weight: down,
+                        out_features: hidden,
+                        in_features: local,
+                    },
+                    limit,
+                });
+            }
+        }
         let gate = ck.slice(&pick(0), &[inter, hidden], 0, range.clone())?;
         let upw = ck.slice(&pick(1), &[inter, hidden], 0, range.clone())?;
         Ok(Self {
@@ -57,6 +86,11 @@ impl<B: HybridOps> SwiGlu<B> {
     }
 
     /// Runs `rows` rows of `x` `[rows, hidden]`.
+    /// Whether the weights stayed block-FP8.
+    pub fn is_fp8(&self) -> bool {
+        self.gate_up.weight.dtype() == DType::F8E4M3
+    }
+
     pub fn forward(&self, b: &B, x: &Tensor<B>, rows: usize) -> Tensor<B> {
         let inter = self.down.in_features;
         let gu = project(b, x, rows, &self.gate_up);
@@ -120,9 +154,30 @@ impl<B: HybridOps> Moe<B> {
                     limit,
                     rs.expert_mlp,
                     up,
+                    up.dtype == DType::BF16,
                 )
             })
             .collect::<Result<Vec<_>>>()?;
+        let stored_fp8 = rs.experts.clone().next().is_some_and(|i| {
+            [".w1.weight", ".gate_proj.weight"].iter().any(|n| {
+                ck.dtype_of(&format!("{block}.experts.{i}{n}")).as_deref() == Some("F8_E4M3")
+            })
+        });
+        if rs.log && stored_fp8 {
+            let kept = experts.iter().filter(|x| x.is_fp8()).count();
+            if kept == experts.len() {
+                tracing::info!(block, experts = kept, "routed experts run as block-FP8");
+            } else {
+                tracing::info!(
+                    block,
+                    fp8 = kept,
+                    dequantised = experts.len() - kept,
+                    dtype = %up.dtype,
+                    "routed experts dequantised at load (FP8 products need bf16 weights, a \
+                     backend with them, and shards of whole 128-wide tiles)"
+                );
+            }
+        }
         let shared = if cfg.num_shared_experts == 0 {
             None
         } else {
@@ -140,6 +195,7 @@ impl<B: HybridOps> Moe<B> {
                 limit,
                 rs.dense,
                 up,
+                false,
             )?)
         };
         let f32_up = Upload {

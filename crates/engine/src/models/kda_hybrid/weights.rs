@@ -10,13 +10,14 @@
 //! Reads do not consume: one [`Checkpoint`] feeds every rank of a tensor-parallel layout, each
 //! taking its own rows or columns ([`Checkpoint::slice`]); "used" is tracked by name, so the
 //! leftover check runs once after the last rank. Block-FP8 weights (`F8_E4M3` plus
-//! `weight_scale_inv`) are dequantised here, and a PEFT LoRA adapter is merged here
-//! (`W + (alpha/r)·B·A`), both before any sharding: the rest of the model only sees f32, and the
-//! stored dtype of every tensor stays queryable ([`Checkpoint::dtype_of`]) because fusion is
-//! decided from the ORIGINAL tensors.
+//! `weight_scale_inv`) are kept as FP8 until a read asks for f32 (then dequantised, once,
+//! before any sharding); a backend with FP8 products takes routed experts' tiles as they are
+//! ([`Checkpoint::fp8_slice`]). A PEFT LoRA adapter is merged here (`W + (alpha/r)·B·A`,
+//! dequantising its targets). The stored dtype of every tensor stays queryable
+//! ([`Checkpoint::dtype_of`]) because fusion is decided from the ORIGINAL tensors.
 
 use crate::backend::host::Linear;
-use crate::{Error, Result};
+use crate::{BlockFp8, Error, Result};
 use safetensors::{Dtype, SafeTensors};
 use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Range;
@@ -26,6 +27,8 @@ use tandem_model::fusion::LoraTargets;
 /// Host tensors of a checkpoint directory, f32, by name.
 pub(crate) struct Checkpoint {
     tensors: BTreeMap<String, (Vec<usize>, Vec<f32>)>,
+    /// Block-FP8 weights not yet dequantised (a read as f32 moves one into `tensors`).
+    fp8: BTreeMap<String, (Vec<usize>, BlockFp8)>,
     /// Stored dtype (`BF16`, `F8_E4M3`, …) of every tensor, as written in the file.
     dtypes: BTreeMap<String, String>,
     used: BTreeSet<String>,
@@ -67,7 +70,7 @@ fn read_json(path: &Path) -> Result<serde_json::Value> {
 }
 
 impl Checkpoint {
-    /// Reads every `model*.safetensors` in `dir`, dequantising block-FP8 weights.
+    /// Reads every `model*.safetensors` in `dir` (block-FP8 weights stay FP8 until read as f32).
     pub fn load_dir(dir: &Path) -> Result<Self> {
         let config = read_json(&dir.join("config.json"))?;
         let block = crate::fp8_weights::block_size(&config)?;
@@ -111,18 +114,12 @@ impl Checkpoint {
                 tensors.insert(name, (view.shape().to_vec(), data));
             }
         }
-        if !fp8.is_empty() {
-            tracing::info!(
-                matrices = fp8.len(),
-                "block-FP8 weights dequantised at load: they run in the model's dtype (no FP8 \
-                 products for KDA-hybrid models yet)"
-            );
-        }
-        for (name, shape, data) in
-            crate::fp8_weights::dequantize(fp8, block, |scale| tensors.remove(scale).map(|t| t.1))?
-        {
-            tensors.insert(name, (shape, data));
-        }
+        let fp8 = crate::fp8_weights::with_scales(fp8, block, |scale| {
+            tensors.remove(scale).map(|t| t.1)
+        })?
+        .into_iter()
+        .map(|(name, shape, m)| (name, (shape, m)))
+        .collect();
         let prefix = ["model.language_model.", "model."]
             .into_iter()
             .find(|p| tensors.contains_key(&format!("{p}embed_tokens.weight")))
@@ -130,6 +127,7 @@ impl Checkpoint {
             .to_owned();
         Ok(Self {
             tensors,
+            fp8,
             dtypes,
             used: BTreeSet::new(),
             prefix,
@@ -173,6 +171,7 @@ impl Checkpoint {
             let (sa, a) = read(name)?;
             let (sb, b) = read(&name.replace(".lora_A.", ".lora_B."))?;
             let target = format!("{module}.weight");
+            self.dequantize(&target);
             let (sw, w) = self
                 .tensors
                 .get_mut(&target)
@@ -203,7 +202,40 @@ impl Checkpoint {
 
     /// Whether a tensor of this name is present.
     pub fn has(&self, name: &str) -> bool {
-        self.tensors.contains_key(name)
+        self.tensors.contains_key(name) || self.fp8.contains_key(name)
+    }
+
+    /// Moves FP8 `name`, dequantised, into the f32 tensors (nothing when it is not FP8 or
+    /// already there).
+    fn dequantize(&mut self, name: &str) {
+        if let Some((shape, m)) = self.fp8.remove(name) {
+            self.tensors
+                .insert(name.to_owned(), (shape, m.dequantize()));
+        }
+    }
+
+    /// Rows (`axis` 0) or columns (1) `range` of the first present of `names`, a `[rows, cols]`
+    /// matrix, as block-FP8 tiles: `None` when it is not stored FP8 (or was already read as
+    /// f32) or `range` cuts through tiles, and then nothing is marked read.
+    pub fn fp8_slice(
+        &mut self,
+        names: &[&str],
+        shape: [usize; 2],
+        axis: usize,
+        range: Range<usize>,
+    ) -> Option<BlockFp8> {
+        let name = names.iter().find(|n| self.has(n))?;
+        let (stored, m) = self.fp8.get(*name)?;
+        if stored[..] != shape {
+            return None;
+        }
+        let part = match axis {
+            0 => m.rows(range)?,
+            1 => m.cols(range)?,
+            _ => return None,
+        };
+        self.used.insert((*name).to_owned());
+        Some(part)
     }
 
     /// Rows `range` along `axis` (0 or 1) of the first present of `names`, viewed as
@@ -219,8 +251,9 @@ impl Checkpoint {
     ) -> Result<Vec<f32>> {
         let name = names
             .iter()
-            .find(|n| self.tensors.contains_key(**n))
+            .find(|n| self.has(n))
             .ok_or_else(|| Error::Weights(format!("missing tensor {}", names.join(" or "))))?;
+        self.dequantize(name);
         let (s, data) = &self.tensors[*name];
         let squeeze = |v: &[usize]| v.iter().copied().filter(|&d| d != 1).collect::<Vec<_>>();
         if squeeze(s) != squeeze(shape) {
@@ -318,6 +351,7 @@ impl Checkpoint {
         let leftover: Vec<&String> = self
             .tensors
             .keys()
+            .chain(self.fp8.keys())
             .filter(|name| !self.used.contains(*name))
             .filter(|name| {
                 name.strip_prefix(&layers)
