@@ -8,10 +8,13 @@ pub mod error_class;
 pub mod identity;
 /// Newtype identifiers: requests, workers, reservations, epochs, blocks.
 pub mod ids;
+/// Prefix-cache block identity: chained block hashes.
+pub mod prefix;
 /// Validated sampling parameters and generation requests.
 pub mod request;
 
 pub use error_class::ErrorClass;
 pub use identity::PeerRole;
 pub use ids::{BlockId, Epoch, RequestId, ReservationId, WorkerId};
+pub use prefix::{block_hashes, CacheSalt};
 pub use request::{FinishReason, OutputConstraint, SamplingParams, TokenLogprobs};

@@ -1,12 +1,19 @@
 //! The paged KV pool's bookkeeping: a free list of fixed-size blocks shared by the engine
 //! thread and the decode worker's reservation path, and [`BlockAllocation`], which hands its
 //! blocks back when dropped — so a cancelled, failed or finished request can never leak KV.
+//!
+//! The pool is also the prefix cache: a full block whose contents are known is registered
+//! under its chained hash ([`tandem_core::block_hashes`]); blocks are reference-counted, and
+//! one whose last holder lets go stays cached, idle, until an allocation needs it (least
+//! recently released first). [`BlockAllocator::lookup`] takes the longest cached prefix of a
+//! hash chain as blocks of its own; an idle cached block counts as free everywhere.
 //! The storage ([`KvCache`]) is a pair of backend tensors per layer in the cache's dtype (it
 //! lives in device memory on GPUs).
 
 use crate::backend::Backend;
 use crate::tensor::{DType, Tensor};
 use parking_lot::Mutex;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use tandem_core::BlockId;
 
@@ -137,8 +144,77 @@ impl<B: Backend> std::fmt::Debug for KvCache<B> {
 
 #[derive(Debug)]
 struct FreeList {
+    /// Blocks holding nothing anyone may reuse.
     free: Vec<BlockId>,
     total: usize,
+    /// Holders of each block.
+    refs: Vec<u32>,
+    /// The hash each cached block is registered under.
+    hash_of: Vec<Option<u64>>,
+    /// Cached blocks by hash.
+    cached: HashMap<u64, BlockId>,
+    /// Cached blocks nobody holds, by when they were released (oldest evicted first), and
+    /// each one's key there.
+    idle: BTreeMap<u64, BlockId>,
+    idle_at: Vec<Option<u64>>,
+    clock: u64,
+}
+
+impl FreeList {
+    /// Blocks an allocation may take: free ones and idle cached ones.
+    fn available(&self) -> usize {
+        self.free.len() + self.idle.len()
+    }
+
+    /// The oldest idle cached block, forgotten by the cache.
+    fn evict(&mut self) -> Option<BlockId> {
+        let (_, b) = self.idle.pop_first()?;
+        let i = b.0 as usize;
+        self.idle_at[i] = None;
+        if let Some(h) = self.hash_of[i].take() {
+            self.cached.remove(&h);
+        }
+        Some(b)
+    }
+
+    /// One more holder of `b` (taking it off the idle list).
+    fn hold(&mut self, b: BlockId) {
+        let i = b.0 as usize;
+        if let Some(at) = self.idle_at[i].take() {
+            self.idle.remove(&at);
+        }
+        self.refs[i] += 1;
+    }
+
+    /// One holder fewer; the last one's block goes idle (cached) or free.
+    fn drop_ref(&mut self, b: BlockId) {
+        let i = b.0 as usize;
+        debug_assert!(self.refs[i] > 0, "block returned twice");
+        self.refs[i] = self.refs[i].saturating_sub(1);
+        if self.refs[i] > 0 {
+            return;
+        }
+        if self.hash_of[i].is_some() {
+            self.clock += 1;
+            self.idle.insert(self.clock, b);
+            self.idle_at[i] = Some(self.clock);
+        } else {
+            self.free.push(b);
+        }
+    }
+
+    fn used(&self) -> usize {
+        self.total - self.available()
+    }
+}
+
+/// What the prefix cache holds and has done (see [`BlockAllocator::prefix_stats`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PrefixStats {
+    /// Blocks registered under a hash (held or idle).
+    pub cached_blocks: usize,
+    /// Of those, blocks nobody holds (evictable).
+    pub idle_blocks: usize,
 }
 
 /// Hands out KV blocks. Cheap to clone; all clones share one free list.
@@ -154,33 +230,105 @@ impl BlockAllocator {
     pub fn new(total: usize) -> Self {
         // Pop from the end: hand out low block ids first (nicer to read in logs).
         let free = (0..total as u32).rev().map(BlockId).collect();
+        let list = FreeList {
+            free,
+            total,
+            refs: vec![0; total],
+            hash_of: vec![None; total],
+            cached: HashMap::new(),
+            idle: BTreeMap::new(),
+            idle_at: vec![None; total],
+            clock: 0,
+        };
         Self {
-            inner: Arc::new(Mutex::new(FreeList { free, total })),
+            inner: Arc::new(Mutex::new(list)),
             used: Arc::new(tokio::sync::watch::Sender::new(0)),
         }
     }
 
-    /// Takes `n` blocks, or none if fewer than `n` are free.
+    /// Takes `n` blocks (free ones first, then the least recently released cached ones),
+    /// or none if fewer than `n` are available.
     pub fn allocate(&self, n: usize) -> crate::Result<BlockAllocation> {
         let mut list = self.inner.lock();
-        if list.free.len() < n {
+        if list.available() < n {
             return Err(crate::Error::CapacityExhausted {
                 needed: n,
-                free: list.free.len(),
+                free: list.available(),
             });
         }
-        let at = list.free.len() - n;
-        let blocks = list.free.split_off(at);
-        self.used.send_replace(list.total - list.free.len());
+        let at = list.free.len().saturating_sub(n);
+        let mut blocks = list.free.split_off(at);
+        while blocks.len() < n {
+            let b = list.evict().expect("counted as available");
+            blocks.push(b);
+        }
+        for &b in &blocks {
+            list.refs[b.0 as usize] = 1;
+        }
+        self.used.send_replace(list.used());
         Ok(BlockAllocation {
             blocks,
             pool: self.clone(),
         })
     }
 
-    /// Blocks free now.
+    /// The cached blocks of the longest prefix of `hashes` (a chain from
+    /// [`tandem_core::block_hashes`]) the pool holds, as blocks of a new allocation: they stay
+    /// cached (and unevictable) while it lives. Empty when the first is not cached.
+    pub fn lookup(&self, hashes: &[u64]) -> BlockAllocation {
+        let mut list = self.inner.lock();
+        let mut blocks = Vec::new();
+        for h in hashes {
+            let Some(&b) = list.cached.get(h) else { break };
+            list.hold(b);
+            blocks.push(b);
+        }
+        self.used.send_replace(list.used());
+        BlockAllocation {
+            blocks,
+            pool: self.clone(),
+        }
+    }
+
+    /// Registers block `blocks[i]` (held, its tokens' K/V written) under `hashes[i]`, for
+    /// later lookups. A block already registered, or a hash already naming another block,
+    /// is left as it is.
+    pub fn register(&self, blocks: &[BlockId], hashes: &[u64]) {
+        let mut list = self.inner.lock();
+        for (&b, &h) in blocks.iter().zip(hashes) {
+            let i = b.0 as usize;
+            if list.refs[i] == 0 || list.hash_of[i].is_some() || list.cached.contains_key(&h) {
+                continue;
+            }
+            list.hash_of[i] = Some(h);
+            list.cached.insert(h, b);
+        }
+    }
+
+    /// Forgets every cached block (after the weights changed): idle ones become free, held
+    /// ones free when their holders let go.
+    pub fn forget_cached(&self) {
+        let mut list = self.inner.lock();
+        while let Some(b) = list.evict() {
+            list.free.push(b);
+        }
+        list.cached.clear();
+        list.hash_of.iter_mut().for_each(|h| *h = None);
+        self.used.send_replace(list.used());
+    }
+
+    /// What the prefix cache holds now.
+    pub fn prefix_stats(&self) -> PrefixStats {
+        let list = self.inner.lock();
+        PrefixStats {
+            cached_blocks: list.cached.len(),
+            idle_blocks: list.idle.len(),
+        }
+    }
+
+    /// Blocks free now (idle cached blocks included: an allocation may take them).
     pub fn free_blocks(&self) -> usize {
-        self.inner.lock().free.len()
+        self.inner.lock().available()
     }
 
     /// Blocks in the pool.
@@ -190,9 +338,10 @@ impl BlockAllocator {
 
     fn release(&self, blocks: &mut Vec<BlockId>) {
         let mut list = self.inner.lock();
-        list.free.append(blocks);
-        debug_assert!(list.free.len() <= list.total, "block returned twice");
-        self.used.send_replace(list.total - list.free.len());
+        for b in blocks.drain(..) {
+            list.drop_ref(b);
+        }
+        self.used.send_replace(list.used());
     }
 
     /// Resolves once some block is in use (at once if one is).
@@ -281,6 +430,75 @@ mod tests {
         let _a = pool.allocate(3).expect("fits");
         assert!(pool.allocate(2).is_err());
         assert_eq!(pool.free_blocks(), 1);
+    }
+
+    #[test]
+    fn released_blocks_stay_cached_until_an_allocation_needs_them() {
+        let pool = BlockAllocator::new(4);
+        let a = pool.allocate(3).expect("3 of 4");
+        let ids = a.blocks().to_vec();
+        pool.register(&ids[..2], &[10, 11]);
+        drop(a);
+        assert_eq!(pool.free_blocks(), 4, "idle cached blocks count as free");
+        assert_eq!(
+            pool.prefix_stats(),
+            PrefixStats {
+                cached_blocks: 2,
+                idle_blocks: 2
+            }
+        );
+        // The longest cached run of a chain: 10, 11, then a miss.
+        let hit = pool.lookup(&[10, 11, 12]);
+        assert_eq!(hit.blocks(), &ids[..2]);
+        assert_eq!(
+            pool.lookup(&[11]).blocks(),
+            &ids[1..2],
+            "a chain is looked up as given"
+        );
+        assert!(
+            pool.lookup(&[12, 10]).blocks().is_empty(),
+            "a miss first: nothing"
+        );
+        // Held by the lookup, they cannot be evicted: only 2 blocks are left to take.
+        assert!(pool.allocate(3).is_err());
+        let two = pool.allocate(2).expect("the uncached blocks");
+        assert!(two.blocks().iter().all(|b| !ids[..2].contains(b)));
+        drop(two);
+        drop(hit);
+        // Now idle: an allocation of all 4 evicts them, oldest first, and forgets their hashes.
+        let all = pool.allocate(4).expect("all four");
+        assert_eq!(pool.prefix_stats().cached_blocks, 0);
+        drop(all);
+        assert!(pool.lookup(&[10]).blocks().is_empty());
+        assert_eq!(pool.free_blocks(), 4);
+    }
+
+    #[test]
+    fn eviction_takes_the_least_recently_released_and_shared_blocks_live_on() {
+        let pool = BlockAllocator::new(3);
+        let (a, b) = (pool.allocate(1).expect("a"), pool.allocate(1).expect("b"));
+        pool.register(a.blocks(), &[1]);
+        pool.register(b.blocks(), &[2]);
+        pool.register(b.blocks(), &[3]);
+        assert_eq!(
+            pool.lookup(&[3]).blocks().len(),
+            0,
+            "a block keeps its first hash"
+        );
+        let (ida, idb) = (a.blocks()[0], b.blocks()[0]);
+        let again = pool.lookup(&[2]);
+        drop(b);
+        drop(a);
+        // b is still held by `again`; a went idle first; one free block is left.
+        let x = pool.allocate(2).expect("the free block and the idle one");
+        assert!(x.blocks().contains(&ida) && !x.blocks().contains(&idb));
+        assert_eq!(pool.lookup(&[2]).blocks(), &[idb]);
+        drop(again);
+        drop(x);
+        pool.forget_cached();
+        assert!(pool.lookup(&[2]).blocks().is_empty(), "forgotten");
+        assert_eq!(pool.free_blocks(), 3);
+        assert_eq!(pool.prefix_stats(), PrefixStats::default());
     }
 
     #[test]

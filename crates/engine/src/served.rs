@@ -89,44 +89,50 @@ pub struct Pools {
     /// row sets one request fills (every MLA layer's latent and rope rows on every rank of
     /// its group).
     pub latents: Option<(LatentPool, usize)>,
+    /// Prefix caching of the paged K/V blocks, under this salt (the model's identity);
+    /// `None`: off.
+    pub prefix: Option<tandem_core::CacheSalt>,
 }
 
 /// Space held for one request; everything in it goes back to its pool when dropped.
 #[derive(Debug)]
 pub struct Reservation {
     tokens: usize,
+    /// Leading prompt tokens whose K/V came from the prefix cache.
+    cached: usize,
     blocks: Option<BlockTable>,
     slot: Option<(usize, BlockAllocation)>,
     _slot_total: Option<BlockAllocation>,
     latents: Option<Claim>,
 }
 
-/// A request's paged blocks: a prefix it may share with the other choices of its prompt
-/// (held until the last of them lets go), then blocks of its own.
+/// A request's paged blocks: leading parts it may share (cached prefix blocks, the full
+/// prompt blocks of its prompt's other choices; each held until the last sharer lets go),
+/// then blocks of its own.
 #[derive(Debug)]
 struct BlockTable {
-    shared: Option<Arc<BlockAllocation>>,
+    shared: Vec<Arc<BlockAllocation>>,
     own: BlockAllocation,
     ids: Vec<BlockId>,
 }
 
 impl BlockTable {
     fn own(own: BlockAllocation) -> Self {
-        let ids = own.blocks().to_vec();
-        Self {
-            shared: None,
-            own,
-            ids,
-        }
+        Self::sharing(Vec::new(), own)
     }
 
-    fn sharing(shared: Arc<BlockAllocation>, own: BlockAllocation) -> Self {
-        let ids = [shared.blocks(), own.blocks()].concat();
-        Self {
-            shared: Some(shared),
-            own,
-            ids,
-        }
+    fn sharing(shared: Vec<Arc<BlockAllocation>>, own: BlockAllocation) -> Self {
+        let ids = shared
+            .iter()
+            .flat_map(|s| s.blocks())
+            .chain(own.blocks())
+            .copied()
+            .collect();
+        Self { shared, own, ids }
+    }
+
+    fn shared_len(&self) -> usize {
+        self.shared.iter().map(|s| s.blocks().len()).sum()
     }
 }
 
@@ -134,6 +140,11 @@ impl Reservation {
     /// Tokens (prompt + generation) the reservation holds space for.
     pub fn tokens(&self) -> usize {
         self.tokens
+    }
+
+    /// Leading prompt tokens whose K/V came from the prefix cache (computed already).
+    pub fn cached_tokens(&self) -> usize {
+        self.cached
     }
 
     /// The paged blocks, in order (empty for a model without a paged K/V cache).
@@ -144,10 +155,7 @@ impl Reservation {
     /// Leading blocks this reservation shares with others (the full blocks of a prompt
     /// whose choices decode apart; see [`Pools::reserve_choices`]).
     pub fn shared_blocks(&self) -> usize {
-        self.blocks
-            .as_ref()
-            .and_then(|t| t.shared.as_ref())
-            .map_or(0, |s| s.blocks().len())
+        self.blocks.as_ref().map_or(0, BlockTable::shared_len)
     }
 
     /// The state slot, for models with per-request state.
@@ -255,7 +263,38 @@ impl Pools {
         n: usize,
         group: Option<usize>,
     ) -> Result<Vec<Reservation>> {
-        let mut first = self.reserve(tokens, group)?;
+        self.reserve_prompt(tokens, prompt_len, n, group, &[])
+    }
+
+    /// [`Pools::reserve_choices`] for a prompt whose full blocks have the chained hashes
+    /// `prefix` ([`Pools::prompt_hashes`]): the longest cached run of them comes first in
+    /// every choice's table, shared ([`Reservation::cached_tokens`] says how many tokens
+    /// that is; they need no computing).
+    pub fn reserve_prompt(
+        &self,
+        tokens: usize,
+        prompt_len: usize,
+        n: usize,
+        group: Option<usize>,
+        prefix: &[u64],
+    ) -> Result<Vec<Reservation>> {
+        let mut first = match &self.kv {
+            Some((a, bs)) => {
+                let hit = a.lookup(prefix);
+                let cached = hit.blocks().len() * bs;
+                let own = a.allocate(tokens.div_ceil(*bs).saturating_sub(hit.blocks().len()))?;
+                let shared = if hit.blocks().is_empty() {
+                    Vec::new()
+                } else {
+                    vec![Arc::new(hit)]
+                };
+                let mut r =
+                    self.reserve_rest(tokens, group, Some(BlockTable::sharing(shared, own)))?;
+                r.cached = cached;
+                r
+            }
+            None => self.reserve(tokens, group)?,
+        };
         if n <= 1 {
             return Ok(vec![first]);
         }
@@ -263,10 +302,13 @@ impl Pools {
         let mut out = Vec::with_capacity(n);
         let shared = match (&self.kv, first.blocks.take()) {
             (Some((_, bs)), Some(mut table)) => {
-                let rest = table.own.split_off(prompt_len.min(tokens) / bs);
-                let shared = Arc::new(table.own);
-                first.blocks = Some(BlockTable::sharing(shared.clone(), rest));
-                Some(shared)
+                let prompt_blocks = prompt_len.min(tokens) / bs;
+                let rest = table
+                    .own
+                    .split_off(prompt_blocks.saturating_sub(table.shared_len()));
+                table.shared.push(Arc::new(table.own));
+                first.blocks = Some(BlockTable::sharing(table.shared.clone(), rest));
+                Some(table.shared)
             }
             (_, table) => {
                 first.blocks = table;
@@ -277,7 +319,8 @@ impl Pools {
         for _ in 1..n {
             let blocks = match (&self.kv, &shared) {
                 (Some((a, bs)), Some(shared)) => {
-                    let own = a.allocate(tokens.div_ceil(*bs) - shared.blocks().len())?;
+                    let held: usize = shared.iter().map(|s| s.blocks().len()).sum();
+                    let own = a.allocate(tokens.div_ceil(*bs) - held)?;
                     Some(BlockTable::sharing(shared.clone(), own))
                 }
                 _ => None,
@@ -285,6 +328,28 @@ impl Pools {
             out.push(self.reserve_rest(tokens, group, blocks)?);
         }
         Ok(out)
+    }
+
+    /// The chained hashes of the full blocks of `prompt` that a cached prefix may cover: all
+    /// but the last token (which must be computed for its logits); empty when prefix caching
+    /// is off or the model keeps no paged K/V.
+    pub fn prompt_hashes(&self, prompt: &[u32]) -> Vec<u64> {
+        match (&self.kv, self.prefix) {
+            (Some((_, bs)), Some(salt)) if !prompt.is_empty() => {
+                tandem_core::block_hashes(&prompt[..prompt.len() - 1], *bs, salt)
+            }
+            _ => Vec::new(),
+        }
+    }
+
+    /// Registers the full blocks of `tokens` (whose K/V `r` holds, written) in the prefix
+    /// cache; nothing when it is off.
+    pub fn remember(&self, r: &Reservation, tokens: &[u32]) {
+        if let (Some((a, bs)), Some(salt)) = (&self.kv, self.prefix) {
+            let hashes = tandem_core::block_hashes(tokens, *bs, salt);
+            let n = hashes.len().min(r.blocks().len());
+            a.register(&r.blocks()[..n], &hashes[..n]);
+        }
     }
 
     /// The rest of a reservation whose paged blocks are `blocks`: a state slot, latent rows.
@@ -320,6 +385,7 @@ impl Pools {
         };
         Ok(Reservation {
             tokens,
+            cached: 0,
             blocks,
             slot,
             _slot_total: slot_total,

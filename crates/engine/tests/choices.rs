@@ -11,10 +11,16 @@ use tandem_engine::{
     blocking_tokens, CpuBackend, DType, Engine, EngineConfig, EngineEvent, LlamaModel, SeqKind,
 };
 
+/// Without the prefix cache: the choices' own sharing is what is counted here (the prefix
+/// cache's sharing across requests is prefix_cache.rs's).
 fn smollm2() -> Engine {
     let dir = tandem_testkit::smollm2_dir();
     let model = LlamaModel::load(&dir, CpuBackend::new(), DType::F32).expect("load model");
-    Engine::start(model, EngineConfig::default())
+    let config = EngineConfig {
+        prefix_cache: false,
+        ..EngineConfig::default()
+    };
+    Engine::start(model, config)
 }
 
 fn kimi_tiny() -> Engine {

@@ -39,6 +39,9 @@ pub struct EngineConfig {
     /// The model's `tokenizer.json`, over which structured outputs are constrained; `None`
     /// refuses constrained requests.
     pub tokenizer: Option<std::path::PathBuf>,
+    /// Keep full K/V blocks after their request ends and reuse them for prompts that start
+    /// with the same tokens (models with a paged K/V cache).
+    pub prefix_cache: bool,
 }
 
 impl Default for EngineConfig {
@@ -50,6 +53,7 @@ impl Default for EngineConfig {
             max_running: 64,
             state_slots: 64,
             tokenizer: None,
+            prefix_cache: true,
         }
     }
 }
@@ -137,6 +141,10 @@ pub struct EngineStats {
     pub prefill_tokens: u64,
     /// Tokens generated.
     pub generated_tokens: u64,
+    /// Prompt tokens of requests that looked for a cached prefix.
+    pub prefix_queried_tokens: u64,
+    /// Of those, tokens whose K/V came from the prefix cache (not computed).
+    pub prefix_hit_tokens: u64,
 }
 
 enum Command {

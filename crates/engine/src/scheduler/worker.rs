@@ -49,6 +49,10 @@ impl<M: ServedModel> Worker<M> {
                     Command::Submit(seq) => self.waiting.push_back(seq),
                     Command::Refresh(dir, reply) => {
                         let result = self.model.refresh(&dir);
+                        if let Some((blocks, _)) = &self.pools.kv {
+                            // Cached K/V was computed with the old weights.
+                            blocks.forget_cached();
+                        }
                         match &result {
                             Ok(()) => {
                                 tracing::info!(dir = %dir.display(), "weights refreshed in place")
@@ -75,6 +79,9 @@ impl<M: ServedModel> Worker<M> {
     /// reads as drained.
     fn release(&mut self, seq: &mut Seq, counted: bool) {
         if let Some(r) = seq.reservation.take() {
+            // Its written blocks stay cached for prompts that start alike.
+            self.pools
+                .remember(&r, &seq.tokens[..seq.cached.min(seq.tokens.len())]);
             self.model.end(&r);
         }
         if counted {
@@ -98,13 +105,29 @@ impl<M: ServedModel> Worker<M> {
                 // A generation's choices each decode on their own; a prefill samples them all
                 // from its one row of logits.
                 let sharing = if seq.prefill_only { 1 } else { width };
-                match self
-                    .pools
-                    .reserve_choices(seq.wanted(), seq.prompt_len, sharing, None)
-                {
+                // A cached prefix is not computed, so it cannot be scored.
+                let prefix = if seq.params.prompt_logprobs.is_some() {
+                    Vec::new()
+                } else {
+                    self.pools.prompt_hashes(&seq.tokens[..seq.prompt_len])
+                };
+                match self.pools.reserve_prompt(
+                    seq.wanted(),
+                    seq.prompt_len,
+                    sharing,
+                    None,
+                    &prefix,
+                ) {
                     Ok(rs) => {
                         let mut rs = rs.into_iter();
                         seq.reservation = rs.next();
+                        let hit = seq.reservation.as_ref().map_or(0, |r| r.cached_tokens());
+                        seq.cached = hit;
+                        if !prefix.is_empty() {
+                            let mut s = self.stats.lock();
+                            s.prefix_queried_tokens += seq.prompt_len as u64;
+                            s.prefix_hit_tokens += hit as u64;
+                        }
                         for (f, r) in seq.followers.iter_mut().zip(rs) {
                             f.reservation = Some(r);
                         }
@@ -371,6 +394,13 @@ impl<M: ServedModel> Worker<M> {
             self.running[i].cached += n;
             if was_prompt {
                 prefilled += n as u64;
+                let seq = &self.running[i];
+                if seq.cached >= seq.prompt_len {
+                    // The whole prompt is written: later prompts may share it already.
+                    if let Some(r) = &seq.reservation {
+                        self.pools.remember(r, &seq.tokens[..seq.prompt_len]);
+                    }
+                }
             }
             if self.running[i].cached < self.running[i].tokens.len() {
                 continue; // more prompt chunks to go

@@ -444,6 +444,14 @@ impl<B: Ops> LlamaServed<B> {
             ranks,
             pools: Pools {
                 kv: Some((BlockAllocator::new(config.num_blocks), config.block_size)),
+                // Blocks depend on the weights and the K/V layout: a worker serving the same
+                // checkpoint in the same layout names them alike.
+                prefix: config.prefix_cache.then(|| {
+                    tandem_core::CacheSalt::of(&format!(
+                        "llama {num_layers} {vocab_size} {weight_bytes} {:?}",
+                        info.kv
+                    ))
+                }),
                 ..Pools::default()
             },
             info,

@@ -97,6 +97,7 @@ impl<B: HybridOps> KdaServed<B> {
                 .collect(),
             slots_total: Some(BlockAllocator::new(config.state_slots * dp)),
             latents: (sets > 0).then_some((latents, sets)),
+            prefix: None,
         };
         Self {
             model,
