@@ -13,6 +13,7 @@ env: HELM (the helm binary). Run: python -m unittest scripts/helm/test_chart.py
 """
 
 import copy
+import json
 import os
 import re
 import subprocess
@@ -545,6 +546,61 @@ class Overrides(unittest.TestCase):
         hpa = by(docs, "HorizontalPodAutoscaler", "decode")
         self.assertEqual(hpa["spec"]["metrics"][0]["external"]["metric"]["name"], "tandem_pool_in_flight")
         check_release(docs, "decode hpa")
+
+
+DASHBOARD = os.path.join(CHART, "dashboards", "tandem.json")
+# PromQL words in the dashboard's queries that are not metric names.
+PROMQL_WORDS = {"sum", "max", "rate", "histogram_quantile", "label_values"}
+
+
+def dashboard_metrics(dashboard):
+    """The metric names the dashboard's queries (panels and template variables) read."""
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    exprs += [v["query"]["query"] for v in dashboard["templating"]["list"] if v["type"] == "query"]
+    names = set()
+    for e in exprs:
+        # Selectors, ranges, strings, groupings and label_values' label are no metric names.
+        e = re.sub(r'\{[^}]*\}|\[[^]]*\]|"[^"]*"|\bby\s*\([^)]*\)|,\s*\w+\s*\)', "", e)
+        names.update(w for w in re.findall(r"[A-Za-z_:][A-Za-z0-9_:]*", e) if w not in PROMQL_WORDS
+                     and not w.startswith("$"))
+    return names
+
+
+class GrafanaDashboard(unittest.TestCase):
+    """The chart ships dashboards/tandem.json unchanged in a ConfigMap Grafana's sidecar picks
+    up. That every name its queries read is one the processes export is checked against a
+    real scrape by the end-to-end test tests/tests/metrics.rs, which reads the same file."""
+
+    def dashboard_configmap(self, docs):
+        maps = [d for d in docs if d["kind"] == "ConfigMap" and component(d) == "dashboard"]
+        self.assertEqual(len(maps), 1)
+        return maps[0]
+
+    def test_the_configmap_carries_the_file_and_the_sidecar_label(self):
+        for name, files in VALUE_SETS.items():
+            cm = self.dashboard_configmap(render(*files))
+            self.assertEqual(cm["metadata"]["labels"]["grafana_dashboard"], "1", name)
+            with open(DASHBOARD) as f:
+                self.assertEqual(json.loads(cm["data"]["tandem.json"]), json.load(f), name)
+
+    def test_label_namespace_and_switch_are_values(self):
+        cm = self.dashboard_configmap(render(sets=["grafanaDashboard.sidecarLabel=dashboards",
+                                                   "grafanaDashboard.sidecarLabelValue=tandem",
+                                                   "grafanaDashboard.namespace=monitoring"]))
+        self.assertEqual(cm["metadata"]["labels"]["dashboards"], "tandem")
+        self.assertNotIn("grafana_dashboard", cm["metadata"]["labels"])
+        self.assertEqual(cm["metadata"]["namespace"], "monitoring")
+        docs = render(sets=["grafanaDashboard.enabled=false"])
+        self.assertFalse([d for d in docs if component(d) == "dashboard"])
+
+    def test_queries_read_vllm_and_tandem_families(self):
+        with open(DASHBOARD) as f:
+            names = dashboard_metrics(json.load(f))
+        self.assertIn("vllm:time_to_first_token_seconds_bucket", names)
+        self.assertIn("tandem_handoff_failures_total", names)
+        self.assertIn("vllm:num_requests_running", names, "the model_name variable's query")
+        stray = {n for n in names if not n.startswith(("vllm:", "tandem_"))}
+        self.assertFalse(stray, "names the extraction should have dropped")
 
 
 class RenderRefuses(unittest.TestCase):

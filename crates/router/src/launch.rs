@@ -214,13 +214,19 @@ pub async fn run_from_config(
             .with_chat_template(config.model.chat_template.clone()),
     )?;
     state.admission().configure(config.admission.clone());
-    let pool_metrics = crate::pd::pool_metrics::PoolMetrics::register(state.metrics().registry());
+    let pool_metrics = crate::pd::pool_metrics::PoolMetrics::register(
+        state.metrics().registry(),
+        state.metrics().vllm_registry(),
+    );
     let registry = state.metrics().registry();
     registry
         .register(Box::new(pd.in_flight().migrations_counter()))
         .expect("metric names are unique within this registry");
     registry
         .register(Box::new(pd.in_flight().phase_gauges()))
+        .expect("metric names are unique within this registry");
+    registry
+        .register(Box::new(pd.in_flight().handoff_failures_counter()))
         .expect("metric names are unique within this registry");
     tokio::spawn(
         pd.clone()

@@ -4,14 +4,60 @@
 //! A request is tracked by a [`RequestRecord`]: it observes TTFT and inter-token latency as
 //! tokens arrive, counts the outcome exactly once, and — if it is dropped before an outcome
 //! was recorded (the client went away) — counts the request as `Cancelled`.
+//!
+//! Dashboards built for vLLM read `vllm:*` names with a `model_name` label. Where a `tandem_*`
+//! family means what a vLLM family means, [`Metrics::render`] also writes it under the vLLM
+//! name (the table [`VLLM_NAMES`]), so the two cannot drift apart: one observation, two
+//! names. Families vLLM has and tandem had no twin for (`vllm:request_success_total`,
+//! `vllm:kv_cache_usage_perc`) live in a second registry whose every metric carries
+//! `model_name`.
 
 use crate::error::ApiError;
+use prometheus::proto::{LabelPair, MetricFamily};
 use prometheus::{
     Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry, TextEncoder,
 };
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
-use tandem_core::ErrorClass;
+use tandem_core::{ErrorClass, FinishReason};
+
+/// The `tandem_*` families also exported under vLLM's name (same meaning, same unit), with
+/// vLLM's `model_name` label added. vLLM names the inter-token histogram twice (the older
+/// `time_per_output_token_seconds` and `inter_token_latency_seconds`); both are written.
+pub const VLLM_NAMES: &[(&str, &str)] = &[
+    ("tandem_requests_running", "vllm:num_requests_running"),
+    ("tandem_admission_queue_depth", "vllm:num_requests_waiting"),
+    (
+        "tandem_time_to_first_token_seconds",
+        "vllm:time_to_first_token_seconds",
+    ),
+    (
+        "tandem_inter_token_latency_seconds",
+        "vllm:inter_token_latency_seconds",
+    ),
+    (
+        "tandem_inter_token_latency_seconds",
+        "vllm:time_per_output_token_seconds",
+    ),
+    (
+        "tandem_e2e_request_latency_seconds",
+        "vllm:e2e_request_latency_seconds",
+    ),
+    (
+        "tandem_admission_queue_wait_seconds",
+        "vllm:request_queue_time_seconds",
+    ),
+    ("tandem_prompt_tokens_total", "vllm:prompt_tokens_total"),
+    (
+        "tandem_generation_tokens_total",
+        "vllm:generation_tokens_total",
+    ),
+];
+
+/// vLLM's `finished_reason` label values: a stop token or string, `max_tokens`, and a
+/// request the client abandoned.
+const FINISHED_REASONS: [&str; 3] = ["stop", "length", "abort"];
 
 const TTFT_BUCKETS: &[f64] = &[
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -24,7 +70,8 @@ const E2E_BUCKETS: &[f64] = &[
     0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 120.0,
     240.0, 480.0, 960.0,
 ];
-const ALL_CLASSES: [ErrorClass; 7] = [
+/// Every error class (metric label values).
+pub(crate) const ALL_CLASSES: [ErrorClass; 7] = [
     ErrorClass::InvalidRequest,
     ErrorClass::Unavailable,
     ErrorClass::CapacityExhausted,
@@ -57,6 +104,10 @@ impl Endpoint {
 #[derive(Debug)]
 pub struct Metrics {
     registry: Registry,
+    /// vLLM-only families; every metric in it carries `model_name`.
+    vllm: Registry,
+    model_name: String,
+    request_success_total: IntCounterVec,
     requests_total: IntCounterVec,
     request_failures_total: IntCounterVec,
     time_to_first_token: Histogram,
@@ -69,7 +120,7 @@ pub struct Metrics {
 
 impl Default for Metrics {
     fn default() -> Self {
-        Self::new()
+        Self::new("")
     }
 }
 
@@ -83,9 +134,32 @@ fn histogram(registry: &Registry, name: &str, help: &str, buckets: &[f64]) -> Hi
 }
 
 impl Metrics {
-    /// Fresh metrics in a fresh registry.
-    pub fn new() -> Self {
+    /// Fresh metrics in a fresh registry, for the model served as `model_name` (vLLM's
+    /// `model_name` label).
+    pub fn new(model_name: &str) -> Self {
         let registry = Registry::new();
+        let vllm = Registry::new_custom(
+            None,
+            Some(HashMap::from([(
+                "model_name".to_string(),
+                model_name.to_string(),
+            )])),
+        )
+        .expect("model_name is a valid label name");
+        let request_success_total = IntCounterVec::new(
+            Opts::new(
+                "vllm:request_success_total",
+                "Finished requests by vLLM's finished_reason (stop, length; abort: the client \
+                 went away).",
+            ),
+            &["finished_reason"],
+        )
+        .expect("static counter options are valid");
+        vllm.register(Box::new(request_success_total.clone()))
+            .expect("metric names are unique within this registry");
+        for reason in FINISHED_REASONS {
+            request_success_total.with_label_values(&[reason]);
+        }
         let requests_total = IntCounterVec::new(
             Opts::new(
                 "tandem_requests_total",
@@ -154,6 +228,9 @@ impl Metrics {
                 E2E_BUCKETS,
             ),
             registry,
+            vllm,
+            model_name: model_name.to_string(),
+            request_success_total,
             requests_total,
             request_failures_total,
             requests_running,
@@ -167,10 +244,27 @@ impl Metrics {
         &self.registry
     }
 
-    /// Prometheus text exposition of everything in the registry.
+    /// The registry of vLLM-only families (every metric gets `model_name`), for components
+    /// that add one (e.g. the pool's `vllm:kv_cache_usage_perc`).
+    pub fn vllm_registry(&self) -> &Registry {
+        &self.vllm
+    }
+
+    /// Prometheus text exposition of everything in the registries, the [`VLLM_NAMES`]
+    /// families twice (under both names).
     pub fn render(&self) -> String {
+        let mut families = self.registry.gather();
+        let twins: Vec<MetricFamily> = VLLM_NAMES
+            .iter()
+            .filter_map(|(ours, theirs)| {
+                let family = families.iter().find(|f| f.name() == *ours)?;
+                Some(vllm_twin(family, theirs, &self.model_name))
+            })
+            .collect();
+        families.extend(twins);
+        families.extend(self.vllm.gather());
         TextEncoder::new()
-            .encode_to_string(&self.registry.gather())
+            .encode_to_string(&families)
             .unwrap_or_else(|err| format!("# metrics encoding failed: {err}\n"))
     }
 
@@ -185,6 +279,21 @@ impl Metrics {
             finished: false,
         }
     }
+}
+
+/// `family` under vLLM's `name`, each metric with `model_name` first among its labels.
+fn vllm_twin(family: &MetricFamily, name: &str, model_name: &str) -> MetricFamily {
+    let mut twin = family.clone();
+    twin.set_name(name.to_string());
+    for metric in twin.mut_metric() {
+        let mut label = LabelPair::default();
+        label.set_name("model_name".to_string());
+        label.set_value(model_name.to_string());
+        let mut labels = vec![label];
+        labels.extend(metric.take_label());
+        metric.set_label(labels);
+    }
+    twin
 }
 
 /// Per-request metrics; see the module docs.
@@ -227,10 +336,18 @@ impl RequestRecord {
         self.metrics.generation_tokens_total.inc();
     }
 
-    /// The request completed successfully.
-    pub(crate) fn succeeded(&mut self) {
+    /// The request completed successfully, ending for `reason`.
+    pub(crate) fn succeeded(&mut self, reason: FinishReason) {
         if self.finish() {
             self.count("200");
+            let reason = match reason {
+                FinishReason::Stop => "stop",
+                FinishReason::Length => "length",
+            };
+            self.metrics
+                .request_success_total
+                .with_label_values(&[reason])
+                .inc();
             self.metrics
                 .e2e_request_latency
                 .observe(self.arrived.elapsed().as_secs_f64());
@@ -245,6 +362,12 @@ impl RequestRecord {
                 .request_failures_total
                 .with_label_values(&[error.class().as_str()])
                 .inc();
+            if error.class() == ErrorClass::Cancelled {
+                self.metrics
+                    .request_success_total
+                    .with_label_values(&["abort"])
+                    .inc();
+            }
         }
     }
 
@@ -286,7 +409,7 @@ mod tests {
 
     #[test]
     fn dropped_record_counts_as_cancelled_and_releases_gauge() {
-        let metrics = Arc::new(Metrics::new());
+        let metrics = Arc::new(Metrics::new("m"));
         let mut record = metrics.start(Endpoint::Completions);
         record.admitted(3);
         assert_eq!(metrics.requests_running.get(), 1);
@@ -301,14 +424,50 @@ mod tests {
 
     #[test]
     fn outcome_is_counted_once() {
-        let metrics = Arc::new(Metrics::new());
+        let metrics = Arc::new(Metrics::new("m"));
         let mut record = metrics.start(Endpoint::ChatCompletions);
-        record.succeeded();
+        record.succeeded(FinishReason::Length);
         record.failed(&ApiError::internal("late"));
         drop(record);
         let text = metrics.render();
         assert!(text.contains(r#"status="200"} 1"#));
         assert!(!text.contains(r#"status="500""#));
         assert!(text.contains("tandem_e2e_request_latency_seconds_count 1"));
+    }
+
+    #[test]
+    fn vllm_names_carry_the_same_observations_and_model_name() {
+        let metrics = Arc::new(Metrics::new("tiny"));
+        let mut record = metrics.start(Endpoint::Completions);
+        record.admitted(5);
+        record.token();
+        record.token();
+        let text = metrics.render();
+        assert!(
+            text.contains(r#"vllm:num_requests_running{model_name="tiny"} 1"#),
+            "{text}"
+        );
+        assert!(text.contains(r#"vllm:prompt_tokens_total{model_name="tiny"} 5"#));
+        assert!(text.contains(r#"vllm:generation_tokens_total{model_name="tiny"} 2"#));
+        assert!(text.contains(r#"vllm:time_to_first_token_seconds_count{model_name="tiny"} 1"#));
+        assert!(text.contains(r#"vllm:inter_token_latency_seconds_count{model_name="tiny"} 1"#));
+        assert!(text.contains(r#"vllm:time_per_output_token_seconds_count{model_name="tiny"} 1"#));
+        record.succeeded(FinishReason::Stop);
+        let mut abandoned = metrics.start(Endpoint::ChatCompletions);
+        abandoned.admitted(1);
+        drop(abandoned);
+        let text = metrics.render();
+        assert!(text.contains(r#"vllm:num_requests_running{model_name="tiny"} 0"#));
+        assert!(text
+            .contains(r#"vllm:request_success_total{finished_reason="stop",model_name="tiny"} 1"#));
+        assert!(text.contains(
+            r#"vllm:request_success_total{finished_reason="abort",model_name="tiny"} 1"#
+        ));
+        assert!(text.contains(
+            r#"vllm:request_success_total{finished_reason="length",model_name="tiny"} 0"#
+        ));
+        assert!(text.contains(r#"vllm:e2e_request_latency_seconds_count{model_name="tiny"} 1"#));
+        // The tandem names are unchanged: no model_name on them.
+        assert!(text.contains("tandem_prompt_tokens_total 6"));
     }
 }

@@ -56,7 +56,8 @@ impl RouterState {
         served_name: impl Into<String>,
         model: ModelAssets,
     ) -> Self {
-        let metrics = Arc::new(Metrics::new());
+        let served_name = served_name.into();
+        let metrics = Arc::new(Metrics::new(&served_name));
         let admission = Arc::new(Admission::new(
             AdmissionConfig::default(),
             metrics.registry(),
@@ -64,7 +65,7 @@ impl RouterState {
         Self {
             inner: Arc::new(Inner {
                 generator,
-                served_name: served_name.into(),
+                served_name,
                 model: Arc::new(model),
                 metrics,
                 admission,

@@ -221,6 +221,20 @@ pub(crate) enum Leg {
     Both,
 }
 
+impl Leg {
+    /// Every leg's name (metric label values).
+    pub(crate) const NAMES: [&'static str; 3] = ["prefill", "decode", "both"];
+
+    /// The leg's name, as the `tandem_handoff_failures_total` label shows it.
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            Leg::Prefill => "prefill",
+            Leg::Decode => "decode",
+            Leg::Both => "both",
+        }
+    }
+}
+
 /// A request's `n` choices on a P/D pair: resolves with every choice's first token (the
 /// prefill's answer), then streams the rest from the decode worker, one stream per choice.
 pub(crate) async fn try_pair(

@@ -78,6 +78,16 @@ impl Breaker {
             .is_some_and(|until| now < until || self.probing)
     }
 
+    /// The breaker's state at `now`: `closed` (routing normally), `open` (cooling down) or
+    /// `half_open` (the cooldown ended: the next request, or the one out, is the probe).
+    pub fn state(&self, now: Instant) -> &'static str {
+        match self.open_until {
+            None => "closed",
+            Some(until) if now < until && !self.probing => "open",
+            Some(_) => "half_open",
+        }
+    }
+
     /// Times the breaker opened (the worker was taken out of rotation) so far.
     pub fn ejections(&self) -> u64 {
         self.ejections
@@ -135,6 +145,7 @@ mod tests {
         let t0 = Instant::now();
         let mut b = Breaker::default();
         assert_eq!(b.admit(t0), Admit::Yes);
+        assert_eq!(b.state(t0), "closed");
         b.on_failure(ErrorClass::Unavailable, t0, p);
         assert_eq!(
             b.admit(t0),
@@ -144,12 +155,19 @@ mod tests {
         assert_eq!(b.ejections(), 0);
         b.on_failure(ErrorClass::DeadlineExceeded, t0, p);
         assert_eq!(b.admit(t0), Admit::No, "open");
+        assert_eq!(b.state(t0), "open");
         assert_eq!(b.ejections(), 1);
         b.on_failure(ErrorClass::Unavailable, t0, p);
         assert_eq!(b.ejections(), 1, "a failure while open is no new ejection");
         assert!(b.is_open(t0 + Duration::from_secs(4)));
         let later = t0 + Duration::from_secs(5);
+        assert_eq!(
+            b.state(later),
+            "half_open",
+            "cooldown over, no probe out yet"
+        );
         assert_eq!(b.admit(later), Admit::Probe, "half-open after the cooldown");
+        assert_eq!(b.state(later), "half_open", "the probe is out");
         assert_eq!(b.admit(later), Admit::No, "one probe at a time");
         b.on_failure(ErrorClass::Unavailable, later, p);
         assert_eq!(

@@ -207,6 +207,9 @@ pub struct InFlightTable {
     migrations_total: prometheus::IntCounter,
     /// Requests by the phase of their latest attempt (`tandem_requests_in_phase`).
     in_phase: prometheus::IntGaugeVec,
+    /// Failed P/D attempts by the side blamed and the error class
+    /// (`tandem_handoff_failures_total`).
+    handoff_failures: prometheus::IntCounterVec,
 }
 
 impl Default for InFlightTable {
@@ -222,6 +225,20 @@ impl Default for InFlightTable {
         for name in Phase::NAMES {
             in_phase.with_label_values(&[name]).set(0);
         }
+        let handoff_failures = prometheus::IntCounterVec::new(
+            prometheus::Opts::new(
+                "tandem_handoff_failures_total",
+                "Failed prefill/decode attempts by the side blamed (prefill, decode, or both: \
+                 a failed KV transfer or a stall) and error class",
+            ),
+            &["side", "class"],
+        )
+        .expect("a valid metric name");
+        for side in crate::pd::attempt::Leg::NAMES {
+            for class in crate::metrics::ALL_CLASSES {
+                handoff_failures.with_label_values(&[side, class.as_str()]);
+            }
+        }
         Self {
             entries: Mutex::default(),
             serials: std::sync::atomic::AtomicU64::new(0),
@@ -232,6 +249,7 @@ impl Default for InFlightTable {
             )
             .expect("a valid metric name"),
             in_phase,
+            handoff_failures,
         }
     }
 }
@@ -240,6 +258,18 @@ impl InFlightTable {
     /// The migrations counter, to register in the router's registry.
     pub fn migrations_counter(&self) -> prometheus::IntCounter {
         self.migrations_total.clone()
+    }
+
+    /// The handoff-failure counters, to register in the router's registry.
+    pub fn handoff_failures_counter(&self) -> prometheus::IntCounterVec {
+        self.handoff_failures.clone()
+    }
+
+    /// Counts a failed P/D attempt, blamed on `side`.
+    pub(crate) fn handoff_failed(&self, side: crate::pd::attempt::Leg, class: ErrorClass) {
+        self.handoff_failures
+            .with_label_values(&[side.as_str(), class.as_str()])
+            .inc();
     }
 
     /// The requests-by-phase gauges, to register in the router's registry.

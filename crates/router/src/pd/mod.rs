@@ -312,6 +312,8 @@ impl PdGenerator {
                         .and_then(Result::ok);
                     this.observe_poll(w, stats.as_ref());
                     pool_metrics::WorkerSample {
+                        worker: w.id.0.clone(),
+                        breaker: w.breaker_state(),
                         role,
                         state: w.state(),
                         stats,
@@ -593,6 +595,7 @@ impl PdGenerator {
                 d.report(d_out, self.breaker);
                 attempt_result.map_err(|(leg, e)| {
                     phases.enter(inflight::Phase::Failed { class: e.class });
+                    self.in_flight.handoff_failed(leg, e.class);
                     match leg {
                         Leg::Prefill => cursor.pi += 1,
                         Leg::Decode => cursor.di += 1,

@@ -1,7 +1,12 @@
 //! Per-pool gauges from the workers' stats (polled each second): the signals an autoscaler
 //! (HPA through a metrics adapter, or KEDA) reads to size the prefill and decode pools.
+//! Beside them, per-worker families from the same poll: the breaker's state, the KV bytes
+//! each worker moved by path (shared-memory landing or the transport), and vLLM's
+//! `vllm:kv_cache_usage_perc` with the worker as vLLM's `engine` label.
 
-use prometheus::{IntGaugeVec, Opts, Registry};
+use prometheus::{GaugeVec, IntCounterVec, IntGaugeVec, Opts, Registry};
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
 
 /// The pool gauges, registered in the router's registry.
 #[derive(Clone, Debug)]
@@ -11,11 +16,27 @@ pub struct PoolMetrics {
     running: IntGaugeVec,
     kv_free: IntGaugeVec,
     kv_total: IntGaugeVec,
+    breaker: IntGaugeVec,
+    kv_bytes: IntCounterVec,
+    kv_usage: GaugeVec,
+    /// Per worker: its role, and the KV byte counts (landed, total) its last answer gave.
+    seen: Arc<Mutex<HashMap<String, Seen>>>,
+}
+
+#[derive(Clone, Debug, Default)]
+struct Seen {
+    role: &'static str,
+    landed: u64,
+    transferred: u64,
 }
 
 /// What one poll learned about one worker.
 #[derive(Clone, Debug)]
 pub struct WorkerSample {
+    /// The worker's id.
+    pub worker: String,
+    /// Its breaker's state: `closed`, `open` or `half_open`.
+    pub breaker: &'static str,
     /// `prefill`, `decode` or `both`.
     pub role: &'static str,
     /// `active`, `draining` or `ejected`.
@@ -26,6 +47,8 @@ pub struct WorkerSample {
 
 const ROLES: [&str; 3] = ["prefill", "decode", "both"];
 const STATES: [&str; 4] = ["active", "draining", "ejected", "unreachable"];
+const BREAKER_STATES: [&str; 3] = ["closed", "open", "half_open"];
+const KV_PATHS: [&str; 2] = ["landing", "transport"];
 
 fn gauge(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> IntGaugeVec {
     let g =
@@ -37,9 +60,42 @@ fn gauge(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> IntGau
 }
 
 impl PoolMetrics {
-    /// Registers the gauges in `registry`.
-    pub fn register(registry: &Registry) -> Self {
+    /// Registers the gauges in `registry`, the vLLM-named one in `vllm` (the router's
+    /// registry whose metrics carry `model_name`).
+    pub fn register(registry: &Registry, vllm: &Registry) -> Self {
+        let kv_bytes = IntCounterVec::new(
+            Opts::new(
+                "tandem_kv_transfer_bytes_total",
+                "KV bytes a worker moved in handoffs (prefill: sent, decode: received), by path: \
+                 landing (shared-memory slots on one host) or transport (UCX).",
+            ),
+            &["worker", "role", "path"],
+        )
+        .expect("static counter options are valid");
+        registry
+            .register(Box::new(kv_bytes.clone()))
+            .expect("metric names are unique within this registry");
+        let kv_usage = GaugeVec::new(
+            Opts::new(
+                "vllm:kv_cache_usage_perc",
+                "Fraction of the worker's KV blocks (or state slots) in use, 0 to 1.",
+            ),
+            &["engine"],
+        )
+        .expect("static gauge options are valid");
+        vllm.register(Box::new(kv_usage.clone()))
+            .expect("metric names are unique within this registry");
         Self {
+            breaker: gauge(
+                registry,
+                "tandem_worker_breaker_state",
+                "1 for each worker's circuit-breaker state now (closed: routed to; open: out of \
+                 rotation for its cooldown; half_open: the next request is a probe), 0 for the others.",
+                &["worker", "role", "state"],
+            ),
+            kv_bytes,
+            kv_usage,
+            seen: Arc::default(),
             workers: gauge(
                 registry,
                 "tandem_pool_workers",
@@ -75,6 +131,7 @@ impl PoolMetrics {
 
     /// Sets every gauge from one poll of every worker.
     pub fn observe(&self, samples: &[WorkerSample]) {
+        self.observe_workers(samples);
         for role in ROLES {
             let mine = || samples.iter().filter(move |s| s.role == role);
             for state in STATES {
@@ -109,6 +166,65 @@ impl PoolMetrics {
                 .set(sum(|s| s.kv_blocks_total));
         }
     }
+
+    /// The per-worker families; a worker no longer listed loses its series.
+    fn observe_workers(&self, samples: &[WorkerSample]) {
+        let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+        let listed: HashSet<&str> = samples.iter().map(|s| s.worker.as_str()).collect();
+        seen.retain(|worker, last| {
+            if listed.contains(worker.as_str()) {
+                return true;
+            }
+            for state in BREAKER_STATES {
+                let _ = self
+                    .breaker
+                    .remove_label_values(&[worker, last.role, state]);
+            }
+            for path in KV_PATHS {
+                let _ = self
+                    .kv_bytes
+                    .remove_label_values(&[worker, last.role, path]);
+            }
+            let _ = self.kv_usage.remove_label_values(&[worker]);
+            false
+        });
+        for s in samples {
+            let worker = s.worker.as_str();
+            for state in BREAKER_STATES {
+                self.breaker
+                    .with_label_values(&[worker, s.role, state])
+                    .set(i64::from(state == s.breaker));
+            }
+            let last = seen.entry(s.worker.clone()).or_insert_with(|| Seen {
+                role: s.role,
+                ..Seen::default()
+            });
+            let Some(stats) = &s.stats else { continue };
+            if stats.kv_blocks_total > 0 {
+                let used = stats.kv_blocks_total.saturating_sub(stats.kv_blocks_free);
+                self.kv_usage
+                    .with_label_values(&[worker])
+                    .set(f64::from(used) / f64::from(stats.kv_blocks_total));
+            }
+            // The worker's counts are cumulative since it started: add what is new (all of
+            // it after a restart, when they went down).
+            let grown = |now: u64, before: u64| if now >= before { now - before } else { now };
+            let landed = grown(stats.kv_bytes_landed, last.landed);
+            let transport_now = stats
+                .kv_bytes_transferred
+                .saturating_sub(stats.kv_bytes_landed);
+            let transport_before = last.transferred.saturating_sub(last.landed);
+            let transport = grown(transport_now, transport_before);
+            self.kv_bytes
+                .with_label_values(&[worker, s.role, "landing"])
+                .inc_by(landed);
+            self.kv_bytes
+                .with_label_values(&[worker, s.role, "transport"])
+                .inc_by(transport);
+            last.landed = stats.kv_bytes_landed;
+            last.transferred = stats.kv_bytes_transferred;
+        }
+    }
 }
 
 #[cfg(test)]
@@ -119,7 +235,7 @@ mod tests {
     #[test]
     fn pools_sum_their_workers_and_count_them_by_state() {
         let registry = Registry::new();
-        let m = PoolMetrics::register(&registry);
+        let m = PoolMetrics::register(&registry, &Registry::new());
         let stats = |in_flight, free| StatsResponse {
             in_flight,
             kv_blocks_free: free,
@@ -129,21 +245,29 @@ mod tests {
         };
         m.observe(&[
             WorkerSample {
+                worker: "w0".into(),
+                breaker: "closed",
                 role: "decode",
                 state: "active",
                 stats: Some(stats(3, 40)),
             },
             WorkerSample {
+                worker: "w1".into(),
+                breaker: "closed",
                 role: "decode",
                 state: "draining",
                 stats: Some(stats(1, 90)),
             },
             WorkerSample {
+                worker: "w2".into(),
+                breaker: "closed",
                 role: "decode",
                 state: "active",
                 stats: None,
             },
             WorkerSample {
+                worker: "w3".into(),
+                breaker: "closed",
                 role: "prefill",
                 state: "active",
                 stats: Some(stats(2, 100)),
@@ -165,5 +289,51 @@ mod tests {
         ] {
             assert!(text.contains(line), "missing {line}:\n{text}");
         }
+    }
+
+    #[test]
+    fn workers_report_breaker_state_kv_usage_and_bytes_by_path() {
+        let registry = Registry::new();
+        let vllm = Registry::new();
+        let m = PoolMetrics::register(&registry, &vllm);
+        let sample = |breaker, landed, transferred| WorkerSample {
+            worker: "d0".into(),
+            breaker,
+            role: "decode",
+            state: "active",
+            stats: Some(StatsResponse {
+                kv_blocks_total: 100,
+                kv_blocks_free: 75,
+                kv_bytes_landed: landed,
+                kv_bytes_transferred: transferred,
+                ..StatsResponse::default()
+            }),
+        };
+        let text = |r: &Registry| {
+            prometheus::TextEncoder::new()
+                .encode_to_string(&r.gather())
+                .expect("encodes")
+        };
+        m.observe(&[sample("closed", 10, 30)]);
+        m.observe(&[sample("open", 15, 50)]);
+        let ours = text(&registry);
+        for line in [
+            r#"tandem_worker_breaker_state{role="decode",state="open",worker="d0"} 1"#,
+            r#"tandem_worker_breaker_state{role="decode",state="closed",worker="d0"} 0"#,
+            r#"tandem_kv_transfer_bytes_total{path="landing",role="decode",worker="d0"} 15"#,
+            r#"tandem_kv_transfer_bytes_total{path="transport",role="decode",worker="d0"} 35"#,
+        ] {
+            assert!(ours.contains(line), "missing {line}:\n{ours}");
+        }
+        assert!(text(&vllm).contains(r#"vllm:kv_cache_usage_perc{engine="d0"} 0.25"#));
+        // A restarted worker counts from zero again: its new bytes are added, not subtracted.
+        m.observe(&[sample("closed", 4, 4)]);
+        assert!(text(&registry).contains(
+            r#"tandem_kv_transfer_bytes_total{path="landing",role="decode",worker="d0"} 19"#
+        ));
+        // A worker that left the pool leaves the metrics.
+        m.observe(&[]);
+        assert!(!text(&registry).contains("worker=\"d0\""));
+        assert!(!text(&vllm).contains("d0"));
     }
 }

@@ -512,6 +512,19 @@ async fn a_first_token_cut_short_by_the_request_deadline_is_not_retried_as_unava
         [["admitted", "failed"]],
         "one attempt, not retried"
     );
+    let failures = pd.in_flight().handoff_failures_counter();
+    let counted: u64 = crate::pd::attempt::Leg::NAMES
+        .iter()
+        .map(|side| {
+            failures
+                .with_label_values(&[side, "deadline_exceeded"])
+                .get()
+        })
+        .sum();
+    assert_eq!(
+        counted, 1,
+        "the failed attempt is counted once, by its class"
+    );
     assert_eq!(
         phase,
         inflight::Phase::Failed {

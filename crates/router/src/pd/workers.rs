@@ -396,6 +396,15 @@ impl WorkerHandle {
             .is_ok_and(|b| b.is_open(std::time::Instant::now()))
     }
 
+    /// Its breaker's state now (`closed`, `open` or `half_open`; see [`Breaker::state`]).
+    ///
+    /// [`Breaker::state`]: crate::pd::breaker::Breaker::state
+    pub fn breaker_state(&self) -> &'static str {
+        self.breaker
+            .lock()
+            .map_or("closed", |b| b.state(std::time::Instant::now()))
+    }
+
     /// Times the worker's breaker took it out of rotation since the router started (failed
     /// health polls not counted).
     pub fn ejections(&self) -> u64 {

@@ -184,7 +184,7 @@ impl TextStream {
             stop_reason,
             completion_tokens: self.completion_tokens,
         });
-        self.record.succeeded();
+        self.record.succeeded(reason);
         Ok(())
     }
 
