@@ -110,6 +110,10 @@ pub enum BenchCommand {
         #[arg(long)]
         json: Option<std::path::PathBuf>,
     },
+    /// Load against an OpenAI-compatible server (`vllm bench serve`'s figures and JSON
+    /// keys); with `--arms A=URL,B=URL --order ABBA`, ordered arms on identical seeded
+    /// inputs, pooled, with ratios, drift, an output identity check and a gate verdict.
+    Serve(crate::bench_serve::ServeArgs),
 }
 
 pub fn run(cmd: BenchCommand) -> Result<()> {
@@ -198,6 +202,7 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
             max_tokens,
             json,
         } => crate::bench_router::run(rate, seconds, max_tokens, json),
+        BenchCommand::Serve(args) => crate::bench_serve::run(args),
     }
 }
 

@@ -4,6 +4,7 @@
 mod bench;
 mod bench_kda;
 mod bench_router;
+mod bench_serve;
 mod bench_step;
 mod bench_structured;
 mod certs;
