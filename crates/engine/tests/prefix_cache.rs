@@ -186,3 +186,85 @@ fn choices_and_prefill_handoffs_over_cached_blocks_equal_cold_ones() {
     assert!(hot.1.body == cold.1.body, "the handoff's K/V bytes differ");
     assert_pools_whole(&on, "cache on");
 }
+
+fn kda(name: &str, prefix_cache: bool) -> Engine {
+    let dir = tandem_testkit::shared_dir().join("reference").join(name);
+    let model = tandem_engine::models::kda_hybrid::KdaHybridModel::load(&dir).expect("load");
+    let config = EngineConfig {
+        num_blocks: 64,
+        state_slots: 8,
+        prefix_cache,
+        ..EngineConfig::default()
+    };
+    tandem_engine::models::kda_hybrid::served::KdaServed::start(
+        tandem_engine::models::kda_hybrid::served::KdaModel::Single(Box::new(model)),
+        config,
+        vec![2],
+        4096,
+    )
+    .expect("start")
+}
+
+/// KDA hybrids keep whole states: a conversation's next turn, generated in one process or
+/// prefilled by the prefill role, starts from the state its last turn left and computes only
+/// the new tokens, with the greedy output of an engine that keeps nothing.
+#[test]
+fn kda_turns_start_from_the_state_their_last_turn_left() {
+    for name in ["kimi_tiny", "glm5_tiny"] {
+        let (on, off) = (kda(name, true), kda(name, false));
+        let small = |seed: u32, n: usize| -> Vec<u32> {
+            (0..n as u32)
+                .map(|i| 3 + (seed * 131 + i * 17) % 400)
+                .collect()
+        };
+        let first = small(1, 21);
+        let (out1, n1) = computed(&on, &first, 6);
+        assert_eq!(out1, greedy(&off, &first, 6), "{name}: first turn");
+        assert_eq!(n1, first.len() as u64);
+
+        let turn = [first.clone(), out1.clone(), small(2, 9)].concat();
+        let written = first.len() + out1.len() - 1;
+        let (out2, n2) = computed(&on, &turn, 6);
+        assert_eq!(out2, greedy(&off, &turn, 6), "{name}: second turn");
+        assert_eq!(
+            n2,
+            (turn.len() - written) as u64,
+            "{name}: only the new tokens"
+        );
+
+        // The prefill role keeps the prompt's state it exports: the next prompt that extends
+        // it computes only the extension, and hands off the state a cold prefill hands off.
+        let prefill = |e: &Engine, prompt: &[u32]| -> u32 {
+            let mut rx = e
+                .submit(prompt.to_vec(), SamplingParams::greedy(4), SeqKind::Prefill)
+                .expect("prefill");
+            match rx.blocking_recv() {
+                Some(EngineEvent::Prefilled { first_token, .. }) => first_token,
+                other => panic!("{name}: no prefill event: {other:?}"),
+            }
+        };
+        let p1 = small(3, 30);
+        prefill(&on, &p1);
+        let p2 = [p1.clone(), small(4, 11)].concat();
+        let before = on.stats().prefill_tokens;
+        assert_eq!(prefill(&on, &p2), prefill(&off, &p2), "{name}: prefill");
+        assert_eq!(
+            on.stats().prefill_tokens - before,
+            11,
+            "{name}: the extension only"
+        );
+        let stats = on.stats();
+        assert!(stats.prefix_snapshot_bytes > 0, "{name}: {stats:?}");
+        assert_eq!(
+            stats.prefix_hit_tokens,
+            (written + p1.len()) as u64,
+            "{name}: {stats:?}"
+        );
+        let slots = on.pools().slots_total.as_ref().expect("slots");
+        assert_eq!(
+            slots.free_blocks(),
+            slots.total_blocks(),
+            "{name}: slots held"
+        );
+    }
+}

@@ -21,6 +21,7 @@ use tandem_core::{FinishReason, SamplingParams, TokenLogprobs};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use worker::Worker;
 
+mod snapshots;
 mod worker;
 
 /// Engine tuning.
@@ -40,8 +41,12 @@ pub struct EngineConfig {
     /// refuses constrained requests.
     pub tokenizer: Option<std::path::PathBuf>,
     /// Keep full K/V blocks after their request ends and reuse them for prompts that start
-    /// with the same tokens (models with a paged K/V cache).
+    /// with the same tokens (models with a paged K/V cache); for models with per-request
+    /// state, keep whole exported states instead (see `prefix_snapshot_bytes`).
     pub prefix_cache: bool,
+    /// Host bytes of exported request states kept for prefix caching (models with
+    /// per-request state: KDA hybrids).
+    pub prefix_snapshot_bytes: usize,
 }
 
 impl Default for EngineConfig {
@@ -54,6 +59,7 @@ impl Default for EngineConfig {
             state_slots: 64,
             tokenizer: None,
             prefix_cache: true,
+            prefix_snapshot_bytes: 512 << 20,
         }
     }
 }
@@ -143,8 +149,10 @@ pub struct EngineStats {
     pub generated_tokens: u64,
     /// Prompt tokens of requests that looked for a cached prefix.
     pub prefix_queried_tokens: u64,
-    /// Of those, tokens whose K/V came from the prefix cache (not computed).
+    /// Of those, tokens whose K/V (or state) came from the prefix cache (not computed).
     pub prefix_hit_tokens: u64,
+    /// Host bytes of kept request states (models with per-request state).
+    pub prefix_snapshot_bytes: usize,
 }
 
 enum Command {
@@ -382,7 +390,15 @@ impl Engine {
                 };
                 let pools = model.pools();
                 let _ = ready_tx.send(Ok((model.info(), pools.clone(), model.handoff_spec())));
+                let stateful = pools.kv.is_none() && !pools.slots.is_empty();
+                let snapshot_bytes = if config.prefix_cache && stateful {
+                    config.prefix_snapshot_bytes
+                } else {
+                    0
+                };
                 let mut worker = Worker {
+                    snapshots: snapshots::Snapshots::new(snapshot_bytes),
+                    spec: model.handoff_spec(),
                     score_rows: model.info().score_rows,
                     model,
                     sampled: Vec::with_capacity(config.max_running),

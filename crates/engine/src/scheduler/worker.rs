@@ -16,6 +16,10 @@ use tokio::sync::mpsc::unbounded_channel;
 
 pub(super) struct Worker<M: ServedModel> {
     pub(super) model: M,
+    /// Prefix caching for models with per-request state: whole exported states.
+    pub(super) snapshots: super::snapshots::Snapshots,
+    /// The model's handoff check (snapshots are imported through it).
+    pub(super) spec: Arc<dyn crate::served::HandoffSpec>,
     /// Logits rows a step may score prompt tokens on (`ServedInfo::score_rows`).
     pub(super) score_rows: usize,
     pub(super) sampled: Vec<u32>,
@@ -53,6 +57,7 @@ impl<M: ServedModel> Worker<M> {
                             // Cached K/V was computed with the old weights.
                             blocks.forget_cached();
                         }
+                        self.snapshots.clear();
                         match &result {
                             Ok(()) => {
                                 tracing::info!(dir = %dir.display(), "weights refreshed in place")
@@ -149,6 +154,7 @@ impl<M: ServedModel> Worker<M> {
                 }),
                 _ => Ok(()),
             });
+            let imported = imported.and_then(|()| self.resume_from_snapshot(&mut seq));
             if let Err(e) = imported {
                 tracing::warn!(error = %e, "a request could not start");
                 self.release(&mut seq, false);
@@ -170,6 +176,46 @@ impl<M: ServedModel> Worker<M> {
                 self.running.push(*seq);
             }
         }
+    }
+
+    /// A fresh sequence of a model with per-request state whose prompt begins with a kept
+    /// state's tokens starts from that state (imported into its begun reservation).
+    fn resume_from_snapshot(&mut self, seq: &mut Seq) -> crate::Result<()> {
+        let eligible = seq.cached == 0 && seq.params.prompt_logprobs.is_none();
+        let Some(r) = seq.reservation.as_ref().filter(|_| eligible) else {
+            return Ok(());
+        };
+        if !self.keeps_snapshots() {
+            return Ok(());
+        }
+        let hit = match self.snapshots.longest(&seq.tokens[..seq.prompt_len]) {
+            Some((n, h)) => {
+                let h = self.spec.prepare(h.clone(), n, r)?;
+                self.model.import(r, n, &h)?;
+                n
+            }
+            None => 0,
+        };
+        seq.cached = hit;
+        let mut s = self.stats.lock();
+        s.prefix_queried_tokens += seq.prompt_len as u64;
+        s.prefix_hit_tokens += hit as u64;
+        Ok(())
+    }
+
+    /// Keeps the state of `seq`'s written tokens for later prompts that begin with them
+    /// (models with per-request state; a finished generation, before its space is freed).
+    fn keep_snapshot(&mut self, seq: &Seq) {
+        let Some(r) = &seq.reservation else { return };
+        match self.model.export(r, seq.cached) {
+            Ok(h) => self.snapshots.insert(&seq.tokens[..seq.cached], h),
+            Err(e) => tracing::warn!(error = %e, "keeping a finished request's state failed"),
+        }
+        self.stats.lock().prefix_snapshot_bytes = self.snapshots.bytes();
+    }
+
+    fn keeps_snapshots(&self) -> bool {
+        self.snapshots.budget() > 0
     }
 
     /// Follower `f` of `leader` (whose prompt is computed) as a sequence of its own, its
@@ -388,12 +434,19 @@ impl<M: ServedModel> Worker<M> {
             .copied()
             .zip(logprobs.drain(..).chain(std::iter::repeat(None)));
         let mut finished = Vec::new();
-        let (mut prefilled, mut generated) = (0u64, 0u64);
+        let mut generated = 0u64;
+        // Counted before anyone hears of the step, so a caller that reads the stats after
+        // its event sees its prompt counted.
+        let prefilled: u64 = in_batch
+            .iter()
+            .filter(|&&(i, _)| self.running[i].cached < self.running[i].prompt_len)
+            .map(|&(_, n)| n as u64)
+            .sum();
+        self.stats.lock().prefill_tokens += prefilled;
         for (i, n) in in_batch {
             let was_prompt = self.running[i].cached < self.running[i].prompt_len;
             self.running[i].cached += n;
             if was_prompt {
-                prefilled += n as u64;
                 let seq = &self.running[i];
                 if seq.cached >= seq.prompt_len {
                     // The whole prompt is written: later prompts may share it already.
@@ -450,7 +503,6 @@ impl<M: ServedModel> Worker<M> {
         }
         let mut s = self.stats.lock();
         s.steps += 1;
-        s.prefill_tokens += prefilled;
         s.generated_tokens += generated;
     }
 }
@@ -503,6 +555,11 @@ impl<M: ServedModel> Worker<M> {
                 Some(r) => self.model.export(r, prompt_len),
                 None => Err(Error::InvalidRequest("a prefill holds no space".into())),
             };
+            if let (Ok(h), true) = (&exported, self.keeps_snapshots()) {
+                let seq = &self.running[i];
+                self.snapshots.insert(&seq.tokens[..prompt_len], h.clone());
+                self.stats.lock().prefix_snapshot_bytes = self.snapshots.bytes();
+            }
             let mut seq = std::mem::replace(&mut self.running[i], placeholder());
             finished.push(i);
             // Free the space before the caller hears of it, so accounting is exact.
@@ -536,6 +593,9 @@ impl<M: ServedModel> Worker<M> {
         if finish.is_some() {
             let mut seq = std::mem::replace(&mut self.running[i], placeholder());
             finished.push(i);
+            if self.keeps_snapshots() {
+                self.keep_snapshot(&seq);
+            }
             self.release(&mut seq, true);
             let _ = seq.tx.send(event);
         } else if self.running[i].tx.send(event).is_err() {
