@@ -513,9 +513,12 @@ async fn run_async(args: ServeArgs) -> Result<()> {
         header(&mut j, arm);
         j.insert("model_id".into(), json!(targets[a].model));
         let mut blocks = Vec::new();
+        let mut line = Vec::new();
         for &p in &mine {
             for (outs, d) in &positions[p] {
-                let mut b = Metrics::of(outs, *d, ps, &args.goodput).to_json();
+                let block = Metrics::of(outs, *d, ps, &args.goodput);
+                line.push(format!("{} {:.3}", label(p), block.output_throughput));
+                let mut b = block.to_json();
                 b.insert("position".into(), json!(label(p)));
                 if args.save_detailed {
                     detailed(&mut b, outs);
@@ -523,6 +526,7 @@ async fn run_async(args: ServeArgs) -> Result<()> {
                 blocks.push(Value::Object(b));
             }
         }
+        println!("Blocks of {}, output tok/s: {}", arm.name, line.join(" / "));
         j.insert("blocks".into(), json!(blocks));
         report.insert(arm.name.clone(), Value::Object(j));
         arm_metrics.push((mine, m));
@@ -585,18 +589,7 @@ async fn run_async(args: ServeArgs) -> Result<()> {
 
     // Drift between the baseline's first and last positions.
     let base_positions = &arm_metrics[0].0;
-    let position_metrics = |p: usize| {
-        let outs: Vec<RequestOutput> = positions[p]
-            .iter()
-            .flat_map(|b| b.0.iter().cloned())
-            .collect();
-        Metrics::of(
-            &outs,
-            positions[p].iter().map(|b| b.1).sum(),
-            ps,
-            &args.goodput,
-        )
-    };
+    let position_metrics = |p: usize| pooled(positions[p].iter().collect());
     let baselines: Vec<(String, Metrics)> = base_positions
         .iter()
         .map(|&p| (label(p), position_metrics(p)))
