@@ -532,6 +532,13 @@ class Overrides(unittest.TestCase):
         pdbs = {component(d) for d in docs if d["kind"] == "PodDisruptionBudget"}
         self.assertEqual(pdbs, {"router", "decode"})
 
+    def test_prefix_cache_turns_off_per_pool(self):
+        docs = render(sets=["prefill.prefixCache=false"])
+        args = lambda comp: container(by(docs, "Deployment", comp), "worker")["args"]
+        self.assertIn("--no-prefix-cache", args("prefill"))
+        self.assertNotIn("--no-prefix-cache", args("decode"))
+        self.assertNotIn("--no-prefix-cache", str(render()))
+
     def test_grace_follows_the_drain_deadline(self):
         docs = render(sets=["decode.drainDeadlineSeconds=300"])
         d = by(docs, "Deployment", "decode")

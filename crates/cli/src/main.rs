@@ -266,6 +266,12 @@ struct EngineArgs {
     /// Tokens per step (decodes + prefill chunks, shared among the prompts in progress).
     #[arg(long, default_value_t = 512)]
     max_batch_tokens: usize,
+    /// Keep nothing for later prompts: no prefix caching (K/V blocks, or KDA-hybrid states).
+    #[arg(long)]
+    no_prefix_cache: bool,
+    /// Host memory for KDA-hybrid states kept for prefix caching, in MiB.
+    #[arg(long, default_value_t = 512)]
+    prefix_state_mib: usize,
     /// Parallel layout (KDA-hybrid models; ranks are threads of this process).
     #[command(flatten)]
     layout: eval::LayoutArgs,
@@ -310,6 +316,8 @@ impl EngineArgs {
         EngineConfig {
             num_blocks: self.kv_blocks,
             max_batch_tokens: self.max_batch_tokens,
+            prefix_cache: !self.no_prefix_cache,
+            prefix_snapshot_bytes: self.prefix_state_mib << 20,
             tokenizer: tokenizer.exists().then_some(tokenizer),
             ..EngineConfig::default()
         }
@@ -838,6 +846,8 @@ fn generate(args: GenerateArgs) -> Result<()> {
         kv_blocks: 1024,
         state_slots: 64,
         max_batch_tokens: 512,
+        no_prefix_cache: false,
+        prefix_state_mib: 512,
         layout: args.layout,
         lora: None,
         dtype: args.dtype,
