@@ -320,6 +320,9 @@ pub fn cpu_engine_args(model: &str, kv_blocks: usize, dtype: crate::DtypeArg) ->
         kv_blocks,
         state_slots: 64,
         max_batch_tokens: 512,
+        // Benchmarks repeat prompts to time their compute: nothing is reused.
+        no_prefix_cache: true,
+        prefix_state_mib: 0,
         layout: crate::eval::LayoutArgs {
             tp: 1,
             dp: 1,
