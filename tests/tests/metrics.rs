@@ -223,6 +223,7 @@ fn vllm_families_follow_requests_and_the_dashboard_reads_only_exported_metrics()
         // prefill worker sent.
         let after = scrape_until(&c, &url, |s| {
             s.sum("tandem_kv_transfer_bytes_total", &["role=\"prefill\""]) > 0.0
+                && s.sum("tandem_kv_transfer_seconds_count", &["role=\"prefill\""]) >= 2.0
                 && s.sum("tandem_worker_breaker_state", &[]) == 2.0
         })
         .await;
@@ -289,6 +290,12 @@ fn vllm_families_follow_requests_and_the_dashboard_reads_only_exported_metrics()
                 "{worker} is in one state"
             );
         }
+        // The prefill worker's pushes, timed by the worker: one per request (both sent KV).
+        assert_eq!(
+            after.sum("tandem_kv_transfer_seconds_count", &["role=\"prefill\""]),
+            2.0
+        );
+        assert!(after.sum("tandem_kv_transfer_bytes_sum", &["role=\"prefill\""]) > 0.0);
         assert_eq!(after.sum("tandem_handoff_failures_total", &[]), 0.0);
         assert_eq!(after.get("tandem_migrations_total"), 0.0);
 

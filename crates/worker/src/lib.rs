@@ -17,6 +17,8 @@ pub mod reservations;
 pub mod service;
 /// Mutual TLS on the gRPC port and the roles each call takes.
 pub mod tls;
+/// Timings and sizes of KV pushes by path, reported with the stats.
+pub mod transfer_stats;
 
 pub use engine::WorkerEngine;
 pub use service::{serve, serve_registered, LandingMode, Role, WorkerOptions};

@@ -4,6 +4,7 @@
 //! two send only a completion record after the bytes (ADR 0002).
 
 use crate::handoff;
+use crate::transfer_stats::TransferPath;
 use crate::{Error, Result};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -40,13 +41,13 @@ pub(crate) struct Push<'a> {
 
 impl Push<'_> {
     /// Delivers `message` to `target` (nothing at all when `dropped`: a chaos fault); returns
-    /// the handoff's size in bytes.
+    /// the handoff's size in bytes and the path it took (none when dropped).
     pub(crate) async fn push(
         &self,
         target: &pb::KvTarget,
         message: Outgoing,
         dropped: bool,
-    ) -> Result<u64> {
+    ) -> Result<(u64, Option<TransferPath>)> {
         let (reservation, epoch) = (message.head.reservation, message.head.epoch);
         // A dropped push (chaos) writes nowhere.
         let mode = self.mode;
@@ -64,6 +65,12 @@ impl Push<'_> {
         .map_err(|e| Error::InvalidRequest(format!("encoding task failed: {e}")))?;
         let remote =
             landing.filter(|l| !in_place && l.remote.is_some() && len as u64 <= l.capacity);
+        let path = match remote {
+            _ if dropped => None,
+            _ if in_place => Some(TransferPath::Shm),
+            Some(_) => Some(TransferPath::Put),
+            None => Some(TransferPath::Send),
+        };
         match remote {
             _ if dropped => {}
             Some(to) => {
@@ -109,7 +116,7 @@ impl Push<'_> {
                     .await?;
             }
         }
-        Ok(len as u64)
+        Ok((len as u64, path))
     }
 }
 

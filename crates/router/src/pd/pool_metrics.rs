@@ -1,9 +1,12 @@
 //! Per-pool gauges from the workers' stats (polled each second): the signals an autoscaler
 //! (HPA through a metrics adapter, or KEDA) reads to size the prefill and decode pools.
 //! Beside them, per-worker families from the same poll: the breaker's state, the KV bytes
-//! each worker moved by path (shared-memory landing or the transport), and vLLM's
-//! `vllm:kv_cache_usage_perc` with the worker as vLLM's `engine` label.
+//! each worker moved by path (shared-memory landing or the transport), each prefill
+//! worker's push histograms (seconds and bytes by path, as the worker reports them), and
+//! vLLM's `vllm:kv_cache_usage_perc` with the worker as vLLM's `engine` label.
 
+use prometheus::core::{Collector, Desc};
+use prometheus::proto::{self, LabelPair, MetricFamily, MetricType};
 use prometheus::{GaugeVec, IntCounterVec, IntGaugeVec, Opts, Registry};
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
@@ -28,6 +31,129 @@ struct Seen {
     role: &'static str,
     landed: u64,
     transferred: u64,
+    /// The worker's KV push histograms at its last answer.
+    pushes: Vec<tandem_proto::v1::KvTransferHistogram>,
+}
+
+/// `tandem_kv_transfer_seconds` and `tandem_kv_transfer_bytes`: the prefill workers' push
+/// histograms, re-exported as the last poll found them.
+struct PushHistograms {
+    seen: Arc<Mutex<HashMap<String, Seen>>>,
+    descs: Vec<Desc>,
+}
+
+const PUSH_SECONDS: &str = "tandem_kv_transfer_seconds";
+const PUSH_BYTES: &str = "tandem_kv_transfer_bytes";
+
+impl PushHistograms {
+    fn new(seen: Arc<Mutex<HashMap<String, Seen>>>) -> Self {
+        let labels = || vec!["path".to_string(), "role".into(), "worker".into()];
+        let descs = vec![
+            Desc::new(
+                PUSH_SECONDS.into(),
+                "Time a prefill worker took to push one handoff's KV (encoding included), by \
+                 path: shm (shared memory, same host), put (one-sided writes), send (a message)."
+                    .into(),
+                labels(),
+                HashMap::new(),
+            )
+            .expect("a valid metric description"),
+            Desc::new(
+                PUSH_BYTES.into(),
+                "Size of each handoff a prefill worker pushed, by path.".into(),
+                labels(),
+                HashMap::new(),
+            )
+            .expect("a valid metric description"),
+        ];
+        Self { seen, descs }
+    }
+}
+
+/// One histogram series from a worker's cumulative counts.
+fn histogram_metric(
+    labels: [(&str, &str); 3],
+    count: u64,
+    sum: f64,
+    bounds: &[f64],
+    cumulative: &[u64],
+) -> proto::Metric {
+    let mut h = proto::Histogram::default();
+    h.set_sample_count(count);
+    h.set_sample_sum(sum);
+    h.set_bucket(
+        bounds
+            .iter()
+            .zip(cumulative)
+            .map(|(bound, n)| {
+                let mut b = proto::Bucket::default();
+                b.set_upper_bound(*bound);
+                b.set_cumulative_count(*n);
+                b
+            })
+            .collect(),
+    );
+    let mut m = proto::Metric::from_label(
+        labels
+            .iter()
+            .map(|(name, value)| {
+                let mut l = LabelPair::default();
+                l.set_name((*name).to_string());
+                l.set_value((*value).to_string());
+                l
+            })
+            .collect(),
+    );
+    m.set_histogram(h);
+    m
+}
+
+impl Collector for PushHistograms {
+    fn desc(&self) -> Vec<&Desc> {
+        self.descs.iter().collect()
+    }
+
+    fn collect(&self) -> Vec<MetricFamily> {
+        let seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+        self.descs
+            .iter()
+            .map(|desc| {
+                let mut family = MetricFamily::default();
+                family.set_name(desc.fq_name.clone());
+                family.set_help(desc.help.clone());
+                family.set_field_type(MetricType::HISTOGRAM);
+                let mut workers: Vec<_> = seen.iter().collect();
+                workers.sort_by(|a, b| a.0.cmp(b.0));
+                for (worker, last) in workers {
+                    for p in &last.pushes {
+                        let labels = [
+                            ("path", p.path.as_str()),
+                            ("role", last.role),
+                            ("worker", worker),
+                        ];
+                        family.mut_metric().push(if desc.fq_name == PUSH_SECONDS {
+                            histogram_metric(
+                                labels,
+                                p.count,
+                                p.seconds_sum,
+                                &p.seconds_bounds,
+                                &p.seconds_cumulative,
+                            )
+                        } else {
+                            histogram_metric(
+                                labels,
+                                p.count,
+                                p.bytes_sum,
+                                &p.bytes_bounds,
+                                &p.bytes_cumulative,
+                            )
+                        });
+                    }
+                }
+                family
+            })
+            .collect()
+    }
 }
 
 /// What one poll learned about one worker.
@@ -85,6 +211,10 @@ impl PoolMetrics {
         .expect("static gauge options are valid");
         vllm.register(Box::new(kv_usage.clone()))
             .expect("metric names are unique within this registry");
+        let seen = Arc::default();
+        registry
+            .register(Box::new(PushHistograms::new(Arc::clone(&seen))))
+            .expect("metric names are unique within this registry");
         Self {
             breaker: gauge(
                 registry,
@@ -95,7 +225,7 @@ impl PoolMetrics {
             ),
             kv_bytes,
             kv_usage,
-            seen: Arc::default(),
+            seen,
             workers: gauge(
                 registry,
                 "tandem_pool_workers",
@@ -223,6 +353,7 @@ impl PoolMetrics {
                 .inc_by(transport);
             last.landed = stats.kv_bytes_landed;
             last.transferred = stats.kv_bytes_transferred;
+            last.pushes.clone_from(&stats.kv_transfers);
         }
     }
 }
@@ -335,5 +466,57 @@ mod tests {
         m.observe(&[]);
         assert!(!text(&registry).contains("worker=\"d0\""));
         assert!(!text(&vllm).contains("d0"));
+    }
+
+    #[test]
+    fn prefill_push_histograms_are_exported_as_the_worker_reports_them() {
+        let registry = Registry::new();
+        let m = PoolMetrics::register(&registry, &Registry::new());
+        let text = || {
+            prometheus::TextEncoder::new()
+                .encode_to_string(&registry.gather())
+                .expect("encodes")
+        };
+        let shm = tandem_proto::v1::KvTransferHistogram {
+            path: "shm".into(),
+            count: 3,
+            seconds_sum: 0.004,
+            seconds_bounds: vec![0.001, 0.01],
+            seconds_cumulative: vec![1, 3],
+            bytes_sum: 3000.0,
+            bytes_bounds: vec![1024.0],
+            bytes_cumulative: vec![2],
+        };
+        let sample = |pushes: Vec<_>| WorkerSample {
+            worker: "p0".into(),
+            breaker: "closed",
+            role: "prefill",
+            state: "active",
+            stats: Some(StatsResponse {
+                kv_transfers: pushes,
+                ..StatsResponse::default()
+            }),
+        };
+        m.observe(&[sample(Vec::new())]);
+        assert!(
+            !text().contains("tandem_kv_transfer_seconds_bucket"),
+            "no push yet"
+        );
+        m.observe(&[sample(vec![shm])]);
+        let ours = text();
+        for line in [
+            r#"tandem_kv_transfer_seconds_bucket{path="shm",role="prefill",worker="p0",le="0.001"} 1"#,
+            r#"tandem_kv_transfer_seconds_bucket{path="shm",role="prefill",worker="p0",le="+Inf"} 3"#,
+            r#"tandem_kv_transfer_seconds_count{path="shm",role="prefill",worker="p0"} 3"#,
+            r#"tandem_kv_transfer_bytes_bucket{path="shm",role="prefill",worker="p0",le="1024"} 2"#,
+            r#"tandem_kv_transfer_bytes_sum{path="shm",role="prefill",worker="p0"} 3000"#,
+        ] {
+            assert!(ours.contains(line), "missing {line}:\n{ours}");
+        }
+        m.observe(&[]);
+        assert!(
+            !text().contains("worker=\"p0\""),
+            "a worker that left is gone"
+        );
     }
 }

@@ -93,6 +93,8 @@ struct Shared {
     /// Prefill role: writes handoffs into landing slots on this host.
     landing_writer: Arc<LandingWriter>,
     kv_bytes_sent: AtomicU64,
+    /// Prefill role: each KV push's time and size, by path.
+    kv_transfers: crate::transfer_stats::KvTransferStats,
     /// Handoff bytes that went through landing slots (written here, or landed here).
     kv_bytes_landed: Arc<AtomicU64>,
     /// Decode requests whose caller went away before they finished.
@@ -183,6 +185,7 @@ pub async fn serve_registered(
         landing,
         landing_writer: Arc::new(LandingWriter::new()),
         kv_bytes_sent: AtomicU64::new(0),
+        kv_transfers: crate::transfer_stats::KvTransferStats::default(),
         kv_bytes_landed,
         cancelled: AtomicU64::new(0),
         admission,
@@ -563,6 +566,7 @@ impl pb::worker_server::Worker for WorkerService {
             in_flight: s.admission.in_flight() as u32,
             prefill_tokens: s.engine.0.stats().prefill_tokens,
             instance_id: s.instance_id.clone(),
+            kv_transfers: s.kv_transfers.to_pb(),
         }))
     }
 

@@ -123,7 +123,12 @@ impl Shared {
                 mode: self.opts.kv_landing,
                 timeout: self.opts.transfer_timeout,
             };
-            sent = how.push(&target, message, dropped).await?;
+            let started = std::time::Instant::now();
+            let (bytes, path) = how.push(&target, message, dropped).await?;
+            sent = bytes;
+            if let Some(path) = path {
+                self.kv_transfers.observe(path, sent, started.elapsed());
+            }
             self.kv_bytes_sent.fetch_add(sent, Ordering::Relaxed);
         }
         Ok(pb::PrefillResponse {
