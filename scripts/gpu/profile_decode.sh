@@ -7,6 +7,8 @@
 # at a time: the programmatic-launch overlap of a real step is not in these figures.
 # For a KDA-hybrid checkpoint in $M (tandem model synth --arch kda-hybrid ...), set SKIP=0 and
 # COUNT large enough for a few steps (the last complete step between two embeddings is read).
+# T names another tandem binary to profile (an older build, for a before/after in one call);
+# TAG suffixes the output files.
 set -u
 HERE="$(cd "$(dirname "$0")" && pwd)"
 M=${M:-/tmp/tandem-models/1b}
@@ -17,9 +19,9 @@ mkdir -p "$OUT"
 export TANDEM_CUDA_GRAPHS=0 TANDEM_LOG=warn
 ncu --metrics gpu__time_duration.sum,dram__bytes_read.sum --csv --cache-control none --clock-control none \
   --launch-skip "${SKIP:-1500}" --launch-count "${COUNT:-300}" \
-  "$HERE/bin/tandem" bench engine --device cuda:0 --dtype bf16 --model "$M" --step-batches "$B" --step-prefill 0 \
-  > "$OUT/ncu-decode-$B.csv" 2>"$OUT/ncu-decode-$B.err"
-python3 - "$OUT/ncu-decode-$B.csv" <<'PY'
+  "${T:-$HERE/bin/tandem}" bench engine --device cuda:0 --dtype bf16 --model "$M" --step-batches "$B" --step-prefill 0 \
+  > "$OUT/ncu-decode-$B${TAG:-}.csv" 2>"$OUT/ncu-decode-$B${TAG:-}.err"
+python3 - "$OUT/ncu-decode-$B${TAG:-}.csv" <<'PY'
 import csv, sys, collections
 rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
 head, rows = rows[0], rows[1:]

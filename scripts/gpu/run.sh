@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine from the repository root, with .gpu/ carried along (see bundle.sh).
-# Phases (default: tests): tests | bench | gemv | hf | pd | kda | kda48 | all. Logs and JSON go to $OUT (or .gpu/out).
+# Phases (default: tests): tests | bench | gemv | hf | pd | kda | kda48 | hfkda | all. Logs and JSON go to $OUT (or .gpu/out).
 set -uo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
 BIN="$HERE/bin"
@@ -203,6 +203,24 @@ phase_kda48() {
   done
 }
 
+# KDA hybrids against transformers' own kimi_linear (fla's kernels when the wheel is carried):
+# synthesised medium and 1b checkpoints (bf16), teacher-forced logits of both in bf16 on the GPU,
+# greedy agreement where transformers' top-2 margin exceeds 0.1, and transformers' decode speed
+# on the shape; then transformers' bf16 run of the tiny references (tiny_bf16_reference.py).
+phase_hfkda() {
+  local whl site=/tmp/fla-site
+  whl=$(ls "$HERE"/../.whl/fla_core-*.whl 2>/dev/null | head -1)
+  [ -n "$whl" ] && python3 -m pip install -q --no-index --no-deps --target "$site" "$whl" >/dev/null 2>&1
+  for preset in medium 1b; do
+    local d="$MODELS/kda-$preset"
+    [ -f "$d/config.json" ] || "$BIN/tandem" model synth --arch kda-hybrid --preset "$preset" \
+      --out "$d" >/dev/null || { status=1; continue; }
+    echo "== transformers kimi_linear vs tandem (kda-hybrid $preset)"
+    PYTHONPATH="$site" python3 "$HERE/hf_compare.py" "$d" "$BIN/tandem" "$OUT/hf-kda-$preset.json" || status=1
+  done
+  PYTHONPATH="$site" python3 "$HERE/tiny_bf16_reference.py" "$TANDEM_SHARED_DIR" "$OUT/tiny-bf16.json" || status=1
+}
+
 case "${1:-tests}" in
   tests) phase_tests ;;
   bench) phase_bench ;;
@@ -211,6 +229,7 @@ case "${1:-tests}" in
   pd) phase_pd ;;
   kda) phase_kda ;;
   kda48) phase_kda48 ;;
+  hfkda) phase_hfkda ;;
   all) phase_tests; phase_bench; phase_hf; phase_pd; phase_kda ;;
   *) echo "usage: run.sh tests|bench|gemv|hf|pd|kda|kda48|all"; exit 2 ;;
 esac

@@ -267,15 +267,24 @@ fn batch_step_time<B: HybridOps>(
         model.prefill(&prompt, state);
     }
     let mut ids: Vec<u32> = (0..batch as u32).map(|i| 5 + i).collect();
+    let greedy = tandem_core::SamplingParams::greedy(1);
+    let rows: Vec<(&tandem_core::SamplingParams, u32)> = (0..batch).map(|_| (&greedy, 0)).collect();
+    let mut sampled = Vec::with_capacity(batch);
     time(reps, || {
         let next: Vec<[u32; 1]> = ids.iter().map(|&id| [id]).collect();
         let next: Vec<&[u32]> = next.iter().map(|a| a.as_slice()).collect();
         let mut refs: Vec<_> = states.iter_mut().collect();
-        // The logits come back to the host: the step is complete when this returns.
-        let logits = model.extend_batch(&next, &mut refs, KdaForm::Recurrent);
-        for (id, l) in ids.iter_mut().zip(&logits) {
-            *id = tandem_engine::sampling::argmax(l);
-        }
+        // Greedy tokens drawn where the logits are, as the engine samples (only the ids come
+        // back to the host): the step is complete when this returns.
+        let logits = model.extend_batch_logits(&next, &mut refs, KdaForm::Recurrent, None);
+        let tensor = logits
+            .tensor
+            .as_ref()
+            .expect("a decode step has a row per sequence");
+        model
+            .backend()
+            .sample(tensor, model.config().vocab_size, &rows, &mut sampled);
+        ids.clone_from(&sampled);
     })
 }
 
@@ -468,7 +477,7 @@ impl WithBackend for KdaSteps<'_> {
         };
         let model = KdaHybridModel::load_on(b, self.dir, &options)?;
         println!(
-            "step benchmark: {} {} on {name} (KDA hybrid; MLA and the mHC collapse on the host)",
+            "step benchmark: {} {} on {name} (KDA hybrid; greedy tokens sampled on the device)",
             self.dir.display(),
             self.dtype
         );

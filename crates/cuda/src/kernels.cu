@@ -1512,8 +1512,8 @@ extern "C" __global__ void fp8_to_bf16(const unsigned char* w, long rows, int co
 //
 // Routing, then the experts as one grouped product: `moe_sort` lists each local expert's
 // (token, slot) pairs, `moe_gate_up` and `moe_down` give each expert's weights one pass per
-// MOE_ROWS of its pairs (a block per feature tile and expert; experts nobody chose exit at
-// once), and `moe_combine` adds each token's weighted expert outputs in slot order (no
+// MOE_ROWS of its pairs (a block per feature tile and chosen expert: the grid's second side is
+// at most the step's pairs, and blocks past the experts `moe_sort` listed exit at once), and `moe_combine` adds each token's weighted expert outputs in slot order (no
 // atomics: the sums are the same on every run). Pair p = token * k + slot.
 
 #define MOE_MAX_K 32
@@ -1613,8 +1613,11 @@ extern "C" __global__ void __launch_bounds__(MOE_ROUTE_THREADS) moe_route(const 
 }
 
 // One block, a thread per local expert (`experts` <= blockDim.x <= 1024): expert e's pairs, in
-// ascending order, are order[offsets[e] .. offsets[e + 1]].
-extern "C" __global__ void moe_sort(const u32* ids, int pairs, u32 first, int experts, u32* offsets, u32* order) {
+// ascending order, are order[offsets[e] .. offsets[e + 1]]; active[0] is how many experts have
+// pairs and active[1 ..] lists them in ascending order (the grouped kernels' blocks take one
+// each, so a step that chose 8 of 256 experts launches blocks for 8).
+extern "C" __global__ void moe_sort(const u32* ids, int pairs, u32 first, int experts, u32* offsets, u32* order,
+                                    u32* active) {
     pdl_start();
     __shared__ u32 counts[1024];
     int e = threadIdx.x;
@@ -1624,10 +1627,17 @@ extern "C" __global__ void moe_sort(const u32* ids, int pairs, u32 first, int ex
     counts[e] = n;
     __syncthreads();
     if (e >= experts) return;
-    u32 at = 0;
-    for (int i = 0; i < e; ++i) at += counts[i];
+    u32 at = 0, rank = 0;
+    for (int i = 0; i < e; ++i) {
+        at += counts[i];
+        rank += counts[i] > 0;
+    }
     offsets[e] = at;
-    if (e == experts - 1) offsets[experts] = at + n;
+    if (n > 0) active[1 + rank] = (u32)e;
+    if (e == experts - 1) {
+        offsets[experts] = at + n;
+        active[0] = rank + (n > 0);
+    }
     for (int p = 0; p < pairs && n > 0; ++p)
         if (ids[p] - first == (u32)e) { order[at++] = p; --n; }
 }
@@ -1646,14 +1656,15 @@ __device__ __forceinline__ void expert_weights8(const void* w, long rows, int co
     }
 }
 
-// act[p] = swiglu(gate_j · x[p / k], up_j · x[p / k]) for feature j (a warp each) of expert
-// blockIdx.y's pairs; table[e] holds the expert's [2 * inter, K] gate/up matrix.
+// act[p] = swiglu(gate_j · x[p / k], up_j · x[p / k]) for feature j (a warp each) of the
+// blockIdx.y-th active expert's pairs; table[e] holds expert e's [2 * inter, K] gate/up matrix.
 template <bool FP8>
 __device__ __forceinline__ void moe_gate_up_body(const float* x, int K, const unsigned long long* table,
-                                                 const u32* offsets, const u32* order, int k, int inter,
-                                                 int clamp, float limit, float* act) {
+                                                 const u32* offsets, const u32* order, const u32* active,
+                                                 int k, int inter, int clamp, float limit, float* act) {
     pdl_start();
-    int e = blockIdx.y, lane = threadIdx.x & 31;
+    if (blockIdx.y >= active[0]) return;
+    int e = (int)active[1 + blockIdx.y], lane = threadIdx.x & 31;
     int j = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     u32 start = offsets[e], n = offsets[e + 1] - start;
     if (j >= inter || n == 0) return;
@@ -1699,25 +1710,26 @@ __device__ __forceinline__ void moe_gate_up_body(const float* x, int K, const un
 }
 
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up(const float* x, int K, const unsigned long long* table,
-                                                              const u32* offsets, const u32* order, int k, int inter,
-                                                              int clamp, float limit, float* act) {
-    moe_gate_up_body<false>(x, K, table, offsets, order, k, inter, clamp, limit, act);
+                                                              const u32* offsets, const u32* order, const u32* active, int k,
+                                                              int inter, int clamp, float limit, float* act) {
+    moe_gate_up_body<false>(x, K, table, offsets, order, active, k, inter, clamp, limit, act);
 }
 
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_fp8(const float* x, int K, const unsigned long long* table,
-                                                                  const u32* offsets, const u32* order, int k, int inter,
-                                                                  int clamp, float limit, float* act) {
-    moe_gate_up_body<true>(x, K, table, offsets, order, k, inter, clamp, limit, act);
+                                                                  const u32* offsets, const u32* order, const u32* active, int k,
+                                                                  int inter, int clamp, float limit, float* act) {
+    moe_gate_up_body<true>(x, K, table, offsets, order, active, k, inter, clamp, limit, act);
 }
 
-// out[p] = weights[p] · (down_h · act[p]) for feature h (a warp each) of expert blockIdx.y's
-// pairs; table[e] holds the expert's [hidden, inter] down matrix.
+// out[p] = weights[p] · (down_h · act[p]) for feature h (a warp each) of the blockIdx.y-th
+// active expert's pairs; table[e] holds expert e's [hidden, inter] down matrix.
 template <bool FP8>
 __device__ __forceinline__ void moe_down_body(const float* act, int inter, const unsigned long long* table,
-                                              const u32* offsets, const u32* order, const float* weights,
-                                              int hidden, float* out) {
+                                              const u32* offsets, const u32* order, const u32* active,
+                                              const float* weights, int hidden, float* out) {
     pdl_start();
-    int e = blockIdx.y, lane = threadIdx.x & 31;
+    if (blockIdx.y >= active[0]) return;
+    int e = (int)active[1 + blockIdx.y], lane = threadIdx.x & 31;
     int h = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     u32 start = offsets[e], n = offsets[e + 1] - start;
     if (h >= hidden || n == 0) return;
@@ -1756,15 +1768,15 @@ __device__ __forceinline__ void moe_down_body(const float* act, int inter, const
 }
 
 extern "C" __global__ void __launch_bounds__(128) moe_down(const float* act, int inter, const unsigned long long* table,
-                                                           const u32* offsets, const u32* order, const float* weights,
-                                                           int hidden, float* out) {
-    moe_down_body<false>(act, inter, table, offsets, order, weights, hidden, out);
+                                                           const u32* offsets, const u32* order, const u32* active,
+                                                           const float* weights, int hidden, float* out) {
+    moe_down_body<false>(act, inter, table, offsets, order, active, weights, hidden, out);
 }
 
 extern "C" __global__ void __launch_bounds__(128) moe_down_fp8(const float* act, int inter, const unsigned long long* table,
-                                                               const u32* offsets, const u32* order, const float* weights,
-                                                               int hidden, float* out) {
-    moe_down_body<true>(act, inter, table, offsets, order, weights, hidden, out);
+                                                               const u32* offsets, const u32* order, const u32* active,
+                                                               const float* weights, int hidden, float* out) {
+    moe_down_body<true>(act, inter, table, offsets, order, active, weights, hidden, out);
 }
 
 // y[t] += Σ over the slots routed to a local expert (ids in [first, first + experts)) of

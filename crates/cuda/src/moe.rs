@@ -186,6 +186,8 @@ impl CudaBackend {
         };
         let offsets = self.zeros(DType::U32, &[experts + 1]);
         let order = self.zeros(DType::U32, &[pairs]);
+        // The count of experts with pairs, then their indices (written by `moe_sort`).
+        let active = self.zeros(DType::U32, &[experts + 1]);
         let act = self.zeros(DType::F32, &[pairs, inter]);
         let out = self.zeros(DType::F32, &[pairs, hidden]);
         let (first, count) = (bank.first as i32, experts as i32);
@@ -203,11 +205,15 @@ impl CudaBackend {
                 A::from(count),
                 A::from(ptr(&offsets)),
                 A::from(ptr(&order)),
+                A::from(ptr(&active)),
             ],
         );
         let (clamp, limit) = bank.limit.map_or((0i32, 0.0f32), |l| (1, l));
+        // A block row per expert that can have pairs: no more than the step's pairs (8 of 256
+        // experts at batch 1 with top-8 launch 8 rows, not 256 that would exit at once).
+        let chosen = experts.min(pairs);
         let per_expert = |features: usize| LaunchConfig {
-            grid_dim: (features.div_ceil(MOE_WARPS) as u32, experts as u32, 1),
+            grid_dim: (features.div_ceil(MOE_WARPS) as u32, chosen as u32, 1),
             block_dim: ((MOE_WARPS * 32) as u32, 1, 1),
             shared_mem_bytes: 0,
         };
@@ -220,6 +226,7 @@ impl CudaBackend {
                 A::from(ptr(bank.gate_up)),
                 A::from(ptr(&offsets)),
                 A::from(ptr(&order)),
+                A::from(ptr(&active)),
                 A::from(k as i32),
                 A::from(inter as i32),
                 A::from(clamp),
@@ -236,6 +243,7 @@ impl CudaBackend {
                 A::from(ptr(bank.down)),
                 A::from(ptr(&offsets)),
                 A::from(ptr(&order)),
+                A::from(ptr(&active)),
                 A::from(ptr(routed.weights)),
                 A::from(hidden as i32),
                 A::from(ptr(&out)),
