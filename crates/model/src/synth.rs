@@ -141,6 +141,20 @@ fn config_json(p: &Preset, fp8_ignored: Option<&[String]>) -> Value {
         .filter(|&i| is_mla(i, p.layers))
         .map(|i| i + 1)
         .collect();
+    // transformers' own names for the same layout (0-based), beside the original keys, so its
+    // `kimi_linear` reads the layer mix as the engine does.
+    let layer_types: Vec<&str> = (0..p.layers)
+        .map(|i| {
+            if is_mla(i, p.layers) {
+                "full_attention"
+            } else {
+                "linear_attention"
+            }
+        })
+        .collect();
+    let mlp_layer_types: Vec<&str> = (0..p.layers)
+        .map(|i| if i == 0 { "dense" } else { "sparse" })
+        .collect();
     let mut c = json!({
         "architectures": ["KimiLinearForCausalLM"],
         "model_type": "kimi_linear",
@@ -161,6 +175,11 @@ fn config_json(p: &Preset, fp8_ignored: Option<&[String]>) -> Value {
         "routed_scaling_factor": 2.446, "num_expert_group": 1, "topk_group": 1,
         "dtype": "bfloat16",
     });
+    c["layer_types"] = json!(layer_types);
+    c["mlp_layer_types"] = json!(mlp_layer_types);
+    c["linear_num_heads"] = json!(p.kda_heads);
+    c["linear_head_dim"] = json!(p.kda_head_dim);
+    c["linear_conv_kernel_dim"] = json!(4);
     if let Some(ignored) = fp8_ignored {
         c["quantization_config"] = json!({
             "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
@@ -772,6 +791,17 @@ mod tests {
             .as_array()
             .map_or(0, Vec::len);
         assert_eq!((kda, full), (19, 8), "a 3:1 mix over 27 layers");
+        // transformers' 0-based names say the same as the 1-based original lists.
+        let types = c["layer_types"].as_array().expect("layer_types");
+        for (i, t) in types.iter().enumerate() {
+            let full_listed = c["linear_attn_config"]["full_attn_layers"]
+                .as_array()
+                .is_some_and(|l| l.contains(&json!(i + 1)));
+            assert_eq!(t == "full_attention", full_listed, "layer {i}: {t}");
+        }
+        assert_eq!(c["mlp_layer_types"][0], "dense");
+        assert_eq!(c["mlp_layer_types"][1], "sparse");
+        assert_eq!(c["linear_num_heads"], 32);
         // Every parameter: ~48B, as the name says.
         let params: usize = tensor_specs(&p)
             .iter()
