@@ -2,7 +2,7 @@
 //! the chunked vs recurrent delta rule at prefill length — each figure as a ratio against a
 //! baseline measured in the same run.
 
-use crate::device::WithBackend;
+use crate::device::{RankDevices, WithBackend};
 use anyhow::Result;
 use std::time::Instant;
 use tandem_engine::backend::cpu::delta_rule::{chunked, recurrent, DeltaRuleInputs};
@@ -352,7 +352,8 @@ fn delta_time<B: HybridOps>(
 impl WithBackend for DeviceDeltaRule {
     type Out = serde_json::Value;
 
-    fn run<B: HybridOps>(self, b: B) -> Result<serde_json::Value> {
+    fn run<B: HybridOps>(self, devices: RankDevices<B>) -> Result<serde_json::Value> {
+        let b = devices.single("bench kda")?;
         let (h, d) = (self.heads, self.head_dim);
         println!(
             "KDA delta rule on {}: one layer of {h} heads x {d} (f32 activations and state)",
@@ -468,7 +469,8 @@ pub struct KdaSteps<'a> {
 impl WithBackend for KdaSteps<'_> {
     type Out = serde_json::Value;
 
-    fn run<B: HybridOps>(self, b: B) -> Result<serde_json::Value> {
+    fn run<B: HybridOps>(self, devices: RankDevices<B>) -> Result<serde_json::Value> {
+        let b = devices.single("bench engine")?;
         let name = b.name();
         eprintln!("loading {} on {name}…", self.dir.display());
         let options = LoadOptions {
@@ -536,7 +538,7 @@ mod tests {
             step_presets: vec!["tiny"],
             step_batches: vec![2],
         }
-        .run(cpu.clone())
+        .run(RankDevices::new(vec![cpu.clone()]))
         .expect("delta rule figures");
         assert_eq!(report["chunked_prefill"][0]["tokens"], 70);
         assert_eq!(report["recurrent_decode"][0]["sequences"], 3);
@@ -554,7 +556,7 @@ mod tests {
             prefill: 9,
             steps: 2,
         }
-        .run(cpu)
+        .run(RankDevices::new(vec![cpu]))
         .expect("step figures");
         assert_eq!(steps["decode"].as_array().map(Vec::len), Some(2));
         assert_eq!(steps["prefill"]["tokens"], 9);

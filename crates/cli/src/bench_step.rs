@@ -39,7 +39,11 @@ fn median(mut v: Vec<f64>) -> f64 {
 impl WithBackend for StepBench<'_> {
     type Out = serde_json::Value;
 
-    fn run<B: tandem_engine::backend::HybridOps>(self, backend: B) -> Result<serde_json::Value> {
+    fn run<B: tandem_engine::backend::HybridOps>(
+        self,
+        devices: crate::device::RankDevices<B>,
+    ) -> Result<serde_json::Value> {
+        let backend = devices.single("bench engine")?;
         let name = backend.name();
         eprintln!("loading {} on {name}…", self.dir.display());
         let model = LlamaModel::load(self.dir, backend, self.dtype.dtype())?;

@@ -32,7 +32,7 @@ pub struct RunArgs {
     /// Weights and K/V dtype of the workers.
     #[arg(long, value_enum, default_value_t = crate::DtypeArg::F32)]
     dtype: crate::DtypeArg,
-    /// Device of every worker: cpu, cuda or cuda:N.
+    /// Device of every worker: cpu, cuda, cuda:N or a list of GPUs (cuda:0,cuda:1).
     #[arg(long, default_value = "cpu", value_parser = crate::device::parse)]
     device: crate::device::Device,
     /// Device of the prefill worker (overrides --device).

@@ -56,12 +56,9 @@ struct LoadOn<'a, W> {
 
 impl<W: WithLoaded> crate::device::WithBackend for LoadOn<'_, W> {
     type Out = W::Out;
-    fn run<B: HybridOps>(self, backend: B) -> Result<W::Out> {
-        // Rank 0 on the device opened; every other rank on a stream of its own there.
-        let rank_backend = |r: tandem_topology::Rank| match r.0 {
-            0 => Ok(backend.clone()),
-            _ => backend.new_stream(),
-        };
+    fn run<B: HybridOps>(self, devices: crate::device::RankDevices<B>) -> Result<W::Out> {
+        // Ranks round-robin over the devices given, a stream each where they share one.
+        let rank_backend = |r: tandem_topology::Rank| devices.rank(r.0);
         let model = tandem_engine::load(self.dir, rank_backend, &self.spec)
             .with_context(|| format!("loading {}", self.dir.display()))?;
         tracing::info!(
@@ -76,8 +73,9 @@ impl<W: WithLoaded> crate::device::WithBackend for LoadOn<'_, W> {
 }
 
 /// Loads the checkpoint `dir` for `layout` on `device` (`lora` merged, weights in `dtype`)
-/// and runs `body` on it. A layout's ranks are threads of this process; on a GPU they share
-/// the one device, a stream each, and meet through host memory.
+/// and runs `body` on it. A layout's ranks are threads of this process, round-robin over the
+/// devices `device` lists: ranks sharing a GPU have a stream each and meet in its memory,
+/// ranks with a GPU each meet through NCCL.
 pub fn with_model<W: WithLoaded>(
     dir: &Path,
     layout: LayoutArgs,

@@ -171,7 +171,7 @@ enum EvalCommand {
         /// Weights and K/V dtype.
         #[arg(long, value_enum, default_value_t = DtypeArg::F32)]
         dtype: DtypeArg,
-        /// Device the model runs on: cpu, cuda or cuda:N.
+        /// Device the model runs on: cpu, cuda, cuda:N or a list of GPUs (cuda:0,cuda:1).
         #[arg(long, default_value = "cpu", value_parser = device::parse)]
         device: device::Device,
     },
@@ -282,7 +282,7 @@ struct EngineArgs {
     /// Weights and K/V dtype.
     #[arg(long, value_enum, default_value_t = DtypeArg::F32)]
     dtype: DtypeArg,
-    /// Device the model runs on: cpu, cuda or cuda:N.
+    /// Device the model runs on: cpu, cuda, cuda:N or a list of GPUs (cuda:0,cuda:1).
     #[arg(long, default_value = "cpu", value_parser = device::parse, env = "TANDEM_DEVICE")]
     device: device::Device,
     /// What computes tokens: the model, or `synthetic` (no compute: every step takes
@@ -504,7 +504,7 @@ struct GenerateArgs {
     /// Weights and K/V dtype.
     #[arg(long, value_enum, default_value_t = DtypeArg::F32)]
     dtype: DtypeArg,
-    /// Device the model runs on: cpu, cuda or cuda:N.
+    /// Device the model runs on: cpu, cuda, cuda:N or a list of GPUs (cuda:0,cuda:1).
     #[arg(long, default_value = "cpu", value_parser = device::parse)]
     device: device::Device,
 }

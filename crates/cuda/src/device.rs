@@ -779,6 +779,16 @@ impl Backend for CudaBackend {
         }
     }
 
+    /// Ranks all on one GPU meet as [`Backend::in_process_comm`] says; ranks with a GPU each
+    /// through NCCL where it is installed; any other group (NCCL missing, or some ranks
+    /// sharing a GPU and some not) through host memory.
+    fn group_comms(
+        members: &[Self],
+        comms: Vec<tandem_topology::InProcessCommunicator>,
+    ) -> Vec<Box<dyn tandem_engine::backend::TensorComm<Self>>> {
+        crate::nccl::group_comms(members, comms)
+    }
+
     fn zeros_lasting(&self, dtype: DType, shape: &[usize]) -> Tensor<Self> {
         let n: usize = shape.iter().product();
         Tensor::from_storage(self.alloc(n * dtype.size()), dtype, shape)

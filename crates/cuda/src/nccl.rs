@@ -293,6 +293,35 @@ impl TensorComm<CudaBackend> for NcclComm {
     }
 }
 
+/// [`tandem_engine::Backend::group_comms`] for CUDA ranks: see there.
+pub(crate) fn group_comms(
+    members: &[CudaBackend],
+    comms: Vec<tandem_topology::InProcessCommunicator>,
+) -> Vec<Box<dyn TensorComm<CudaBackend>>> {
+    use tandem_engine::Backend;
+    let one_device = members
+        .windows(2)
+        .all(|w| w[0].inner.ordinal == w[1].inner.ordinal);
+    if one_device {
+        return comms
+            .into_iter()
+            .map(CudaBackend::in_process_comm)
+            .collect();
+    }
+    match CudaBackend::nccl_group(members) {
+        Some(nccl) => nccl
+            .into_iter()
+            .map(|c| Box::new(c) as Box<dyn TensorComm<CudaBackend>>)
+            .collect(),
+        None => comms
+            .into_iter()
+            .map(|c| {
+                Box::new(tandem_engine::backend::HostStaged(c)) as Box<dyn TensorComm<CudaBackend>>
+            })
+            .collect(),
+    }
+}
+
 impl CudaBackend {
     /// NCCL communicators for tensor-parallel ranks on `backends` when every rank has a GPU
     /// of its own and NCCL is installed; `None` (the caller keeps its in-process

@@ -75,3 +75,45 @@ fn ranks_sharing_a_gpu_are_refused_and_keep_their_in_process_communicator() {
     );
     assert!(CudaBackend::nccl_group(&[g, second]).is_none());
 }
+
+/// What a layout's loader asks for ([`Backend::group_comms`]): ranks sharing the GPU get
+/// communicators over its memory that sum across the ranks' threads (NCCL is not tried for
+/// them), and a group of one is a group of one.
+#[test]
+fn the_backend_joins_ranks_sharing_a_gpu_without_nccl() {
+    let Some(g) = gpu() else { return };
+    let members = vec![g.clone(), g.new_stream().expect("a second stream")];
+    let comms = CudaBackend::group_comms(
+        &members,
+        tandem_topology::InProcessCommunicator::group(2, Some(std::time::Duration::from_secs(30))),
+    );
+    assert_eq!(comms.len(), 2);
+    let sums: Vec<Vec<f32>> = std::thread::scope(|s| {
+        let handles: Vec<_> = members
+            .iter()
+            .zip(&comms)
+            .enumerate()
+            .map(|(r, (b, comm))| {
+                s.spawn(move || {
+                    assert_eq!((comm.rank(), comm.size()), (r, 2));
+                    let data: Vec<f32> = (0..300).map(|i| (i * (r + 1)) as f32).collect();
+                    let mut t = b.upload(&HostTensor::from_f32(&[300], data).expect("shape"));
+                    comm.all_reduce_sum(b, &mut t, 300).expect("all_reduce_sum");
+                    values(b, &t)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("rank"))
+            .collect()
+    });
+    let want: Vec<f32> = (0..300).map(|i| (3 * i) as f32).collect();
+    assert_eq!(sums[0], want);
+    assert_eq!(sums[1], want);
+    let one = CudaBackend::group_comms(
+        &members[..1],
+        tandem_topology::InProcessCommunicator::group(1, None),
+    );
+    assert_eq!((one[0].rank(), one[0].size()), (0, 1));
+}

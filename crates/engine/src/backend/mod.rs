@@ -104,6 +104,17 @@ pub trait Backend: Clone + Send + Sync + Sized + 'static {
     fn in_process_comm(comm: tandem_topology::InProcessCommunicator) -> Box<dyn TensorComm<Self>> {
         Box::new(comm::HostStaged(comm))
     }
+    /// The communicators of one group whose rank `r` runs on `members[r]`, from the ranks'
+    /// in-process handles (`comms[r]` is rank `r`'s): [`Backend::in_process_comm`] each by
+    /// default. A backend may join ranks on distinct devices through a library of its own
+    /// (CUDA: NCCL, one rank per GPU).
+    fn group_comms(
+        members: &[Self],
+        comms: Vec<tandem_topology::InProcessCommunicator>,
+    ) -> Vec<Box<dyn TensorComm<Self>>> {
+        debug_assert_eq!(members.len(), comms.len());
+        comms.into_iter().map(Self::in_process_comm).collect()
+    }
     /// A zero-filled tensor. Inside [`Backend::run_traced`] it may live only until the next
     /// traced step begins (a step's activations and logits).
     fn zeros(&self, dtype: DType, shape: &[usize]) -> Tensor<Self>;

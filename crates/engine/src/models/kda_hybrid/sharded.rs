@@ -102,6 +102,49 @@ struct RankComms<B: HybridOps> {
     attn_tp: Box<dyn TensorComm<B>>,
 }
 
+/// Every rank's communicators for `layout`, rank `r` on `backends[r]`: the full TP group
+/// and each attention-DP group's TP group, each made by the backend from its members
+/// ([`crate::Backend::group_comms`]: NCCL where CUDA ranks have a GPU each).
+fn rank_comms<B: HybridOps>(layout: &Layout, backends: &[B]) -> ShardResult<Vec<RankComms<B>>> {
+    let groups = InProcessCommunicator::for_layout(layout, Some(COLLECTIVE_TIMEOUT))?;
+    let mut positions = Vec::with_capacity(groups.len());
+    let mut tp = Vec::with_capacity(groups.len());
+    let mut attn = Vec::with_capacity(groups.len());
+    for g in groups {
+        let RankGroups {
+            position,
+            tp: t,
+            attn_tp,
+        } = g;
+        positions.push(position);
+        tp.push(t);
+        attn.push(Some(attn_tp));
+    }
+    let mut attn_comms: Vec<Option<Box<dyn TensorComm<B>>>> = Vec::new();
+    attn_comms.resize_with(positions.len(), || None);
+    for group in 0..layout.dp() {
+        // `for_layout` hands a group's handles out in rank order.
+        let members: Vec<usize> = (0..positions.len())
+            .filter(|&r| positions[r].attn_dp_rank == group)
+            .collect();
+        let handles = members.iter().filter_map(|&r| attn[r].take()).collect();
+        let on: Vec<B> = members.iter().map(|&r| backends[r].clone()).collect();
+        for (&r, comm) in members.iter().zip(B::group_comms(&on, handles)) {
+            attn_comms[r] = Some(comm);
+        }
+    }
+    Ok(positions
+        .into_iter()
+        .zip(B::group_comms(backends, tp))
+        .zip(attn_comms)
+        .map(|((position, tp), attn_tp)| RankComms {
+            position,
+            tp,
+            attn_tp: attn_tp.expect("every rank is in one attention-DP group"),
+        })
+        .collect())
+}
+
 impl<B: HybridOps> std::fmt::Debug for RankComms<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RankComms")
@@ -251,14 +294,8 @@ impl<B: HybridOps> ShardedKdaHybrid<B> {
             )?);
         }
         ck.finish(config.num_layers())?;
-        let groups = InProcessCommunicator::for_layout(&layout, Some(COLLECTIVE_TIMEOUT))?
-            .into_iter()
-            .map(|g: RankGroups<InProcessCommunicator>| RankComms {
-                position: g.position,
-                tp: B::in_process_comm(g.tp),
-                attn_tp: B::in_process_comm(g.attn_tp),
-            })
-            .collect();
+        let backends: Vec<B> = ranks.iter().map(|r| r.backend().clone()).collect();
+        let groups = rank_comms(&layout, &backends)?;
         Ok(Self {
             layout,
             ranks,

@@ -373,8 +373,9 @@ pub fn cpu_shards(
 
 /// Loads the `tp` tensor-parallel shards of a checkpoint as ranks that are threads of this
 /// process, rank `r` on the backend `backend(r)` opens (ranks may share a device, each with
-/// a stream of its own), joined by in-process communicators over their tensors
-/// ([`crate::Backend::in_process_comm`]); `tp = 1` is the whole model.
+/// a stream of its own), joined by the communicators the backend makes for them
+/// ([`crate::Backend::group_comms`]: in-process over their tensors, NCCL across GPUs);
+/// `tp = 1` is the whole model.
 pub fn in_process_shards<B: Ops>(
     dir: &std::path::Path,
     dtype: crate::DType,
@@ -384,16 +385,22 @@ pub fn in_process_shards<B: Ops>(
     if tp <= 1 {
         return Ok(vec![LlamaModel::load(dir, backend(0)?, dtype)?]);
     }
-    tandem_topology::InProcessCommunicator::group(tp, Some(CPU_COLLECTIVE_TIMEOUT))
+    let backends = (0..tp).map(&mut backend).collect::<Result<Vec<B>>>()?;
+    let comms = B::group_comms(
+        &backends,
+        tandem_topology::InProcessCommunicator::group(tp, Some(CPU_COLLECTIVE_TIMEOUT)),
+    );
+    backends
         .into_iter()
+        .zip(comms)
         .enumerate()
-        .map(|(rank, comm)| {
+        .map(|(rank, (backend, comm))| {
             LlamaModel::load_shard(
                 dir,
-                backend(rank)?,
+                backend,
                 dtype,
                 crate::models::llama::TpShard { rank, size: tp },
-                Some(B::in_process_comm(comm)),
+                Some(comm),
             )
         })
         .collect()
