@@ -176,7 +176,7 @@ mod tests {
             ("cuda:0,cuda:1", "cuda:0,cuda:1"),
             ("cuda:2,0, 1", "cuda:2,cuda:0,cuda:1"),
         ] {
-            let d = parse(given).unwrap();
+            let d = parse(given).expect("a device list");
             assert_eq!(d.to_string(), printed);
             assert_eq!(parse(&d.to_string()), Ok(d), "{given} round-trips");
         }
