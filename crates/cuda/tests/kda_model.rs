@@ -108,7 +108,12 @@ fn transformers_bf16_agreement(name: &str, ids: &[u32]) -> (usize, usize) {
             std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
                 .join("tests/data/tiny_bf16_transformers.json")
         });
-    let text = std::fs::read_to_string(&path).expect("transformers' bf16 reference");
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| {
+        panic!(
+            "{}: {e} (made on the GPU machine by scripts/gpu/tiny_bf16_reference.py)",
+            path.display()
+        )
+    });
     let v: serde_json::Value = serde_json::from_str(&text).expect("it parses");
     let theirs: Vec<u32> = v["ids"]
         .as_array()
