@@ -6,7 +6,8 @@
 # in a real step (the weights of a step do not fit in L2 either way). Kernels still run one
 # at a time: the programmatic-launch overlap of a real step is not in these figures.
 # For a KDA-hybrid checkpoint in $M (tandem model synth --arch kda-hybrid ...), set SKIP=0 and
-# COUNT large enough for a few steps (the last complete step between two embeddings is read).
+# COUNT large enough for a few steps (of the complete steps between two embeddings, the last
+# of the commonest kernel count is read).
 # T names another tandem binary to profile (an older build, for a before/after in one call);
 # TAG suffixes the output files.
 set -u
@@ -38,7 +39,13 @@ for r in rows:
         d["bytes"] = v * bscale.get(r[unit], 1)
 ls = list(launches.values())
 starts = [i for i, d in enumerate(ls) if d["name"].startswith("embed")]
-step = ls[starts[-2]:starts[-1]] if len(starts) > 1 else ls[starts[-1]:]
+# Decode steps repeat with one kernel count; a prefill chunk (the bench's warm-up, or a
+# build that runs it later) is a one-off: take the last segment of the commonest length.
+segs = [ls[a:b] for a, b in zip(starts, starts[1:])]
+if not segs:
+    sys.exit(f"no complete step in the capture ({len(ls)} kernels): raise COUNT or the time limit")
+common = collections.Counter(len(g) for g in segs).most_common(1)[0][0]
+step = [g for g in segs if len(g) == common][-1]
 total = collections.defaultdict(lambda: [0.0, 0.0, 0])
 for d in step:
     k = d["name"].split("(")[0][:60]
