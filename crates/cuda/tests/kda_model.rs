@@ -115,13 +115,11 @@ fn transformers_bf16_agreement(name: &str, ids: &[u32]) -> (usize, usize) {
         )
     });
     let v: serde_json::Value = serde_json::from_str(&text).expect("it parses");
-    let theirs: Vec<u32> = v["ids"]
-        .as_array()
-        .expect("ids")
-        .iter()
-        .map(|x| x.as_u64().expect("an id") as u32)
-        .collect();
-    assert_eq!(theirs, ids, "the reference was made on other ids");
+    assert_eq!(
+        tandem_testkit::ids(&v["ids"]),
+        ids,
+        "the reference was made on other ids"
+    );
     let count = |k: &str| v[name][k].as_u64().expect(k) as usize;
     (count("bf16_equal_f32_on_clear"), count("clear"))
 }

@@ -29,8 +29,8 @@ use std::path::Path;
 use std::time::Duration;
 use tandem_topology::shard::expert_range;
 use tandem_topology::{
-    InProcessCommunicator, KdaShape, Layout, MlaShape, ModelShape, MoeShape, Rank, RankGroups,
-    RankPosition, Shard, ShardBy,
+    InProcessCommunicator, KdaShape, Layout, MlaShape, ModelShape, MoeShape, Rank, RankPosition,
+    Shard, ShardBy,
 };
 
 /// How long a rank waits for its peers in one collective before failing the group.
@@ -102,41 +102,70 @@ struct RankComms<B: HybridOps> {
     attn_tp: Box<dyn TensorComm<B>>,
 }
 
+/// Every rank's shard of the checkpoint `dir` for `layout`, rank `r` on `backend(r)`.
+fn load_ranks<B: HybridOps>(
+    mut backend: impl FnMut(Rank) -> crate::Result<B>,
+    dir: &Path,
+    layout: &Layout,
+    options: &LoadOptions,
+    kda_shard_by: ShardBy,
+) -> ShardResult<Vec<KdaHybridModel<B>>> {
+    let (config, mut ck, fusion) = open_checkpoint(dir, options)?;
+    layout.validate_for(&model_shape(&config))?;
+    let mut ranks = Vec::with_capacity(layout.tp());
+    for rank in layout.ranks() {
+        let pos = layout.position(rank)?;
+        let rs = RankShard {
+            kda: kda_shard_by.shard(layout, rank)?,
+            mla: ShardBy::AttentionTp.shard(layout, rank)?,
+            dense: ShardBy::GlobalTp.shard(layout, rank)?,
+            experts: expert_range(config.moe.num_experts, pos.ep_rank, layout.ep())?,
+            expert_mlp: Shard::new(pos.moe_tp_rank, layout.moe_tp())?,
+            log: rank == Rank(0),
+        };
+        ranks.push(KdaHybridModel::build(
+            backend(rank)?,
+            config.clone(),
+            &mut ck,
+            &rs,
+            &fusion,
+            options.clone(),
+        )?);
+    }
+    ck.finish(config.num_layers())?;
+    Ok(ranks)
+}
+
 /// Every rank's communicators for `layout`, rank `r` on `backends[r]`: the full TP group
 /// and each attention-DP group's TP group, each made by the backend from its members
 /// ([`crate::Backend::group_comms`]: NCCL where CUDA ranks have a GPU each).
 fn rank_comms<B: HybridOps>(layout: &Layout, backends: &[B]) -> ShardResult<Vec<RankComms<B>>> {
-    let groups = InProcessCommunicator::for_layout(layout, Some(COLLECTIVE_TIMEOUT))?;
-    let mut positions = Vec::with_capacity(groups.len());
-    let mut tp = Vec::with_capacity(groups.len());
-    let mut attn = Vec::with_capacity(groups.len());
-    for g in groups {
-        let RankGroups {
-            position,
-            tp: t,
-            attn_tp,
-        } = g;
-        positions.push(position);
-        tp.push(t);
-        attn.push(Some(attn_tp));
-    }
-    let mut attn_comms: Vec<Option<Box<dyn TensorComm<B>>>> = Vec::new();
-    attn_comms.resize_with(positions.len(), || None);
-    for group in 0..layout.dp() {
-        // `for_layout` hands a group's handles out in rank order.
+    let positions = layout
+        .ranks()
+        .map(|r| layout.position(r))
+        .collect::<Result<Vec<_>, _>>()?;
+    let group = |on: &[B]| {
+        B::group_comms(
+            on,
+            InProcessCommunicator::group(on.len(), Some(COLLECTIVE_TIMEOUT)),
+        )
+    };
+    // Each attention-DP group's ranks, in rank order, are its attention-TP ranks 0..A.
+    let mut attn: Vec<Option<Box<dyn TensorComm<B>>>> = Vec::new();
+    attn.resize_with(positions.len(), || None);
+    for dp in 0..layout.dp() {
         let members: Vec<usize> = (0..positions.len())
-            .filter(|&r| positions[r].attn_dp_rank == group)
+            .filter(|&r| positions[r].attn_dp_rank == dp)
             .collect();
-        let handles = members.iter().filter_map(|&r| attn[r].take()).collect();
         let on: Vec<B> = members.iter().map(|&r| backends[r].clone()).collect();
-        for (&r, comm) in members.iter().zip(B::group_comms(&on, handles)) {
-            attn_comms[r] = Some(comm);
+        for (&r, comm) in members.iter().zip(group(&on)) {
+            attn[r] = Some(comm);
         }
     }
     Ok(positions
         .into_iter()
-        .zip(B::group_comms(backends, tp))
-        .zip(attn_comms)
+        .zip(group(backends))
+        .zip(attn)
         .map(|((position, tp), attn_tp)| RankComms {
             position,
             tp,
@@ -265,35 +294,13 @@ impl<B: HybridOps> ShardedKdaHybrid<B> {
     /// [`ShardedKdaHybrid::load_with`] with each rank on the backend `backend(rank)` opens
     /// (ranks may share a device, each with a stream of its own).
     pub fn load_on(
-        mut backend: impl FnMut(Rank) -> crate::Result<B>,
+        backend: impl FnMut(Rank) -> crate::Result<B>,
         dir: &Path,
         layout: Layout,
         options: &LoadOptions,
         kda_shard_by: ShardBy,
     ) -> ShardResult<Self> {
-        let (config, mut ck, fusion) = open_checkpoint(dir, options)?;
-        layout.validate_for(&model_shape(&config))?;
-        let mut ranks = Vec::with_capacity(layout.tp());
-        for rank in layout.ranks() {
-            let pos = layout.position(rank)?;
-            let rs = RankShard {
-                kda: kda_shard_by.shard(&layout, rank)?,
-                mla: ShardBy::AttentionTp.shard(&layout, rank)?,
-                dense: ShardBy::GlobalTp.shard(&layout, rank)?,
-                experts: expert_range(config.moe.num_experts, pos.ep_rank, layout.ep())?,
-                expert_mlp: Shard::new(pos.moe_tp_rank, layout.moe_tp())?,
-                log: rank == Rank(0),
-            };
-            ranks.push(KdaHybridModel::build(
-                backend(rank)?,
-                config.clone(),
-                &mut ck,
-                &rs,
-                &fusion,
-                options.clone(),
-            )?);
-        }
-        ck.finish(config.num_layers())?;
+        let ranks = load_ranks(backend, dir, &layout, options, kda_shard_by)?;
         let backends: Vec<B> = ranks.iter().map(|r| r.backend().clone()).collect();
         let groups = rank_comms(&layout, &backends)?;
         Ok(Self {
@@ -304,7 +311,7 @@ impl<B: HybridOps> ShardedKdaHybrid<B> {
     }
 
     /// Re-reads the weights from `dir` for every rank (same layout and options): fused KDA
-    /// buffers are rewritten in place, as on one rank.
+    /// buffers are rewritten in place, as on one rank; the ranks keep their communicators.
     pub fn refresh_weights(&mut self, dir: &Path) -> ShardResult<()> {
         let options = self
             .ranks
@@ -312,14 +319,14 @@ impl<B: HybridOps> ShardedKdaHybrid<B> {
             .map(|r| r.options().clone())
             .unwrap_or_default();
         let backends: Vec<B> = self.ranks.iter().map(|r| r.backend().clone()).collect();
-        let fresh = Self::load_on(
+        let fresh = load_ranks(
             |r| Ok(backends[r.0].clone()),
             dir,
-            self.layout,
+            &self.layout,
             &options,
             ShardBy::AttentionTp,
         )?;
-        for (old, new) in self.ranks.iter_mut().zip(fresh.ranks) {
+        for (old, new) in self.ranks.iter_mut().zip(fresh) {
             old.adopt(new);
         }
         Ok(())
