@@ -649,6 +649,40 @@ ATTENTION_GROUPS(f32, float, 128)
 ATTENTION_GROUPS(bf16, __nv_bfloat16, 64)
 ATTENTION_GROUPS(bf16, __nv_bfloat16, 128)
 
+// ---- Block-FP8 weights ----------------------------------------------------------------------
+//
+// A block-FP8 weight matrix [rows, cols] is one buffer: its E4M3 codes row-major, padded to 16
+// bytes, then one f32 scale per FP8_TILE × FP8_TILE tile ([rows, cols] / FP8_TILE rounded up,
+// row-major); a weight is its code × its tile's scale (the checkpoint's `weight_scale_inv`).
+
+#define FP8_TILE 128
+
+// An E4M3 code's value: its sign and 7 exponent/mantissa bits placed where an f32's go make
+// the value × 2^-120 (subnormal codes become f32 subnormals), so one exact multiply.
+__device__ __forceinline__ float e4m3_value(u32 b) {
+    return __uint_as_float(((b & 0x80u) << 24) | ((b & 0x7fu) << 20)) * 0x1p120f;
+}
+
+__device__ __forceinline__ const float* fp8_scales(const unsigned char* w, long rows, int cols) {
+    return reinterpret_cast<const float*>(w + ((rows * cols + 15) & ~15L));
+}
+
+// An 8-byte weight load that bypasses L1.
+__device__ __forceinline__ uint2 ld_weights8(const uint2* p) {
+    uint2 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+    return v;
+}
+
+// 8 codes × their tile's scale `s`.
+__device__ __forceinline__ void unpack_fp8x8(uint2 v, float s, float* f) {
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        f[i] = e4m3_value((v.x >> (8 * i)) & 0xffu) * s;
+        f[4 + i] = e4m3_value((v.y >> (8 * i)) & 0xffu) * s;
+    }
+}
+
 // ---- small-M matmul (decode) ---------------------------------------------------------------
 //
 // out[r][n] (+)= sum_k x[r][k] * W[n][k] for R <= 8 rows, bf16 W. Each warp owns whole output
@@ -675,11 +709,13 @@ __device__ __forceinline__ uint4 ld_weights(const uint4* p) {
 // Where a warp is in its work: item `it / batches` of its own, batch `it % batches` of it.
 struct GemvWalk {
     const uint4* w;  // the weights as 16-byte chunks
-    int chunks;      // chunks per weight row (K / 8)
+    int chunks;      // chunks per weight row (K / 8 bf16, K / 16 block-FP8)
     int items;       // output features (P = 1) or gate/up pairs (P = 2)
     int batches;     // batches per item
     int gw, stride;  // this warp's first item, and the step to its next
     int lane;
+    const float* scales;  // block-FP8: the tile scales, `tiles` to a row of tiles
+    int tiles;
     __device__ __forceinline__ int item(int it) const { return gw + (it / batches) * stride; }
 };
 
@@ -718,23 +754,53 @@ __device__ __forceinline__ void gemv_fma(const uint4 (&pk)[P][U], int u, int c, 
     }
 }
 
-template <int R, int P, int U, int EPI>
+// The same for a chunk of 16 block-FP8 codes of weight row `item` (P = 1).
+template <int R, int U>
+__device__ __forceinline__ void gemv_fma_fp8(const uint4 (&pk)[1][U], int u, int c, const float* x, int K,
+                                             float (&acc)[1][R], const GemvWalk& g, int item) {
+    float w[16];
+    float s = g.scales[(item / FP8_TILE) * g.tiles + (c * 16) / FP8_TILE];
+    unpack_fp8x8(make_uint2(pk[0][u].x, pk[0][u].y), s, w);
+    unpack_fp8x8(make_uint2(pk[0][u].z, pk[0][u].w), s, w + 8);
+    #pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const float4* xr = reinterpret_cast<const float4*>(x + (long)r * K + c * 16);
+        float4 a = xr[0], e = xr[1], f = xr[2], h = xr[3];
+        acc[0][r] += a.x * w[0] + a.y * w[1] + a.z * w[2] + a.w * w[3] + e.x * w[4] + e.y * w[5] +
+                     e.z * w[6] + e.w * w[7] + f.x * w[8] + f.y * w[9] + f.z * w[10] + f.w * w[11] +
+                     h.x * w[12] + h.y * w[13] + h.z * w[14] + h.w * w[15];
+    }
+}
+
+// Chunk c of weight row item into the sums: bf16 (F 0) or block-FP8 (F 1).
+template <int R, int P, int U, int F>
+__device__ __forceinline__ void gemv_chunk(const uint4 (&pk)[P][U], int u, int c, const float* x, int K,
+                                           float (&acc)[P][R], const GemvWalk& g, int item) {
+    if constexpr (F == 1) {
+        static_assert(P == 1, "block-FP8 GEMVs take one weight row at a time");
+        gemv_fma_fp8<R, U>(pk, u, c, x, K, acc, g, item);
+    } else {
+        gemv_fma<R, P, U>(pk, u, c, x, K, acc);
+    }
+}
+
+template <int R, int P, int U, int EPI, int F>
 __device__ __forceinline__ void gemv_step(const uint4 (&pk)[P][U], const GemvWalk& g, int it,
                                           const float* x, int K, float (&acc)[P][R], float* out,
                                           int accumulate) {
     int b = it % g.batches, base = b * 32 * U + g.lane;
+    int item = g.item(it);
     if (base + 32 * (U - 1) < g.chunks) {
         // A whole batch: no branch between the chunks, so their activation loads issue
         // together instead of one after another.
         #pragma unroll
-        for (int u = 0; u < U; ++u) gemv_fma<R, P, U>(pk, u, base + 32 * u, x, K, acc);
+        for (int u = 0; u < U; ++u) gemv_chunk<R, P, U, F>(pk, u, base + 32 * u, x, K, acc, g, item);
     } else {
         #pragma unroll
         for (int u = 0; u < U; ++u)
-            if (base + 32 * u < g.chunks) gemv_fma<R, P, U>(pk, u, base + 32 * u, x, K, acc);
+            if (base + 32 * u < g.chunks) gemv_chunk<R, P, U, F>(pk, u, base + 32 * u, x, K, acc, g, item);
     }
     if (b != g.batches - 1) return;
-    int item = g.item(it);
     #pragma unroll
     for (int r = 0; r < R; ++r) {
         float s[P];
@@ -756,16 +822,18 @@ __device__ __forceinline__ void gemv_step(const uint4 (&pk)[P][U], const GemvWal
 
 // The walk of this warp over `items` features of a K-wide matrix.
 template <int U>
-__device__ __forceinline__ GemvWalk gemv_walk(const __nv_bfloat16* W, int K, int items) {
+__device__ __forceinline__ GemvWalk gemv_walk(const void* W, int chunks, int items) {
     GemvWalk g;
     g.w = reinterpret_cast<const uint4*>(W);
-    g.chunks = K >> 3;
+    g.chunks = chunks;
     g.items = items;
     g.batches = (g.chunks + 32 * U - 1) / (32 * U);
     int warps = blockDim.x >> 5;
     g.gw = blockIdx.x * warps + (threadIdx.x >> 5);
     g.stride = gridDim.x * warps;
     g.lane = threadIdx.x & 31;
+    g.scales = nullptr;
+    g.tiles = 0;
     return g;
 }
 
@@ -775,7 +843,7 @@ __device__ __forceinline__ int gemv_total(const GemvWalk& g) {
 }
 
 // Streams the walk from batch 0 (already in `a`).
-template <int R, int P, int U, int EPI>
+template <int R, int P, int U, int EPI, int F = 0>
 __device__ __forceinline__ void gemv_stream(const GemvWalk& g, uint4 (&a)[P][U], int total,
                                             const float* x, int K, float* out, int accumulate) {
     float acc[P][R];
@@ -786,9 +854,9 @@ __device__ __forceinline__ void gemv_stream(const GemvWalk& g, uint4 (&a)[P][U],
     uint4 b[P][U];
     for (int it = 0; it < total; it += 2) {
         if (it + 1 < total) gemv_load<P, U>(b, g, it + 1);
-        gemv_step<R, P, U, EPI>(a, g, it, x, K, acc, out, accumulate);
+        gemv_step<R, P, U, EPI, F>(a, g, it, x, K, acc, out, accumulate);
         if (it + 2 < total) gemv_load<P, U>(a, g, it + 2);
-        if (it + 1 < total) gemv_step<R, P, U, EPI>(b, g, it + 1, x, K, acc, out, accumulate);
+        if (it + 1 < total) gemv_step<R, P, U, EPI, F>(b, g, it + 1, x, K, acc, out, accumulate);
     }
 }
 
@@ -796,12 +864,28 @@ template <int R>
 __device__ void gemv_bf16_impl(const float* x, int K, const __nv_bfloat16* W, int N, float* out,
                                int accumulate) {
     constexpr int P = 1, U = 8;
-    GemvWalk g = gemv_walk<U>(W, K, N);
+    GemvWalk g = gemv_walk<U>(W, K >> 3, N);
     int total = gemv_total(g);
     uint4 a[P][U];
     if (total > 0) gemv_load<P, U>(a, g, 0);
     pdl_start();
     gemv_stream<R, P, U, 0>(g, a, total, x, K, out, accumulate);
+}
+
+// The same over a block-FP8 [N, K] matrix (K a multiple of 16): 16 codes a chunk, each scaled by
+// its tile's factor as it is summed, so a step reads one byte a weight.
+template <int R>
+__device__ void gemv_fp8_impl(const float* x, int K, const unsigned char* W, int N, float* out,
+                              int accumulate) {
+    constexpr int P = 1, U = 8;
+    GemvWalk g = gemv_walk<U>(W, K >> 4, N);
+    g.scales = fp8_scales(W, N, K);
+    g.tiles = (K + FP8_TILE - 1) / FP8_TILE;
+    int total = gemv_total(g);
+    uint4 a[P][U];
+    if (total > 0) gemv_load<P, U>(a, g, 0);
+    pdl_start();
+    gemv_stream<R, P, U, 0, 1>(g, a, total, x, K, out, accumulate);
 }
 
 // RMSNorm of the R rows of x into dynamic shared memory (R * K floats), then the product.
@@ -812,7 +896,7 @@ __device__ void gemv_norm_impl(const float* x, const float* norm, float eps, int
     extern __shared__ float4 s_x4[];
     float* s_x = reinterpret_cast<float*>(s_x4);
     __shared__ float s_inv[R];
-    GemvWalk g = gemv_walk<U>(W, K, items);
+    GemvWalk g = gemv_walk<U>(W, K >> 3, items);
     int total = gemv_total(g);
     uint4 a[P][U];
     if (total > 0) gemv_load<P, U>(a, g, 0);
@@ -849,6 +933,10 @@ __device__ void gemv_norm_impl(const float* x, const float* norm, float eps, int
             const float* x, const float* norm, float eps, int K, const __nv_bfloat16* W, int width, \
             float* out) { \
         gemv_norm_impl<R, 2, 1>(x, norm, eps, K, W, width, out); \
+    } \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 2) gemv_fp8_##R( \
+            const float* x, int K, const unsigned char* W, int N, float* out, int accumulate) { \
+        gemv_fp8_impl<R>(x, K, W, N, out, accumulate); \
     }
 GEMV(1) GEMV(2) GEMV(3) GEMV(4) GEMV(5) GEMV(6) GEMV(7) GEMV(8)
 
@@ -1453,40 +1541,6 @@ extern "C" __global__ void scatter_add_rows(float* y, const float* src, const u3
     long dst = (long)rows[i] * dim;
     float w = weights[i];
     for (int c = threadIdx.x; c < dim; c += blockDim.x) y[dst + c] += w * src[i * dim + c];
-}
-
-// ---- Block-FP8 weights ----------------------------------------------------------------------
-//
-// A block-FP8 weight matrix [rows, cols] is one buffer: its E4M3 codes row-major, padded to 16
-// bytes, then one f32 scale per FP8_TILE × FP8_TILE tile ([rows, cols] / FP8_TILE rounded up,
-// row-major); a weight is its code × its tile's scale (the checkpoint's `weight_scale_inv`).
-
-#define FP8_TILE 128
-
-// An E4M3 code's value: its sign and 7 exponent/mantissa bits placed where an f32's go make
-// the value × 2^-120 (subnormal codes become f32 subnormals), so one exact multiply.
-__device__ __forceinline__ float e4m3_value(u32 b) {
-    return __uint_as_float(((b & 0x80u) << 24) | ((b & 0x7fu) << 20)) * 0x1p120f;
-}
-
-__device__ __forceinline__ const float* fp8_scales(const unsigned char* w, long rows, int cols) {
-    return reinterpret_cast<const float*>(w + ((rows * cols + 15) & ~15L));
-}
-
-// An 8-byte weight load that bypasses L1.
-__device__ __forceinline__ uint2 ld_weights8(const uint2* p) {
-    uint2 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
-    return v;
-}
-
-// 8 codes × their tile's scale `s`.
-__device__ __forceinline__ void unpack_fp8x8(uint2 v, float s, float* f) {
-    #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        f[i] = e4m3_value((v.x >> (8 * i)) & 0xffu) * s;
-        f[4 + i] = e4m3_value((v.y >> (8 * i)) & 0xffu) * s;
-    }
 }
 
 // out = the bf16 values of block-FP8 matrix w (rounded to nearest even, as the loader's

@@ -174,6 +174,9 @@ impl Ops for CudaBackend {
                 );
                 self.gemm(Product { x: xb, ..p }, bf16_t, bf16_t);
             }
+            DType::F8E4M3 if rows <= self.inner.gemv_rows && in_features.is_multiple_of(16) => {
+                self.gemv_fp8(p)
+            }
             DType::F8E4M3 => {
                 // Dequantise to bf16 (what the loader would have kept) and take the bf16 path.
                 let wb =

@@ -707,6 +707,16 @@ fn fp8_experts_on_the_gpu_match_dequantised_experts() {
     let (fp8, bf16) = (load_cuda(true), load_cuda(false));
     let cpu = KdaHybridModel::load_on(CpuBackend::new(), dir.path(), &LoadOptions::default())
         .expect("load on the CPU");
+    // Every stored FP8 matrix (MLA projections, dense MLP, shared and routed experts) stays
+    // FP8 on the GPU in bf16; with FP8 products off, or an f32 model, each is dequantised.
+    let [kept, dequantised] = fp8.block_fp8_matrices();
+    eprintln!("block-FP8 matrices: {kept} kept, {dequantised} dequantised");
+    assert!(
+        kept > 0 && dequantised == 0,
+        "FP8 matrices dequantised on the GPU: {kept} kept, {dequantised} not"
+    );
+    assert_eq!(bf16.block_fp8_matrices(), [0, kept]);
+    assert_eq!(cpu.block_fp8_matrices(), [0, kept]);
     let long: Vec<u32> = (0..160u32).map(|i| (i * 37) % 31_000 + 5).collect();
     assert_eq!(
         fp8.forward_full(&long),

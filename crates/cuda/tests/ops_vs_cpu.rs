@@ -198,6 +198,50 @@ fn matmul_matches_the_cpu_for_every_row_count_and_dtype() {
     }
 }
 
+/// Block-FP8 weights (128×128 tiles) kept as FP8 on the GPU against the CPU's product with
+/// their dequantised f32 values: exact FP8 products (f32 sums of code × tile scale) on the GEMV
+/// path — partial tiles in both directions, more than one batch of loads a row, more features
+/// than warps — and the dequantise-to-bf16 path above the GEMV rows or for rows not of whole
+/// 16-code chunks (bf16 rounding there).
+#[test]
+fn block_fp8_matmuls_match_the_cpu_on_their_dequantised_values() {
+    let Some(g) = gpu() else { return };
+    let c = CpuBackend::new();
+    for (n, k) in [(300, 272), (2500, 4112), (72, 40)] {
+        let (codes, scales) = tandem_model::fp8::quantize_blocks(&noise(11, n * k), n, k, 128);
+        let m = tandem_engine::BlockFp8 {
+            codes,
+            scales,
+            rows: n,
+            cols: k,
+            block: 128,
+        };
+        let wg = g
+            .upload_fp8_weight(&m)
+            .expect("the GPU keeps 128-tile FP8 weights");
+        assert_eq!(wg.dtype(), DType::F8E4M3);
+        let wc = c.upload_weight(&host(&[n, k], m.dequantize(), DType::F32));
+        for rows in [1, 2, 3, 5, 8, 9, 33] {
+            let x = host(&[rows, k], noise(rows as u64, rows * k), DType::F32);
+            let (xc, xg) = both(&c, &g, &x);
+            for accumulate in [false, true] {
+                let start = host(&[rows, n], noise(98, rows * n), DType::F32);
+                let (mut oc, mut og) = both(&c, &g, &start);
+                c.matmul(&xc, rows, &wc, n, k, &mut oc, accumulate);
+                g.matmul(&xg, rows, &wg, n, k, &mut og, accumulate);
+                let exact = rows <= 8 && k.is_multiple_of(16);
+                let tol = if exact { 1e-4 } else { 2e-2 };
+                close(
+                    &format!("block-FP8 matmul {n}x{k} rows={rows} acc={accumulate}"),
+                    &f32s(&c, &oc, rows * n),
+                    &f32s(&g, &og, rows * n),
+                    tol,
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn decode_shaped_gemvs_match_the_cpu_on_large_matrices() {
     let Some(g) = gpu() else { return };

@@ -163,12 +163,17 @@ fn fp8_checkpoint_loads_and_equals_its_dequantised_copy() {
     let m8 = KdaHybridModel::load(fp8.path()).expect("load fp8");
     let l8 = m8.forward_full(&ids);
     assert!(l8.iter().all(|x| x.is_finite()), "non-finite FP8 logits");
+    // The CPU has no FP8 products: every stored FP8 matrix (MLA, dense MLP, experts) is
+    // dequantised at load, and counted so.
+    let [kept, dequantised] = m8.block_fp8_matrices();
+    assert_eq!(kept, 0, "the CPU kept FP8 matrices");
+    assert!(dequantised >= 4, "only {dequantised} FP8 matrices counted");
 
     // Loose: FP8 weights are BF16 ones rounded to 3 mantissa bits (≤ 1/16 relative per
     // weight, checked on one expert below), amplified through five random layers.
-    let l16 = KdaHybridModel::load(bf16.path())
-        .expect("load bf16")
-        .forward_full(&ids);
+    let m16 = KdaHybridModel::load(bf16.path()).expect("load bf16");
+    assert_eq!(m16.block_fp8_matrices(), [0, 0]);
+    let l16 = m16.forward_full(&ids);
     let dot = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| x * y).sum::<f32>();
     let cos = dot(&l8, &l16) / (dot(&l8, &l8) * dot(&l16, &l16)).sqrt();
     eprintln!("FP8 vs BF16 logits cosine similarity: {cos:.3}");

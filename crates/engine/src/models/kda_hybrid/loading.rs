@@ -4,8 +4,10 @@
 //! A single-rank model is the layout `tp1`, so every loader takes a [`RankShard`] and there is
 //! one code path: [`RankShard::whole`] is the tp1 shard.
 
+use super::weights::Checkpoint;
 use crate::backend::{host, Linear, Ops};
 use crate::tensor::{DType, HostTensor, Tensor};
+use std::cell::Cell;
 use std::ops::Range;
 use std::path::PathBuf;
 use tandem_model::fusion::{LoraTargets, QuantizationConfig};
@@ -83,9 +85,99 @@ pub(crate) fn part(shard: Shard, len: usize, what: &str) -> crate::Result<Range<
 pub(crate) struct Upload<'a, B> {
     pub backend: &'a B,
     pub dtype: DType,
+    /// Matrices stored block-FP8 so far: kept as FP8, dequantised.
+    fp8: Cell<[usize; 2]>,
 }
 
-impl<B: Ops> Upload<'_, B> {
+impl<'a, B: Ops> Upload<'a, B> {
+    pub fn new(backend: &'a B, dtype: DType) -> Self {
+        Self {
+            backend,
+            dtype,
+            fp8: Cell::new([0, 0]),
+        }
+    }
+
+    /// Counts `n` matrices stored block-FP8, `kept` as FP8 or dequantised.
+    pub fn note_fp8(&self, kept: bool, n: usize) {
+        let mut c = self.fp8.get();
+        c[usize::from(!kept)] += n;
+        self.fp8.set(c);
+    }
+
+    /// Block-FP8 matrices loaded so far: `[kept as FP8, dequantised]`.
+    pub fn fp8_counts(&self) -> [usize; 2] {
+        self.fp8.get()
+    }
+
+    /// Whether block-FP8 matrices may stay FP8: the model runs bf16 (an f32 model computes
+    /// from the f32 values of every weight).
+    pub fn keeps_fp8(&self) -> bool {
+        self.dtype == DType::BF16
+    }
+
+    /// Rows (`axis` 0) or columns (1) `range` of the first present of `names`, an `[out, in]`
+    /// matrix: block-FP8 as it is stored where [`Upload::keeps_fp8`], the backend has FP8
+    /// products for it and `range` keeps whole tiles; otherwise its values (dequantised)
+    /// in the model's dtype.
+    pub fn matrix(
+        &self,
+        ck: &mut Checkpoint,
+        names: &[&str],
+        [out, inp]: [usize; 2],
+        axis: usize,
+        range: Range<usize>,
+    ) -> crate::Result<Linear<B>> {
+        let (out_features, in_features) = match axis {
+            0 => (range.len(), inp),
+            _ => (out, range.len()),
+        };
+        let stored = names
+            .iter()
+            .find(|n| ck.has(n))
+            .and_then(|n| ck.dtype_of(n));
+        if stored.as_deref() == Some("F8_E4M3") {
+            let kept = if self.keeps_fp8() {
+                ck.fp8_slice(names, [out, inp], axis, range.clone())
+                    .and_then(|m| self.backend.upload_fp8_weight(&m))
+            } else {
+                None
+            };
+            self.note_fp8(kept.is_some(), 1);
+            if let Some(weight) = kept {
+                return Ok(Linear {
+                    weight,
+                    out_features,
+                    in_features,
+                });
+            }
+        }
+        Ok(self.linear(host::Linear {
+            weight: ck.slice(names, &[out, inp], axis, range)?,
+            out_features,
+            in_features,
+        }))
+    }
+
+    /// Logs how the load took its block-FP8 matrices (nothing when none was stored so).
+    pub fn log_fp8(&self) {
+        let [kept, dequantised] = self.fp8_counts();
+        if kept + dequantised == 0 {
+            return;
+        }
+        if dequantised == 0 {
+            tracing::info!(matrices = kept, "block-FP8 weights run as FP8");
+        } else {
+            tracing::info!(
+                fp8 = kept,
+                dequantised,
+                dtype = %self.dtype,
+                "block-FP8 weights dequantised at load where the model runs f32, the backend \
+                 has no FP8 products, or a shard cuts through 128-wide tiles"
+            );
+        }
+    }
+
     /// A weight matrix in the model's dtype, in the backend's matmul layout; its products
     /// keep f32 activations (bf16 rounding of activations flips MoE routing choices, so
     /// bf16 would no longer stay within rounding of the f32 model).

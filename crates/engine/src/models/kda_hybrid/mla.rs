@@ -80,16 +80,17 @@ impl<B: HybridOps> MlaLayer<B> {
         let q_out = h * cfg.qk_head_dim();
         let q_rows = per(cfg.qk_head_dim());
         let q = match cfg.q_lora_rank {
-            None => QueryProjection::Direct(up.linear(ck.linear_rows(
-                &name("q_proj.weight"),
-                q_out,
-                hidden,
+            None => QueryProjection::Direct(up.matrix(
+                ck,
+                &[&name("q_proj.weight")],
+                [q_out, hidden],
+                0,
                 q_rows,
-            )?)),
+            )?),
             Some(rank) => QueryProjection::LowRank {
-                a: up.linear(ck.linear(&name("q_a_proj.weight"), rank, hidden)?),
+                a: up.matrix(ck, &[&name("q_a_proj.weight")], [rank, hidden], 0, 0..rank)?,
                 norm: up.f32(ck.take(&name("q_a_layernorm.weight"), &[rank])?),
-                b: up.linear(ck.linear_rows(&name("q_b_proj.weight"), q_out, rank, q_rows)?),
+                b: up.matrix(ck, &[&name("q_b_proj.weight")], [q_out, rank], 0, q_rows)?,
             },
         };
         let indexer = if ck.has(&name("indexer.wk.weight")) {
@@ -112,7 +113,13 @@ impl<B: HybridOps> MlaLayer<B> {
         let kv_b_width = cfg.qk_nope_head_dim + cfg.v_head_dim;
         Ok(Self {
             q,
-            kv_a: up.linear(ck.linear(&name("kv_a_proj_with_mqa.weight"), r + dr, hidden)?),
+            kv_a: up.matrix(
+                ck,
+                &[&name("kv_a_proj_with_mqa.weight")],
+                [r + dr, hidden],
+                0,
+                0..r + dr,
+            )?,
             kv_norm: up.f32(ck.take(&name("kv_a_layernorm.weight"), &[r])?),
             kv_b: up.f32(ck.slice(
                 &[&name("kv_b_proj.weight")],
@@ -120,12 +127,13 @@ impl<B: HybridOps> MlaLayer<B> {
                 0,
                 per(kv_b_width),
             )?),
-            o_proj: up.linear(ck.linear_cols(
+            o_proj: up.matrix(
+                ck,
                 &[&name("o_proj.weight")],
-                hidden,
-                h * cfg.v_head_dim,
+                [hidden, h * cfg.v_head_dim],
+                1,
                 per(cfg.v_head_dim),
-            )?),
+            )?,
             indexer,
             pool: LatentPool::default(),
             cfg: MlaConfig {

@@ -142,6 +142,8 @@ pub struct KdaHybridModel<B: HybridOps = CpuBackend> {
     lm_head: Option<Linear<B>>,
     /// How it was loaded (reused by [`KdaHybridModel::refresh_weights`]).
     options: LoadOptions,
+    /// The checkpoint's block-FP8 matrices: held as FP8, dequantised at load.
+    block_fp8: [usize; 2],
 }
 
 /// Opens `dir` for loading: the checked config, the tensors (FP8 dequantised, the LoRA of
@@ -274,10 +276,7 @@ impl<B: HybridOps> KdaHybridModel<B> {
     ) -> Result<Self> {
         let c = &config;
         let (hidden, eps) = (c.hidden_size, c.rms_norm_eps);
-        let up = Upload {
-            backend: &backend,
-            dtype: options.dtype,
-        };
+        let up = Upload::new(&backend, options.dtype);
         if !matches!(options.dtype, DType::F32 | DType::BF16) {
             return Err(Error::InvalidRequest(format!(
                 "KDA-hybrid weights run in f32 or bf16, not {}",
@@ -312,7 +311,6 @@ impl<B: HybridOps> KdaHybridModel<B> {
                         c.swiglu_limit,
                         rs.dense,
                         &up,
-                        false,
                     )?)
                 }
                 FfnKind::Moe => {
@@ -354,8 +352,13 @@ impl<B: HybridOps> KdaHybridModel<B> {
         let lm_head = if c.tie_word_embeddings {
             None
         } else {
-            Some(up.linear(ck.linear("lm_head.weight", c.vocab_size, hidden)?))
+            let shape = [c.vocab_size, hidden];
+            Some(up.matrix(ck, &["lm_head.weight"], shape, 0, 0..c.vocab_size)?)
         };
+        if rs.log {
+            up.log_fp8();
+        }
+        let block_fp8 = up.fp8_counts();
         Ok(Self {
             backend,
             config,
@@ -364,7 +367,14 @@ impl<B: HybridOps> KdaHybridModel<B> {
             norm,
             lm_head,
             options,
+            block_fp8,
         })
+    }
+
+    /// How many of the checkpoint's block-FP8 weight matrices this model (rank) holds as FP8
+    /// and how many it dequantised at load: `[fp8, dequantised]`.
+    pub fn block_fp8_matrices(&self) -> [usize; 2] {
+        self.block_fp8
     }
 
     /// The checked configuration.

@@ -32,8 +32,8 @@ pub struct SwiGlu<B: Ops = CpuBackend> {
 impl<B: HybridOps> SwiGlu<B> {
     /// Loads the first present of each (gate, up, down) name triple; intermediate channels
     /// `shard` only (column-parallel gate/up, row-parallel down: outputs are partial sums).
-    /// With `fp8`, block-FP8 weights stay FP8 where the backend has FP8 products and the
-    /// shard keeps whole tiles ([`SwiGlu::is_fp8`]); otherwise they are dequantised.
+    /// Block-FP8 weights stay FP8 where [`Upload::keeps_fp8`], the backend has FP8 products
+    /// and the shard keeps whole tiles ([`SwiGlu::is_fp8`]); otherwise they are dequantised.
     pub(crate) fn load(
         ck: &mut Checkpoint,
         names: &[[String; 3]],
@@ -41,12 +41,16 @@ impl<B: HybridOps> SwiGlu<B> {
         limit: Option<f32>,
         shard: Shard,
         up: &Upload<'_, B>,
-        fp8: bool,
     ) -> Result<Self> {
         let pick = |i: usize| names.iter().map(|n| n[i].as_str()).collect::<Vec<_>>();
         let range = part(shard, inter, &names[0][0])?;
         let local = range.len();
-        if fp8 {
+        let stored_fp8 = pick(0)
+            .iter()
+            .find(|n| ck.has(n))
+            .and_then(|n| ck.dtype_of(n))
+            == Some("F8_E4M3".to_owned());
+        if stored_fp8 && up.keeps_fp8() {
             let tiles = |ck: &mut Checkpoint, i: usize, shape, axis| {
                 ck.fp8_slice(&pick(i), shape, axis, range.clone())
             };
@@ -57,6 +61,7 @@ impl<B: HybridOps> SwiGlu<B> {
             let down =
                 tiles(ck, 2, [hidden, inter], 1).and_then(|m| up.backend.upload_fp8_weight(&m));
             if let (Some(gate_up), Some(down)) = (gate_up, down) {
+                up.note_fp8(true, 2);
                 return Ok(Self {
                     gate_up: Linear {
                         weight: gate_up,
@@ -71,6 +76,9 @@ impl<B: HybridOps> SwiGlu<B> {
                     limit,
                 });
             }
+        }
+        if stored_fp8 {
+            up.note_fp8(false, 2);
         }
         let gate = ck.slice(&pick(0), &[inter, hidden], 0, range.clone())?;
         let upw = ck.slice(&pick(1), &[inter, hidden], 0, range.clone())?;
@@ -154,7 +162,6 @@ impl<B: HybridOps> Moe<B> {
                     limit,
                     rs.expert_mlp,
                     up,
-                    up.dtype == DType::BF16,
                 )
             })
             .collect::<Result<Vec<_>>>()?;
@@ -195,13 +202,9 @@ impl<B: HybridOps> Moe<B> {
                 limit,
                 rs.dense,
                 up,
-                false,
             )?)
         };
-        let f32_up = Upload {
-            backend: up.backend,
-            dtype: DType::F32,
-        };
+        let f32_up = Upload::new(up.backend, DType::F32);
         let gate_up: Vec<_> = experts.iter().map(|x| &x.gate_up).collect();
         let down: Vec<_> = experts.iter().map(|x| &x.down).collect();
         let tables = up

@@ -60,10 +60,7 @@ impl<B: HybridOps> HyperConnection<B> {
             return Ok(None);
         };
         let width = (2 + n) * n;
-        let f32_up = Upload {
-            backend: up.backend,
-            dtype: DType::F32,
-        };
+        let f32_up = Upload::new(up.backend, DType::F32);
         Ok(Some(Self {
             mix: f32_up.linear(ck.linear(&format!("{layer}.hc_{which}_fn"), width, n * hidden)?),
             base: up.f32(ck.take(&format!("{layer}.hc_{which}_base"), &[width])?),
