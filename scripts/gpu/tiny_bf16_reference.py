@@ -28,7 +28,14 @@ def main():
     report = {"ids": IDS}
     for name in ("kimi_tiny", "glm5_tiny"):
         d = f"{shared}/reference/{name}"
-        f32, bf16 = logits(d, torch.float32), logits(d, torch.bfloat16)
+        try:
+            f32, bf16 = logits(d, torch.float32), logits(d, torch.bfloat16)
+        except Exception as e:  # noqa: BLE001 -- a config this transformers refuses
+            # (glm5_tiny's `indexed_attention` layer type with transformers 5.17) is recorded,
+            # and the test then holds that model to its own bar only.
+            report[name] = {"unavailable": f"{type(e).__name__}: {str(e)[:300]}"}
+            print(name, report[name], flush=True)
+            continue
         top2 = f32.topk(2, dim=-1).values
         clear = (top2[:, 0] - top2[:, 1]) > 0.5
         same = (f32.argmax(-1) == bf16.argmax(-1)) & clear
@@ -40,7 +47,6 @@ def main():
         }
         print(name, {k: v for k, v in report[name].items() if k != "bf16_argmax"}, flush=True)
     json.dump(report, open(out, "w"), indent=1)
-
 
 if __name__ == "__main__":
     main()

@@ -2,7 +2,8 @@
 //! certificates from `tandem tls generate`. A client without a certificate, one whose
 //! certificate comes from another CA, and a plain-text connection are refused by a worker; a
 //! certificate from the right CA naming the wrong role is refused per call; the router's HTTPS
-//! certificate is rotated by rewriting its files, without a restart.
+//! certificate and a worker's gRPC certificate are rotated by rewriting their files, without a
+//! restart.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -173,8 +174,18 @@ fn first_der(pem: &Path) -> Vec<u8> {
         .to_vec()
 }
 
-#[test]
-fn rewriting_the_routers_certificate_files_serves_the_new_certificate_without_a_restart() {
+/// A TLS cluster of synthetic engines, and a new certificate for its component `name` from
+/// the same CA written beside (not over) the served one: (cluster, its certificate directory,
+/// the new files' directory, the served leaf, the new leaf), the leaves as DER.
+fn rotation_of(
+    name: &str,
+) -> (
+    Cluster,
+    std::path::PathBuf,
+    tempfile::TempDir,
+    Vec<u8>,
+    Vec<u8>,
+) {
     let synthetic = vec!["--engine".to_string(), "synthetic".to_string()];
     let cluster = Cluster::start(ClusterOptions {
         tls: true,
@@ -184,12 +195,18 @@ fn rewriting_the_routers_certificate_files_serves_the_new_certificate_without_a_
     });
     let certs = cluster.tls_dir.clone().expect("certificates");
     let rotated = tempfile::tempdir().unwrap();
-    generate_certs(rotated.path(), Some(&certs), &["router"]);
+    generate_certs(rotated.path(), Some(&certs), &[name]);
     let (old, new) = (
-        first_der(&certs.join("router.crt")),
-        first_der(&rotated.path().join("router.crt")),
+        first_der(&certs.join(format!("{name}.crt"))),
+        first_der(&rotated.path().join(format!("{name}.crt"))),
     );
     assert_ne!(old, new);
+    (cluster, certs, rotated, old, new)
+}
+
+#[test]
+fn rewriting_the_routers_certificate_files_serves_the_new_certificate_without_a_restart() {
+    let (cluster, certs, rotated, old, new) = rotation_of("router");
     rt().block_on(async {
         assert_eq!(served_certificate(&cluster).await, old);
         // As a rotation writes them: the certificate first, then its key.
@@ -212,6 +229,80 @@ fn rewriting_the_routers_certificate_files_serves_the_new_certificate_without_a_
         assert_eq!(status, 200, "{body}");
     });
     assert!(cluster.log("router").contains("HTTPS certificate reloaded"));
+}
+
+/// The leaf certificate (DER) the worker at `address` (`https://HOST:PORT`) presents to a new
+/// connection, handshaking as the router of `certs`.
+async fn worker_certificate(address: &str, certs: &Path) -> Vec<u8> {
+    use rustls::pki_types::pem::PemObject;
+    let mut roots = rustls::RootCertStore::empty();
+    for c in tandem_tls::read_certs(&certs.join("ca.crt")).expect("the CA") {
+        roots.add(c).expect("a CA certificate");
+    }
+    let chain = tandem_tls::read_certs(&certs.join("router.crt")).expect("the router's chain");
+    let key = rustls::pki_types::PrivateKeyDer::from_pem_file(certs.join("router.key"))
+        .expect("the router's key");
+    let config = rustls::ClientConfig::builder_with_provider(tandem_tls::provider())
+        .with_safe_default_protocol_versions()
+        .expect("TLS versions")
+        .with_root_certificates(roots)
+        .with_client_auth_cert(chain, key)
+        .expect("a client identity");
+    let tcp = tokio::net::TcpStream::connect(address.trim_start_matches("https://"))
+        .await
+        .expect("the worker's port");
+    let name = rustls::pki_types::ServerName::try_from("localhost").expect("a name");
+    let tls = tokio::time::timeout(
+        Duration::from_secs(10),
+        tokio_rustls::TlsConnector::from(std::sync::Arc::new(config)).connect(name, tcp),
+    )
+    .await
+    .expect("a handshake in time")
+    .expect("a handshake");
+    tls.get_ref()
+        .1
+        .peer_certificates()
+        .expect("the worker's chain")[0]
+        .to_vec()
+}
+
+#[test]
+fn rewriting_a_workers_certificate_files_serves_the_new_certificate_without_a_restart() {
+    let (cluster, certs, rotated, old, new) = rotation_of("prefill");
+    let prefill = cluster.prefill_addr.clone();
+    rt().block_on(async {
+        assert_eq!(worker_certificate(&prefill, &certs).await, old);
+        std::fs::copy(
+            rotated.path().join("prefill.crt"),
+            certs.join("prefill.crt"),
+        )
+        .unwrap();
+        std::fs::copy(
+            rotated.path().join("prefill.key"),
+            certs.join("prefill.key"),
+        )
+        .unwrap();
+        assert!(
+            worker_certificate(&prefill, &certs).await == new,
+            "the worker still serves the old certificate\n{}",
+            cluster.log("prefill")
+        );
+        // The rotated worker still takes the router's calls (and its per-call role checks
+        // still read the router's certificate off the new kind of stream).
+        let ok = stats(&prefill, Some(tls(&certs, Some((&certs, "router"))))).await;
+        assert_eq!(
+            ok.expect("stats over the rotated certificate").role,
+            "prefill"
+        );
+        let (status, body) = post(
+            &cluster.https_client(),
+            &format!("{}/v1/completions", cluster.url),
+            json!({"prompt": "hello", "max_tokens": 4, "temperature": 0}),
+        )
+        .await;
+        assert_eq!(status, 200, "{body}");
+    });
+    assert!(cluster.log("prefill").contains("gRPC certificate reloaded"));
 }
 
 #[test]

@@ -132,6 +132,7 @@ kernels!(
     moe_combine,
     mla_append,
     mla_attention,
+    mla_attention_h4,
     hc_expand,
     hc_collapse,
     hc_merge,

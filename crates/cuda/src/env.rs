@@ -18,8 +18,8 @@ pub(crate) fn device_collectives() -> bool {
     std::env::var("TANDEM_CUDA_DEVICE_COLLECTIVES").map_or(true, |v| v != "0")
 }
 
-/// `TANDEM_CUDA_FP8_WEIGHTS=0`: block-FP8 expert weights are dequantised to the model's dtype
-/// at load instead of kept as FP8.
+/// `TANDEM_CUDA_FP8_WEIGHTS=0`: block-FP8 weights (experts, MLA, dense MLPs) are dequantised
+/// to the model's dtype at load instead of kept as FP8.
 pub(crate) fn fp8_weights() -> bool {
     std::env::var("TANDEM_CUDA_FP8_WEIGHTS").map_or(true, |v| v != "0")
 }
@@ -83,4 +83,13 @@ pub(crate) fn kernels_file() -> Option<std::path::PathBuf> {
 /// session 30).
 pub(crate) fn chunked_prompts() -> bool {
     std::env::var("TANDEM_CUDA_DELTA_CHUNKS").is_ok_and(|v| v == "1")
+}
+
+/// `TANDEM_CUDA_MLA_HEADS=4`: MLA decode attention takes four heads a block (reading each
+/// cached latent once for the four) instead of one; not yet measured on a GPU, so off.
+pub(crate) fn mla_heads_per_block() -> usize {
+    match number("TANDEM_CUDA_MLA_HEADS") {
+        Some(4) => 4,
+        _ => 1,
+    }
 }

@@ -1893,81 +1893,122 @@ extern "C" __global__ void mla_append(const float* ckv, int r, int dr, const flo
     }
 }
 
-// Absorbed attention of new row t, head blockIdx.y, over the first `visible` tokens of its
-// sequence: scores (q_lat · latent_s + q_rope · rope_s) * scale, softmax, and the attended
-// latent o_lat[t][h] = Σ_s p_s latent_s. meta[2t] is the row's first entry in `blocks`
-// (latent and rope block addresses, MLA_BLOCK tokens each), meta[2t+1] its visible tokens.
-// Each warp takes every MLA_WARPS-th token with a running softmax; the warps merge at the end.
-extern "C" __global__ void __launch_bounds__(MLA_WARPS * 32) mla_attention(
+// Absorbed attention of new row t, heads HG·blockIdx.y onwards (HG of them, fewer at the end),
+// over the first `visible` tokens of its sequence: scores (q_lat · latent_s + q_rope · rope_s) *
+// scale, softmax, and the attended latent o_lat[t][h] = Σ_s p_s latent_s. meta[2t] is the row's
+// first entry in `blocks` (latent and rope block addresses, MLA_BLOCK tokens each), meta[2t+1]
+// its visible tokens. Each warp takes every MLA_WARPS-th token with a running softmax per head;
+// the warps merge at the end. Every head of a row reads the same latents: a block of HG heads
+// reads each latent once for all of them, and its HG dot products' warp sums overlap.
+template <int HG>
+__device__ __forceinline__ void mla_attention_body(
         const float* q_lat, const float* q, int heads, int dn, int dr, int r, float scale, const u32* meta,
         const unsigned long long* blocks, float* o_lat) {
     pdl_start();
-    __shared__ float s_m[MLA_WARPS], s_l[MLA_WARPS];
-    __shared__ float s_acc[MLA_WARPS][32 * MLA_LANE_R];
+    __shared__ float s_m[MLA_WARPS][HG], s_l[MLA_WARPS][HG];
+    __shared__ float s_acc[MLA_WARPS][HG][32 * MLA_LANE_R];
     long t = blockIdx.x;
-    int h = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int h0 = blockIdx.y * HG, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int hn = min(HG, heads - h0);
     u32 first = meta[2 * t], visible = meta[2 * t + 1];
-    const float* ql = q_lat + (t * heads + h) * (long)r;
-    const float* qr = q + (t * heads + h) * (long)(dn + dr) + dn;
-    float qv[MLA_LANE_R], acc[MLA_LANE_R], qrv[MLA_LANE_ROPE];
+    float qv[HG][MLA_LANE_R], acc[HG][MLA_LANE_R], qrv[HG][MLA_LANE_ROPE], m[HG], l[HG];
     #pragma unroll
-    for (int i = 0; i < MLA_LANE_R; ++i) {
-        int c = lane + 32 * i;
-        qv[i] = c < r ? ql[c] : 0.0f;
-        acc[i] = 0.0f;
+    for (int g = 0; g < HG; ++g) {
+        // Past the last head the group repeats it (computed, never written).
+        int h = h0 + min(g, hn - 1);
+        const float* ql = q_lat + (t * heads + h) * (long)r;
+        const float* qr = q + (t * heads + h) * (long)(dn + dr) + dn;
+        #pragma unroll
+        for (int i = 0; i < MLA_LANE_R; ++i) {
+            int c = lane + 32 * i;
+            qv[g][i] = c < r ? ql[c] : 0.0f;
+            acc[g][i] = 0.0f;
+        }
+        #pragma unroll
+        for (int i = 0; i < MLA_LANE_ROPE; ++i) {
+            int c = lane + 32 * i;
+            qrv[g][i] = c < dr ? qr[c] : 0.0f;
+        }
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
     }
-    #pragma unroll
-    for (int i = 0; i < MLA_LANE_ROPE; ++i) {
-        int c = lane + 32 * i;
-        qrv[i] = c < dr ? qr[c] : 0.0f;
-    }
-    float m = -INFINITY, l = 0.0f;
     for (u32 s = warp; s < visible; s += MLA_WARPS) {
         const unsigned long long* b = blocks + 2 * (first + s / MLA_BLOCK);
         int in = s % MLA_BLOCK;
         const float* lat = reinterpret_cast<const float*>(b[0]) + (long)in * r;
-        float lv[MLA_LANE_R];
-        float dot = 0.0f;
+        float lv[MLA_LANE_R], rv[MLA_LANE_ROPE];
         #pragma unroll
         for (int i = 0; i < MLA_LANE_R; ++i) {
             int c = lane + 32 * i;
             lv[i] = c < r ? lat[c] : 0.0f;
-            dot += qv[i] * lv[i];
         }
-        if (dr > 0) {
-            const float* rope = reinterpret_cast<const float*>(b[1]) + (long)in * dr;
-            #pragma unroll
-            for (int i = 0; i < MLA_LANE_ROPE; ++i) {
-                int c = lane + 32 * i;
-                if (c < dr) dot += qrv[i] * rope[c];
-            }
-        }
-        float score = warp_sum(dot) * scale;
-        float mn = fmaxf(m, score);
-        float correction = expf(m - mn), p = expf(score - mn);
-        l = l * correction + p;
+        const float* rope = dr > 0 ? reinterpret_cast<const float*>(b[1]) + (long)in * dr : nullptr;
         #pragma unroll
-        for (int i = 0; i < MLA_LANE_R; ++i) acc[i] = acc[i] * correction + p * lv[i];
-        m = mn;
-    }
-    if (lane == 0) {
-        s_m[warp] = m;
-        s_l[warp] = l;
+        for (int i = 0; i < MLA_LANE_ROPE; ++i) {
+            int c = lane + 32 * i;
+            rv[i] = c < dr ? rope[c] : 0.0f;
+        }
+        float dot[HG];
+        #pragma unroll
+        for (int g = 0; g < HG; ++g) {
+            float d = 0.0f;
+            #pragma unroll
+            for (int i = 0; i < MLA_LANE_R; ++i) d += qv[g][i] * lv[i];
+            #pragma unroll
+            for (int i = 0; i < MLA_LANE_ROPE; ++i) d += qrv[g][i] * rv[i];
+            dot[g] = d;
+        }
+        #pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            #pragma unroll
+            for (int g = 0; g < HG; ++g) dot[g] += __shfl_xor_sync(0xffffffffu, dot[g], o);
+        }
+        #pragma unroll
+        for (int g = 0; g < HG; ++g) {
+            float score = dot[g] * scale;
+            float mn = fmaxf(m[g], score);
+            float correction = expf(m[g] - mn), p = expf(score - mn);
+            l[g] = l[g] * correction + p;
+            #pragma unroll
+            for (int i = 0; i < MLA_LANE_R; ++i) acc[g][i] = acc[g][i] * correction + p * lv[i];
+            m[g] = mn;
+        }
     }
     #pragma unroll
-    for (int i = 0; i < MLA_LANE_R; ++i) s_acc[warp][lane + 32 * i] = acc[i];
-    __syncthreads();
-    float mx = -INFINITY;
-    for (int w = 0; w < MLA_WARPS; ++w) mx = fmaxf(mx, s_m[w]);
-    float total = 0.0f;
-    for (int w = 0; w < MLA_WARPS; ++w) total += s_m[w] == -INFINITY ? 0.0f : s_l[w] * expf(s_m[w] - mx);
-    float* out = o_lat + (t * heads + h) * (long)r;
-    for (int c = threadIdx.x; c < r; c += blockDim.x) {
-        float v = 0.0f;
-        for (int w = 0; w < MLA_WARPS; ++w)
-            if (s_m[w] != -INFINITY) v += s_acc[w][c] * expf(s_m[w] - mx);
-        out[c] = v / total;
+    for (int g = 0; g < HG; ++g) {
+        if (lane == 0) {
+            s_m[warp][g] = m[g];
+            s_l[warp][g] = l[g];
+        }
+        #pragma unroll
+        for (int i = 0; i < MLA_LANE_R; ++i) s_acc[warp][g][lane + 32 * i] = acc[g][i];
     }
+    __syncthreads();
+    for (int g = 0; g < hn; ++g) {
+        float mx = -INFINITY;
+        for (int w = 0; w < MLA_WARPS; ++w) mx = fmaxf(mx, s_m[w][g]);
+        float total = 0.0f;
+        for (int w = 0; w < MLA_WARPS; ++w) total += s_m[w][g] == -INFINITY ? 0.0f : s_l[w][g] * expf(s_m[w][g] - mx);
+        float* out = o_lat + (t * heads + h0 + g) * (long)r;
+        for (int c = threadIdx.x; c < r; c += blockDim.x) {
+            float v = 0.0f;
+            for (int w = 0; w < MLA_WARPS; ++w)
+                if (s_m[w][g] != -INFINITY) v += s_acc[w][g][c] * expf(s_m[w][g] - mx);
+            out[c] = v / total;
+        }
+    }
+}
+
+// mla_attention: a head a block; mla_attention_h4: four.
+extern "C" __global__ void __launch_bounds__(MLA_WARPS * 32) mla_attention(
+        const float* q_lat, const float* q, int heads, int dn, int dr, int r, float scale, const u32* meta,
+        const unsigned long long* blocks, float* o_lat) {
+    mla_attention_body<1>(q_lat, q, heads, dn, dr, r, scale, meta, blocks, o_lat);
+}
+extern "C" __global__ void __launch_bounds__(MLA_WARPS * 32) mla_attention_h4(
+        const float* q_lat, const float* q, int heads, int dn, int dr, int r, float scale, const u32* meta,
+        const unsigned long long* blocks, float* o_lat) {
+    mla_attention_body<4>(q_lat, q, heads, dn, dr, r, scale, meta, blocks, o_lat);
 }
 
 // mHC residual streams: `n` copies of each row, their merge and their mean. A stream count

@@ -89,7 +89,8 @@ impl CudaBackend {
 
     /// The query is mapped into latent space and the attended latent back through `kv_b` by
     /// two batched GEMMs (a batch per head); between them one kernel scores and attends over
-    /// each row's blocks (a block of warps per row and head).
+    /// each row's blocks (a block of warps per row and group of heads, which read each latent
+    /// once for the group).
     pub(crate) fn run_mla_attention(
         &self,
         q: &T,
@@ -162,10 +163,15 @@ impl CudaBackend {
             batch: h,
             f32_t,
         });
+        let group = crate::env::mla_heads_per_block();
+        let kernel = match group {
+            1 => &self.inner.kernels.mla_attention,
+            _ => &self.inner.kernels.mla_attention_h4,
+        };
         self.launch(
-            &self.inner.kernels.mla_attention,
+            kernel,
             LaunchConfig {
-                grid_dim: (rows as u32, h as u32, 1),
+                grid_dim: (rows as u32, h.div_ceil(group) as u32, 1),
                 block_dim: ((MLA_WARPS * 32) as u32, 1, 1),
                 shared_mem_bytes: 0,
             },

@@ -9,6 +9,9 @@ use tandem_core::{BlockId, SamplingParams};
 use tandem_engine::backend::QkvLayout;
 use tandem_engine::{DType, HostTensor, KvCache, Ops, StepMeta, Tensor};
 
+/// Rows up to which products over block-FP8 weights take the FP8 GEMV.
+const FP8_GEMV_ROWS: usize = 8;
+
 pub(crate) type T = Tensor<CudaBackend>;
 
 /// Keys per run of a context bucket (an attention split covers a power-of-two number of runs).
@@ -174,7 +177,9 @@ impl Ops for CudaBackend {
                 );
                 self.gemm(Product { x: xb, ..p }, bf16_t, bf16_t);
             }
-            DType::F8E4M3 if rows <= self.inner.gemv_rows && in_features.is_multiple_of(16) => {
+            // One byte a weight: the GEMV stays ahead of dequantising for cuBLAS up to the
+            // 8 rows it takes, whatever the bf16 crossover (`gemv_rows`).
+            DType::F8E4M3 if rows <= FP8_GEMV_ROWS && in_features.is_multiple_of(16) => {
                 self.gemv_fp8(p)
             }
             DType::F8E4M3 => {

@@ -593,7 +593,8 @@ fn mla_step(
 fn mla_over_device_blocks_matches_the_cpu() {
     let Some(g) = gpu() else { return };
     let c = CpuBackend::new();
-    // Kimi's shape (a rope slot) and GLM's (none, an indexer).
+    // Kimi's shape (a rope slot) and GLM's (none, an indexer, three heads: one partial
+    // group of the kernel's four).
     let kimi = MlaDims {
         heads: 4,
         rank: 64,
@@ -608,7 +609,9 @@ fn mla_over_device_blocks_matches_the_cpu() {
         rope: 0,
         v_head: 40,
     };
-    for (dims, indexer) in [(kimi, None), (glm, Some((8, 4)))] {
+    // Six heads: a whole group of four and a partial one (the kernel takes four a block).
+    let six = MlaDims { heads: 6, ..kimi };
+    for (dims, indexer) in [(kimi, None), (glm, Some((8, 4))), (six, None)] {
         let mut states_c: Vec<_> = SEGMENTS
             .iter()
             .map(|_| mla_state(&c, dims, indexer))

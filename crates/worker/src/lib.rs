@@ -59,15 +59,9 @@ pub enum Error {
     /// router retries elsewhere.
     #[error("{0}")]
     NotAdmitting(String),
-    /// A TLS file could not be read.
-    #[error("{path}: {source}")]
-    TlsFile {
-        /// The file.
-        path: std::path::PathBuf,
-        /// Why.
-        #[source]
-        source: std::io::Error,
-    },
+    /// The TLS material does not load.
+    #[error("gRPC TLS: {0}")]
+    Tls(#[from] tandem_tls::TlsError),
 }
 
 impl Error {
@@ -81,7 +75,7 @@ impl Error {
             Error::Deadline(_) => ErrorClass::DeadlineExceeded,
             Error::Grpc(_) | Error::NotAdmitting(_) => ErrorClass::Unavailable,
             Error::KvNotArrived(_) | Error::InjectedTransferFault(_) => ErrorClass::TransferFailed,
-            Error::TlsFile { .. } => ErrorClass::Internal,
+            Error::Tls(_) => ErrorClass::Internal,
         }
     }
 }

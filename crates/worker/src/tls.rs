@@ -1,16 +1,17 @@
 //! Mutual TLS on the worker's gRPC port, and which caller may make which call.
 //!
 //! With TLS on, the handshake itself refuses a peer without a certificate from the configured
-//! CA, before any request is read. A valid certificate is not enough, though: it must also
+//! CA, before any request is read. The worker's own certificate and key are read again when
+//! their files change ([`tandem_tls::ReloadingCert`]): a rotated certificate is served to the
+//! next connection without a restart (the client CA is read once, at start-up). A valid certificate is not enough, though: it must also
 //! name a role (a URI SAN `spiffe://…/ROLE`, see [`tandem_core::identity`]) that the call
 //! allows. Serving calls (prefill, decode, generate) take the router only; draining and
 //! reloading weights take an operator's admin certificate only; stats take both. So a worker's
 //! own certificate, or an admin's, cannot be used to run prompts or write into a worker's KV
 //! pool.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use tandem_core::PeerRole;
-use tonic::transport::{Certificate, Identity, ServerTlsConfig};
 
 /// Where a worker's TLS material lives (PEM files; cert-manager's `tls.crt`, `tls.key`,
 /// `ca.crt`).
@@ -25,17 +26,15 @@ pub struct GrpcTls {
 }
 
 impl GrpcTls {
-    /// tonic's server settings: this worker's identity, client certificates required.
-    pub fn server_config(&self) -> crate::Result<ServerTlsConfig> {
-        let read = |path: &Path| {
-            std::fs::read(path).map_err(|source| crate::Error::TlsFile {
-                path: path.to_owned(),
-                source,
-            })
-        };
-        Ok(ServerTlsConfig::new()
-            .identity(Identity::from_pem(read(&self.cert)?, read(&self.key)?))
-            .client_ca_root(Certificate::from_pem(read(&self.client_ca)?)))
+    /// The server's TLS settings: this worker's identity (reloaded when its files change),
+    /// client certificates from `client_ca` required, HTTP/2 offered.
+    pub fn server_config(&self) -> crate::Result<rustls::ServerConfig> {
+        let cert = tandem_tls::ReloadingCert::load("gRPC", &self.cert, &self.key)?;
+        Ok(tandem_tls::server_config(
+            cert,
+            Some(&self.client_ca),
+            &[b"h2"],
+        )?)
     }
 }
 

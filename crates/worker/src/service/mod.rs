@@ -195,15 +195,29 @@ pub async fn serve_registered(
         shared: shared.clone(),
     };
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let mut builder = tonic::transport::Server::builder();
-    if let Some(tls) = &shared.opts.tls {
-        builder = builder.tls_config(tls.server_config()?)?;
-    }
-    let server = builder
-        .add_service(pb::worker_server::WorkerServer::new(service))
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async {
-            let _ = stopped.await;
-        });
+    let routes = tonic::transport::Server::builder()
+        .add_service(pb::worker_server::WorkerServer::new(service));
+    let stopped = async {
+        let _ = stopped.await;
+    };
+    // With TLS the handshakes run outside tonic (each on a task of its own, the certificate
+    // reloaded when its files change); tonic still reads the peer's certificates off each
+    // stream for the per-call checks.
+    let server: std::pin::Pin<
+        Box<dyn Future<Output = std::result::Result<(), tonic::transport::Error>> + Send>,
+    > = match &shared.opts.tls {
+        Some(tls) => {
+            let accepted = tandem_tls::accept(listener, tls.server_config()?);
+            let incoming = tokio_stream::StreamExt::map(
+                tokio_stream::wrappers::ReceiverStream::new(accepted),
+                |(stream, _peer)| Ok::<_, std::io::Error>(stream),
+            );
+            Box::pin(routes.serve_with_incoming_shutdown(incoming, stopped))
+        }
+        None => {
+            Box::pin(routes.serve_with_incoming_shutdown(TcpListenerStream::new(listener), stopped))
+        }
+    };
     tokio::pin!(server);
     let admission = &shared.admission;
     let deadline = tokio::select! {
