@@ -254,6 +254,9 @@ pub struct Cluster {
     worker_env: Vec<(String, String)>,
     tx: mpsc::Sender<StartEvent>,
     events: mpsc::Receiver<StartEvent>,
+    /// Lines the log tees have written, all processes together: [`Cluster::wait_log`] waits
+    /// on it.
+    written: LinesWritten,
     /// Processes whose exit was seen while waiting for another's.
     exited: std::collections::HashSet<String>,
     /// With `tls`: `ca.crt`, and `NAME.crt`/`NAME.key` for `router`, `admin` and each
@@ -335,6 +338,7 @@ impl Cluster {
             worker_env: opts.worker_env.clone(),
             tx,
             events,
+            written: LinesWritten::default(),
             exited: std::collections::HashSet::new(),
             _dir: dir,
         };
@@ -635,8 +639,8 @@ impl Cluster {
     pub fn adopt(&mut self, name: &str, mut child: Child) {
         let stderr = child.stderr.take().expect("stderr is piped");
         let log = std::fs::File::create(self._dir.path().join(format!("{name}.log"))).unwrap();
-        let (owned, tx) = (name.to_string(), self.tx.clone());
-        std::thread::spawn(move || tee_log(stderr, log, &owned, &tx));
+        let (owned, tx, written) = (name.to_string(), self.tx.clone(), self.written.clone());
+        std::thread::spawn(move || tee_log(stderr, log, &owned, &tx, &written));
         self.children.push((name.to_string(), child));
     }
 
@@ -678,6 +682,35 @@ impl Cluster {
             }
         }
         addrs
+    }
+
+    /// Whether the log of process `name` holds `needle` within `limit` ([`Cluster::wait_log_for`]).
+    pub fn wait_log(&self, name: &str, needle: &str, limit: Duration) -> bool {
+        self.wait_log_for(name, limit, |log| log.contains(needle))
+    }
+
+    /// Whether the log of process `name` satisfies `found` within `limit`: its lines reach the
+    /// log file through a tee thread, so a line the process wrote before answering a request
+    /// may not be in the file yet when the answer arrives. Woken by each line written.
+    pub fn wait_log_for(&self, name: &str, limit: Duration, found: impl Fn(&str) -> bool) -> bool {
+        let deadline = Instant::now() + limit;
+        let (count, wrote) = &*self.written;
+        let mut seen = count.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            // Checked under the lock a tee takes after writing: a line written after this
+            // look wakes the wait below.
+            if found(&self.log(name)) {
+                return true;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            seen = wrote
+                .wait_timeout(seen, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
     }
 
     /// The whole log of the process started as `name`.
@@ -794,11 +827,15 @@ impl Default for DeadPort {
 }
 
 /// Copies a process's stderr into its log file, reporting its ready line and its end.
+/// A count of log lines written, and the condition waiters on it wait for.
+type LinesWritten = std::sync::Arc<(std::sync::Mutex<u64>, std::sync::Condvar)>;
+
 fn tee_log(
     stderr: std::process::ChildStderr,
     mut log: std::fs::File,
     name: &str,
     tx: &mpsc::Sender<StartEvent>,
+    written: &LinesWritten,
 ) {
     use std::io::{BufRead, Write};
     let mut announced = false;
@@ -807,6 +844,11 @@ fn tee_log(
         .map_while(Result::ok)
     {
         let _ = writeln!(log, "{line}");
+        {
+            let (count, wrote) = &**written;
+            *count.lock().unwrap_or_else(|e| e.into_inner()) += 1;
+            wrote.notify_all();
+        }
         if !announced
             && (line.contains("worker ready")
                 || line.contains("router ready")

@@ -386,11 +386,10 @@ fn concurrent_streams_survive_a_kill_9_of_their_decode_worker_with_the_same_text
     }
     // The kill hit requests: mid-stream ones moved, ones still before their first token
     // were retried.
-    let router = cluster.log("router");
-    assert!(
-        router.contains("continuing on another pair") || router.contains("P/D attempt failed"),
-        "the kill hit nothing:\n{router}"
-    );
+    let hit = cluster.wait_log_for("router", Duration::from_secs(10), |log| {
+        log.contains("continuing on another pair") || log.contains("P/D attempt failed")
+    });
+    assert!(hit, "the kill hit nothing:\n{}", cluster.log("router"));
 }
 
 /// The router's `/admin/requests`.

@@ -146,8 +146,9 @@ fn a_cluster_with_mutual_tls_answers_over_https_and_its_workers_refuse_peers_wit
         assert_eq!(denied.code(), tonic::Code::PermissionDenied, "{denied:?}");
     });
     assert!(
-        cluster.log("prefill").contains("call refused"),
-        "the worker logs refused calls"
+        cluster.wait_log("prefill", "call refused", Duration::from_secs(10)),
+        "the worker logs refused calls\n{}",
+        cluster.log("prefill")
     );
 }
 
@@ -228,7 +229,11 @@ fn rewriting_the_routers_certificate_files_serves_the_new_certificate_without_a_
         .await;
         assert_eq!(status, 200, "{body}");
     });
-    assert!(cluster.log("router").contains("HTTPS certificate reloaded"));
+    assert!(cluster.wait_log(
+        "router",
+        "HTTPS certificate reloaded",
+        Duration::from_secs(10)
+    ));
 }
 
 /// The leaf certificate (DER) the worker at `address` (`https://HOST:PORT`) presents to a new
@@ -302,7 +307,11 @@ fn rewriting_a_workers_certificate_files_serves_the_new_certificate_without_a_re
         .await;
         assert_eq!(status, 200, "{body}");
     });
-    assert!(cluster.log("prefill").contains("gRPC certificate reloaded"));
+    assert!(cluster.wait_log(
+        "prefill",
+        "gRPC certificate reloaded",
+        Duration::from_secs(10)
+    ));
 }
 
 #[test]
