@@ -1,19 +1,23 @@
 //! TLS on both of the router's sides: HTTPS on its front ([`HttpsListener`]) and mutual TLS
-//! to its workers ([`WorkerTlsConfig::client_config`]).
+//! to its workers ([`WorkerTlsConfig::client_config`], dialled by [`WorkerTls`]).
 //!
-//! The front's certificate and key are read again whenever either file changes, as the API key
-//! file is ([`tandem_tls::ReloadingCert`]), so a certificate rotated by cert-manager or a cron
-//! job is served to the next connection without a restart; a pair that does not load leaves
-//! the last good pair in service. Handshakes run on tasks of their own, so a client that stalls
+//! The front's certificate and key, and the router's own certificate for its workers, are read
+//! again whenever either file changes, as the API key file is ([`tandem_tls::ReloadingCert`]),
+//! so a certificate rotated by cert-manager or a cron job is used from the next connection on
+//! without a restart; a pair that does not load leaves the last good pair in service. Handshakes run on tasks of their own, so a client that stalls
 //! mid-handshake holds up nobody else.
 
 use serde::{Deserialize, Serialize};
-use std::path::{Path, PathBuf};
-use tandem_tls::{load_pair, read_certs};
+use std::future::Future;
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
 pub use tandem_tls::{ReloadingCert, TlsError};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 use tokio_rustls::server::TlsStream;
+use tonic::codegen::http::Uri;
 
 /// The router config's `tls` section: HTTPS on `listen`.
 #[derive(Clone, Debug, PartialEq, Eq, Deserialize, Serialize)]
@@ -66,31 +70,79 @@ impl HttpsConfig {
 }
 
 impl WorkerTlsConfig {
-    /// tonic's client TLS settings: the CA to trust, the router's identity to present.
-    pub fn client_config(&self) -> Result<tonic::transport::ClientTlsConfig, TlsError> {
-        let read = |path: &Path| {
-            std::fs::read(path).map_err(|source| TlsError::Io {
-                path: path.to_owned(),
-                source,
-            })
-        };
-        // Parsed here too, so a bad file is named at start-up rather than at the first call.
-        read_certs(&self.ca)?;
-        load_pair(&self.cert, &self.key)?;
-        let identity = tonic::transport::Identity::from_pem(read(&self.cert)?, read(&self.key)?);
-        let mut config = tonic::transport::ClientTlsConfig::new()
-            .ca_certificate(tonic::transport::Certificate::from_pem(read(&self.ca)?))
-            .identity(identity);
-        if let Some(name) = &self.server_name {
-            config = config.domain_name(name.clone());
-        }
-        Ok(config)
+    /// How to dial workers: the CA to trust (read now), the router's identity to present (read
+    /// again when its files change), HTTP/2 by ALPN.
+    pub fn client_config(&self) -> Result<WorkerTls, TlsError> {
+        let cert = ReloadingCert::load("worker_tls client", &self.cert, &self.key)?;
+        let config = tandem_tls::client_config(&self.ca, cert, &[b"h2"])?;
+        Ok(WorkerTls {
+            config: Arc::new(config),
+            server_name: self.server_name.clone(),
+        })
     }
 
     pub(crate) fn check(&self, problems: &mut Vec<String>) {
         if let Err(e) = self.client_config() {
             problems.push(format!("worker_tls: {e}"));
         }
+    }
+}
+
+/// The router's side of mutual TLS to its workers: a connector (TCP, then the TLS handshake
+/// with the router's current certificate) that a worker's gRPC channel dials through, each
+/// new connection with whatever certificate the files hold then.
+#[derive(Clone)]
+pub struct WorkerTls {
+    config: Arc<rustls::ClientConfig>,
+    /// The name workers' certificates are checked against, when not their address's host.
+    server_name: Option<String>,
+}
+
+impl std::fmt::Debug for WorkerTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WorkerTls")
+            .field("server_name", &self.server_name)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A TLS connection to a worker, as the gRPC channel reads and writes it.
+pub type WorkerTlsStream = hyper_util::rt::TokioIo<tokio_rustls::client::TlsStream<TcpStream>>;
+
+impl WorkerTls {
+    /// Connects to `host:port` and handshakes, checking the worker's certificate against
+    /// `server_name` (or `host`).
+    pub async fn connect(&self, host: &str, port: u16) -> std::io::Result<WorkerTlsStream> {
+        let invalid = |e: String| std::io::Error::new(std::io::ErrorKind::InvalidInput, e);
+        // `[::1]` in a URI is `::1` to connect to and to name.
+        let host = host.trim_start_matches('[').trim_end_matches(']');
+        let name = self.server_name.clone().unwrap_or_else(|| host.to_owned());
+        let name = rustls::pki_types::ServerName::try_from(name)
+            .map_err(|e| invalid(format!("worker name: {e}")))?;
+        let tcp = TcpStream::connect((host, port)).await?;
+        tcp.set_nodelay(true)?;
+        let tls = tokio_rustls::TlsConnector::from(self.config.clone())
+            .connect(name, tcp)
+            .await?;
+        Ok(hyper_util::rt::TokioIo::new(tls))
+    }
+}
+
+impl tonic::codegen::Service<Uri> for WorkerTls {
+    type Response = WorkerTlsStream;
+    type Error = std::io::Error;
+    type Future = Pin<Box<dyn Future<Output = std::io::Result<WorkerTlsStream>> + Send>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, uri: Uri) -> Self::Future {
+        let tls = self.clone();
+        Box::pin(async move {
+            let host = uri.host().unwrap_or_default().to_owned();
+            tls.connect(&host, uri.port_u16().unwrap_or(443)).await
+        })
     }
 }
 
@@ -139,8 +191,57 @@ impl axum::serve::Listener for HttpsListener {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+    use std::path::Path;
 
     pub(crate) use tandem_tls::testing::issue;
+
+    /// A real handshake each time: a worker-side listener that requires client certificates
+    /// records the leaf the router presents; rewriting the router's files changes it for the
+    /// next connection, with the same `WorkerTls`.
+    #[tokio::test]
+    async fn the_router_presents_its_rewritten_certificate_on_the_next_connection() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let (worker_ca, worker_cert, worker_key) = issue(dir.path(), "worker");
+        let (ca_a, cert, key) = issue(dir.path(), "router");
+        let (ca_b, cert_b, key_b) = issue(dir.path(), "router-next");
+        // The worker trusts both router CAs (a CA rotation's overlap).
+        let both = dir.path().join("router-cas.crt");
+        let pem = |p: &Path| std::fs::read_to_string(p).expect("read");
+        std::fs::write(&both, pem(&ca_a) + &pem(&ca_b)).expect("write");
+        let served = ReloadingCert::load("worker", &worker_cert, &worker_key).expect("pair");
+        let config = tandem_tls::server_config(served, Some(&both), &[b"h2"]).expect("config");
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let port = listener.local_addr().expect("addr").port();
+        let mut accepted = tandem_tls::accept(listener, config);
+        let router = WorkerTlsConfig {
+            ca: worker_ca,
+            cert: cert.clone(),
+            key: key.clone(),
+            server_name: Some("localhost".into()),
+        }
+        .client_config()
+        .expect("client config");
+        async fn presented(
+            router: &WorkerTls,
+            port: u16,
+            accepted: &mut mpsc::Receiver<(TlsStream<TcpStream>, std::net::SocketAddr)>,
+        ) -> rustls::pki_types::CertificateDer<'static> {
+            let _client = router.connect("127.0.0.1", port).await.expect("handshake");
+            let (stream, _) = accepted.recv().await.expect("accepted");
+            stream
+                .get_ref()
+                .1
+                .peer_certificates()
+                .expect("a client certificate")[0]
+                .clone()
+        }
+        let first = presented(&router, port, &mut accepted).await;
+        assert_eq!(first, tandem_tls::read_certs(&cert).expect("pem")[0]);
+        std::fs::copy(&cert_b, &cert).expect("copy");
+        std::fs::copy(&key_b, &key).expect("copy");
+        let second = presented(&router, port, &mut accepted).await;
+        assert_eq!(second, tandem_tls::read_certs(&cert_b).expect("pem")[0]);
+    }
 
     #[test]
     fn bad_files_are_named() {

@@ -1,7 +1,9 @@
-//! TLS as the router's HTTPS front and the workers' gRPC port serve it: a certificate and key
-//! read again whenever either file changes ([`ReloadingCert`]), a server configuration over it
-//! with or without client certificates ([`server_config`]), and an accept loop that runs every
-//! handshake on a task of its own ([`accept`]).
+//! TLS as the router's HTTPS front and the workers' gRPC port serve it, and as the router
+//! dials its workers: a certificate and key read again whenever either file changes
+//! ([`ReloadingCert`], served by a server or presented by a client), a server configuration
+//! over it with or without client certificates ([`server_config`]), a client configuration
+//! presenting it ([`client_config`]), and an accept loop that runs every handshake on a task
+//! of its own ([`accept`]).
 //!
 //! A reloading pair looks at its files' metadata (two `stat` calls) at each handshake and
 //! reloads when it differs from the last look, so a certificate rotated by cert-manager or a
@@ -12,6 +14,7 @@
 //! Everything uses rustls with the ring provider, named explicitly rather than taken from a
 //! process-wide default.
 
+use rustls::client::ResolvesClientCert;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::server::{ClientHello, ResolvesServerCert, WebPkiClientVerifier};
@@ -172,6 +175,47 @@ impl ResolvesServerCert for ReloadingCert {
     fn resolve(&self, _hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
         Some(self.current())
     }
+}
+
+impl ResolvesClientCert for ReloadingCert {
+    fn resolve(
+        &self,
+        _root_hint_subjects: &[&[u8]],
+        _sigschemes: &[rustls::SignatureScheme],
+    ) -> Option<Arc<CertifiedKey>> {
+        Some(self.current())
+    }
+
+    fn has_certs(&self) -> bool {
+        true
+    }
+}
+
+/// A rustls client configuration trusting the CAs of `ca` (read once, here) and presenting
+/// `cert` (reloaded when its files change) to servers that ask for a client certificate.
+/// `alpn`: the protocols offered.
+pub fn client_config(
+    ca: &Path,
+    cert: ReloadingCert,
+    alpn: &[&[u8]],
+) -> Result<rustls::ClientConfig, TlsError> {
+    let mut roots = rustls::RootCertStore::empty();
+    for c in read_certs(ca)? {
+        roots.add(c).map_err(|source| TlsError::Rustls {
+            what: format!("{}", ca.display()),
+            source,
+        })?;
+    }
+    let mut config = rustls::ClientConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .map_err(|source| TlsError::Rustls {
+            what: "TLS versions".into(),
+            source,
+        })?
+        .with_root_certificates(roots)
+        .with_client_cert_resolver(Arc::new(cert));
+    config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+    Ok(config)
 }
 
 /// A rustls server configuration serving `cert`; with `client_ca`, every client must present

@@ -92,7 +92,7 @@ pub struct PdGenerator {
     /// Requests in flight, by phase.
     in_flight: Arc<inflight::InFlightTable>,
     /// Mutual TLS for connections to workers found later (discovery).
-    worker_tls: Option<tonic::transport::ClientTlsConfig>,
+    worker_tls: Option<crate::tls::WorkerTls>,
 }
 
 /// Prompt blocks remembered per prefill worker for cache-aware routing.
@@ -133,7 +133,7 @@ impl PdGenerator {
     }
 
     /// The same generator reaching the workers discovery reports over mutual TLS.
-    pub fn with_worker_tls(mut self, tls: Option<tonic::transport::ClientTlsConfig>) -> Self {
+    pub fn with_worker_tls(mut self, tls: Option<crate::tls::WorkerTls>) -> Self {
         self.worker_tls = tls;
         self
     }

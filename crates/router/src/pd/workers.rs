@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tandem_core::{ErrorClass, WorkerId};
 use tandem_proto::v1 as pb;
-use tonic::transport::{Channel, ClientTlsConfig, Endpoint};
+use tonic::transport::{Channel, Endpoint};
 
 /// gRPC metadata key in which workers report the [`ErrorClass`] of a failed call.
 pub(crate) const ERROR_CLASS_HEADER: &str = "x-tandem-error-class";
@@ -166,7 +166,7 @@ impl WorkerHandle {
         id: WorkerId,
         address: &str,
         connect: Duration,
-        tls: Option<ClientTlsConfig>,
+        tls: Option<crate::tls::WorkerTls>,
     ) -> Result<Self, GenerateError> {
         let bad = |why: String| {
             GenerateError::new(
@@ -174,23 +174,30 @@ impl WorkerHandle {
                 format!("bad worker address {address}: {why}"),
             )
         };
-        let mut endpoint = Endpoint::from_shared(address.to_string())
+        let endpoint = Endpoint::from_shared(address.to_string())
             .map_err(|e| bad(e.to_string()))?
             .connect_timeout(connect)
             .tcp_nodelay(true);
         let https = endpoint.uri().scheme_str() == Some("https");
-        match tls {
+        let channel = match tls {
             Some(tls) if https => {
-                endpoint = endpoint.tls_config(tls).map_err(|e| bad(e.to_string()))?;
+                // The TLS is the connector's own (tonic's would read the router's certificate
+                // once): the channel dials `http://` so tonic adds none, and keeps the `https`
+                // origin in its requests.
+                let plain = Endpoint::from_shared(address.replacen("https://", "http://", 1))
+                    .map_err(|e| bad(e.to_string()))?
+                    .connect_timeout(connect)
+                    .origin(endpoint.uri().clone());
+                plain.connect_with_connector_lazy(tls)
             }
             Some(_) => return Err(bad("workers are reached over TLS: use https://".into())),
             None if https => return Err(bad("https:// needs the router's worker_tls".into())),
-            None => {}
-        }
+            None => endpoint.connect_lazy(),
+        };
         Ok(Self {
             id,
             address: address.to_string(),
-            client: pb::worker_client::WorkerClient::new(endpoint.connect_lazy()),
+            client: pb::worker_client::WorkerClient::new(channel),
             dp_load: Arc::new(Mutex::new(None)),
             breaker: Arc::new(Mutex::new(crate::pd::breaker::Breaker::default())),
             draining: Arc::new(AtomicBool::new(false)),
