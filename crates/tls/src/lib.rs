@@ -191,6 +191,18 @@ impl ResolvesClientCert for ReloadingCert {
     }
 }
 
+/// The CA certificates of the PEM file `path`, as trust roots.
+fn roots(path: &Path) -> Result<rustls::RootCertStore, TlsError> {
+    let mut roots = rustls::RootCertStore::empty();
+    for c in read_certs(path)? {
+        roots.add(c).map_err(|source| TlsError::Rustls {
+            what: format!("{}", path.display()),
+            source,
+        })?;
+    }
+    Ok(roots)
+}
+
 /// A rustls client configuration trusting the CAs of `ca` (read once, here) and presenting
 /// `cert` (reloaded when its files change) to servers that ask for a client certificate.
 /// `alpn`: the protocols offered.
@@ -199,13 +211,7 @@ pub fn client_config(
     cert: ReloadingCert,
     alpn: &[&[u8]],
 ) -> Result<rustls::ClientConfig, TlsError> {
-    let mut roots = rustls::RootCertStore::empty();
-    for c in read_certs(ca)? {
-        roots.add(c).map_err(|source| TlsError::Rustls {
-            what: format!("{}", ca.display()),
-            source,
-        })?;
-    }
+    let roots = roots(ca)?;
     let mut config = rustls::ClientConfig::builder_with_provider(provider())
         .with_safe_default_protocol_versions()
         .map_err(|source| TlsError::Rustls {
@@ -234,15 +240,9 @@ pub fn server_config(
     let builder = match client_ca {
         None => builder.with_no_client_auth(),
         Some(path) => {
-            let mut roots = rustls::RootCertStore::empty();
-            for c in read_certs(path)? {
-                roots.add(c).map_err(|source| TlsError::Rustls {
-                    what: format!("{}", path.display()),
-                    source,
-                })?;
-            }
             let verifier =
-                WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider()).build()?;
+                WebPkiClientVerifier::builder_with_provider(Arc::new(roots(path)?), provider())
+                    .build()?;
             builder.with_client_cert_verifier(verifier)
         }
     };
