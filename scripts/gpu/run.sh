@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine from the repository root, with .gpu/ carried along (see bundle.sh).
-# Phases (default: tests): tests | bench | gemv | hf | pd | kda | kda48 | hfkda | all. Logs and JSON go to $OUT (or .gpu/out).
+# Phases (default: tests): tests | bench | gemv | hf | pd | kda | kda48 | hfkda | mla | all. Logs and JSON go to $OUT (or .gpu/out).
 set -uo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
 BIN="$HERE/bin"
@@ -221,6 +221,25 @@ phase_hfkda() {
   PYTHONPATH="$site" python3 "$HERE/tiny_bf16_reference.py" "$TANDEM_SHARED_DIR" "$OUT/tiny-bf16.json" || status=1
 }
 
+# MLA decode attention one head a block (the default) vs four (TANDEM_CUDA_MLA_HEADS=4): the
+# op test against the CPU with each, then decode steps on Kimi-Linear-48B dimensions (2 layers,
+# FP8), the two arms alternated.
+phase_mla() {
+  for h in 4 1; do
+    echo "== test-hybrid_vs_cpu mla, $h heads a block"
+    TANDEM_CUDA_MLA_HEADS=$h "$BIN/test-hybrid_vs_cpu" --test-threads=1 mla >"$OUT/mla-test-$h.log" 2>&1 || status=1
+    grep -E "^test |test result" "$OUT/mla-test-$h.log"
+  done
+  local d="$MODELS/kda48-2"
+  [ -f "$d/config.json" ] || "$BIN/tandem" model synth --arch kda-hybrid --preset 48b --fp8 \
+    --layers 2 --out "$d" >/dev/null || { status=1; return; }
+  for h in 1 4 1 4; do
+    echo "== kda48-2 decode, $h MLA heads a block"
+    TANDEM_CUDA_MLA_HEADS=$h "$BIN/tandem" bench engine --device cuda:0 --dtype bf16 --model "$d" \
+      --step-batches 1,32,128 --step-prefill 0 2>&1 | grep "decode batch" || status=1
+  done
+}
+
 case "${1:-tests}" in
   tests) phase_tests ;;
   bench) phase_bench ;;
@@ -230,7 +249,8 @@ case "${1:-tests}" in
   kda) phase_kda ;;
   kda48) phase_kda48 ;;
   hfkda) phase_hfkda ;;
+  mla) phase_mla ;;
   all) phase_tests; phase_bench; phase_hf; phase_pd; phase_kda ;;
-  *) echo "usage: run.sh tests|bench|gemv|hf|pd|kda|kda48|all"; exit 2 ;;
+  *) echo "usage: run.sh tests|bench|gemv|hf|pd|kda|kda48|hfkda|mla|all"; exit 2 ;;
 esac
 exit $status
