@@ -27,6 +27,8 @@ pub mod import;
 pub mod pull;
 /// Random `kda_hybrid` checkpoints (BF16 or block-FP8) for tests and benchmarks.
 pub mod synth;
+/// Reading safetensors files: float tensors as f32, block-FP8 ones as stored.
+pub mod tensors;
 
 pub use card::{Family, ModelCard};
 pub use config::LlamaConfig;

@@ -18,7 +18,7 @@
 
 use crate::backend::host::Linear;
 use crate::{BlockFp8, Error, Result};
-use safetensors::{Dtype, SafeTensors};
+use safetensors::SafeTensors;
 use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Range;
 use std::path::Path;
@@ -34,24 +34,6 @@ pub(crate) struct Checkpoint {
     used: BTreeSet<String>,
     /// `model.` or `model.language_model.`: where the decoder lives.
     pub prefix: String,
-}
-
-fn to_f32(dtype: Dtype, bytes: &[u8]) -> Option<Vec<f32>> {
-    Some(match dtype {
-        Dtype::F32 => bytes
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect(),
-        Dtype::BF16 => bytes
-            .chunks_exact(2)
-            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
-            .collect(),
-        Dtype::F16 => bytes
-            .chunks_exact(2)
-            .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
-            .collect(),
-        _ => return None,
-    })
 }
 
 /// Names that are not part of the text decoder.
@@ -74,46 +56,10 @@ impl Checkpoint {
     pub fn load_dir(dir: &Path) -> Result<Self> {
         let config = read_json(&dir.join("config.json"))?;
         let block = crate::fp8_weights::block_size(&config)?;
-        let mut files: Vec<_> = std::fs::read_dir(dir)
-            .map_err(io_err(dir))?
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
-            // Reference outputs may sit next to the weights; they are not weights.
-            .filter(|p| {
-                p.file_name()
-                    .and_then(|n| n.to_str())
-                    .is_some_and(|n| n.starts_with("model"))
-            })
-            .collect();
-        files.sort();
-        if files.is_empty() {
-            return Err(Error::Weights(format!(
-                "no model*.safetensors in {}",
-                dir.display()
-            )));
-        }
-        let mut tensors = BTreeMap::new();
-        let mut dtypes = BTreeMap::new();
-        let mut fp8: BTreeMap<String, (Vec<usize>, Vec<u8>)> = BTreeMap::new();
-        for path in files {
-            let bytes = std::fs::read(&path).map_err(io_err(&path))?;
-            let st = SafeTensors::deserialize(&bytes)
-                .map_err(|e| Error::Weights(format!("{}: {e}", path.display())))?;
-            for (name, view) in st.tensors() {
-                if skipped(&name) {
-                    continue;
-                }
-                dtypes.insert(name.clone(), format!("{:?}", view.dtype()));
-                if view.dtype() == Dtype::F8_E4M3 {
-                    fp8.insert(name, (view.shape().to_vec(), view.data().to_vec()));
-                    continue;
-                }
-                let data = to_f32(view.dtype(), view.data()).ok_or_else(|| {
-                    Error::Weights(format!("{name}: unsupported dtype {:?}", view.dtype()))
-                })?;
-                tensors.insert(name, (view.shape().to_vec(), data));
-            }
-        }
+        // Reference outputs may sit next to the weights; they are not weights.
+        let files = tandem_model::tensors::safetensors_files(dir, "model")?;
+        let stored = tandem_model::tensors::read_safetensors(&files, skipped)?;
+        let (mut tensors, dtypes, fp8) = (stored.floats, stored.dtypes, stored.fp8);
         let fp8 = crate::fp8_weights::with_scales(fp8, block, |scale| {
             tensors.remove(scale).map(|t| t.1)
         })?
@@ -157,7 +103,7 @@ impl Checkpoint {
             let v = st
                 .tensor(name)
                 .map_err(|e| Error::Weights(format!("{}: {name}: {e}", path.display())))?;
-            let data = to_f32(v.dtype(), v.data())
+            let data = tandem_model::tensors::to_f32(v.dtype(), v.data())
                 .ok_or_else(|| Error::Weights(format!("{name}: unsupported dtype")))?;
             Ok((v.shape().to_vec(), data))
         };

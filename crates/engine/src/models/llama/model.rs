@@ -10,7 +10,6 @@ use crate::kv_pool::{KvCache, KvLayout};
 use crate::step::{StepLimits, StepMeta};
 use crate::tensor::{DType, HostTensor, Tensor};
 use crate::{Error, Result};
-use safetensors::{Dtype, SafeTensors};
 use std::collections::HashMap;
 use std::path::Path;
 use tandem_model::LlamaConfig;
@@ -115,41 +114,9 @@ struct HostTensors(HashMap<String, (Vec<usize>, Vec<f32>)>);
 
 impl HostTensors {
     fn load_dir(dir: &Path) -> Result<Self> {
-        let mut files: Vec<_> = std::fs::read_dir(dir)
-            .map_err(|source| Error::Io {
-                path: dir.to_path_buf(),
-                source,
-            })?
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
-            .collect();
-        files.sort();
-        if files.is_empty() {
-            return Err(Error::Weights(format!(
-                "no *.safetensors in {}",
-                dir.display()
-            )));
-        }
-        let mut map = HashMap::new();
-        let mut fp8 = std::collections::BTreeMap::new();
-        for path in files {
-            let bytes = std::fs::read(&path).map_err(|source| Error::Io {
-                path: path.clone(),
-                source,
-            })?;
-            let st = SafeTensors::deserialize(&bytes)
-                .map_err(|e| Error::Weights(format!("{}: {e}", path.display())))?;
-            for (name, view) in st.tensors() {
-                if view.dtype() == Dtype::F8_E4M3 {
-                    fp8.insert(name, (view.shape().to_vec(), view.data().to_vec()));
-                    continue;
-                }
-                let data = to_f32(view.dtype(), view.data()).ok_or_else(|| {
-                    Error::Weights(format!("{name}: unsupported dtype {:?}", view.dtype()))
-                })?;
-                map.insert(name, (view.shape().to_vec(), data));
-            }
-        }
+        let files = tandem_model::tensors::safetensors_files(dir, "")?;
+        let stored = tandem_model::tensors::read_safetensors(&files, |_| false)?;
+        let (mut map, fp8): (HashMap<_, _>, _) = (stored.floats.into_iter().collect(), stored.fp8);
         if !fp8.is_empty() {
             let config_path = dir.join("config.json");
             let config: serde_json::Value = std::fs::read_to_string(&config_path)
@@ -184,22 +151,6 @@ impl HostTensors {
         }
         Ok(data)
     }
-}
-
-fn to_f32(dtype: Dtype, bytes: &[u8]) -> Option<Vec<f32>> {
-    let words = |n: usize| bytes.chunks_exact(n);
-    Some(match dtype {
-        Dtype::F32 => words(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect(),
-        Dtype::BF16 => words(2)
-            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
-            .collect(),
-        Dtype::F16 => words(2)
-            .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
-            .collect(),
-        _ => return None,
-    })
 }
 
 /// Rows `range` of a row-major matrix `cols` wide.
