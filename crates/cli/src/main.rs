@@ -2,11 +2,6 @@
 //! parsing and wiring; the work lives in the library crates.
 
 mod bench;
-mod bench_kda;
-mod bench_router;
-mod bench_serve;
-mod bench_step;
-mod bench_structured;
 mod certs;
 mod chaos;
 mod cluster;

@@ -279,7 +279,7 @@ pub fn arrival_times(n: usize, rate: f64, burstiness: f64, seed: u64) -> Vec<f64
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bench_serve::stats::{mean, std_dev};
+    use crate::bench::serve::stats::{mean, std_dev};
 
     #[test]
     fn random_dataset_is_seeded_and_within_its_ranges() {

@@ -1,6 +1,17 @@
-//! `tandem bench engine`: engine throughput on this machine, with the batch-1 decode floor
-//! (weight bytes / memory read bandwidth) measured in the same run, so the ratios hold on
-//! a noisy shared box even when absolute figures drift.
+//! `tandem bench …`: every benchmark subcommand. This module holds the command and `bench
+//! engine` (engine throughput on this machine, with the batch-1 decode floor — weight bytes /
+//! memory read bandwidth — measured in the same run, so the ratios hold on a noisy shared box
+//! even when absolute figures drift); the others live beside it: `kda` (fused projections,
+//! KDA-hybrid decode steps, the delta rule's two forms), `step` (`bench engine --device
+//! cuda:N`: forward steps against the device's ceilings), `router` (what the router adds to a
+//! request), `serve` (a load generator for any OpenAI-compatible server), `structured` (what
+//! constrained decoding costs a token).
+
+pub(crate) mod kda;
+pub(crate) mod router;
+pub(crate) mod serve;
+pub(crate) mod step;
+pub(crate) mod structured;
 
 use anyhow::Result;
 use clap::Subcommand;
@@ -113,7 +124,7 @@ pub enum BenchCommand {
     /// Load against an OpenAI-compatible server (`vllm bench serve`'s figures and JSON
     /// keys); with `--arms A=URL,B=URL --order ABBA`, ordered arms on identical seeded
     /// inputs, pooled, with ratios, drift, an output identity check and a gate verdict.
-    Serve(crate::bench_serve::ServeArgs),
+    Serve(crate::bench::serve::ServeArgs),
 }
 
 pub fn run(cmd: BenchCommand) -> Result<()> {
@@ -139,7 +150,7 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
             if device != crate::device::Device::Cpu {
                 let dir = crate::models::resolve(&model)?;
                 if crate::eval::family(&dir)? == crate::eval::Family::KdaHybrid {
-                    let report = device.run(crate::bench_kda::KdaSteps {
+                    let report = device.run(crate::bench::kda::KdaSteps {
                         dir: &dir,
                         dtype: dtype.dtype(),
                         batches: step_batches,
@@ -152,7 +163,7 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
                     }
                     return Ok(());
                 }
-                let report = device.run(crate::bench_step::StepBench {
+                let report = device.run(crate::bench::step::StepBench {
                     dir: &dir,
                     dtype,
                     batches: step_batches,
@@ -188,21 +199,21 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
             engine_bench(&model, &workload, dtype, json)
         }
         BenchCommand::Kda { device, json } => match device {
-            crate::device::Device::Cpu => crate::bench_kda::run(),
-            device => crate::bench_kda::run_device(device, json.as_deref()),
+            crate::device::Device::Cpu => crate::bench::kda::run(),
+            device => crate::bench::kda::run_device(device, json.as_deref()),
         },
         BenchCommand::Structured {
             model,
             max_tokens,
             batch,
-        } => crate::bench_structured::run(&model, max_tokens, batch),
+        } => crate::bench::structured::run(&model, max_tokens, batch),
         BenchCommand::Router {
             rate,
             seconds,
             max_tokens,
             json,
-        } => crate::bench_router::run(rate, seconds, max_tokens, json),
-        BenchCommand::Serve(args) => crate::bench_serve::run(args),
+        } => crate::bench::router::run(rate, seconds, max_tokens, json),
+        BenchCommand::Serve(args) => crate::bench::serve::run(args),
     }
 }
 
