@@ -175,6 +175,25 @@ fn first_der(pem: &Path) -> Vec<u8> {
         .to_vec()
 }
 
+/// Writes `name`'s certificate and key from `from` over those in `to`, as a rotation writes
+/// them: the certificate first, then its key.
+fn install(from: &Path, to: &Path, name: &str) {
+    for file in [format!("{name}.crt"), format!("{name}.key")] {
+        std::fs::copy(from.join(&file), to.join(&file)).unwrap();
+    }
+}
+
+/// A completion through the router's HTTPS front answers 200.
+async fn assert_completes(cluster: &Cluster) {
+    let (status, body) = post(
+        &cluster.https_client(),
+        &format!("{}/v1/completions", cluster.url),
+        json!({"prompt": "hello", "max_tokens": 4, "temperature": 0}),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+}
+
 /// A TLS cluster of synthetic engines, and a new certificate for its component `name` from
 /// the same CA written beside (not over) the served one: (cluster, its certificate directory,
 /// the new files' directory, the served leaf, the new leaf), the leaves as DER.
@@ -210,9 +229,7 @@ fn rewriting_the_routers_certificate_files_serves_the_new_certificate_without_a_
     let (cluster, certs, rotated, old, new) = rotation_of("router");
     rt().block_on(async {
         assert_eq!(served_certificate(&cluster).await, old);
-        // As a rotation writes them: the certificate first, then its key.
-        std::fs::copy(rotated.path().join("router.crt"), certs.join("router.crt")).unwrap();
-        std::fs::copy(rotated.path().join("router.key"), certs.join("router.key")).unwrap();
+        install(rotated.path(), &certs, "router");
         // The router looks at the files in the handshake itself: the next connection after
         // the rotation gets the new pair, with no wait.
         assert!(
@@ -221,13 +238,7 @@ fn rewriting_the_routers_certificate_files_serves_the_new_certificate_without_a_
             cluster.log("router")
         );
         // Still serving requests after the rotation, over the new certificate.
-        let (status, body) = post(
-            &cluster.https_client(),
-            &format!("{}/v1/completions", cluster.url),
-            json!({"prompt": "hello", "max_tokens": 4, "temperature": 0}),
-        )
-        .await;
-        assert_eq!(status, 200, "{body}");
+        assert_completes(&cluster).await;
     });
     assert!(cluster.wait_log(
         "router",
@@ -277,16 +288,7 @@ fn rewriting_a_workers_certificate_files_serves_the_new_certificate_without_a_re
     let prefill = cluster.prefill_addr.clone();
     rt().block_on(async {
         assert_eq!(worker_certificate(&prefill, &certs).await, old);
-        std::fs::copy(
-            rotated.path().join("prefill.crt"),
-            certs.join("prefill.crt"),
-        )
-        .unwrap();
-        std::fs::copy(
-            rotated.path().join("prefill.key"),
-            certs.join("prefill.key"),
-        )
-        .unwrap();
+        install(rotated.path(), &certs, "prefill");
         assert!(
             worker_certificate(&prefill, &certs).await == new,
             "the worker still serves the old certificate\n{}",
@@ -299,13 +301,7 @@ fn rewriting_a_workers_certificate_files_serves_the_new_certificate_without_a_re
             ok.expect("stats over the rotated certificate").role,
             "prefill"
         );
-        let (status, body) = post(
-            &cluster.https_client(),
-            &format!("{}/v1/completions", cluster.url),
-            json!({"prompt": "hello", "max_tokens": 4, "temperature": 0}),
-        )
-        .await;
-        assert_eq!(status, 200, "{body}");
+        assert_completes(&cluster).await;
     });
     assert!(cluster.wait_log(
         "prefill",

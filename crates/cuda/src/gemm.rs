@@ -97,37 +97,39 @@ impl CudaBackend {
     /// The GEMV kernel: f32 activations (up to 8 rows), bf16 weights.
     pub(crate) fn gemv_bf16(&self, p: Product) {
         let kn = &self.inner.kernels;
-        let f = match p.rows {
-            1 => &kn.gemv_bf16_1,
-            2 => &kn.gemv_bf16_2,
-            3 => &kn.gemv_bf16_3,
-            4 => &kn.gemv_bf16_4,
-            5 => &kn.gemv_bf16_5,
-            6 => &kn.gemv_bf16_6,
-            7 => &kn.gemv_bf16_7,
-            _ => &kn.gemv_bf16_8,
-        };
-        self.launch_gemv(f, p);
+        let by_rows = [
+            &kn.gemv_bf16_1,
+            &kn.gemv_bf16_2,
+            &kn.gemv_bf16_3,
+            &kn.gemv_bf16_4,
+            &kn.gemv_bf16_5,
+            &kn.gemv_bf16_6,
+            &kn.gemv_bf16_7,
+            &kn.gemv_bf16_8,
+        ];
+        self.launch_gemv(by_rows, p);
     }
 
     /// [`CudaBackend::gemv_bf16`] over a block-FP8 weight (`p.k` a multiple of 16): one byte
     /// read a weight, each scaled by its tile's factor in the sum.
     pub(crate) fn gemv_fp8(&self, p: Product) {
         let kn = &self.inner.kernels;
-        let f = match p.rows {
-            1 => &kn.gemv_fp8_1,
-            2 => &kn.gemv_fp8_2,
-            3 => &kn.gemv_fp8_3,
-            4 => &kn.gemv_fp8_4,
-            5 => &kn.gemv_fp8_5,
-            6 => &kn.gemv_fp8_6,
-            7 => &kn.gemv_fp8_7,
-            _ => &kn.gemv_fp8_8,
-        };
-        self.launch_gemv(f, p);
+        let by_rows = [
+            &kn.gemv_fp8_1,
+            &kn.gemv_fp8_2,
+            &kn.gemv_fp8_3,
+            &kn.gemv_fp8_4,
+            &kn.gemv_fp8_5,
+            &kn.gemv_fp8_6,
+            &kn.gemv_fp8_7,
+            &kn.gemv_fp8_8,
+        ];
+        self.launch_gemv(by_rows, p);
     }
 
-    fn launch_gemv(&self, f: &cudarc::driver::CudaFunction, p: Product) {
+    /// The kernel of `by_rows` for `p.rows` (1..=8; more take the 8-row one), over `p`.
+    fn launch_gemv(&self, by_rows: [&cudarc::driver::CudaFunction; 8], p: Product) {
+        let f = by_rows[p.rows.clamp(1, 8) - 1];
         let cfg = self.gemv_cfg(p.n, 0);
         let (k32, n32, acc32) = (p.k as i32, p.n as i32, i32::from(p.accumulate));
         self.launch(

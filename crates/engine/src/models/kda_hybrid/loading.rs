@@ -132,11 +132,7 @@ impl<'a, B: Ops> Upload<'a, B> {
             0 => (range.len(), inp),
             _ => (out, range.len()),
         };
-        let stored = names
-            .iter()
-            .find(|n| ck.has(n))
-            .and_then(|n| ck.dtype_of(n));
-        if stored.as_deref() == Some("F8_E4M3") {
+        if ck.is_stored_fp8(names) {
             let kept = if self.keeps_fp8() {
                 ck.fp8_slice(names, [out, inp], axis, range.clone())
                     .and_then(|m| self.backend.upload_fp8_weight(&m))

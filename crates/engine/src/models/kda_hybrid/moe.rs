@@ -45,11 +45,7 @@ impl<B: HybridOps> SwiGlu<B> {
         let pick = |i: usize| names.iter().map(|n| n[i].as_str()).collect::<Vec<_>>();
         let range = part(shard, inter, &names[0][0])?;
         let local = range.len();
-        let stored_fp8 = pick(0)
-            .iter()
-            .find(|n| ck.has(n))
-            .and_then(|n| ck.dtype_of(n))
-            == Some("F8_E4M3".to_owned());
+        let stored_fp8 = ck.is_stored_fp8(&pick(0));
         if stored_fp8 && up.keeps_fp8() {
             let tiles = |ck: &mut Checkpoint, i: usize, shape, axis| {
                 ck.fp8_slice(&pick(i), shape, axis, range.clone())
@@ -166,9 +162,9 @@ impl<B: HybridOps> Moe<B> {
             })
             .collect::<Result<Vec<_>>>()?;
         let stored_fp8 = rs.experts.clone().next().is_some_and(|i| {
-            [".w1.weight", ".gate_proj.weight"].iter().any(|n| {
-                ck.dtype_of(&format!("{block}.experts.{i}{n}")).as_deref() == Some("F8_E4M3")
-            })
+            let names =
+                [".w1.weight", ".gate_proj.weight"].map(|n| format!("{block}.experts.{i}{n}"));
+            ck.is_stored_fp8(&names.each_ref().map(String::as_str))
         });
         if rs.log && stored_fp8 {
             let kept = experts.iter().filter(|x| x.is_fp8()).count();

@@ -146,6 +146,15 @@ impl Checkpoint {
         self.dtypes.get(name).cloned()
     }
 
+    /// Whether the first present of `names` is stored block-FP8 (`F8_E4M3`).
+    pub fn is_stored_fp8(&self, names: &[&str]) -> bool {
+        names
+            .iter()
+            .find(|n| self.has(n))
+            .and_then(|n| self.dtypes.get(*n))
+            .is_some_and(|d| d == "F8_E4M3")
+    }
+
     /// Whether a tensor of this name is present.
     pub fn has(&self, name: &str) -> bool {
         self.tensors.contains_key(name) || self.fp8.contains_key(name)
